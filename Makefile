@@ -1,0 +1,33 @@
+# Every target does its own set-up: a fresh machine needs only python3 (3.10+) and make.
+PYTHON ?= python3
+VENV ?= .venv
+# torch is pinned in the same pip command as everything else: an unpinned torch (or one asked for
+# later, alone) pulls several GB of CUDA wheels on a CPU-only machine.
+TORCH ?= torch==2.13.0
+TINY ?= $(VENV)/tiny-llama
+
+.PHONY: setup test test-gpu demo clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet "$(TORCH)" -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+# The CPU test suite (what CI runs). Exit code 5 (no tests collected) is a failure, as it should be.
+test: setup
+	$(VENV)/bin/python -m pytest tests -q -ra --durations=15
+
+# GPU tests; they skip without CUDA.
+test-gpu: setup
+	$(VENV)/bin/python -m pytest tests/gpu -q -ra
+
+# Run the system: a tiny llama checkpoint and an OpenAI Batch file through the engine.
+demo: setup
+	$(VENV)/bin/pdserve make-tiny-model $(TINY) --arch llama
+	$(VENV)/bin/pdserve run-batch -i docs/example-batch.jsonl -o $(VENV)/example-out.jsonl --model-path $(TINY)
+	$(VENV)/bin/python -c "import json,sys; [print(json.dumps(json.loads(l), indent=1)[:1500]) for l in open('$(VENV)/example-out.jsonl')]"
+
+clean:
+	rm -rf $(VENV)

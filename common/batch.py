@@ -1,0 +1,47 @@
+"""What one forward pass runs: `ForwardBatch` (device tensors plus the host-side lengths).
+
+The scheduler builds it from the requests it picked (it owns the KV bookkeeping); the model runner
+and the attention backend only read it. Tokens of all requests are laid out flat, request after
+request, with no padding: request i owns tokens [extend_starts[i], extend_starts[i] + extend_lens[i]).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.common.types import Req
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill: each request adds one or more tokens after its cached prefix
+    DECODE = "decode"  # each request adds exactly one token
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    reqs: list[Req]
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64: the KV slot each new token is written to
+    req_pool_indices: torch.Tensor  # [B] int64: ReqToTokenPool rows
+    # Host-side copies, known at scheduling time, so no backend ever reads lengths back from the device.
+    seq_lens: list[int]  # KV length of each request after this forward (prefix + extend)
+    extend_lens: list[int]  # new tokens of each request in this forward
+    extend_starts: list[int]  # offset of each request's first new token in the flat layout
+    req_rows: list[int]  # ReqToTokenPool rows, host copy
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def last_token_indices(self) -> list[int]:
+        """Flat index of each request's last new token: where its next-token logits come from."""
+        return [s + n - 1 for s, n in zip(self.extend_starts, self.extend_lens)]

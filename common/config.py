@@ -1,0 +1,87 @@
+"""Engine configuration: one frozen dataclass, its CLI flags generated from the fields.
+
+"auto" values are resolved once (`resolve`) against the model and the device before the engine
+starts, so nothing downstream ever sees an unresolved value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the colocated engine needs to start. Flags are `--field-name`."""
+
+    model_path: str = _opt("", "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer).")
+    served_model_name: str = _opt("", "Model name clients must use; default: --model-path as given.")
+    device: str = _opt("auto", "cpu, cuda or cuda:N; auto picks cuda when available.")
+    dtype: str = _opt("auto", "float32, float16 or bfloat16; auto: float32 on CPU, bfloat16 on CUDA.")
+    page_size: int = _opt(16, "Tokens per KV page.")
+    context_length: int = _opt(0, "Longest sequence (prompt + output); 0: the model's max_position_embeddings.")
+    max_total_tokens: int = _opt(0, "KV cache capacity in tokens; 0: sized from --kv-cache-memory-gb.")
+    kv_cache_memory_gb: float = _opt(1.0, "Memory for the KV cache when --max-total-tokens is 0.")
+    max_running_requests: int = _opt(256, "Most requests in the running batch at once.")
+    max_prefill_tokens: int = _opt(8192, "Most prompt tokens in one prefill batch (a longer prompt runs alone).")
+    random_seed: int = _opt(-1, "Seed for the per-request seeds the engine draws; -1: from the OS.")
+
+    def resolve(self) -> "EngineConfig":
+        """Fill every auto value; the result is what the engine runs with."""
+        if not self.model_path:
+            raise ValueError("--model-path is required")
+        if not (Path(self.model_path) / "config.json").is_file():
+            raise ValueError(f"--model-path {self.model_path!r} has no config.json")
+        device = self.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "float32" if device == "cpu" else "bfloat16"
+        if dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"--dtype must be float32, float16 or bfloat16, got {dtype!r}")
+        if self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        hf = read_hf_config(self.model_path)
+        model_max = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 2048)
+        context_length = self.context_length or model_max
+        if context_length > model_max:
+            raise ValueError(f"--context-length {context_length} exceeds the model's {model_max}")
+        for name in ("max_running_requests", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        return dataclasses.replace(
+            self,
+            served_model_name=self.served_model_name or self.model_path,
+            device=device,
+            dtype=dtype,
+            context_length=context_length,
+        )
+
+
+def read_hf_config(model_path: str) -> dict:
+    with open(os.path.join(model_path, "config.json")) as f:
+        return json.load(f)
+
+
+def add_cli_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> None:
+    """One `--flag` per dataclass field, typed and documented from the field itself."""
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kind = type(f.default)
+        parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=f.metadata["help"])
+
+
+def from_cli_args(args: argparse.Namespace, cls: type = EngineConfig) -> Any:
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

@@ -1,0 +1,114 @@
+"""The two-level KV memory: ReqToTokenPool (request row, position -> slot) and the paged KV pool.
+
+    ReqToTokenPool.req_to_token  [max_reqs, context_len] int32, on the device
+        row r, column p  = the KV slot holding position p of the request that owns row r
+    PagedKVPool.k_buffers[l], v_buffers[l]  [num_pages * page_size, kv_heads, head_dim]
+        slot s lives in page s // page_size; pages are the unit of allocation (and later of
+        prefix caching and NIXL transfer)
+
+Page 0 is never handed out: its slots are the dummy write target for padded positions (CUDA-graph
+padding later), so a padded write can never land in a live request's KV.
+
+Allocation is host-side bookkeeping only (free lists); the device tensors are written by the
+forward pass and by the scheduler's req_to_token writes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class ReqToTokenPool:
+    """Rows of the position -> slot table, one per live request."""
+
+    def __init__(self, size: int, context_len: int, device: torch.device | str):
+        self.size = size
+        self.context_len = context_len
+        self.req_to_token = torch.zeros((size, context_len), dtype=torch.int32, device=device)
+        self._free_rows: deque[int] = deque(range(size))
+
+    def available(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.popleft() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        assert 0 <= row < self.size, row
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """req_to_token[row, start:start+len(slots)] = slots (a device write, no host sync)."""
+        self.req_to_token[row, start : start + slots.numel()] = slots
+
+
+class PagedKVPool:
+    """Per-layer K and V buffers addressed by slot, handed out a page at a time."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        if num_pages < 2:
+            raise ValueError(f"the KV pool needs at least 2 pages (page 0 is reserved), got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_pages * page_size, kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._free_pages: deque[int] = deque(range(1, num_pages))
+
+    @property
+    def capacity_pages(self) -> int:
+        """Pages that can ever be allocated (page 0 excluded)."""
+        return self.num_pages - 1
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.capacity_pages * self.page_size
+
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def used_tokens(self) -> int:
+        return (self.capacity_pages - len(self._free_pages)) * self.page_size
+
+    def alloc_pages(self, n: int) -> list[int] | None:
+        """n pages, or None (and nothing taken) when fewer are free."""
+        if n > len(self._free_pages):
+            return None
+        return [self._free_pages.popleft() for _ in range(n)]
+
+    def free_pages(self, pages: list[int]) -> None:
+        for page in pages:
+            assert 0 < page < self.num_pages, page
+        self._free_pages.extend(pages)
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.k_buffers[0].element_size()
+
+    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' K and V at slots `loc` ([T] int64) of one layer."""
+        self.k_buffers[layer][loc] = k.to(self.dtype)
+        self.v_buffers[layer][loc] = v.to(self.dtype)
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def slots_for_positions(pages: list[int], start: int, end: int, page_size: int) -> list[int]:
+    """KV slots of positions [start, end) of a request whose i-th page is pages[i]."""
+    return [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]

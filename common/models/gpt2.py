@@ -1,0 +1,102 @@
+"""GPT2LMHeadModel: learned positions, LayerNorm, fused qkv, gelu_new, tied LM head.
+
+GPT-2 checkpoints store their projections as Conv1D weights [in, out]; the loader transposes them
+into nn.Linear's [out, in] (see TRANSPOSED).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.common.attention.base import AttentionBackend
+from pdserve.common.batch import ForwardBatch
+from pdserve.common.models.layers import PagedAttention, gelu_tanh
+
+# Weight names (after the "transformer." prefix) whose checkpoint layout is Conv1D [in, out].
+TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+class GPT2Arch:
+    def __init__(self, cfg: dict):
+        self.hidden = cfg["n_embd"]
+        self.num_heads = cfg["n_head"]
+        self.head_dim = self.hidden // self.num_heads
+        self.inner = cfg.get("n_inner") or 4 * self.hidden
+        self.num_layers = cfg["n_layer"]
+        self.vocab_size = cfg["vocab_size"]
+        self.max_positions = cfg["n_positions"]
+        self.eps = cfg.get("layer_norm_epsilon", 1e-5)
+        for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+            if cfg.get(flag):
+                raise ValueError(f"GPT2LMHeadModel with {flag}=true is not supported")
+        if not cfg.get("scale_attn_weights", True):
+            raise ValueError("GPT2LMHeadModel with scale_attn_weights=false is not supported")
+        if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"GPT-2 activation {cfg.get('activation_function')!r} is not supported")
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, a: GPT2Arch, layer_id: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(a.hidden, eps=a.eps)
+        self.attn = GPT2Attention(a, layer_id)
+        self.ln_2 = nn.LayerNorm(a.hidden, eps=a.eps)
+        self.mlp = GPT2MLP(a)
+
+    def forward(self, x, batch: ForwardBatch, attn: AttentionBackend):
+        x = x + self.attn(self.ln_1(x), batch, attn)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, a: GPT2Arch, layer_id: int):
+        super().__init__()
+        self.hidden = a.hidden
+        self.c_attn = nn.Linear(a.hidden, 3 * a.hidden)
+        self.c_proj = nn.Linear(a.hidden, a.hidden)
+        self.attn = PagedAttention(layer_id, a.num_heads, a.num_heads, a.head_dim, None)
+
+    def forward(self, x, batch: ForwardBatch, attn: AttentionBackend):
+        q, k, v = self.c_attn(x).split(self.hidden, dim=-1)
+        return self.c_proj(self.attn(q, k, v, batch, attn))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, a: GPT2Arch):
+        super().__init__()
+        self.c_fc = nn.Linear(a.hidden, a.inner)
+        self.c_proj = nn.Linear(a.inner, a.hidden)
+
+    def forward(self, x):
+        return self.c_proj(gelu_tanh(self.c_fc(x)))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, a: GPT2Arch):
+        super().__init__()
+        self.wte = nn.Embedding(a.vocab_size, a.hidden)
+        self.wpe = nn.Embedding(a.max_positions, a.hidden)
+        self.h = nn.ModuleList(GPT2Block(a, i) for i in range(a.num_layers))
+        self.ln_f = nn.LayerNorm(a.hidden, eps=a.eps)
+
+
+class GPT2LMHeadModel(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.arch = GPT2Arch(cfg)
+        self.transformer = GPT2Model(self.arch)
+        self.lm_head = nn.Linear(self.arch.hidden, self.arch.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # GPT-2 always ties
+
+    def forward(self, input_ids, positions, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
+        for block in self.transformer.h:
+            x = block(x, batch, attn)
+        return self.transformer.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def kv_geometry(self) -> tuple[int, int, int]:
+        return self.arch.num_layers, self.arch.num_heads, self.arch.head_dim

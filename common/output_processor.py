@@ -1,0 +1,64 @@
+"""What a newly sampled token does to a request: output ids, text, logprobs, and whether it stops.
+
+Stop rules, checked in this order after each token:
+    EOS (unless ignore_eos) or a stop_token_id   -> "stop"; the token is kept in output_ids but
+                                                    adds no text
+    a stop string in the text (after min_tokens) -> "stop"; the text is cut before it (or after,
+                                                    with include_stop_str_in_output)
+    max_new_tokens reached, or the context full  -> "length"
+min_new_tokens is enforced at sampling time (EOS and stop ids are masked until it is reached).
+"""
+
+from __future__ import annotations
+
+from pdserve.common.detokenizer import find_stop_string
+from pdserve.common.types import Completion, FinishReason, Req, TokenLogprob
+
+
+def append_token(
+    req: Req, token: int, logprob: TokenLogprob | None, eos_token_ids: tuple[int, ...], context_len: int
+) -> None:
+    params = req.params
+    req.output_ids.append(token)
+    if logprob is not None:
+        req.output_logprobs.append(logprob)
+    if (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids:
+        req.finish_reason, req.matched_stop = FinishReason.STOP, token
+        return
+    if req.detokenizer is not None:
+        _append_text(req, req.detokenizer.add(token))
+        if req.finished:
+            return
+    if len(req.output_ids) >= params.max_new_tokens or req.seq_len >= context_len:
+        req.finish_reason = FinishReason.LENGTH
+
+
+def _append_text(req: Req, delta: str) -> None:
+    if not delta:
+        return
+    req.text += delta
+    params = req.params
+    if not params.stop or len(req.output_ids) < params.min_new_tokens:
+        return
+    match = find_stop_string(req.text, len(delta), params.stop)
+    if match is not None:
+        index, stop = match
+        req.text = req.text[: index + len(stop)] if params.include_stop_str_in_output else req.text[:index]
+        req.finish_reason, req.matched_stop = FinishReason.STOP, stop
+
+
+def finalize(req: Req) -> Completion:
+    """The request's result; flushes any text the detokenizer still held back."""
+    # Text held back for an incomplete UTF-8 character is still owed, unless a stop string cut it.
+    if req.detokenizer is not None and req.finish_reason is not FinishReason.ABORT and not isinstance(req.matched_stop, str):
+        _append_text(req, req.detokenizer.flush())
+    return Completion(
+        rid=req.rid,
+        prompt_ids=req.prompt_ids,
+        output_ids=req.output_ids,
+        text=req.text,
+        finish_reason=req.finish_reason,
+        matched_stop=req.matched_stop,
+        logprobs=req.output_logprobs if req.params.logprobs is not None else None,
+        cached_tokens=req.cached_tokens,
+    )

@@ -1,0 +1,150 @@
+"""Core request types shared by every role.
+
+Torch-free on purpose: the router imports these to validate requests and must not pull in torch.
+`SamplingParams` is what a client asks for; `Req` is the scheduler's mutable view of one sequence;
+`Completion` is what the engine hands back when a sequence finishes.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+MAX_TOP_LOGPROBS = 20
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence stopped, spelled as OpenAI's `finish_reason`."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens or the model's context length
+    ABORT = "abort"  # cancelled by the client or failed
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token and when to stop. Validated on construction."""
+
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables
+    min_p: float = 0.0
+    seed: int | None = None  # None: the engine draws one; sampling is on the device either way
+    repetition_penalty: float = 1.0  # HF/CTRL style, over prompt and output tokens
+    frequency_penalty: float = 0.0  # OpenAI style, over output tokens
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None: no logprobs; 0: the sampled token's; n: plus the top n
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            bad(f"max_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            bad(f"min_tokens must be between 0 and max_tokens ({self.max_new_tokens}), got {self.min_new_tokens!r}")
+        if not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            bad(f"temperature must be between 0 and 100, got {self.temperature!r}")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
+            bad(f"seed must be a 64-bit integer, got {self.seed!r}")
+        if not math.isfinite(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            bad(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -2.0 <= value <= 2.0:
+                bad(f"{name} must be between -2 and 2, got {value!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop must be a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids must be a list of non-negative integers")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            bad(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        )
+
+
+@dataclass
+class TokenLogprob:
+    """The log-probability of a sampled token under the model's raw distribution, with the top n."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    """One finished sequence, as the engine returns it."""
+
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    matched_stop: int | str | None = None  # the EOS/stop token id or stop string that ended it
+    logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class Req:
+    """The scheduler's mutable state for one sequence.
+
+    Token bookkeeping: `fill_ids = prompt_ids + output_ids` is the whole sequence; `kv_len` counts
+    the leading tokens whose KV is already in the pool (written by a finished forward), and
+    `req_pool_idx` is the row of ReqToTokenPool that maps positions to KV slots. The engine owns
+    the row and the pages; whoever finishes or aborts the request frees them.
+    """
+
+    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams, seed: int):
+        self.rid = rid
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.seed = seed  # always set: drawn by the engine when params.seed is None
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprob] = []
+        self.text = ""  # detokenized output so far (stop strings already cut)
+        self.finish_reason: FinishReason | None = None
+        self.matched_stop: int | str | None = None
+        self.req_pool_idx: int | None = None
+        self.pages: list[int] = []  # KV pages, in position order: page i holds positions [i*P, (i+1)*P)
+        self.kv_len = 0
+        self.cached_tokens = 0
+        self.detokenizer = None  # set by the engine: an IncrementalDetokenizer
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def __repr__(self) -> str:
+        return f"Req({self.rid!r}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, row={self.req_pool_idx})"

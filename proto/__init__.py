@@ -1,0 +1,1 @@
+"""Protocol buffers for the router <-> server gRPC services and their generated code (issue 5)."""

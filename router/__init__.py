@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP front end that pairs prefill and decode servers (issue 6)."""
