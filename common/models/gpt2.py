@@ -87,7 +87,11 @@ class GPT2LMHeadModel(nn.Module):
         self.arch = GPT2Arch(cfg)
         self.transformer = GPT2Model(self.arch)
         self.lm_head = nn.Linear(self.arch.hidden, self.arch.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # GPT-2 always ties
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """GPT-2 always ties; re-run after `to_empty()`, which unties."""
+        self.lm_head.weight = self.transformer.wte.weight
 
     def forward(self, input_ids, positions, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)

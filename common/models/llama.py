@@ -120,7 +120,14 @@ class LlamaForCausalLM(nn.Module):
         self.arch = a
         self.model = LlamaModel(a)
         self.lm_head = nn.Linear(a.hidden, a.vocab_size, bias=False)
-        if a.tie_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the checkpoint ties them.
+
+        NOTE: re-run after `to_empty()`, which gives every parameter fresh storage and unties them.
+        """
+        if self.arch.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:

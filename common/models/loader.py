@@ -14,7 +14,7 @@ from pdserve.common.models import MODEL_REGISTRY
 from pdserve.common.models.gpt2 import TRANSPOSED
 
 # Checkpoint entries that are not weights (cached buffers some exporters save).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
 
 def model_class(cfg: dict) -> type:
@@ -32,6 +32,7 @@ def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str) 
     with torch.device("meta"):
         model = cls(cfg)
     model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
     _load_weights(model, model_path, cfg)
     # Buffers (RoPE inverse frequencies) are not in the checkpoint: compute them for real.
     for module in model.modules():

@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny checkpoints built once per session, engines that must end idle."""
+
+import pytest
+
+from pdserve.common.tiny_model import ARCHS, make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """arch -> checkpoint directory, each built on first use."""
+    root = tmp_path_factory.mktemp("tiny")
+    built = {}
+
+    def get(arch: str) -> str:
+        if arch not in built:
+            built[arch] = str(make_tiny_model(root / arch, arch, seed=0))
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture
+def make_engine(tiny_models):
+    """Engine factory; every engine it made must be idle (all KV rows and pages free) at teardown."""
+    from pdserve.common.engine import Engine
+
+    engines = []
+
+    def make(arch: str = "llama", **overrides):
+        overrides.setdefault("device", "cpu")
+        overrides.setdefault("max_total_tokens", 16384)
+        engine = Engine(model_path=tiny_models(arch), **overrides)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        assert engine.is_idle(), f"KV leaked: {engine.stats()}"
+
+
+ALL_ARCHS = ARCHS

@@ -1,0 +1,128 @@
+"""The engine end to end on a tiny model: seeded sampling, stops, logprobs, aborts, KV accounting."""
+
+import pytest
+
+from pdserve.common.types import FinishReason, SamplingParams
+
+SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, max_new_tokens=24, ignore_eos=True)
+
+
+def test_seeded_sampling_is_reproducible_across_engines(make_engine):
+    params = SamplingParams(seed=42, **SAMPLED)
+    first = make_engine("qwen3").generate(["Hello there"], params)[0].output_ids
+    second = make_engine("qwen3").generate(["Hello there"], params)[0].output_ids
+    assert first == second and len(first) == 24
+
+
+def test_seeded_sampling_does_not_depend_on_the_rest_of_the_batch(make_engine):
+    engine = make_engine("llama", max_running_requests=16)
+    target = ("Once upon a time", SamplingParams(seed=7, **SAMPLED))
+    alone = engine.generate([target[0]], [target[1]])[0].output_ids
+    others = [(f"filler prompt number {i} " * (i + 1), SamplingParams(seed=100 + i, **SAMPLED)) for i in range(9)]
+    for position in (0, 4, 9):
+        batch = others[:position] + [target] + others[position:]
+        outs = engine.generate([p for p, _ in batch], [s for _, s in batch])
+        assert outs[position].output_ids == alone
+    # ... and with a different batch size limit, so the batch is cut differently
+    small = make_engine("llama", max_running_requests=3)
+    outs = small.generate([p for p, _ in others + [target]], [s for _, s in others + [target]])
+    assert outs[-1].output_ids == alone
+
+
+def test_different_seeds_give_different_samples(make_engine):
+    engine = make_engine("gpt2")
+    outs = engine.generate(["abc"] * 4, [SamplingParams(seed=s, **SAMPLED) for s in range(4)])
+    assert len({tuple(o.output_ids) for o in outs}) == 4
+
+
+def test_unseeded_requests_draw_seeds_from_random_seed(make_engine):
+    params = SamplingParams(**SAMPLED)
+    a = make_engine("llama", random_seed=5).generate(["x", "y"], params)
+    b = make_engine("llama", random_seed=5).generate(["x", "y"], params)
+    assert [o.output_ids for o in a] == [o.output_ids for o in b]
+
+
+def test_max_tokens_and_ignore_eos(make_engine):
+    engine = make_engine("qwen2")
+    [out] = engine.generate(["hi"], SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True))
+    assert len(out.output_ids) == 5 and out.finish_reason is FinishReason.LENGTH
+
+
+def test_stop_token_ids_stop_and_stay_in_output_ids_but_not_text(make_engine):
+    engine = make_engine("llama")
+    [free] = engine.generate(["The"], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+    stop_at = free.output_ids[3]
+    first = free.output_ids.index(stop_at)
+    [out] = engine.generate(["The"], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(stop_at,)))
+    assert out.output_ids == free.output_ids[: first + 1]
+    assert out.finish_reason is FinishReason.STOP and out.matched_stop == stop_at
+    assert out.text == engine.tokenizer.decode(free.output_ids[:first], skip_special_tokens=True)
+
+
+def test_stop_strings_cut_the_text(make_engine):
+    engine = make_engine("mistral")
+    [free] = engine.generate(["Tell me"], SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
+    assert len(free.text) >= 6, free.text
+    stop = free.text[3:6]
+    cut = free.text.index(stop)
+    [out] = engine.generate(["Tell me"], SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, stop=(stop,)))
+    assert out.text == free.text[:cut] and out.finish_reason is FinishReason.STOP and out.matched_stop == stop
+    [kept] = engine.generate(
+        ["Tell me"],
+        SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True),
+    )
+    assert kept.text == free.text[: cut + len(stop)]
+
+
+def test_min_tokens_holds_back_eos(make_engine):
+    engine = make_engine("gpt2")
+    eos = engine.eos_token_ids
+    outs = engine.generate(["a"] * 8, [SamplingParams(max_new_tokens=10, min_new_tokens=10, temperature=1.0, seed=s) for s in range(8)])
+    for out in outs:
+        assert len(out.output_ids) == 10 and not set(out.output_ids) & set(eos)
+
+
+def test_logprobs_are_consistent_with_the_sampled_tokens(make_engine):
+    engine = make_engine("qwen3")
+    [out] = engine.generate(["hello"], SamplingParams(max_new_tokens=6, temperature=0, logprobs=3, ignore_eos=True))
+    assert len(out.logprobs) == 6
+    for token, lp in zip(out.output_ids, out.logprobs):
+        assert lp.token_id == token and lp.logprob <= 0
+        assert len(lp.top) == 3 and lp.top[0][0] == token  # greedy: the sampled token is the top one
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+    [plain] = engine.generate(["hello"], SamplingParams(max_new_tokens=2, temperature=0))
+    assert plain.logprobs is None
+
+
+def test_abort_mid_generation_frees_everything(make_engine):
+    engine = make_engine("llama", max_running_requests=4)
+    params = SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)
+    rids = [engine.add_request(engine.tokenizer("abc")["input_ids"], params) for _ in range(6)]
+    for _ in range(5):
+        engine.step()
+    assert engine.stats()["kv_used_tokens"] > 0
+    aborted = [engine.abort(rid) for rid in rids[::2]]
+    assert all(c.finish_reason is FinishReason.ABORT for c in aborted)
+    finished = []
+    while engine.has_work():
+        finished += engine.step()
+    assert sorted(c.rid for c in finished) == sorted(rids[1::2])
+    assert engine.is_idle()
+
+
+def test_bad_requests_are_refused_and_leave_nothing_queued(make_engine):
+    engine = make_engine("llama", context_length=64)
+    with pytest.raises(ValueError, match="context length"):
+        engine.generate(["x" * 10], SamplingParams(max_new_tokens=60))
+    with pytest.raises(ValueError, match="out of range"):
+        engine.generate([[1, 2, 10**6]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[]], SamplingParams(max_new_tokens=2))
+    assert engine.is_idle()
+
+
+def test_sampling_params_validation():
+    for bad in (dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(min_p=2),
+                dict(logprobs=21), dict(min_new_tokens=5, max_new_tokens=2), dict(stop=("",))):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)

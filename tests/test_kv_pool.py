@@ -1,0 +1,66 @@
+"""Exact tests of the two-level KV memory: rows, pages, slots."""
+
+import torch
+
+from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for, slots_for_positions
+
+
+def test_req_to_token_rows_are_handed_out_in_order_and_reused_fifo():
+    pool = ReqToTokenPool(size=3, context_len=8, device="cpu")
+    assert [pool.alloc(), pool.alloc(), pool.alloc()] == [0, 1, 2]
+    assert pool.alloc() is None and pool.available() == 0
+    pool.free(1)
+    pool.free(0)
+    assert pool.available() == 2
+    assert [pool.alloc(), pool.alloc()] == [1, 0]
+
+
+def test_req_to_token_write_touches_only_its_row_and_columns():
+    pool = ReqToTokenPool(size=2, context_len=6, device="cpu")
+    pool.write(1, 2, torch.tensor([7, 8, 9], dtype=torch.int32))
+    assert pool.req_to_token.tolist() == [[0] * 6, [0, 0, 7, 8, 9, 0]]
+
+
+def make_kv(num_pages=5, page_size=4):
+    return PagedKVPool(num_pages, page_size, num_layers=2, kv_heads=2, head_dim=3, dtype=torch.float32, device="cpu")
+
+
+def test_page_zero_is_reserved_and_pages_come_in_order():
+    kv = make_kv()
+    assert kv.capacity_pages == 4 and kv.capacity_tokens == 16
+    assert kv.alloc_pages(3) == [1, 2, 3]
+    assert kv.used_tokens() == 12 and kv.num_free_pages() == 1
+
+
+def test_failed_alloc_takes_nothing():
+    kv = make_kv()
+    assert kv.alloc_pages(5) is None
+    assert kv.num_free_pages() == 4
+    assert kv.alloc_pages(4) == [1, 2, 3, 4]
+    assert kv.alloc_pages(1) is None
+
+
+def test_freed_pages_go_to_the_back_of_the_free_list():
+    kv = make_kv()
+    first = kv.alloc_pages(2)
+    kv.free_pages(first)
+    assert kv.alloc_pages(4) == [3, 4, 1, 2]
+    kv.free_pages([3, 4, 1, 2])
+    assert kv.used_tokens() == 0
+
+
+def test_set_kv_writes_the_given_slots_of_one_layer():
+    kv = make_kv()
+    k = torch.arange(2 * 2 * 3, dtype=torch.float32).view(2, 2, 3)
+    kv.set_kv(1, torch.tensor([5, 9]), k, -k)
+    assert torch.equal(kv.k_buffers[1][5], k[0]) and torch.equal(kv.k_buffers[1][9], k[1])
+    assert torch.equal(kv.v_buffers[1][9], -k[1])
+    assert kv.k_buffers[0].abs().sum() == 0 and kv.k_buffers[1][6].abs().sum() == 0
+    assert kv.bytes_per_token() == 2 * 2 * 2 * 3 * 4
+
+
+def test_pages_for_and_slots_for_positions():
+    assert [pages_for(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    # page i holds positions [4i, 4i+4): pages [7, 2] -> positions 0-3 in page 7, 4-7 in page 2
+    assert slots_for_positions([7, 2], 0, 6, 4) == [28, 29, 30, 31, 8, 9]
+    assert slots_for_positions([7, 2], 3, 5, 4) == [31, 8]

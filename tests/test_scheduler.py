@@ -1,0 +1,150 @@
+"""Exact tests of the scheduler: admission, batch layout, page growth, finishing, aborts.
+
+No model runs here: the tests play the model by feeding chosen tokens to process_batch_result.
+"""
+
+import pytest
+import torch
+
+from pdserve.common.batch import ForwardMode
+from pdserve.common.config import EngineConfig
+from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool
+from pdserve.common.scheduler import Scheduler
+from pdserve.common.types import FinishReason, Req, SamplingParams
+
+EOS = 99
+
+
+def make_scheduler(num_pages=10, page_size=4, rows=4, context=32, max_running=4, max_prefill=64):
+    config = EngineConfig(
+        model_path="unused",
+        context_length=context,
+        max_running_requests=max_running,
+        max_prefill_tokens=max_prefill,
+        page_size=page_size,
+    )
+    r2t = ReqToTokenPool(rows, context, "cpu")
+    kv = PagedKVPool(num_pages, page_size, num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
+    return Scheduler(config, r2t, kv, eos_token_ids=(EOS,))
+
+
+def req(rid, prompt_len, max_new=4, **kw):
+    return Req(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_new_tokens=max_new, **kw), seed=0)
+
+
+def feed(s, batch, tokens):
+    return s.process_batch_result(batch, tokens, [None] * len(tokens))
+
+
+def test_prefill_batch_layout_is_exact():
+    s = make_scheduler()
+    a, b, c = req("a", 5), req("b", 3), req("c", 9)
+    for r in (a, b, c):
+        s.add_request(r)
+    batch = s.get_next_batch_to_run()
+    assert batch.mode is ForwardMode.EXTEND and batch.reqs == [a, b, c]
+    assert (a.req_pool_idx, b.req_pool_idx, c.req_pool_idx) == (0, 1, 2)
+    assert (a.pages, b.pages, c.pages) == ([1, 2], [3], [4, 5, 6])
+    assert batch.input_ids.tolist() == a.prompt_ids + b.prompt_ids + c.prompt_ids
+    assert batch.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2] + list(range(9))
+    assert batch.out_cache_loc.tolist() == [4, 5, 6, 7, 8] + [12, 13, 14] + list(range(16, 25))
+    assert batch.seq_lens == [5, 3, 9] and batch.extend_lens == [5, 3, 9] and batch.extend_starts == [0, 5, 8]
+    assert batch.last_token_indices() == [4, 7, 16]
+    assert s.req_to_token_pool.req_to_token[0, :5].tolist() == [4, 5, 6, 7, 8]
+    assert s.req_to_token_pool.req_to_token[2, :9].tolist() == list(range(16, 25))
+    assert list(s.waiting) == []
+
+
+def test_decode_steps_grow_pages_at_page_boundaries():
+    s = make_scheduler()
+    a, b = req("a", 3), req("b", 4)
+    s.add_request(a)
+    s.add_request(b)
+    feed(s, s.get_next_batch_to_run(), [50, 51])
+    assert s.running == [a, b] and (a.pages, b.pages) == ([1], [2])
+    batch = s.get_next_batch_to_run()
+    # a: token 50 at position 3 (still page 1); b: token 51 at position 4 -> new page 3
+    assert batch.mode is ForwardMode.DECODE
+    assert batch.input_ids.tolist() == [50, 51] and batch.positions.tolist() == [3, 4]
+    assert b.pages == [2, 3] and batch.out_cache_loc.tolist() == [7, 12]
+    assert batch.seq_lens == [4, 5] and batch.extend_lens == [1, 1] and batch.extend_starts == [0, 1]
+    feed(s, batch, [60, 61])
+    batch = s.get_next_batch_to_run()
+    assert a.pages == [1, 4] and batch.out_cache_loc.tolist() == [16, 13]
+    assert a.output_ids == [50, 60] and a.kv_len == 4
+
+
+def test_finished_requests_free_their_row_and_pages_and_leave_running():
+    s = make_scheduler()
+    a, b = req("a", 3, max_new=2), req("b", 3, max_new=5)
+    s.add_request(a)
+    s.add_request(b)
+    assert feed(s, s.get_next_batch_to_run(), [1, EOS])[0].finish_reason is FinishReason.STOP
+    assert s.running == [a] and s.req_to_token_pool.available() == 3
+    [done] = feed(s, s.get_next_batch_to_run(), [2])
+    assert done.rid == "a" and done.finish_reason is FinishReason.LENGTH and done.output_ids == [1, 2]
+    assert s.running == [] and s.is_idle()
+
+
+def test_admission_reserves_whole_sequences_and_is_fcfs():
+    # 9 usable pages of 4 tokens. a needs (8+4)/4 = 3 pages, b (20+4)/4 = 6, c (1+4)/4 = 2.
+    s = make_scheduler()
+    a, b, c = req("a", 8), req("b", 20), req("c", 1)
+    for r in (a, b, c):
+        s.add_request(r)
+    batch = s.get_next_batch_to_run()
+    assert batch.reqs == [a, b]  # c does not fit the 0 pages left
+    assert list(s.waiting) == [c]
+    feed(s, batch, [1, 2])
+    # b holds 5 pages with 1 more promised, a holds 2 with 1 promised: nothing free for c yet.
+    assert s.get_next_batch_to_run().mode is ForwardMode.DECODE
+
+
+def test_head_of_queue_blocks_smaller_requests_behind_it():
+    s = make_scheduler(num_pages=5)  # 4 usable pages
+    s.add_request(req("a", 8))  # 3 pages
+    s.add_request(req("big", 9))  # 4 pages: waits
+    s.add_request(req("small", 1))  # 2 pages: would fit, but fcfs
+    batch = s.get_next_batch_to_run()
+    assert [r.rid for r in batch.reqs] == ["a"]
+    assert [r.rid for r in s.waiting] == ["big", "small"]
+
+
+def test_max_running_and_max_prefill_tokens_limit_a_prefill_batch():
+    s = make_scheduler(num_pages=40, max_running=2)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 2))
+    assert [r.rid for r in s.get_next_batch_to_run().reqs] == ["r0", "r1"]
+
+    s = make_scheduler(num_pages=40, max_prefill=10)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 4))
+    assert [r.rid for r in s.get_next_batch_to_run().reqs] == ["r0", "r1"]
+    assert [r.rid for r in s.get_next_batch_to_run().reqs] == ["r2"]  # prefill first, before decode
+
+
+def test_a_prompt_longer_than_max_prefill_tokens_still_runs_alone():
+    s = make_scheduler(num_pages=40, max_prefill=4)
+    s.add_request(req("long", 9))
+    assert s.get_next_batch_to_run().extend_lens == [9]
+
+
+def test_abort_frees_wherever_the_request_is():
+    s = make_scheduler()
+    a, b = req("a", 3), req("b", 3)
+    s.add_request(a)
+    feed(s, s.get_next_batch_to_run(), [1])
+    s.add_request(b)
+    assert s.abort("b").finish_reason is FinishReason.ABORT  # still waiting
+    assert s.abort("a").finish_reason is FinishReason.ABORT  # running, holding KV
+    assert s.abort("nope") is None
+    assert s.is_idle()
+
+
+def test_requests_that_can_never_fit_are_refused_up_front():
+    s = make_scheduler(num_pages=3, context=64)
+    with pytest.raises(ValueError, match="context length"):
+        s.add_request(req("a", 60, max_new=10))
+    with pytest.raises(ValueError, match="whole pool"):
+        s.add_request(req("b", 9, max_new=4))
+    assert s.is_idle()
