@@ -294,6 +294,14 @@ def _build(
     )  # fmt: skip
 
 
+def _tokenize(tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # json.loads lets lone surrogates (\ud800) through; tokenizers would raise
+        raise OpenAIError(f"'{param}' is not valid Unicode (it holds a lone surrogate)", param=param) from None
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
 def _max_tokens(body: dict, name: str) -> int | None:
     return _integer(body, name, None, lambda v: v >= 1, ">= 1")
 
@@ -316,7 +324,7 @@ def _completion_prompts(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[l
     if all(isinstance(p, str) for p in prompt):
         if not all(prompt):
             raise OpenAIError("'prompt' strings must not be empty", param="prompt")
-        return [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompt], list(prompt)
+        return [_tokenize(tokenizer, p, True, "prompt") for p in prompt], list(prompt)
     if not all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
         raise OpenAIError(
             "'prompt' must be a string, an array of strings, an array of token ids or an array of "
@@ -335,8 +343,7 @@ def parse_completion_request(
 ) -> ParsedRequest:
     """Validate a /v1/completions body and tokenize its prompts. Raises OpenAIError."""
     shared = _shared(body, served_model_name, COMPLETION_FIELDS, allow_stream)
-    if body.get("best_of") not in (None, 1):
-        raise OpenAIError("'best_of' is not supported (only 1)", param="best_of")
+    _integer(body, "best_of", 1, lambda v: v == 1, "1 (nothing else is supported)")
     if body.get("suffix") is not None:
         raise OpenAIError("'suffix' is not supported", param="suffix")
     logprobs = _integer(body, "logprobs", None, lambda v: 0 <= v <= MAX_LOGPROBS, f"between 0 and {MAX_LOGPROBS}")
@@ -439,7 +446,7 @@ def parse_chat_request(
     except Exception as e:  # templates raise (jinja's raise_exception) on conversations they refuse
         raise OpenAIError(f"the chat template rejected the messages: {e}", param="messages") from None
     # The template already carries BOS; adding special tokens again would double it.
-    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompt = _tokenize(tokenizer, text, False, "messages")
     return _build(
         "chat", shared, served_model_name, [prompt], [text], max_tokens, logprobs, max_context_len, messages=messages
     )

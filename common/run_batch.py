@@ -31,10 +31,10 @@ class _Line:
     first: int = 0  # index of this line's first choice in the generate call
 
 
-def _parse_line(raw: str, line_number: int, seen_ids: set, engine, served_model_name: str) -> _Line:
+def _parse_line(raw: bytes, line_number: int, seen_ids: set, engine, served_model_name: str) -> _Line:
     try:
         request = json.loads(raw)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
         return _Line(None, error=OpenAIError(f"line {line_number} is not valid JSON: {e}"))
     if not isinstance(request, dict):
         return _Line(None, error=OpenAIError(f"line {line_number} must be a JSON object"))
@@ -43,8 +43,13 @@ def _parse_line(raw: str, line_number: int, seen_ids: set, engine, served_model_
         _check_envelope(request, seen_ids)
         parse = PARSERS[request["url"]]
         line.parsed = parse(request["body"], engine.tokenizer, served_model_name, engine.max_context_len)
+        check = getattr(engine, "check_request", None)
+        for prompt_ids, params in line.parsed.engine_requests() if check else ():
+            check(prompt_ids, params)
     except OpenAIError as e:
         line.error = e
+    except ValueError as e:  # the engine's own limits (KV pool size, model vocabulary)
+        line.parsed, line.error = None, OpenAIError(str(e))
     return line
 
 
@@ -61,10 +66,8 @@ def _check_envelope(request: dict, seen_ids: set) -> None:
         raise OpenAIError(f"unknown field(s) in the batch line: {', '.join(unknown)}")
     if request.get("method") != "POST":
         raise OpenAIError(f"'method' must be \"POST\", got {request.get('method')!r}", param="method")
-    if request.get("url") not in PARSERS:
-        raise OpenAIError(
-            f"'url' must be one of {', '.join(PARSERS)}, got {request.get('url')!r}", param="url"
-        )
+    if not isinstance(request.get("url"), str) or request["url"] not in PARSERS:
+        raise OpenAIError(f"'url' must be one of {', '.join(PARSERS)}, got {request.get('url')!r}", param="url")
     if "body" not in request:
         raise OpenAIError("'body' is required", param="body")
 
@@ -77,17 +80,20 @@ def _result(line: _Line, completions: list, tokenizer, created: int) -> dict:
         mine = completions[line.first : line.first + len(line.parsed.params)]
         body = format_response(line.parsed, mine, tokenizer, request_id, created)
         response = {"status_code": 200, "request_id": request_id, "body": body}
-    return {"id": f"batch_req_{secrets.token_hex(16)}", "custom_id": line.custom_id, "response": response, "error": None}
+    batch_request_id = f"batch_req_{secrets.token_hex(16)}"
+    return {"id": batch_request_id, "custom_id": line.custom_id, "response": response, "error": None}
 
 
 def run_batch(engine, input_path, output_path, served_model_name: str) -> dict:
     """Run an OpenAI Batch input file through `engine`; returns {"total", "succeeded", "failed"}.
 
-    `engine` needs `.tokenizer`, `.max_context_len` and `.generate(prompts, params)`.
+    `engine` needs `.tokenizer`, `.max_context_len` and `.generate(prompts, params)`; when it has
+    `.check_request(prompt_ids, params)` (raising ValueError), each line is checked against the
+    engine's own limits up front, so one oversized line cannot fail the whole generate call.
     """
     lines: list[_Line] = []
     seen_ids: set[str] = set()
-    with open(input_path, encoding="utf-8") as f:
+    with open(input_path, "rb") as f:  # bytes: one line that is not UTF-8 must not sink the others
         for line_number, raw in enumerate(f, start=1):
             if raw.strip():
                 lines.append(_parse_line(raw, line_number, seen_ids, engine, served_model_name))

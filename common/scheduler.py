@@ -22,7 +22,7 @@ from pdserve.common.batch import ForwardBatch, ForwardMode
 from pdserve.common.config import EngineConfig
 from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for, slots_for_positions
 from pdserve.common.output_processor import append_token, finalize
-from pdserve.common.types import Completion, FinishReason, Req, TokenLogprob
+from pdserve.common.types import Completion, FinishReason, Req, SamplingParams, TokenLogprob
 
 
 class Scheduler:
@@ -44,17 +44,21 @@ class Scheduler:
 
     # ---- intake -------------------------------------------------------------------------------
 
-    def add_request(self, req: Req) -> None:
-        total = len(req.prompt_ids) + req.params.max_new_tokens
-        if not req.prompt_ids:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError when a request could never run here."""
+        if not prompt_ids:
             raise ValueError("the prompt is empty")
+        total = len(prompt_ids) + params.max_new_tokens
         if total > self.config.context_length:
             raise ValueError(
-                f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens ({req.params.max_new_tokens}) "
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
                 f"exceeds the context length {self.config.context_length}"
             )
-        if self._final_pages(req) > self.kv_pool.capacity_pages:
+        if pages_for(total, self.page_size) > self.kv_pool.capacity_pages:
             raise ValueError(f"the sequence needs more KV than the whole pool ({self.kv_pool.capacity_tokens} tokens)")
+
+    def add_request(self, req: Req) -> None:
+        self.check_request(req.prompt_ids, req.params)
         self.waiting.append(req)
 
     def abort(self, rid: str) -> Completion | None:
