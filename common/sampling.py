@@ -31,26 +31,21 @@ def _mix32(x):
     return (x >> 16) ^ x
 
 
-def row_keys(seed: int, step: int) -> tuple[int, int]:
-    """Two 32-bit noise keys for one request at one output step (host side).
-
-    Each key hashes both halves of the seed and the step, in different orders and from different
-    constants, so the two are unrelated.
-    """
+def row_key(seed: int, step: int) -> int:
+    """The 32-bit noise key of one request at one output step (host side)."""
     seed %= 2**64  # seeds may come in signed
-    low, high, step = seed & _MASK32, seed >> 32, step & _MASK32
-    key_a = _mix32(_mix32(_mix32(low ^ 0x9E3779B9) ^ high) ^ step)
-    key_b = _mix32(_mix32(_mix32(high ^ 0x85EBCA6B) ^ low) ^ step)
-    return key_a, key_b
+    key = _mix32(_mix32((seed & _MASK32) ^ 0x9E3779B9) ^ (seed >> 32))
+    # The round after the step keeps keys from having the token hash's form, mix(x ^ constant):
+    # with it, noise(token t, step s) would equal noise(token s', step t') for s' = t ^ c, t' = s ^ c.
+    return _mix32(_mix32(key ^ (step & _MASK32)) ^ 0x85EBCA6B)
 
 
 def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) noise [B, V] float32 from row keys [B, 2]: a hash of (keys, token id)."""
-    token = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)
-    # Two keyed rounds: with one, `mix(mix(token) ^ key)`, the noise of (token t, step s) equals
-    # that of (token s, step t) for seed 0, and rows whose keys differ in a few low bits get the
-    # same noise permuted.
-    bits = _mix32(_mix32(token ^ keys[:, :1]) ^ keys[:, 1:])
+    """Exp(1) noise [B, V] float32 from row keys [B, 1]: a hash of (key, token id)."""
+    # Token ids are hashed before the key is mixed in: `mix(token ^ key)` would give two rows whose
+    # keys differ only in low bits the same noise, permuted among token ids.
+    token_hash = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=keys.device) ^ 0x27D4EB2F)
+    bits = _mix32(token_hash ^ keys)
     # 24 bits are exact in float32. u is in [2**-24, 1 - 2**-24]: never 0 or 1, so q is finite and
     # > 0 (q == 0 would make p / q inf or NaN, and argmax prefers NaN).
     u = (bits >> 8).clamp_(min=1).to(torch.float32) * 2.0**-24
@@ -77,7 +72,7 @@ class SamplingBatchInfo:
     top_ks: torch.Tensor | None  # [B, 1] int64; vocab_size where disabled
     top_ps: torch.Tensor | None  # [B, 1] float32; inf where disabled
     min_ps: torch.Tensor | None  # [B, 1] float32; 0.0 where disabled
-    noise_keys: torch.Tensor | None  # [B, 2] int64: row_keys(seed, step)
+    noise_keys: torch.Tensor | None  # [B, 1] int64: row_key(seed, step)
     repetition_penalties: torch.Tensor | None  # [B, 1] float32; 1.0 where disabled
     seen_token_idx: torch.Tensor | None  # [N] flat indices (row * V + token) of prompt + output tokens
     frequency_penalties: torch.Tensor | None  # [B, 1] float32
@@ -129,7 +124,7 @@ class SamplingBatchInfo:
             top_ks=column(any(k < vocab_size for k in top_ks), top_ks, torch.int64),
             top_ps=column(any(p < float("inf") for p in top_ps), top_ps, torch.float32),
             min_ps=column(any(m > 0.0 for m in min_ps), min_ps, torch.float32),
-            noise_keys=upload(not all_greedy, [row_keys(r.seed, len(r.output_ids)) for r in reqs], torch.int64),
+            noise_keys=column(not all_greedy, [row_key(r.seed, len(r.output_ids)) for r in reqs], torch.int64),
             repetition_penalties=column(bool(seen), [p.repetition_penalty for p in params], torch.float32),
             seen_token_idx=upload(bool(seen), seen, torch.int64),
             frequency_penalties=column(bool(counted), [p.frequency_penalty for p in params], torch.float32),

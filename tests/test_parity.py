@@ -1,6 +1,6 @@
 """Greedy output is token-identical to Hugging Face transformers (fp32, CPU) for every architecture.
 
-24 prompts of mixed lengths (1 to 120 tokens; page boundaries and Mistral's 48-token sliding
+36 prompts of mixed lengths (1 to 120 tokens; page boundaries and Mistral's 48-token sliding
 window crossed) with mixed max_new_tokens, so requests finish at different steps and the batch
 composition keeps changing. Run through the Python API at batch sizes 1 to 32 and through the
 `pdserve run-batch` command in a separate process.
@@ -17,7 +17,8 @@ import torch
 from pdserve.common.tiny_model import ARCHS
 from pdserve.common.types import FinishReason, SamplingParams
 
-PROMPT_LENS = [1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 23, 31, 32, 33, 40, 47, 50, 63, 64, 65, 70, 90, 100, 120]
+PROMPT_LENS = [1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 23, 31, 32, 33, 40, 47, 50, 63, 64, 65, 70, 90, 100, 120,
+               4, 6, 11, 13, 19, 24, 28, 36, 44, 49, 55, 80]
 
 
 def make_prompts(vocab_size: int, bos: int, num_special: int) -> list[tuple[list[int], int]]:
@@ -50,6 +51,7 @@ def reference(request, tiny_models):
 def test_greedy_matches_transformers_through_the_python_api(reference, make_engine, batch_size):
     arch, _, cases = reference
     engine = make_engine(arch, max_running_requests=batch_size)
+    sizes = record_batch_sizes(engine)
     outs = engine.generate([ids for ids, _, _ in cases], [SamplingParams(max_new_tokens=n, temperature=0) for _, n, _ in cases])
     for (ids, max_new, expected), out in zip(cases, outs):
         assert out.output_ids == expected, f"{arch} bs={batch_size} prompt of {len(ids)} tokens"
@@ -57,6 +59,21 @@ def test_greedy_matches_transformers_through_the_python_api(reference, make_engi
         assert out.text == engine.tokenizer.decode(
             [t for t in out.output_ids if t not in engine.eos_token_ids], skip_special_tokens=True
         )
+    assert max(sizes) == batch_size and min(sizes) == 1, "the batch filled up, then drained"
+
+
+def record_batch_sizes(engine) -> list[int]:
+    sizes = []
+    schedule = engine.scheduler.get_next_batch_to_run
+
+    def recording():
+        batch = schedule()
+        if batch is not None:
+            sizes.append(batch.batch_size)
+        return batch
+
+    engine.scheduler.get_next_batch_to_run = recording
+    return sizes
 
 
 def test_greedy_matches_transformers_through_run_batch(reference, tmp_path):

@@ -12,7 +12,7 @@ from pdserve.common.sampling import (
     _mix32,
     exponential_noise,
     process_logits,
-    row_keys,
+    row_key,
     sample,
     to_token_logprobs,
 )
@@ -164,17 +164,17 @@ def test_seeds_are_taken_modulo_2_to_the_64():
 
 def test_noise_matches_a_pure_python_reference():
     seeds = [0, 1, 2**32, 2**63 - 1, -(2**63), 2**64 - 1, 123456789012345]
-    keys = [row_keys(seed, step) for seed in seeds for step in (0, 1, 2**20)]
-    assert all(0 <= k < 2**32 for pair in keys for k in pair)
+    keys = [row_key(seed, step) for seed in seeds for step in (0, 1, 2**20)]
+    assert all(0 <= k < 2**32 for k in keys)
     vocab = 300
-    q = exponential_noise(torch.tensor(keys), vocab)
-    u = [[max(_mix32(_mix32(t ^ a) ^ b) >> 8, 1) / 2**24 for t in range(vocab)] for a, b in keys]
+    q = exponential_noise(torch.tensor(keys)[:, None], vocab)
+    u = [[max(_mix32(_mix32(t ^ 0x27D4EB2F) ^ k) >> 8, 1) / 2**24 for t in range(vocab)] for k in keys]
     assert torch.equal(q, -torch.log(torch.tensor(u, dtype=torch.float32)))
 
 
 def test_noise_is_exponential_and_unrelated_across_steps():
     steps = 256
-    q = exponential_noise(torch.tensor([row_keys(0, s) for s in range(steps)]), steps)
+    q = exponential_noise(torch.tensor([[row_key(0, s)] for s in range(steps)]), steps)
     assert bool((q > 0).all()) and float(q.max()) <= 24 * math.log(2) + 1e-4  # u never 0 or 1
     assert abs(float(q.double().mean()) - 1.0) < 0.01  # Exp(1): mean 1, std 1 / 256 here
     # seed 0, step s, token t vs step t, token s: a symmetric hash would make these equal
@@ -182,6 +182,20 @@ def test_noise_is_exponential_and_unrelated_across_steps():
     # no step's noise is another step's permuted
     rows = {tuple(sorted(r)) for r in q.tolist()}
     assert len(rows) == steps
+
+
+def test_draws_are_independent_across_steps_and_adjacent_seeds():
+    n, vocab = 8000, 4
+    reqs = [make_req(SamplingParams(), seed=s) for s in range(n)]
+    uniform = torch.zeros(n, vocab)
+    first = draw(reqs, uniform).next_token_ids
+    for req in reqs:
+        req.output_ids.append(0)
+    second = draw(reqs, uniform).next_token_ids
+    cells = torch.full((vocab * vocab,), 1 / vocab**2)
+    # 15 degrees of freedom: p = 0.001 at 37.7
+    assert chi_square(first * vocab + second, cells) < 37.7  # same seed, consecutive steps
+    assert chi_square(first[:-1] * vocab + first[1:], cells) < 37.7  # seeds s and s + 1, same step
 
 
 # ---- penalties, min_new_tokens ------------------------------------------------------------------
