@@ -32,7 +32,15 @@ class EngineConfig:
     max_total_tokens: int = _opt(0, "KV cache capacity in tokens; 0: sized from --kv-cache-memory-gb.")
     kv_cache_memory_gb: float = _opt(1.0, "Memory for the KV cache when --max-total-tokens is 0.")
     max_running_requests: int = _opt(256, "Most requests in the running batch at once.")
-    max_prefill_tokens: int = _opt(8192, "Most prompt tokens in one prefill batch (a longer prompt runs alone).")
+    max_prefill_tokens: int = _opt(16384, "Most prompt tokens in one prefill batch.")
+    chunked_prefill_size: int = _opt(
+        8192, "Prompts longer than this are prefilled in chunks of this many tokens; <= 0 disables chunking."
+    )
+    num_reserved_decode_tokens: int = _opt(
+        512, "KV tokens admission keeps free per running request for its next decode steps."
+    )
+    schedule_policy: str = _opt("fcfs", "Order of the waiting queue: fcfs, or lpm (longest cached prefix first).")
+    disable_radix_cache: bool = _opt(False, "Turn off prefix caching (the radix tree over the KV pages).")
     random_seed: int = _opt(-1, "Seed for the per-request seeds the engine draws; -1: from the OS.")
 
     def resolve(self) -> "EngineConfig":
@@ -58,9 +66,11 @@ class EngineConfig:
         context_length = self.context_length or model_max
         if context_length > model_max:
             raise ValueError(f"--context-length {context_length} exceeds the model's {model_max}")
-        for name in ("max_running_requests", "max_prefill_tokens"):
+        for name in ("max_running_requests", "max_prefill_tokens", "num_reserved_decode_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
         return dataclasses.replace(
             self,
             served_model_name=self.served_model_name or self.model_path,
@@ -79,8 +89,10 @@ def add_cli_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> N
     """One `--flag` per dataclass field, typed and documented from the field itself."""
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        kind = type(f.default)
-        parser.add_argument(flag, dest=f.name, type=kind, default=f.default, help=f.metadata["help"])
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, dest=f.name, action="store_true", help=f.metadata["help"])
+        else:
+            parser.add_argument(flag, dest=f.name, type=type(f.default), default=f.default, help=f.metadata["help"])
 
 
 def from_cli_args(args: argparse.Namespace, cls: type = EngineConfig) -> Any:

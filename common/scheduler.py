@@ -1,15 +1,22 @@
 """Continuous batching: which requests run next, their KV bookkeeping, and what their results mean.
 
 Queues (as in SGLang):
-    waiting   requests not yet prefilled, in arrival order (fcfs)
-    running   requests past prefill, decoded together every decode step
-Prefill first: a step runs a prefill batch whenever a waiting request can be admitted, otherwise
-a decode batch of everything running.
+    waiting       requests not yet (or no longer, after retraction) prefilled
+    chunked_req   the one request whose prompt is being prefilled chunk by chunk: in neither queue
+                  until its last chunk ran
+    running       requests past prefill, decoded together every decode step
+Prefill first: a step runs a prefill batch whenever something can be admitted (the chunked
+request always continues first), otherwise a decode batch of everything running.
 
-KV ownership: admission gives a request a ReqToTokenPool row and the pages for its prompt; decode
-steps add a page whenever a position crosses into a new one. Admission reserves pages for the
-whole sequence (prompt + max_new_tokens), so a running request never finds the pool empty.
-Finishing or aborting a request returns its row and pages; `is_idle` checks nothing leaked.
+KV ownership. A request owns a ReqToTokenPool row and `req.pages`; the first `req.prefix_pages`
+of those belong to the radix cache (matched at admission, locked through `req.last_node`), the
+rest are its own. Finishing inserts its written KV into the cache (which takes the pages it did
+not have) and frees the rest; aborting frees without caching; retraction caches what was written
+and sends the request back to `waiting` with its output so far, to be prefilled again later.
+
+Admission counts cached-but-unlocked pages as free (they are evicted on demand) and keeps, for
+every running request, room for its next `num_reserved_decode_tokens` tokens. When a decode step
+still finds no page for some request, the scheduler retracts requests until it does.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from pdserve.common.batch import ForwardBatch, ForwardMode
 from pdserve.common.config import EngineConfig
 from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for, slots_for_positions
 from pdserve.common.output_processor import append_token, finalize
+from pdserve.common.radix_cache import RadixCache
 from pdserve.common.types import Completion, FinishReason, Req, SamplingParams, TokenLogprob
 
 
@@ -39,8 +47,14 @@ class Scheduler:
         self.page_size = kv_pool.page_size
         self.eos_token_ids = eos_token_ids
         self.device = req_to_token_pool.req_to_token.device
+        self.tree_cache = None if config.disable_radix_cache else RadixCache(kv_pool)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        chunk = config.chunked_prefill_size
+        self.prefill_budget = min(config.max_prefill_tokens, chunk) if chunk > 0 else config.max_prefill_tokens
+        self.chunking = chunk > 0
+        self.stats = {"cache_hit_tokens": 0, "prefill_chunks": 0, "retractions": 0}
 
     # ---- intake -------------------------------------------------------------------------------
 
@@ -62,17 +76,22 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, rid: str) -> Completion | None:
-        """Remove a request wherever it is and free what it holds."""
-        for queue in (self.waiting, self.running):
+        """Remove a request wherever it is and free what it holds (nothing is cached)."""
+        queues = [self.waiting, self.running] + ([[self.chunked_req]] if self.chunked_req else [])
+        for queue in queues:
             for req in queue:
                 if req.rid == rid:
-                    queue.remove(req)
+                    if req is self.chunked_req:
+                        self.chunked_req = None
+                    else:
+                        queue.remove(req)
                     req.finish_reason = FinishReason.ABORT
-                    return self._release(req)
+                    self._free_kv(req)
+                    return finalize(req)
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.chunked_req)
 
     # ---- choosing the next batch ----------------------------------------------------------------
 
@@ -83,73 +102,176 @@ class Scheduler:
         return batch
 
     def get_new_batch_prefill(self) -> ForwardBatch | None:
-        picked: list[Req] = []
-        tokens = 0
-        free_pages = self.kv_pool.num_free_pages() - self._outstanding_pages(self.running)
-        while self.waiting:
+        spans: list[tuple[Req, int, int]] = []  # (req, first new position, end)
+        budget = self.prefill_budget
+        if self.chunked_req is not None:
+            req, self.chunked_req = self.chunked_req, None
+            end = self._chunk_end(req, budget)
+            self._grow_pages(req, end)
+            spans.append((req, req.kv_len, end))
+            budget -= end - req.kv_len
+        available = self._available_pages() - self._reserved_pages(self.running + [r for r, _, _ in spans])
+        self._order_waiting()
+        chunking_one = bool(spans) and spans[0][2] < spans[0][0].seq_len
+        while self.waiting and budget > 0 and not chunking_one:
             req = self.waiting[0]
-            if len(self.running) + len(picked) >= self.config.max_running_requests:
+            if len(self.running) + len(spans) >= self.config.max_running_requests:
                 break
-            extend = req.seq_len - req.kv_len
-            if picked and tokens + extend > self.config.max_prefill_tokens:
+            if self.req_to_token_pool.available() == 0:
                 break
-            if self._final_pages(req) > free_pages:
-                break  # fcfs: nobody overtakes the head of the queue
+            evictable_before = self._available_pages()
+            prefix_pages, node = self._match(req)
+            # Locking the matched prefix takes its pages out of the evictable ones.
+            available -= evictable_before - self._available_pages()
+            extend = req.seq_len - len(prefix_pages) * self.page_size
+            need = self._decode_reserve_pages(req, req.seq_len) - len(prefix_pages)
+            too_long = extend > budget and spans and not self.chunking  # a long prompt runs alone
+            if too_long or need > available:
+                self._unlock(node)
+                break  # nobody overtakes the head of the queue
             self.waiting.popleft()
-            self._admit(req)
-            free_pages -= self._final_pages(req)
-            picked.append(req)
-            tokens += extend
-        return self._build_batch(ForwardMode.EXTEND, picked) if picked else None
+            self._admit(req, prefix_pages, node)
+            end = self._chunk_end(req, budget if self.chunking else extend)
+            self._grow_pages(req, end)
+            spans.append((req, req.kv_len, end))
+            available -= need
+            budget -= end - req.kv_len
+            chunking_one = end < req.seq_len
+        return self._build_batch(ForwardMode.EXTEND, spans) if spans else None
 
     def prepare_decode(self) -> ForwardBatch:
+        """Give every running request a slot for its last token, retracting requests if KV runs out."""
+        # NOTE: no chunked request exists here (prefill first runs it to its end), so every page not
+        # held by a running request is free or evictable, and one request alone always fits.
+        while sum(self._needs_page(r) for r in self.running) > self._available_pages():
+            self._retract_one()
         for req in self.running:
-            pos = req.seq_len - 1  # the last sampled token, whose KV this step writes
-            if pos // self.page_size >= len(req.pages):
-                page = self.kv_pool.alloc_pages(1)
-                assert page is not None, "admission reserved this page"
-                req.pages += page
-        return self._build_batch(ForwardMode.DECODE, list(self.running))
+            if self._needs_page(req):
+                req.pages += self._alloc_pages(1)
+        spans = [(req, req.seq_len - 1, req.seq_len) for req in self.running]
+        return self._build_batch(ForwardMode.DECODE, spans)
 
-    def _admit(self, req: Req) -> None:
+    # ---- KV bookkeeping -------------------------------------------------------------------------
+
+    def _match(self, req: Req):
+        """Cached pages for the request's tokens (locked), leaving at least one token to compute."""
+        if self.tree_cache is None:
+            return [], None
+        pages, node = self.tree_cache.match_prefix(req.fill_ids()[: req.seq_len - 1])
+        self.tree_cache.inc_lock_ref(node)
+        return pages, node
+
+    def _unlock(self, node) -> None:
+        if node is not None:
+            self.tree_cache.dec_lock_ref(node)
+
+    def _admit(self, req: Req, prefix_pages: list[int], node) -> None:
         row = self.req_to_token_pool.alloc()
-        assert row is not None, "max_running_requests bounds the rows in use"
-        pages = self.kv_pool.alloc_pages(pages_for(req.seq_len, self.page_size))
-        assert pages is not None, "checked against free pages"
-        req.req_pool_idx, req.pages = row, pages
+        req.req_pool_idx, req.pages, req.prefix_pages, req.last_node = row, list(prefix_pages), len(prefix_pages), node
+        req.kv_len = len(prefix_pages) * self.page_size
+        if not req.output_ids:  # a resumed (retracted) request keeps its first count
+            req.cached_tokens = req.kv_len
+        self.stats["cache_hit_tokens"] += req.kv_len
+        if req.kv_len:
+            slots = slots_for_positions(req.pages, 0, req.kv_len, self.page_size)
+            self.req_to_token_pool.write(row, 0, torch.tensor(slots, dtype=torch.int32, device=self.device))
 
-    def _final_pages(self, req: Req) -> int:
-        return pages_for(len(req.prompt_ids) + req.params.max_new_tokens, self.page_size)
+    def _chunk_end(self, req: Req, budget: int) -> int:
+        end = min(req.seq_len, req.kv_len + budget)
+        if end < req.seq_len:
+            self.stats["prefill_chunks"] += 1
+        return end
 
-    def _outstanding_pages(self, reqs: list[Req]) -> int:
-        """Pages promised to admitted requests but not yet taken from the pool."""
-        return sum(self._final_pages(r) - len(r.pages) for r in reqs)
+    def _grow_pages(self, req: Req, end: int) -> None:
+        """Make sure req.pages cover positions [0, end)."""
+        missing = pages_for(end, self.page_size) - len(req.pages)
+        if missing > 0:
+            req.pages += self._alloc_pages(missing)
 
-    def _build_batch(self, mode: ForwardMode, reqs: list[Req]) -> ForwardBatch:
+    def _needs_page(self, req: Req) -> bool:
+        return (req.seq_len - 1) // self.page_size >= len(req.pages)
+
+    def _alloc_pages(self, n: int) -> list[int]:
+        free = self.kv_pool.num_free_pages()
+        if free < n and self.tree_cache is not None:
+            self.tree_cache.evict(n - free)
+        pages = self.kv_pool.alloc_pages(n)
+        assert pages is not None, "admission and retraction keep enough pages available"
+        return pages
+
+    def _available_pages(self) -> int:
+        evictable = self.tree_cache.evictable_pages if self.tree_cache is not None else 0
+        return self.kv_pool.num_free_pages() + evictable
+
+    def _decode_reserve_pages(self, req: Req, seq_len: int) -> int:
+        """Pages the request should hold to run its next num_reserved_decode_tokens tokens."""
+        ahead = min(req.params.max_new_tokens - len(req.output_ids), self.config.num_reserved_decode_tokens)
+        return pages_for(seq_len + ahead, self.page_size)
+
+    def _reserved_pages(self, reqs: list[Req]) -> int:
+        return sum(max(0, self._decode_reserve_pages(r, r.seq_len) - len(r.pages)) for r in reqs)
+
+    def _order_waiting(self) -> None:
+        if self.config.schedule_policy == "lpm" and self.tree_cache is not None and len(self.waiting) > 1:
+            cached = {id(r): self.tree_cache.cached_prefix_len(r.fill_ids()[: r.seq_len - 1]) for r in self.waiting}
+            self.waiting = deque(sorted(self.waiting, key=lambda r: -cached[id(r)]))  # stable: fcfs among equals
+
+    def _retract_one(self) -> None:
+        """Send the running request with the least output (then the longest prompt, then the latest
+        admitted) back to waiting: it loses the least work."""
+        victim = min(reversed(self.running), key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
+        self.running.remove(victim)
+        self._cache_and_release(victim)
+        victim.kv_len = 0
+        self.waiting.appendleft(victim)
+        self.stats["retractions"] += 1
+
+    def _cache_and_release(self, req: Req) -> None:
+        """Hand the request's written KV to the cache (whole pages), free the rest, drop its row."""
+        if self.tree_cache is None:
+            self._free_kv(req)
+            return
+        full = req.kv_len // self.page_size
+        already = self.tree_cache.insert(req.fill_ids()[: full * self.page_size], req.pages[:full])
+        self.kv_pool.free_pages(req.pages[req.prefix_pages : already] + req.pages[full:])
+        self._unlock(req.last_node)
+        self._drop_row(req)
+
+    def _free_kv(self, req: Req) -> None:
+        """Free the request's own pages and unlock its cached prefix; nothing is cached."""
+        if req.req_pool_idx is None:
+            return
+        self.kv_pool.free_pages(req.pages[req.prefix_pages :])
+        self._unlock(req.last_node)
+        self._drop_row(req)
+
+    def _drop_row(self, req: Req) -> None:
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.pages, req.prefix_pages, req.last_node = None, [], 0, None
+
+    def _build_batch(self, mode: ForwardMode, spans: list[tuple[Req, int, int]]) -> ForwardBatch:
         input_ids: list[int] = []
         positions: list[int] = []
         out_loc: list[int] = []
         rows, cols = [], []
         seq_lens, extend_lens, extend_starts = [], [], []
-        for req in reqs:
-            start = req.kv_len if mode is ForwardMode.EXTEND else req.seq_len - 1
-            end = req.seq_len
-            slots = slots_for_positions(req.pages, start, end, self.page_size)
+        for req, start, end in spans:
             extend_starts.append(len(input_ids))
-            input_ids += req.fill_ids()[start:end] if mode is ForwardMode.EXTEND else [req.output_ids[-1]]
+            input_ids += req.fill_ids()[start:end]
             positions += range(start, end)
-            out_loc += slots
+            out_loc += slots_for_positions(req.pages, start, end, self.page_size)
             rows += [req.req_pool_idx] * (end - start)
             cols += range(start, end)
             seq_lens.append(end)
             extend_lens.append(end - start)
 
-        def dev(values: list[int], dtype=torch.int64) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
+        def dev(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
 
         out_cache_loc = dev(out_loc)
         # The position -> slot entries of the new tokens, written before the forward reads them.
         self.req_to_token_pool.req_to_token[dev(rows), dev(cols)] = out_cache_loc.to(torch.int32)
+        reqs = [req for req, _, _ in spans]
         req_rows = [r.req_pool_idx for r in reqs]
         return ForwardBatch(
             mode=mode,
@@ -169,30 +291,34 @@ class Scheduler:
     def process_batch_result(
         self, batch: ForwardBatch, next_token_ids: list[int], logprobs: list[TokenLogprob | None]
     ) -> list[Completion]:
-        """Append each request's new token, retire the finished ones, move prefilled ones to running."""
+        """Append each request's new token, retire the finished ones, move prefilled ones to running.
+
+        A request whose prompt is only partly prefilled samples nothing: its token is discarded
+        and it stays the chunked request.
+        """
         finished: list[Completion] = []
         for req, seq_len, token, lp in zip(batch.reqs, batch.seq_lens, next_token_ids, logprobs):
             req.kv_len = seq_len
+            if seq_len < req.seq_len:
+                self.chunked_req = req
+                continue
             append_token(req, token, lp, self.eos_token_ids, self.config.context_length)
             if req.finished:
-                finished.append(self._release(req))
+                self._cache_and_release(req)
+                finished.append(finalize(req))
             elif batch.mode is ForwardMode.EXTEND:
                 self.running.append(req)
         if finished and batch.mode is ForwardMode.DECODE:
             self.running = [r for r in self.running if not r.finished]
         return finished
 
-    def _release(self, req: Req) -> Completion:
-        if req.req_pool_idx is not None:
-            self.req_to_token_pool.free(req.req_pool_idx)
-            self.kv_pool.free_pages(req.pages)
-            req.req_pool_idx, req.pages = None, []
-        return finalize(req)
-
     def is_idle(self) -> bool:
-        """Nothing queued and every row and page back in the pools."""
+        """Nothing queued, every row back, and every page either free or cached and unlocked."""
+        cached = self.tree_cache.evictable_pages if self.tree_cache is not None else 0
+        locked = self.tree_cache.protected_pages if self.tree_cache is not None else 0
         return (
             not self.has_work()
             and self.req_to_token_pool.available() == self.req_to_token_pool.size
-            and self.kv_pool.num_free_pages() == self.kv_pool.capacity_pages
+            and locked == 0
+            and self.kv_pool.num_free_pages() + cached == self.kv_pool.capacity_pages
         )

@@ -131,6 +131,8 @@ class Req:
         self.matched_stop: int | str | None = None
         self.req_pool_idx: int | None = None
         self.pages: list[int] = []  # KV pages, in position order: page i holds positions [i*P, (i+1)*P)
+        self.prefix_pages = 0  # how many leading pages belong to the prefix cache (matched, locked)
+        self.last_node = None  # the radix-cache node locked for that prefix
         self.kv_len = 0
         self.cached_tokens = 0
         self.detokenizer = None  # set by the engine: an IncrementalDetokenizer

@@ -42,9 +42,6 @@ def draws_over_seeds(row_logits, params, seeds):
     return draw(reqs, row_logits.expand(len(reqs), -1).contiguous()).next_token_ids
 
 
-# ---- greedy and masks ---------------------------------------------------------------------------
-
-
 def test_greedy_rows_take_the_argmax_and_skip_the_sampling_tensors():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
     reqs = [make_req(SamplingParams(temperature=0.0), seed=i) for i in range(3)]
@@ -52,20 +49,14 @@ def test_greedy_rows_take_the_argmax_and_skip_the_sampling_tensors():
     info = info_for(reqs, 50)
     assert info.all_greedy and info.temperatures is None and info.noise_keys is None
     assert torch.equal(sample(logits, info).next_token_ids, logits.argmax(-1))
+    ties = torch.tensor([[0.0, 3.0, 1.0, 3.0]])
+    assert draw([make_req(SamplingParams(temperature=0.0))], ties).next_token_ids.tolist() == [1]
 
 
-def test_greedy_ties_take_the_first_index():
-    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0]])
-    assert draw([make_req(SamplingParams(temperature=0.0))], logits).next_token_ids.tolist() == [1]
-
-
-@pytest.mark.parametrize(
-    "params",
-    [dict(top_k=1, temperature=5.0), dict(top_p=1e-6, temperature=5.0), dict(min_p=1.0, temperature=5.0)],
-)
+@pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
 def test_masks_that_keep_one_token_give_the_argmax(params):
     row = torch.randn(1, 40, generator=torch.Generator().manual_seed(1))
-    tokens = draws_over_seeds(row, SamplingParams(**params), range(300))
+    tokens = draws_over_seeds(row, SamplingParams(temperature=5.0, **params), range(300))
     assert set(tokens.tolist()) == {int(row.argmax())}
 
 
@@ -73,10 +64,6 @@ def test_top_k_samples_only_among_the_top_k():
     row = torch.randn(1, 40, generator=torch.Generator().manual_seed(2))
     tokens = draws_over_seeds(row, SamplingParams(top_k=3, temperature=3.0), range(1000))
     assert set(tokens.tolist()) == set(row[0].topk(3).indices.tolist())
-
-
-def empirical(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    return torch.bincount(tokens, minlength=vocab_size).double() / len(tokens)
 
 
 def chi_square(tokens: torch.Tensor, expected: torch.Tensor) -> float:
@@ -87,20 +74,19 @@ def chi_square(tokens: torch.Tensor, expected: torch.Tensor) -> float:
     return float(((counts[keep] - want[keep]) ** 2 / want[keep]).sum())
 
 
-def test_top_p_and_min_p_keep_the_expected_sets():
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    row = probs.log()[None]
-    for params in (dict(top_p=0.7), dict(min_p=0.5)):  # both keep exactly {0, 1}
-        tokens = draws_over_seeds(row, SamplingParams(**params), range(4000))
-        assert chi_square(tokens, torch.tensor([0.625, 0.375, 0.0, 0.0])) < 15
-
-
-def test_top_p_applies_to_what_top_k_kept():
-    # top_k=3 renormalizes to [.444, .333, .222]; top_p=0.75 then keeps {0, 1}. Applied to the raw
-    # probabilities (mass before token 2 = 0.7) it would also keep token 2.
-    row = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
-    tokens = draws_over_seeds(row, SamplingParams(top_k=3, top_p=0.75), range(4000))
-    assert chi_square(tokens, torch.tensor([4 / 7, 3 / 7, 0.0, 0.0])) < 15
+@pytest.mark.parametrize(
+    "probs, params, expected",
+    [
+        ([0.5, 0.3, 0.15, 0.05], dict(top_p=0.7), [0.625, 0.375, 0, 0]),
+        ([0.5, 0.3, 0.15, 0.05], dict(min_p=0.5), [0.625, 0.375, 0, 0]),
+        # top_k=3 renormalizes to [.444, .333, .222], so top_p=0.75 keeps {0, 1}; on the raw
+        # probabilities (mass before token 2 = 0.7) it would keep token 2 too.
+        ([0.4, 0.3, 0.2, 0.1], dict(top_k=3, top_p=0.75), [4 / 7, 3 / 7, 0, 0]),
+    ],
+)
+def test_top_p_min_p_and_top_k_then_top_p_keep_the_expected_sets(probs, params, expected):
+    tokens = draws_over_seeds(torch.tensor([probs]).log(), SamplingParams(**params), range(4000))
+    assert chi_square(tokens, torch.tensor(expected)) < 15  # 1 degree of freedom: p = 1e-4 at 15
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
@@ -111,9 +97,6 @@ def test_the_empirical_distribution_matches_the_softmax(temperature):
     assert chi_square(tokens, torch.softmax(row[0] / temperature, -1)) < 24.3
 
 
-# ---- seeded randomness --------------------------------------------------------------------------
-
-
 def step_logits(rid: str, step: int, vocab_size: int = 64) -> torch.Tensor:
     """Logits that depend only on (request, step), as a model's would."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{rid}/{step}".encode()))
@@ -121,6 +104,7 @@ def step_logits(rid: str, step: int, vocab_size: int = 64) -> torch.Tensor:
 
 
 def generate(reqs: list[Req], steps: int) -> dict[str, list[int]]:
+    """Samples `steps` tokens for the batch; returns rid -> output ids."""
     for step in range(steps):
         logits = torch.stack([step_logits(r.rid, step) for r in reqs])
         for req, token in zip(reqs, draw(reqs, logits).next_token_ids.tolist()):
@@ -145,21 +129,16 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
 
 
 def test_different_seeds_give_different_draws():
-    reqs = [make_req(SamplingParams(**SAMPLED), seed=s) for s in range(20)]
-    for step in range(10):
-        # every request sees the same logits, so only the seed tells them apart
-        logits = step_logits("shared", step).expand(20, -1).contiguous()
-        for req, token in zip(reqs, draw(reqs, logits).next_token_ids.tolist()):
-            req.output_ids.append(token)
+    # one rid, so every request sees the same logits: only the seed tells them apart
+    reqs = [make_req(SamplingParams(**SAMPLED), seed=s, rid="same") for s in range(20)]
+    generate(reqs, 10)
     assert len({tuple(r.output_ids) for r in reqs}) == 20
 
 
 def test_seeds_are_taken_modulo_2_to_the_64():
     row = torch.randn(1, 64, generator=torch.Generator().manual_seed(3))
-    for a, b in ((-1, 2**64 - 1), (-(2**63), 2**63)):
-        assert torch.equal(
-            draws_over_seeds(row, SamplingParams(), [a]), draws_over_seeds(row, SamplingParams(), [b])
-        )
+    tokens = draws_over_seeds(row, SamplingParams(), [-1, 2**64 - 1, -(2**63), 2**63]).tolist()
+    assert tokens[0] == tokens[1] and tokens[2] == tokens[3]
 
 
 def test_noise_matches_a_pure_python_reference():
@@ -179,9 +158,7 @@ def test_noise_is_exponential_and_unrelated_across_steps():
     assert abs(float(q.double().mean()) - 1.0) < 0.01  # Exp(1): mean 1, std 1 / 256 here
     # seed 0, step s, token t vs step t, token s: a symmetric hash would make these equal
     assert int((q == q.T).sum()) <= steps + 2
-    # no step's noise is another step's permuted
-    rows = {tuple(sorted(r)) for r in q.tolist()}
-    assert len(rows) == steps
+    assert len({tuple(sorted(r)) for r in q.tolist()}) == steps  # no step's noise is another's permuted
 
 
 def test_draws_are_independent_across_steps_and_adjacent_seeds():
@@ -198,9 +175,6 @@ def test_draws_are_independent_across_steps_and_adjacent_seeds():
     assert chi_square(first[:-1] * vocab + first[1:], cells) < 37.7  # seeds s and s + 1, same step
 
 
-# ---- penalties, min_new_tokens ------------------------------------------------------------------
-
-
 def test_penalties_match_a_hand_computed_example():
     logits = torch.tensor([[1.0, 2.0, -1.0, 4.0, 0.5, -2.0]] * 2)
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
@@ -210,10 +184,7 @@ def test_penalties_match_a_hand_computed_example():
     # repetition over {1, 2, 3}: 2/2, -1*2, 4/2; then counts {2: 1, 3: 2}: -2 - 0.5 - 0.25, 2 - 1 - 0.25
     assert out[1].tolist() == [1.0, 1.0, -2.75, 0.75, 0.5, -2.0]
     assert torch.equal(out[0], logits[0])
-
-
-def test_no_penalties_no_work():
-    info = info_for([make_req(SamplingParams(**SAMPLED))], 10)
+    info = info_for([plain], 6)  # no penalties, no work
     assert info.seen_token_idx is None and info.output_token_idx is None and info.banned_token_idx is None
 
 
@@ -230,9 +201,6 @@ def test_min_new_tokens_masks_eos_and_stop_ids():
             assert not set(tokens.tolist()) & {EOS, 5}
         done = make_req(params, output=[9, 9])
         assert draw([done], logits).next_token_ids.tolist() in ([EOS], [5])
-
-
-# ---- logprobs -----------------------------------------------------------------------------------
 
 
 def test_logprobs_are_of_the_raw_logits_and_honor_each_request():
@@ -256,15 +224,8 @@ def test_logprobs_are_of_the_raw_logits_and_honor_each_request():
         values = [v for _, v in lps[row].top]
         assert values == sorted(values, reverse=True)
     assert lps[0].top[0][0] == lps[0].token_id  # greedy: the sampled token is the top one
-
-
-def test_no_logprobs_asked_none_computed():
-    reqs = [make_req(SamplingParams())]
-    out = draw(reqs, torch.randn(1, 10))
-    assert out.logprobs is None and out.top_logprob_ids is None and to_token_logprobs(out, reqs) == [None]
-
-
-# ---- no host sync -------------------------------------------------------------------------------
+    out = draw(reqs[2:3], logits[2:3])  # nobody asked: nothing computed
+    assert out.logprobs is None and out.top_logprob_ids is None and to_token_logprobs(out, reqs[2:3]) == [None]
 
 
 def mixed_batch():
