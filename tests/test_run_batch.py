@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from test_openai_api import build_tokenizer, fake_completions
+from tests.test_openai_api import build_tokenizer, fake_completions
 
 from pdserve.common.run_batch import run_batch
 
