@@ -37,13 +37,19 @@ def _check_count(parsed: ParsedRequest, completions: list[Completion]) -> None:
 
 
 def usage(parsed: ParsedRequest, completions: list[Completion]) -> dict:
-    """Each prompt counts once however many choices it has; every choice's output counts."""
+    """Each prompt counts once however many choices it has; every choice's output counts.
+
+    Cached prompt tokens (OpenAI's prompt_tokens_details.cached_tokens) count once per prompt too,
+    from its first choice: that is the prefill the prompt's billing stands for.
+    """
     prompt_tokens = sum(len(p) for p in parsed.prompts)
     completion_tokens = sum(len(c.output_ids) for c in completions)
+    cached_tokens = sum(c.cached_tokens for c in completions[:: parsed.n])
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -126,3 +126,42 @@ def test_sampling_params_validation():
                 dict(logprobs=21), dict(min_new_tokens=5, max_new_tokens=2), dict(stop=("",))):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def test_requests_sharing_a_long_prefix_report_exact_cached_tokens(make_engine):
+    engine = make_engine("llama", page_size=16)
+    prefix = [engine.tokenizer.bos_token_id] + list(range(10, 109))  # 100 tokens
+    greedy = SamplingParams(max_new_tokens=4, temperature=0)
+    [first] = engine.generate([prefix + [200, 201]], greedy)
+    [second] = engine.generate([prefix + [300, 301, 302]], greedy)
+    [again] = engine.generate([prefix + [300, 301, 302]], greedy)
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == 96  # the 6 whole pages of the shared 100 tokens
+    assert again.cached_tokens == 96  # second cached 106 tokens: still 6 whole pages
+    assert again.output_ids == second.output_ids
+
+
+def test_run_batch_reports_cached_tokens_in_usage(tiny_models, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    prefix = "The same long system prompt, repeated for every request in this batch. " * 4
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    with open(src, "w") as f:
+        for i in range(3):
+            body = {"prompt": prefix + f"question {i}?", "max_tokens": 3, "temperature": 0}
+            f.write(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    cmd = [sys.executable, "-m", "pdserve.common.cli", "run-batch", "-i", str(src), "-o", str(dst),
+           "--model-path", tiny_models("qwen2"), "--device", "cpu", "--max-running-requests", "1",
+           "--max-total-tokens", "4096", "--page-size", "8"]
+    subprocess.run(cmd, check=True, timeout=300)
+    usages = [json.loads(line)["response"]["body"]["usage"] for line in dst.read_text().splitlines()]
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_models("qwen2"))
+    ids = [tok(prefix + f"question {i}?")["input_ids"] for i in range(3)]
+    common = next(n for n in range(len(ids[0])) if ids[0][n] != ids[1][n])
+    assert common > 40
+    assert cached == [0, common // 8 * 8, common // 8 * 8]  # whole pages of the shared tokens

@@ -68,7 +68,9 @@ def fake_completions(tokenizer, prompts, params) -> list[Completion]:
                 for k, t in enumerate(out)
             ]
         reason = FinishReason.LENGTH if length == p.max_new_tokens else FinishReason.STOP
-        results.append(Completion(f"r{i}", list(prompt), out, tokenizer.decode(out), reason, logprobs=logprobs))
+        results.append(
+            Completion(f"r{i}", list(prompt), out, tokenizer.decode(out), reason, logprobs=logprobs, cached_tokens=i)
+        )
     return results
 
 
@@ -347,6 +349,8 @@ def test_completion_response_shape_and_usage(tokenizer):
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        # the fake reports cached_tokens = its index: each prompt counts its first choice's (0 and 3)
+        "prompt_tokens_details": {"cached_tokens": 3},
     }
     assert completion_tokens == 3 * 4 + 3 * min(4, 3 + len(parsed.prompts[1]) % 3)
 
@@ -398,7 +402,12 @@ def test_chat_response_shape_logprobs_and_usage(tokenizer):
         {"token": "b", "logprob": -0.25, "bytes": [98]},
     ]
     prompt_tokens = len(parsed.prompts[0])
-    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 6, "total_tokens": prompt_tokens + 6}
+    assert body["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 6,
+        "total_tokens": prompt_tokens + 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_chat_without_logprobs_and_with_token_ids(tokenizer):

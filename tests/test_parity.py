@@ -62,6 +62,35 @@ def test_greedy_matches_transformers_through_the_python_api(reference, make_engi
     assert max(sizes) == batch_size and min(sizes) == 1, "the batch filled up, then drained"
 
 
+# Engine settings that each force one scheduling path, and the counter proving it was taken.
+MODES = {
+    "chunked": (dict(chunked_prefill_size=16, page_size=4), "prefill_chunks"),
+    "retract": (dict(max_total_tokens=400, context_length=160, num_reserved_decode_tokens=1, page_size=4), "retractions"),
+    "odd_pages_lpm": (dict(page_size=7, schedule_policy="lpm", chunked_prefill_size=50), "prefill_chunks"),
+    "no_cache": (dict(disable_radix_cache=True, page_size=1), None),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_greedy_matches_transformers_in_every_scheduling_mode(reference, make_engine, mode):
+    arch, _, cases = reference
+    settings, counter = MODES[mode]
+    engine = make_engine(arch, max_running_requests=32, **settings)
+    params = [SamplingParams(max_new_tokens=n, temperature=0) for _, n, _ in cases]
+    outs = engine.generate([ids for ids, _, _ in cases], params)
+    assert [o.output_ids for o in outs] == [expected for _, _, expected in cases], f"{arch} {mode}"
+    if counter is not None:
+        assert engine.scheduler.stats[counter] > 0, f"{mode} never took its path"
+    if mode in ("no_cache", "retract"):  # retract: a 400-token pool keeps nothing for long
+        return
+    # The same prompts again: now their prefixes come from the radix cache.
+    hits_before = engine.scheduler.stats["cache_hit_tokens"]
+    outs = engine.generate([ids for ids, _, _ in cases], params)
+    assert [o.output_ids for o in outs] == [expected for _, _, expected in cases], f"{arch} {mode} cached"
+    assert engine.scheduler.stats["cache_hit_tokens"] > hits_before
+    assert sum(o.cached_tokens for o in outs) > 0
+
+
 def record_batch_sizes(engine) -> list[int]:
     sizes = []
     schedule = engine.scheduler.get_next_batch_to_run
