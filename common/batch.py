@@ -33,6 +33,9 @@ class ForwardBatch:
     extend_lens: list[int]  # new tokens of each request in this forward
     extend_starts: list[int]  # offset of each request's first new token in the flat layout
     req_rows: list[int]  # ReqToTokenPool rows, host copy
+    last_indices: torch.Tensor  # [B] int64: flat index of each request's last new token
+    samples: list[bool]  # False for a mid-prompt chunk: its sampled token is discarded
+    has_placeholders: bool  # some input id is a FutureMap placeholder (< 0)
 
     @property
     def batch_size(self) -> int:

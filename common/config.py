@@ -41,6 +41,10 @@ class EngineConfig:
     )
     schedule_policy: str = _opt("fcfs", "Order of the waiting queue: fcfs, or lpm (longest cached prefix first).")
     disable_radix_cache: bool = _opt(False, "Turn off prefix caching (the radix tree over the KV pages).")
+    disable_overlap_schedule: bool = _opt(False, "Run the plain serial loop instead of the overlapped one.")
+    serial_consecutive_prefill: bool = _opt(
+        False, "Process a prefill's result before launching the next prefill (lower TTFT under load)."
+    )
     random_seed: int = _opt(-1, "Seed for the per-request seeds the engine draws; -1: from the OS.")
 
     def resolve(self) -> "EngineConfig":

@@ -3,20 +3,24 @@
     engine = Engine(EngineConfig(model_path="/models/tiny"))
     [c] = engine.generate(["Hello"], SamplingParams(max_new_tokens=8, temperature=0))
 
-The loop is the plain serial one of the seeds (`event_loop_normal`): schedule, run, process, every
-step. The overlapped loop (issue 4) reuses the same scheduler and runner.
+Two loops over the same scheduler and runner: `event_loop_overlap` (the default) launches batch N
+before processing batch N-1, so the host's scheduling and result processing hide behind the
+device's forward; `event_loop_normal` (--disable-overlap-schedule) is the plain serial twin. Both
+give the same tokens.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from typing import Iterable, Sequence
+from collections import deque
+from typing import Iterator, Sequence
 
-from pdserve.common.batch import ForwardBatch
+from pdserve.common.batch import ForwardBatch, ForwardMode
 from pdserve.common.config import EngineConfig
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.model_runner import ModelRunner
+from pdserve.common.overlap import ForwardResult
 from pdserve.common.sampling import SamplingBatchInfo, to_token_logprobs
 from pdserve.common.scheduler import Scheduler
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
@@ -36,6 +40,9 @@ class Engine:
         self.scheduler = Scheduler(
             self.config, self.runner.req_to_token_pool, self.runner.kv_pool, self.eos_token_ids
         )
+        self.streams = self.runner.streams
+        self.war_barrier = True  # debug switch for the race test only: never turn off in serving
+        self.trace: deque = deque(maxlen=4096)  # ("launch" | "process", batch id), for ordering tests
         seed = None if self.config.random_seed < 0 else self.config.random_seed
         self._rng = random.Random(seed)
         self._ids = itertools.count()
@@ -73,26 +80,75 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    # ---- the loop -------------------------------------------------------------------------------
+    # ---- the loops ------------------------------------------------------------------------------
 
-    def step(self) -> list[Completion]:
-        """One iteration: schedule a batch, run it, process its result. Returns what finished."""
-        batch = self.scheduler.get_next_batch_to_run()
-        if batch is None:
-            return []
-        next_ids, logprobs = self.run_batch(batch)
+    def launch(self, batch: ForwardBatch) -> ForwardResult:
+        info = SamplingBatchInfo.from_reqs(batch.reqs, self.vocab_size, self.eos_token_ids, self.runner.device)
+        slots = self.runner.future_map.alloc(batch.batch_size)
+        result = self.runner.launch(batch, info, slots)
+        self.scheduler.on_launched(batch, slots)
+        self.trace.append(("launch", id(batch)))
+        return result
+
+    def process(self, batch: ForwardBatch, result: ForwardResult) -> list[Completion]:
+        result.copy_done.synchronize()  # the one place the host waits for the device
+        self.trace.append(("process", id(batch)))
+        host = self.runner.host_sample_output(result)
+        next_ids, logprobs = host.next_token_ids.tolist(), to_token_logprobs(host, batch.reqs)
+        self.runner.release(result)
         return self.scheduler.process_batch_result(batch, next_ids, logprobs)
 
-    def run_batch(self, batch: ForwardBatch):
-        info = SamplingBatchInfo.from_reqs(batch.reqs, self.vocab_size, self.eos_token_ids, self.runner.device)
-        logits = self.runner.forward(batch)
-        out = self.runner.sample(logits, info)
-        return out.next_token_ids.tolist(), to_token_logprobs(out, batch.reqs)
+    def step(self) -> list[Completion]:
+        """One serial iteration: schedule a batch, run it, process its result. Returns what finished."""
+        batch = self.scheduler.get_next_batch_to_run()
+        if batch is None:
+            if self.scheduler.has_work():
+                raise RuntimeError(f"scheduler stalled with work queued: {self.stats()}")
+            return []
+        with self.streams.use(self.streams.schedule_stream):
+            return self.process(batch, self.launch(batch))
 
-    def event_loop_normal(self) -> Iterable[Completion]:
-        """The serial loop: runs until nothing is queued or running."""
+    def event_loop_normal(self) -> Iterator[Completion]:
+        """The serial loop (--disable-overlap-schedule): runs until nothing is queued or running."""
         while self.scheduler.has_work():
             yield from self.step()
+
+    def event_loop_overlap(self) -> Iterator[Completion]:
+        """Launch batch N, then process batch N-1 while the device runs N (seeds' event_loop_overlap)."""
+        streams = self.streams
+        inflight: deque[tuple[ForwardBatch, ForwardResult]] = deque()
+        last_mode = None
+        with streams.use(streams.schedule_stream):
+            while self.scheduler.has_work() or inflight:
+                batch = self.scheduler.get_next_batch_to_run()
+                if batch is not None:
+                    if inflight and self._must_run_serially(batch, last_mode):
+                        yield from self.process(*inflight.popleft())
+                    inflight.append((batch, self.launch(batch)))
+                    last_mode = batch.mode
+                    if self.war_barrier:
+                        # WAR barrier: the next scheduling step rewrites req_to_token rows and KV
+                        # slots that this forward may still be reading.
+                        streams.schedule_stream.wait_stream(streams.forward_stream)
+                elif not inflight:
+                    raise RuntimeError(f"scheduler stalled with work queued: {self.stats()}")
+                if inflight and (batch is None or len(inflight) > 1):
+                    yield from self.process(*inflight.popleft())
+
+    def _must_run_serially(self, batch: ForwardBatch, last_mode) -> bool:
+        """Cases where overlapping with the previous batch would be wrong or hurt.
+
+        Penalties need the previous token's value on the host when the batch's sampling info is
+        built; --serial-consecutive-prefill keeps a prefill from delaying the previous prefill's
+        first token by one forward (TTFT).
+        """
+        if any(r.params.has_penalties for r in batch.reqs):
+            return True
+        consecutive_prefill = batch.mode is ForwardMode.EXTEND and last_mode is ForwardMode.EXTEND
+        return self.config.serial_consecutive_prefill and consecutive_prefill
+
+    def run_loop(self) -> Iterator[Completion]:
+        return self.event_loop_normal() if self.config.disable_overlap_schedule else self.event_loop_overlap()
 
     # ---- offline API ----------------------------------------------------------------------------
 
@@ -123,7 +179,7 @@ class Engine:
             for rid in rids:
                 self.abort(rid)
             raise
-        done = {c.rid: c for c in self.event_loop_normal()}
+        done = {c.rid: c for c in self.run_loop()}
         return [done[rid] for rid in rids]
 
     def stats(self) -> dict:

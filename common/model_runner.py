@@ -13,7 +13,9 @@ from pdserve.common.batch import ForwardBatch
 from pdserve.common.config import EngineConfig
 from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.models.loader import load_model
+from pdserve.common.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs, h2d
 from pdserve.common.sampling import SampleOutput, SamplingBatchInfo, sample
+from pdserve.common.types import MAX_TOP_LOGPROBS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -38,6 +40,12 @@ class ModelRunner:
             device=self.device,
         )
         self.attn = create_backend("torch_native", self.req_to_token_pool, self.kv_pool)
+        self.streams = DeviceStreams(self.device)
+        self.future_map = FutureMap(config.max_running_requests, self.device)
+        self.pinned = PinnedOutputs(config.max_running_requests, MAX_TOP_LOGPROBS, self.device)
+        # Test hook: called on the forward stream before the model runs (e.g. a GPU sleep that
+        # widens race windows). None in production.
+        self.before_forward = None
 
     def _kv_pages(self, bytes_per_token: int) -> int:
         c = self.config
@@ -55,12 +63,54 @@ class ModelRunner:
         return pages
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
         """Next-token logits, float32 [batch_size, vocab]."""
-        hidden = self.model(batch.input_ids, batch.positions, batch, self.attn)
-        last = torch.tensor(batch.last_token_indices(), dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden[last])
+        hidden = self.model(input_ids, batch.positions, batch, self.attn)
+        return self.model.compute_logits(hidden[batch.last_indices])
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
-        return sample(logits, info)
+    def launch(self, batch: ForwardBatch, info: SamplingBatchInfo, future_slots: list[int]) -> ForwardResult:
+        """Queue forward + sample of `batch` and the copy of its results to pinned host memory.
+
+        Returns at once; the host may read the result after `result.copy_done.synchronize()`.
+        Sampled ids also go to the FutureMap slots `future_slots`, where later batches read them.
+        """
+        streams = self.streams
+        slots = h2d(future_slots, torch.int64, self.device)  # queued on the schedule stream
+        with streams.use(streams.forward_stream):
+            streams.forward_stream.wait_stream(streams.schedule_stream)
+            input_ids = self.future_map.resolve(batch.input_ids) if batch.has_placeholders else batch.input_ids
+            if self.before_forward is not None:
+                self.before_forward(batch)
+            out = sample(self.forward(batch, input_ids), info)
+            self.future_map.store(slots, out.next_token_ids)
+            published = streams.event()
+            published.record(streams.forward_stream)
+        host = self.pinned.acquire()
+        bs, k = batch.batch_size, info.top_logprobs_k
+        with streams.use(streams.d2h_stream):
+            streams.d2h_stream.wait_event(published)
+            host.next_token_ids[:bs].copy_(out.next_token_ids, non_blocking=True)
+            if out.logprobs is not None:
+                host.logprobs[:bs].copy_(out.logprobs, non_blocking=True)
+            if k:
+                host.top_ids[:bs, :k].copy_(out.top_logprob_ids, non_blocking=True)
+                host.top_logprobs[:bs, :k].copy_(out.top_logprobs, non_blocking=True)
+            copy_done = streams.event()
+            copy_done.record(streams.d2h_stream)
+        return ForwardResult(host, bs, out.logprobs is not None, k, copy_done, keep_alive=[batch, info, out, slots])
+
+    def host_sample_output(self, result: ForwardResult) -> SampleOutput:
+        """The result's host copies, as a SampleOutput (call after copy_done.synchronize())."""
+        h, bs, k = result.host, result.batch_size, result.top_k
+        return SampleOutput(
+            next_token_ids=h.next_token_ids[:bs],
+            logprobs=h.logprobs[:bs] if result.has_logprobs else None,
+            top_logprob_ids=h.top_ids[:bs, :k] if k else None,
+            top_logprobs=h.top_logprobs[:bs, :k] if k else None,
+        )
+
+    def release(self, result: ForwardResult) -> None:
+        """The host is done with the result: its pinned buffers and device tensors may be reused."""
+        result.host.in_use = False
+        result.keep_alive.clear()

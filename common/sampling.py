@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.common.overlap import h2d
 from pdserve.common.types import Req, TokenLogprob
 
 _MASK32 = 0xFFFFFFFF
@@ -52,14 +53,6 @@ def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return -torch.log(u)
 
 
-def _to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    tensor = torch.tensor(data, dtype=dtype)
-    if device.type == "cuda":
-        # A pageable host->device copy makes the host wait for the stream; a pinned one is queued.
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
 @dataclass
 class SamplingBatchInfo:
     """Per-batch sampling state. Tensors are on the device, and None when no row needs them."""
@@ -86,14 +79,16 @@ class SamplingBatchInfo:
     def from_reqs(
         cls, reqs: list[Req], vocab_size: int, eos_token_ids: tuple[int, ...], device
     ) -> "SamplingBatchInfo":
-        """Builds the batch's tensors; each req's output_ids must hold every token sampled so far."""
+        """Builds the batch's tensors. The sample step (noise) and min_new_tokens count pending
+        tokens too (req.num_sampled); penalties need the token values, so a batch with penalties
+        must not have pending tokens (the overlap loop runs such batches serially)."""
         device = torch.device(device)
         params = [req.params for req in reqs]
         sampled = [not p.greedy for p in params]
         all_greedy = not any(sampled)
 
         def upload(needed: bool, data, dtype):
-            return _to_device(data, dtype, device) if needed else None
+            return h2d(data, dtype, device) if needed else None
 
         def column(needed: bool, values, dtype):
             return upload(needed, [[v] for v in values], dtype)
@@ -111,7 +106,7 @@ class SamplingBatchInfo:
                 seen += [base + t for t in set(req.prompt_ids) | set(req.output_ids)]
             if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
                 counted += [base + t for t in req.output_ids]
-            if len(req.output_ids) < p.min_new_tokens:
+            if req.num_sampled < p.min_new_tokens:
                 # EOS is masked even with ignore_eos; an out-of-vocab stop id can never be drawn.
                 banned += [base + t for t in set(eos_token_ids) | set(p.stop_token_ids) if t < vocab_size]
 
@@ -124,7 +119,7 @@ class SamplingBatchInfo:
             top_ks=column(any(k < vocab_size for k in top_ks), top_ks, torch.int64),
             top_ps=column(any(p < float("inf") for p in top_ps), top_ps, torch.float32),
             min_ps=column(any(m > 0.0 for m in min_ps), min_ps, torch.float32),
-            noise_keys=column(not all_greedy, [row_key(r.seed, len(r.output_ids)) for r in reqs], torch.int64),
+            noise_keys=column(not all_greedy, [row_key(r.seed, r.num_sampled) for r in reqs], torch.int64),
             repetition_penalties=column(bool(seen), [p.repetition_penalty for p in params], torch.float32),
             seen_token_idx=upload(bool(seen), seen, torch.int64),
             frequency_penalties=column(bool(counted), [p.frequency_penalty for p in params], torch.float32),

@@ -29,6 +29,7 @@ from pdserve.common.batch import ForwardBatch, ForwardMode
 from pdserve.common.config import EngineConfig
 from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for, slots_for_positions
 from pdserve.common.output_processor import append_token, finalize
+from pdserve.common.overlap import h2d
 from pdserve.common.radix_cache import RadixCache
 from pdserve.common.types import Completion, FinishReason, Req, SamplingParams, TokenLogprob
 
@@ -86,6 +87,7 @@ class Scheduler:
                     else:
                         queue.remove(req)
                     req.finish_reason = FinishReason.ABORT
+                    req.discard = req.pending  # results still in flight are dropped on arrival
                     self._free_kv(req)
                     return finalize(req)
         return None
@@ -110,12 +112,18 @@ class Scheduler:
             self._grow_pages(req, end)
             spans.append((req, req.kv_len, end))
             budget -= end - req.kv_len
-        available = self._available_pages() - self._reserved_pages(self.running + [r for r, _, _ in spans])
+            if end < req.seq_len:
+                self.chunked_req = req
+            else:
+                self.running.append(req)
+        available = self._available_pages() - self._reserved_pages(self.running)
         self._order_waiting()
-        chunking_one = bool(spans) and spans[0][2] < spans[0][0].seq_len
+        chunking_one = self.chunked_req is not None
         while self.waiting and budget > 0 and not chunking_one:
             req = self.waiting[0]
-            if len(self.running) + len(spans) >= self.config.max_running_requests:
+            if req.pending:
+                break  # retracted with a result in flight: resume once it is processed (next step)
+            if len(self.running) + 1 > self.config.max_running_requests:
                 break
             if self.req_to_token_pool.available() == 0:
                 break
@@ -137,9 +145,13 @@ class Scheduler:
             available -= need
             budget -= end - req.kv_len
             chunking_one = end < req.seq_len
+            if chunking_one:
+                self.chunked_req = req
+            else:
+                self.running.append(req)  # joins decode now: the next batch feeds it a placeholder
         return self._build_batch(ForwardMode.EXTEND, spans) if spans else None
 
-    def prepare_decode(self) -> ForwardBatch:
+    def prepare_decode(self) -> ForwardBatch | None:
         """Give every running request a slot for its last token, retracting requests if KV runs out."""
         # NOTE: no chunked request exists here (prefill first runs it to its end), so every page not
         # held by a running request is free or evictable, and one request alone always fits.
@@ -148,8 +160,12 @@ class Scheduler:
         for req in self.running:
             if self._needs_page(req):
                 req.pages += self._alloc_pages(1)
-        spans = [(req, req.seq_len - 1, req.seq_len) for req in self.running]
-        return self._build_batch(ForwardMode.DECODE, spans)
+        spans = [(req, req.seq_len - 1, req.seq_len) for req in self.running if not self._surely_done(req)]
+        return self._build_batch(ForwardMode.DECODE, spans) if spans else None
+
+    def _surely_done(self, req: Req) -> bool:
+        """Its pending token already reaches max_new_tokens or the context: another step is waste."""
+        return req.num_sampled >= req.params.max_new_tokens or req.seq_len >= self.config.context_length
 
     # ---- KV bookkeeping -------------------------------------------------------------------------
 
@@ -205,7 +221,7 @@ class Scheduler:
 
     def _decode_reserve_pages(self, req: Req, seq_len: int) -> int:
         """Pages the request should hold to run its next num_reserved_decode_tokens tokens."""
-        ahead = min(req.params.max_new_tokens - len(req.output_ids), self.config.num_reserved_decode_tokens)
+        ahead = min(req.params.max_new_tokens - req.num_sampled, self.config.num_reserved_decode_tokens)
         return pages_for(seq_len + ahead, self.page_size)
 
     def _reserved_pages(self, reqs: list[Req]) -> int:
@@ -219,10 +235,12 @@ class Scheduler:
     def _retract_one(self) -> None:
         """Send the running request with the least output (then the longest prompt, then the latest
         admitted) back to waiting: it loses the least work."""
-        victim = min(reversed(self.running), key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
+        victim = min(reversed(self.running), key=lambda r: (r.num_sampled, -len(r.prompt_ids)))
         self.running.remove(victim)
         self._cache_and_release(victim)
-        victim.kv_len = 0
+        # A token still in flight is dropped when it arrives; the resumed prefill samples it again
+        # at the same step with the same seed.
+        victim.discard, victim.kv_len = victim.pending, 0
         self.waiting.appendleft(victim)
         self.stats["retractions"] += 1
 
@@ -254,22 +272,26 @@ class Scheduler:
         positions: list[int] = []
         out_loc: list[int] = []
         rows, cols = [], []
-        seq_lens, extend_lens, extend_starts = [], [], []
+        seq_lens, extend_lens, extend_starts, samples = [], [], [], []
         for req, start, end in spans:
             extend_starts.append(len(input_ids))
-            input_ids += req.fill_ids()[start:end]
+            # Decode feeds the last token, a FutureMap placeholder while it is still in flight.
+            input_ids += req.fill_ids()[start:end] if mode is ForwardMode.EXTEND else [req.last_token()]
             positions += range(start, end)
             out_loc += slots_for_positions(req.pages, start, end, self.page_size)
             rows += [req.req_pool_idx] * (end - start)
             cols += range(start, end)
             seq_lens.append(end)
             extend_lens.append(end - start)
+            samples.append(end == req.seq_len)
+            req.kv_len = end  # launched: a later forward on the same stream sees these positions
 
         def dev(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
+            return h2d(values, torch.int64, self.device)
 
         out_cache_loc = dev(out_loc)
-        # The position -> slot entries of the new tokens, written before the forward reads them.
+        # The position -> slot entries of the new tokens, written (on the schedule stream) before
+        # the forward reads them.
         self.req_to_token_pool.req_to_token[dev(rows), dev(cols)] = out_cache_loc.to(torch.int32)
         reqs = [req for req, _, _ in spans]
         req_rows = [r.req_pool_idx for r in reqs]
@@ -284,31 +306,46 @@ class Scheduler:
             extend_lens=extend_lens,
             extend_starts=extend_starts,
             req_rows=req_rows,
+            last_indices=dev([s + n - 1 for s, n in zip(extend_starts, extend_lens)]),
+            samples=samples,
+            has_placeholders=any(t < 0 for t in input_ids),
         )
+
+    def on_launched(self, batch: ForwardBatch, future_slots: list[int]) -> None:
+        """The batch's forward is queued: each sampling request now has a token in flight."""
+        for req, sampling, slot in zip(batch.reqs, batch.samples, future_slots):
+            if sampling:
+                req.pending += 1
+                req.future_idx = slot
+                if req.finished:  # finished (or aborted) after this batch was built
+                    req.discard += 1
 
     # ---- results --------------------------------------------------------------------------------
 
     def process_batch_result(
         self, batch: ForwardBatch, next_token_ids: list[int], logprobs: list[TokenLogprob | None]
     ) -> list[Completion]:
-        """Append each request's new token, retire the finished ones, move prefilled ones to running.
+        """Append each request's new token, retire the finished ones.
 
-        A request whose prompt is only partly prefilled samples nothing: its token is discarded
-        and it stays the chunked request.
+        Mid-prompt chunks sample nothing real; results for requests that finished, were aborted or
+        were retracted after the batch was launched are dropped (req.discard). A finished request
+        gives its KV back at once: anything still in flight that reads it is ordered before any
+        later reuse by the forward stream and the WAR barrier.
         """
         finished: list[Completion] = []
-        for req, seq_len, token, lp in zip(batch.reqs, batch.seq_lens, next_token_ids, logprobs):
-            req.kv_len = seq_len
-            if seq_len < req.seq_len:
-                self.chunked_req = req
+        for req, sampling, token, lp in zip(batch.reqs, batch.samples, next_token_ids, logprobs):
+            if not sampling:
+                continue
+            req.pending -= 1
+            if req.discard:
+                req.discard -= 1
                 continue
             append_token(req, token, lp, self.eos_token_ids, self.config.context_length)
             if req.finished:
                 self._cache_and_release(req)
+                req.discard = req.pending  # a step launched after this one is dropped
                 finished.append(finalize(req))
-            elif batch.mode is ForwardMode.EXTEND:
-                self.running.append(req)
-        if finished and batch.mode is ForwardMode.DECODE:
+        if finished:
             self.running = [r for r in self.running if not r.finished]
         return finished
 

@@ -133,19 +133,38 @@ class Req:
         self.pages: list[int] = []  # KV pages, in position order: page i holds positions [i*P, (i+1)*P)
         self.prefix_pages = 0  # how many leading pages belong to the prefix cache (matched, locked)
         self.last_node = None  # the radix-cache node locked for that prefix
+        # Overlap bookkeeping. A launched forward samples a token the host has not seen yet:
+        # `pending` counts those, `future_idx` is the FutureMap slot of the latest (the next
+        # decode step feeds -future_idx and the forward stream resolves it), and `discard` counts
+        # in-flight results to drop because the request finished, was aborted or was retracted
+        # after they were launched.
+        self.pending = 0
+        self.future_idx = 0
+        self.discard = 0
         self.kv_len = 0
         self.cached_tokens = 0
         self.detokenizer = None  # set by the engine: an IncrementalDetokenizer
 
     @property
     def seq_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens in the sequence, counting sampled-but-unseen (pending) ones."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def num_sampled(self) -> int:
+        """Output tokens sampled so far, seen or pending: the step of the next sample."""
+        return len(self.output_ids) + self.pending
+
+    def last_token(self) -> int:
+        """The next decode input: a real id, or a FutureMap placeholder (< 0) while pending."""
+        return -self.future_idx if self.pending else (self.output_ids or self.prompt_ids)[-1]
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def fill_ids(self) -> list[int]:
+        """The tokens the host knows (pending ones excluded)."""
         return self.prompt_ids + self.output_ids
 
     def __repr__(self) -> str:

@@ -129,30 +129,30 @@ def check_consistent(scheduler):
 
 
 def test_randomized_requests_with_aborts_end_with_every_page_free():
-    from tests.test_scheduler import make_scheduler
+    from tests.test_scheduler import feed, make_scheduler
     from pdserve.common.types import Req, SamplingParams
 
     rng = random.Random(0)
-    s = make_scheduler(num_pages=24, page_size=2, rows=6, context=40, max_running=6, max_prefill=12,
-                       chunk=5, radix=True, reserve=3)
+    s = make_scheduler(num_pages=20, page_size=2, rows=6, context=36, max_running=6, max_prefill=12,
+                       chunk=5, radix=True, reserve=1)
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(2, 10))] for _ in range(4)]
     live = []
     for i in range(300):
         if rng.random() < 0.4 and len(live) < 12:
             prompt = rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 8))]
-            r = Req(f"r{i}", prompt, SamplingParams(max_new_tokens=rng.randrange(1, 10)), seed=0)
+            r = Req(f"r{i}", prompt, SamplingParams(max_new_tokens=rng.randrange(1, 16)), seed=0)
             s.add_request(r)
             live.append(r.rid)
         if rng.random() < 0.1 and live:
             s.abort(live.pop(rng.randrange(len(live))))
         batch = s.get_next_batch_to_run()
         if batch is not None:
-            for done in s.process_batch_result(batch, [rng.randrange(1, 50) for _ in batch.reqs], [None] * batch.batch_size):
+            for done in feed(s, batch, [rng.randrange(1, 50) for _ in batch.reqs]):
                 live.remove(done.rid)
         check_consistent(s)
     while s.has_work():
         batch = s.get_next_batch_to_run()
-        s.process_batch_result(batch, [7] * batch.batch_size, [None] * batch.batch_size)
+        feed(s, batch, [7] * batch.batch_size)
         check_consistent(s)
     assert s.is_idle()
     assert s.stats["cache_hit_tokens"] > 0 and s.stats["prefill_chunks"] > 0 and s.stats["retractions"] > 0

@@ -39,6 +39,8 @@ def req(rid, prompt_len, max_new=4, **kw):
 
 
 def feed(s, batch, tokens):
+    """Play the model serially: launch the batch, then process its result at once."""
+    s.on_launched(batch, list(range(1, batch.batch_size + 1)))
     return s.process_batch_result(batch, tokens, [None] * len(tokens))
 
 
@@ -77,7 +79,7 @@ def test_decode_steps_grow_pages_at_page_boundaries():
     feed(s, batch, [60, 61])
     batch = s.get_next_batch_to_run()
     assert a.pages == [1, 4] and batch.out_cache_loc.tolist() == [16, 13]
-    assert a.output_ids == [50, 60] and a.kv_len == 4
+    assert a.output_ids == [50, 60] and a.kv_len == 5  # kv_len counts positions launched
 
 
 def test_finished_requests_free_their_row_and_pages_and_leave_running():
@@ -198,7 +200,7 @@ def test_prefix_cache_hit_reuses_whole_pages_and_counts_cached_tokens():
     b = Req("b", [5, 6, 7, 8, 9, 10, 11, 12, 50, 51], SamplingParams(max_new_tokens=2), seed=0)
     s.add_request(b)
     batch = s.get_next_batch_to_run()
-    assert b.pages[:2] == [1, 2] and b.prefix_pages == 2 and b.cached_tokens == 8 and b.kv_len == 8
+    assert b.pages[:2] == [1, 2] and b.prefix_pages == 2 and b.cached_tokens == 8 and b.kv_len == 10
     assert batch.positions.tolist() == [8, 9] and batch.input_ids.tolist() == [50, 51] and batch.seq_lens == [10]
     assert s.req_to_token_pool.req_to_token[b.req_pool_idx, :10].tolist() == list(range(4, 12)) + [b.pages[2] * 4, b.pages[2] * 4 + 1]
     assert s.tree_cache.protected_pages == 2 and s.tree_cache.evictable_pages == 0

@@ -1,0 +1,134 @@
+"""The overlap machinery: device-agnostic streams, the FutureMap, pinned host copies.
+
+Streams (seeds/overlap-scheduler-streams.md):
+    schedule_stream  the event loop runs inside it; the GPU ops scheduling issues (req_to_token
+                     writes, H2D of input ids) queue here
+    forward_stream   forward + sample; first waits for schedule_stream (a GPU-side wait)
+    d2h_stream       private: copies what the host needs into pinned buffers, waiting only on the
+                     event that publishes them, then records `copy_done`
+On CPU every stream and event is torch.cpu's no-op stub, so the same loop runs and its ordering
+logic is tested without a GPU.
+
+NOTE the WAR barrier lives in the loop (`schedule_stream.wait_stream(forward_stream)` right after
+each launch): it makes the next scheduling step's writes to shared buffers (req_to_token rows,
+KV slots freed by the previous result and reused) wait until the forward that may still read them
+is done. Because of it nothing on schedule_stream may host-sync; everything the host reads comes
+through d2h_stream into pinned memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def h2d(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host list -> device tensor without making the host wait for the current stream.
+
+    NOTE: on CUDA a copy from pageable memory synchronizes with the stream first, which after the
+    WAR barrier means waiting for the forward in flight; pinned + non_blocking only queues it.
+    """
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+class DeviceStreams:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.module = torch.get_device_module(device)
+        self.schedule_stream = self.module.Stream()
+        self.forward_stream = self.module.Stream()
+        self.d2h_stream = self.module.Stream()
+
+    def use(self, stream):
+        """`with streams.use(s):` makes s current (no-op on CPU)."""
+        return self.module.stream(stream)
+
+    def event(self):
+        return self.module.Event()
+
+
+class FutureMap:
+    """Next-step input ids that only the device knows yet, addressed by negative placeholders.
+
+    A launch takes `bs` consecutive slots of a ring; its sampled ids are stored there on the
+    forward stream, and a later batch's input id -i is replaced by slot i on the same stream, so
+    stream order guarantees the value is written before it is read. Slot 0 is never used (-0 is
+    not a placeholder). The ring holds several batches, so a slot is never reused while a batch
+    that may read it is still in flight.
+    """
+
+    def __init__(self, max_batch: int, device: torch.device):
+        self.size = 4 * max_batch + 2
+        self.buf = torch.zeros(self.size, dtype=torch.int64, device=device)
+        self.next = 1
+
+    def alloc(self, n: int) -> list[int]:
+        if self.next + n > self.size:
+            self.next = 1
+        slots = list(range(self.next, self.next + n))
+        self.next += n
+        return slots
+
+    def store(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.buf[slots] = token_ids
+
+    def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Input ids with placeholders replaced (a new tensor; runs on the current stream)."""
+        return torch.where(input_ids < 0, self.buf[(-input_ids).clamp(min=0)], input_ids)
+
+
+@dataclass
+class HostOutputs:
+    """Pinned host buffers one result is copied into; reused once that result is processed."""
+
+    next_token_ids: torch.Tensor  # [max_batch] int64
+    logprobs: torch.Tensor  # [max_batch] float32
+    top_ids: torch.Tensor  # [max_batch, k] int64
+    top_logprobs: torch.Tensor  # [max_batch, k] float32
+    in_use: bool = False
+
+
+@dataclass
+class ForwardResult:
+    """One launched batch's outputs. The host reads them only after `copy_done.synchronize()`."""
+
+    host: HostOutputs
+    batch_size: int
+    has_logprobs: bool
+    top_k: int
+    copy_done: object
+    # Device tensors the copies read from: kept alive until the result is processed.
+    keep_alive: list = field(default_factory=list)
+
+
+class PinnedOutputs:
+    """A small ring of HostOutputs: at most two results are ever unprocessed (N-1 and N)."""
+
+    def __init__(self, max_batch: int, max_top_k: int, device: torch.device, depth: int = 3):
+        pin = device.type == "cuda"  # pinned memory needs an accelerator
+
+        def buf(*shape, dtype):
+            t = torch.zeros(shape, dtype=dtype)
+            return t.pin_memory() if pin else t
+
+        self.sets = [
+            HostOutputs(
+                buf(max_batch, dtype=torch.int64),
+                buf(max_batch, dtype=torch.float32),
+                buf(max_batch, max(max_top_k, 1), dtype=torch.int64),
+                buf(max_batch, max(max_top_k, 1), dtype=torch.float32),
+            )
+            for _ in range(depth)
+        ]
+        self.next = 0
+
+    def acquire(self) -> HostOutputs:
+        host = self.sets[self.next]
+        assert not host.in_use, "more results in flight than the pipeline allows"
+        self.next = (self.next + 1) % len(self.sets)
+        host.in_use = True
+        return host
