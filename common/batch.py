@@ -36,6 +36,7 @@ class ForwardBatch:
     last_indices: torch.Tensor  # [B] int64: flat index of each request's last new token
     samples: list[bool]  # False for a mid-prompt chunk: its sampled token is discarded
     has_placeholders: bool  # some input id is a FutureMap placeholder (< 0)
+    seq: int = 0  # launch order, set by the loop (for traces and tests)
 
     @property
     def batch_size(self) -> int:

@@ -42,7 +42,8 @@ class Engine:
         )
         self.streams = self.runner.streams
         self.war_barrier = True  # debug switch for the race test only: never turn off in serving
-        self.trace: deque = deque(maxlen=4096)  # ("launch" | "process", batch id), for ordering tests
+        self.trace: deque = deque(maxlen=4096)  # ("launch" | "process", batch.seq), for ordering tests
+        self._launches = itertools.count()
         seed = None if self.config.random_seed < 0 else self.config.random_seed
         self._rng = random.Random(seed)
         self._ids = itertools.count()
@@ -87,12 +88,13 @@ class Engine:
         slots = self.runner.future_map.alloc(batch.batch_size)
         result = self.runner.launch(batch, info, slots)
         self.scheduler.on_launched(batch, slots)
-        self.trace.append(("launch", id(batch)))
+        batch.seq = next(self._launches)
+        self.trace.append(("launch", batch.seq))
         return result
 
     def process(self, batch: ForwardBatch, result: ForwardResult) -> list[Completion]:
         result.copy_done.synchronize()  # the one place the host waits for the device
-        self.trace.append(("process", id(batch)))
+        self.trace.append(("process", batch.seq))
         host = self.runner.host_sample_output(result)
         next_ids, logprobs = host.next_token_ids.tolist(), to_token_logprobs(host, batch.reqs)
         self.runner.release(result)

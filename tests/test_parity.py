@@ -68,6 +68,18 @@ MODES = {
     "retract": (dict(max_total_tokens=400, context_length=160, num_reserved_decode_tokens=1, page_size=4), "retractions"),
     "odd_pages_lpm": (dict(page_size=7, schedule_policy="lpm", chunked_prefill_size=50), "prefill_chunks"),
     "no_cache": (dict(disable_radix_cache=True, page_size=1), None),
+    # The same paths through the serial loop (the default loop above is the overlapped one).
+    "serial": (dict(disable_overlap_schedule=True), None),
+    "serial_chunked_retract": (
+        dict(disable_overlap_schedule=True, chunked_prefill_size=16, max_total_tokens=400, context_length=160,
+             num_reserved_decode_tokens=1, page_size=4),
+        "retractions",
+    ),
+    "overlap_chunked_retract": (
+        dict(chunked_prefill_size=16, max_total_tokens=400, context_length=160, num_reserved_decode_tokens=1,
+             page_size=4, serial_consecutive_prefill=True),
+        "retractions",
+    ),
 }
 
 
@@ -81,7 +93,7 @@ def test_greedy_matches_transformers_in_every_scheduling_mode(reference, make_en
     assert [o.output_ids for o in outs] == [expected for _, _, expected in cases], f"{arch} {mode}"
     if counter is not None:
         assert engine.scheduler.stats[counter] > 0, f"{mode} never took its path"
-    if mode in ("no_cache", "retract"):  # retract: a 400-token pool keeps nothing for long
+    if mode == "no_cache" or "retract" in mode:  # a 400-token pool keeps nothing for long
         return
     # The same prompts again: now their prefixes come from the radix cache.
     hits_before = engine.scheduler.stats["cache_hit_tokens"]
