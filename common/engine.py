@@ -84,11 +84,11 @@ class Engine:
     # ---- the loops ------------------------------------------------------------------------------
 
     def launch(self, batch: ForwardBatch) -> ForwardResult:
+        batch.seq = next(self._launches)
         info = SamplingBatchInfo.from_reqs(batch.reqs, self.vocab_size, self.eos_token_ids, self.runner.device)
         slots = self.runner.future_map.alloc(batch.batch_size)
         result = self.runner.launch(batch, info, slots)
         self.scheduler.on_launched(batch, slots)
-        batch.seq = next(self._launches)
         self.trace.append(("launch", batch.seq))
         return result
 

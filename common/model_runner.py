@@ -98,7 +98,7 @@ class ModelRunner:
                 host.top_logprobs[:bs, :k].copy_(out.top_logprobs, non_blocking=True)
             copy_done = streams.event()
             copy_done.record(streams.d2h_stream)
-        return ForwardResult(host, bs, out.logprobs is not None, k, copy_done, keep_alive=[batch, info, out, slots])
+        return ForwardResult(host, bs, out.logprobs is not None, k, copy_done, published, keep_alive=[batch, info, out, slots])
 
     def host_sample_output(self, result: ForwardResult) -> SampleOutput:
         """The result's host copies, as a SampleOutput (call after copy_done.synchronize())."""

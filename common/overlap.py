@@ -101,6 +101,7 @@ class ForwardResult:
     has_logprobs: bool
     top_k: int
     copy_done: object
+    published: object  # recorded on the forward stream once forward + sample are queued before it
     # Device tensors the copies read from: kept alive until the result is processed.
     keep_alive: list = field(default_factory=list)
 

@@ -190,7 +190,7 @@ class Scheduler:
         self.stats["cache_hit_tokens"] += req.kv_len
         if req.kv_len:
             slots = slots_for_positions(req.pages, 0, req.kv_len, self.page_size)
-            self.req_to_token_pool.write(row, 0, torch.tensor(slots, dtype=torch.int32, device=self.device))
+            self.req_to_token_pool.write(row, 0, h2d(slots, torch.int32, self.device))
 
     def _chunk_end(self, req: Req, budget: int) -> int:
         end = min(req.seq_len, req.kv_len + budget)

@@ -82,13 +82,20 @@ The end.
 """
 
 
-def make_tiny_model(out_dir: str | os.PathLike, arch: str, seed: int = 0) -> pathlib.Path:
-    """Write a tiny random-weight checkpoint of `arch` (one of ARCHS) into out_dir; return its path."""
+def make_tiny_model(
+    out_dir: str | os.PathLike, arch: str, seed: int = 0, overrides: dict | None = None
+) -> pathlib.Path:
+    """Write a tiny random-weight checkpoint of `arch` (one of ARCHS) into out_dir; return its path.
+
+    `overrides` replaces config.json fields (hidden size, layers, heads, vocab, ...) before the
+    weights are drawn: benchmarks use it for realistic shapes with the same tokenizer.
+    """
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = gpt2_config() if arch == "gpt2" else llama_like_config(arch)
+    config.update(overrides or {})
     shapes = gpt2_shapes(config) if arch == "gpt2" else llama_like_shapes(arch, config)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation_config())
