@@ -1,0 +1,103 @@
+"""Overlap on vs off: decode inter-token latency at a few batch sizes, one process, one device.
+
+    python bench/overlap.py --device cuda --arch gpt2 --batch-sizes 1 8 32 64 --repeats 3
+
+Builds a random-weight checkpoint of the given shape (make_tiny_model with overrides), runs
+B prompts of --input-len random tokens for --output-len tokens (ignore_eos, greedy) with the
+overlapped and the serial loop alternately, and reports per batch size the median decode step
+interval (ITL; every running request gets one token per step, so TPOT equals it here) and
+output tokens/s. Medians over --repeats runs after one warm-up run per mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+
+SHAPES = {
+    # GPT-2 small (124M) and a Llama-1B-like decoder, random weights
+    "gpt2": {"n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": 3072, "vocab_size": 50257, "n_positions": 1024},
+    "llama": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "head_dim": 64, "intermediate_size": 8192, "vocab_size": 128256, "max_position_embeddings": 2048},
+}
+
+
+def decode_itl(engine, prompts, params) -> tuple[float, float]:
+    """(median decode step interval in ms, output tokens/s) of one generate call."""
+    stamps = []
+    process = engine.process
+
+    def timed(batch, result):
+        out = process(batch, result)
+        stamps.append((batch.mode.value, time.perf_counter()))
+        return out
+
+    engine.process = timed
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    engine.process = process
+    decode = [t for mode, t in stamps if mode == "decode"]
+    gaps = [b - a for a, b in zip(decode, decode[1:])]
+    return statistics.median(gaps) * 1e3, sum(len(o.output_ids) for o in outs) / elapsed
+
+
+def main() -> None:
+    from pdserve.common.engine import Engine
+    from pdserve.common.tiny_model import make_tiny_model
+    from pdserve.common.types import SamplingParams
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--arch", default="gpt2", choices=sorted(SHAPES))
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", help="Also write the results here.")
+    args = ap.parse_args()
+
+    path = make_tiny_model(tempfile.mkdtemp(), args.arch, overrides=SHAPES[args.arch])
+    vocab = SHAPES[args.arch]["vocab_size"]
+    engines = {
+        mode: Engine(model_path=str(path), device=args.device, dtype=args.dtype, max_total_tokens=65536,
+                     max_running_requests=max(args.batch_sizes), disable_overlap_schedule=(mode == "off"))
+        for mode in ("on", "off")
+    }
+    params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
+    results = []
+    for bs in args.batch_sizes:
+        rng = random.Random(bs)
+        prompts = [[rng.randrange(5, vocab) for _ in range(args.input_len)] for _ in range(bs)]
+        runs = {"on": [], "off": []}
+        for mode in ("on", "off"):
+            decode_itl(engines[mode], prompts, params)  # warm-up
+        for _ in range(args.repeats):
+            for mode in ("on", "off"):  # alternate, so drift hits both modes alike
+                if engines[mode].scheduler.tree_cache is not None:  # no prefix hits on repeats
+                    engines[mode].scheduler.tree_cache.reset()
+                runs[mode].append(decode_itl(engines[mode], prompts, params))
+        row = {"batch_size": bs}
+        for mode in ("on", "off"):
+            row[f"itl_ms_{mode}"] = statistics.median(r[0] for r in runs[mode])
+            row[f"tok_s_{mode}"] = statistics.median(r[1] for r in runs[mode])
+        row["itl_off_over_on"] = row["itl_ms_off"] / row["itl_ms_on"]
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{args.arch} {args.dtype} {args.input_len}->{args.output_len}, median of {args.repeats}")
+    print("batch | ITL overlap on (ms) | ITL off (ms) | off/on | tok/s on | tok/s off")
+    for r in results:
+        print(f"{r['batch_size']:5d} | {r['itl_ms_on']:19.3f} | {r['itl_ms_off']:12.3f} | {r['itl_off_over_on']:6.2f} | "
+              f"{r['tok_s_on']:8.0f} | {r['tok_s_off']:9.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
