@@ -26,24 +26,57 @@ SHAPES = {
 }
 
 
-def decode_itl(engine, prompts, params) -> tuple[float, float]:
-    """(median decode step interval in ms, output tokens/s) of one generate call."""
-    stamps = []
+def decode_itl(engine, prompts, params) -> tuple[float, float, float]:
+    """(median decode step interval ms, output tokens/s, median host scheduling + result
+    processing ms per step: the work the overlap can hide) of one generate call."""
+    stamps, host_ms = [], []
     process = engine.process
+    schedule, handle = engine.scheduler.get_next_batch_to_run, engine.scheduler.process_batch_result
 
     def timed(batch, result):
         out = process(batch, result)
         stamps.append((batch.mode.value, time.perf_counter()))
         return out
 
+    def timed_host(fn):
+        def wrapped(*args):
+            t = time.perf_counter()
+            out = fn(*args)
+            host_ms.append((time.perf_counter() - t) * 1e3)
+            return out
+
+        return wrapped
+
     engine.process = timed
+    engine.scheduler.get_next_batch_to_run, engine.scheduler.process_batch_result = timed_host(schedule), timed_host(handle)
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
     engine.process = process
+    engine.scheduler.get_next_batch_to_run, engine.scheduler.process_batch_result = schedule, handle
     decode = [t for mode, t in stamps if mode == "decode"]
     gaps = [b - a for a, b in zip(decode, decode[1:])]
-    return statistics.median(gaps) * 1e3, sum(len(o.output_ids) for o in outs) / elapsed
+    per_step = 2 * statistics.median(host_ms)  # one schedule + one result per step
+    return statistics.median(gaps) * 1e3, sum(len(o.output_ids) for o in outs) / elapsed, per_step
+
+
+def torch_sleep(cycles: int) -> None:
+    import torch
+
+    torch.cuda._sleep(cycles)
+
+
+def sleep_cycles_per_ms() -> float:
+    """Calibrate torch.cuda._sleep (it counts clock cycles) against CUDA event time."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm
+    start.record()
+    torch.cuda._sleep(50_000_000)
+    end.record()
+    end.synchronize()
+    return 50_000_000 / start.elapsed_time(end)
 
 
 def main() -> None:
@@ -60,6 +93,10 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="Also write the results here.")
+    ap.add_argument(
+        "--device-bound-ms", type=float, default=0.0,
+        help="Synthetic: add a GPU sleep of this many ms to every forward, emulating a device-bound step.",
+    )
     args = ap.parse_args()
 
     path = make_tiny_model(tempfile.mkdtemp(), args.arch, overrides=SHAPES[args.arch])
@@ -69,6 +106,10 @@ def main() -> None:
                      max_running_requests=max(args.batch_sizes), disable_overlap_schedule=(mode == "off"))
         for mode in ("on", "off")
     }
+    if args.device_bound_ms:
+        cycles = int(args.device_bound_ms * sleep_cycles_per_ms())
+        for engine in engines.values():
+            engine.runner.before_forward = lambda batch, c=cycles: torch_sleep(c)
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
     results = []
     for bs in args.batch_sizes:
@@ -86,14 +127,16 @@ def main() -> None:
         for mode in ("on", "off"):
             row[f"itl_ms_{mode}"] = statistics.median(r[0] for r in runs[mode])
             row[f"tok_s_{mode}"] = statistics.median(r[1] for r in runs[mode])
+            row[f"host_ms_{mode}"] = statistics.median(r[2] for r in runs[mode])
         row["itl_off_over_on"] = row["itl_ms_off"] / row["itl_ms_on"]
         results.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n{args.arch} {args.dtype} {args.input_len}->{args.output_len}, median of {args.repeats}")
-    print("batch | ITL overlap on (ms) | ITL off (ms) | off/on | tok/s on | tok/s off")
+    extra = f", synthetic device-bound forward +{args.device_bound_ms} ms" if args.device_bound_ms else ""
+    print(f"\n{args.arch} {args.dtype} {args.input_len}->{args.output_len}, median of {args.repeats}{extra}")
+    print("batch | ITL on (ms) | ITL off (ms) | off/on | tok/s on | tok/s off | host sched+proc/step (ms)")
     for r in results:
-        print(f"{r['batch_size']:5d} | {r['itl_ms_on']:19.3f} | {r['itl_ms_off']:12.3f} | {r['itl_off_over_on']:6.2f} | "
-              f"{r['tok_s_on']:8.0f} | {r['tok_s_off']:9.0f}")
+        print(f"{r['batch_size']:5d} | {r['itl_ms_on']:11.3f} | {r['itl_ms_off']:12.3f} | {r['itl_off_over_on']:6.2f} | "
+              f"{r['tok_s_on']:8.0f} | {r['tok_s_off']:9.0f} | {r['host_ms_off']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)

@@ -65,6 +65,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
         """Next-token logits, float32 [batch_size, vocab]."""
+        self.attn.init_forward(batch)
         hidden = self.model(input_ids, batch.positions, batch, self.attn)
         return self.model.compute_logits(hidden[batch.last_indices])
 

@@ -25,6 +25,9 @@ class AttentionBackend(ABC):
         self.req_to_token_pool = req_to_token_pool
         self.kv_pool = kv_pool
 
+    def init_forward(self, batch: ForwardBatch) -> None:
+        """Called once per forward, before the first layer: build metadata every layer shares."""
+
     @abstractmethod
     def forward(
         self,

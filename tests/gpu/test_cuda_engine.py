@@ -93,7 +93,9 @@ def test_timeline_host_work_for_n_plus_1_overlaps_device_work_for_n(tiny_models)
     def slow_forward(batch, ids, forward=engine.runner.forward):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        torch.cuda._sleep(4_000_000)  # ~2 ms of device time per forward: the device is the bottleneck
+        # ~10 ms of device time per forward, so the device is the bottleneck (the torch-native
+        # backend's kernel launches alone take the host ~3 ms per step on this tiny model)
+        torch.cuda._sleep(20_000_000)
         logits = forward(batch, ids)
         end.record()
         spans[batch.seq] = (start, end)
