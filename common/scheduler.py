@@ -108,14 +108,7 @@ class Scheduler:
         budget = self.prefill_budget
         if self.chunked_req is not None:
             req, self.chunked_req = self.chunked_req, None
-            end = self._chunk_end(req, budget)
-            self._grow_pages(req, end)
-            spans.append((req, req.kv_len, end))
-            budget -= end - req.kv_len
-            if end < req.seq_len:
-                self.chunked_req = req
-            else:
-                self.running.append(req)
+            budget -= self._add_span(req, self._chunk_end(req, budget), spans)
         available = self._available_pages() - self._reserved_pages(self.running)
         self._order_waiting()
         chunking_one = self.chunked_req is not None
@@ -139,28 +132,38 @@ class Scheduler:
                 break  # nobody overtakes the head of the queue
             self.waiting.popleft()
             self._admit(req, prefix_pages, node)
-            end = self._chunk_end(req, budget if self.chunking else extend)
-            self._grow_pages(req, end)
-            spans.append((req, req.kv_len, end))
+            budget -= self._add_span(req, self._chunk_end(req, budget if self.chunking else extend), spans)
             available -= need
-            budget -= end - req.kv_len
-            chunking_one = end < req.seq_len
-            if chunking_one:
-                self.chunked_req = req
-            else:
-                self.running.append(req)  # joins decode now: the next batch feeds it a placeholder
+            chunking_one = self.chunked_req is not None
         return self._build_batch(ForwardMode.EXTEND, spans) if spans else None
+
+    def _add_span(self, req: Req, end: int, spans: list) -> int:
+        """Prefill the request's positions [kv_len, end) in this batch; returns the tokens used.
+
+        A request whose prompt is not done becomes the chunked request; one that is joins the
+        running batch now, so the next decode step feeds it a placeholder for this token.
+        """
+        self._grow_pages(req, end)
+        spans.append((req, req.kv_len, end))
+        if end < req.seq_len:
+            self.chunked_req = req
+        else:
+            self.running.append(req)
+        return end - req.kv_len
 
     def prepare_decode(self) -> ForwardBatch | None:
         """Give every running request a slot for its last token, retracting requests if KV runs out."""
         # NOTE: no chunked request exists here (prefill first runs it to its end), so every page not
         # held by a running request is free or evictable, and one request alone always fits.
-        while sum(self._needs_page(r) for r in self.running) > self._available_pages():
-            self._retract_one()
-        for req in self.running:
+        while True:
+            active = [r for r in self.running if not self._surely_done(r)]
+            if not active or sum(self._needs_page(r) for r in active) <= self._available_pages():
+                break
+            self._retract_one(active)
+        for req in active:
             if self._needs_page(req):
                 req.pages += self._alloc_pages(1)
-        spans = [(req, req.seq_len - 1, req.seq_len) for req in self.running if not self._surely_done(req)]
+        spans = [(req, req.seq_len - 1, req.seq_len) for req in active]
         return self._build_batch(ForwardMode.DECODE, spans) if spans else None
 
     def _surely_done(self, req: Req) -> bool:
@@ -232,10 +235,10 @@ class Scheduler:
             cached = {id(r): self.tree_cache.cached_prefix_len(r.fill_ids()[: r.seq_len - 1]) for r in self.waiting}
             self.waiting = deque(sorted(self.waiting, key=lambda r: -cached[id(r)]))  # stable: fcfs among equals
 
-    def _retract_one(self) -> None:
-        """Send the running request with the least output (then the longest prompt, then the latest
+    def _retract_one(self, candidates: list[Req]) -> None:
+        """Send the candidate with the least output (then the longest prompt, then the latest
         admitted) back to waiting: it loses the least work."""
-        victim = min(reversed(self.running), key=lambda r: (r.num_sampled, -len(r.prompt_ids)))
+        victim = min(reversed(candidates), key=lambda r: (r.num_sampled, -len(r.prompt_ids)))
         self.running.remove(victim)
         self._cache_and_release(victim)
         # A token still in flight is dropped when it arrives; the resumed prefill samples it again
