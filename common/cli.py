@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from pdserve.common.config import EngineConfig, add_cli_args, from_cli_args
@@ -27,10 +28,13 @@ def _run_batch(args: argparse.Namespace) -> int:
     from pdserve.common.engine import Engine
     from pdserve.common.run_batch import run_batch
 
+    if not os.path.isfile(args.input):
+        print(f"error: input file {args.input!r} does not exist", file=sys.stderr)
+        return 2
     config = from_cli_args(args, EngineConfig)
     try:
         engine = Engine(config)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     counts = run_batch(engine, args.input, args.output, engine.config.served_model_name)

@@ -165,3 +165,17 @@ def test_run_batch_reports_cached_tokens_in_usage(tiny_models, tmp_path):
     common = next(n for n in range(len(ids[0])) if ids[0][n] != ids[1][n])
     assert common > 40
     assert cached == [0, common // 8 * 8, common // 8 * 8]  # whole pages of the shared tokens
+
+
+def test_run_batch_cli_reports_bad_arguments_clearly(tiny_models, tmp_path):
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "pdserve.common.cli", "run-batch", "-o", str(tmp_path / "out.jsonl")]
+    missing = subprocess.run(base + ["-i", str(tmp_path / "nope.jsonl"), "--model-path", tiny_models("llama")],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    (tmp_path / "in.jsonl").write_text("")
+    bad_model = subprocess.run(base + ["-i", str(tmp_path / "in.jsonl"), "--model-path", str(tmp_path)],
+                               capture_output=True, text=True, timeout=120)
+    assert bad_model.returncode == 2 and "config.json" in bad_model.stderr
