@@ -1,0 +1,151 @@
+"""The KV transfer contract: one agent per KV pool, page-granular one-sided WRITEs into a peer's pool.
+
+Roles: the decode side publishes `metadata()`; the prefill side `add_peer(metadata)`s it and then
+`write_pages(...)` straight into the decode pool, with a notification that the decode side picks
+up from `get_notifs()` once the data has landed. The decode side never needs the prefill side's
+metadata.
+
+An agent is driven by one thread at a time (no internal locking).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.common.kv_pool import PagedKVPool
+
+
+class KVTransferError(RuntimeError):
+    """A transfer could not be started, or an agent or peer was used in a state that forbids it."""
+
+
+class TransferState(enum.Enum):
+    DONE = "done"
+    IN_PROGRESS = "in_progress"
+    FAILED = "failed"
+
+
+# The layout fields that must be equal on both sides for a page to mean the same bytes.
+_MATCHING_FIELDS = ("page_size", "dtype", "num_layers", "kv_heads", "head_dim")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of a PagedKVPool, as far as a transfer into or out of it is concerned.
+
+    `dtype` is the torch dtype name without the "torch." prefix ("float32", "bfloat16").
+    """
+
+    page_size: int
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    num_pages: int
+
+    @classmethod
+    def of_pool(cls, pool: PagedKVPool) -> KVLayout:
+        return cls(
+            page_size=pool.page_size,
+            num_layers=pool.num_layers,
+            kv_heads=pool.kv_heads,
+            head_dim=pool.head_dim,
+            dtype=str(pool.dtype).removeprefix("torch."),
+            num_pages=pool.num_pages,
+        )
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer's K (or V) buffer."""
+        itemsize = getattr(torch, self.dtype).itemsize
+        return self.page_size * self.kv_heads * self.head_dim * itemsize
+
+    def compatible_with(self, other: KVLayout) -> str | None:
+        """None when pages can be copied between the two pools byte for byte, else why not.
+
+        num_pages may differ: each side validates page ids against its own pool.
+        """
+        mismatches = [
+            f"{field} {getattr(self, field)} here vs {getattr(other, field)} at the peer"
+            for field in _MATCHING_FIELDS
+            if getattr(self, field) != getattr(other, field)
+        ]
+        return "; ".join(mismatches) if mismatches else None
+
+
+class TransferHandle:
+    """One posted WRITE. Opaque beyond these fields; poll it, then release it."""
+
+    def __init__(self, peer: str, num_pages: int, num_bytes: int):
+        self.peer = peer
+        self.num_pages = num_pages
+        self.num_bytes = num_bytes
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(peer={self.peer!r}, num_pages={self.num_pages}, num_bytes={self.num_bytes})"
+
+
+class KVTransferAgent(ABC):
+    """A transfer endpoint owning one KV pool, registered once for its whole lifetime.
+
+    The pool's K/V tensors must not be reallocated while the agent lives: peers write to the
+    addresses published by `metadata()`.
+    """
+
+    name: str
+    layout: KVLayout
+
+    @abstractmethod
+    def metadata(self) -> bytes:
+        """Everything a peer needs to WRITE into this agent's pool (transport metadata, layout,
+        per-layer K/V base addresses), in a versioned encoding without pickle. Stable for the
+        agent's lifetime."""
+
+    @abstractmethod
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's `metadata()` and return its name.
+
+        Adding the same metadata again is a no-op. Metadata under a known name but with different
+        content (the peer restarted) replaces the old entry, which fails transfers still in flight
+        to the old one. Raises ValueError, with the reason, for undecodable metadata or a layout
+        this pool's pages cannot be copied into.
+        """
+
+    @abstractmethod
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer (after a failure); later writes to it raise KVTransferError until it is
+        added again. Unknown names are ignored."""
+
+    @abstractmethod
+    def write_pages(self, peer: str, src_pages: list[int], dst_pages: list[int], notif: bytes) -> TransferHandle:
+        """Post a WRITE of every layer's K and V of local `src_pages` into the peer's `dst_pages`
+        (pairwise, same order) and return at once.
+
+        Runs that are contiguous on both sides go as one descriptor per layer per K/V. `notif` is
+        delivered to the peer's `get_notifs()` after all the data has landed (b"" sends none).
+        Raises ValueError for bad page lists (page 0, out of range, unequal lengths, empty,
+        repeated destinations) and KVTransferError for an unknown peer or a refused post.
+        """
+
+    @abstractmethod
+    def poll(self, handle: TransferHandle) -> TransferState:
+        """The handle's state; never blocks, never raises for transport errors (FAILED instead)."""
+
+    @abstractmethod
+    def release(self, handle: TransferHandle) -> None:
+        """Free the handle, once poll() said DONE or FAILED. Releasing one still IN_PROGRESS asks
+        the transport to abort it and raises KVTransferError if it cannot. Idempotent."""
+
+    @abstractmethod
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        """(peer name, notif) pairs received since the last call, oldest first per peer; never
+        blocks."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release outstanding handles and unregister the pool. Idempotent; nothing else may be
+        called afterwards."""

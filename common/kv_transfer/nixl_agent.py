@@ -1,0 +1,210 @@
+"""KVTransferAgent over NIXL: one-sided WRITEs from this pool into a peer's pool.
+
+The whole pool (every layer's K and V buffer) is registered once, at construction, as DRAM for
+CPU tensors or VRAM for CUDA tensors. Each `write_pages` builds its descriptor lists from the
+page runs and posts them as one NIXL transfer carrying the notification.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import nixl._bindings as nixl_bindings
+from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
+
+from pdserve.common.kv_pool import PagedKVPool
+from pdserve.common.kv_transfer.base import KVLayout, KVTransferAgent, KVTransferError, TransferHandle, TransferState
+from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, run_descriptors
+from pdserve.common.kv_transfer.pool_metadata import PoolMetadata, decode_pool_metadata, encode_pool_metadata
+
+logger = logging.getLogger(__name__)
+
+# The NIXL bindings raise their own classes (nixlNotFoundError, nixlBackendError, ...), all
+# straight subclasses of Exception, so they are collected by name rather than by a common base.
+_NIXL_ERRORS = tuple(
+    cls
+    for name, cls in vars(nixl_bindings).items()
+    if name.startswith("nixl") and name.endswith("Error") and isinstance(cls, type) and issubclass(cls, Exception)
+)
+
+_XFER_STATES = {"DONE": TransferState.DONE, "PROC": TransferState.IN_PROGRESS}
+
+
+class NixlTransferHandle(TransferHandle):
+    def __init__(self, peer: str, num_pages: int, num_bytes: int, xfer: nixl_xfer_handle):
+        super().__init__(peer, num_pages, num_bytes)
+        self.xfer = xfer
+        self.released = False
+
+
+class NixlKVAgent(KVTransferAgent):
+    """A NIXL agent named `name` (unique among the agents that will talk) over `kv_pool`."""
+
+    def __init__(self, name: str, kv_pool: PagedKVPool, backend: str = "UCX"):
+        buffers = [*kv_pool.k_buffers, *kv_pool.v_buffers]
+        device = buffers[0].device
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"NIXL transfers need a CPU or CUDA KV pool, this one is on {device}")
+        if any(b.device != device or not b.is_contiguous() for b in buffers):
+            raise ValueError("every K/V buffer of the pool must be contiguous and on one device")
+        self.name = name
+        self.layout = KVLayout.of_pool(kv_pool)
+        # Holding the pool keeps the registered tensors alive for as long as peers may write to them.
+        self._pool = kv_pool
+        self._mem_type = "DRAM" if device.type == "cpu" else "VRAM"
+        self._device_id = 0 if device.type == "cpu" else device.index
+        self._k_addrs = tuple(b.data_ptr() for b in kv_pool.k_buffers)
+        self._v_addrs = tuple(b.data_ptr() for b in kv_pool.v_buffers)
+
+        self._agent: nixl_agent | None = nixl_agent(name, nixl_agent_config(backends=[backend]))
+        if backend not in self._agent.backends:
+            # nixl_agent only logs a warning for a missing plugin; registration would then fail obscurely.
+            raise KVTransferError(
+                f"NIXL has no {backend} backend on this machine (plugins: {self._agent.get_plugin_list()})"
+            )
+        regions = [(b.data_ptr(), b.nbytes, self._device_id, "") for b in buffers]
+        self._registered = self._agent.register_memory(regions, self._mem_type)
+        # Taken after registration: the agent metadata carries the registered regions' remote keys.
+        self._metadata = encode_pool_metadata(
+            PoolMetadata(
+                name=name,
+                layout=self.layout,
+                mem_type=self._mem_type,
+                device_id=self._device_id,
+                k_addrs=self._k_addrs,
+                v_addrs=self._v_addrs,
+                transport_metadata=self._agent.get_agent_metadata(),
+            )
+        )
+        self._peers: dict[str, PoolMetadata] = {}
+        self._live: set[NixlTransferHandle] = set()
+
+    def metadata(self) -> bytes:
+        return self._metadata
+
+    def add_peer(self, metadata: bytes) -> str:
+        agent = self._open_agent()
+        peer = decode_pool_metadata(metadata)
+        if peer.name == self.name:
+            raise ValueError(f"peer metadata carries this agent's own name {self.name!r}; agent names must be unique")
+        reason = self.layout.compatible_with(peer.layout)
+        if reason is not None:
+            raise ValueError(f"peer {peer.name!r} has an incompatible KV layout: {reason}")
+        known = self._peers.get(peer.name)
+        if known == peer:
+            return peer.name
+        if known is not None:
+            # Same name, new content: the peer restarted, with new addresses and a new endpoint.
+            self.remove_peer(peer.name)
+        try:
+            loaded = agent.add_remote_agent(peer.transport_metadata)
+        except _NIXL_ERRORS as error:
+            raise ValueError(f"NIXL could not load the metadata of peer {peer.name!r}: {error!r}") from error
+        loaded_name = loaded.decode() if isinstance(loaded, bytes) else loaded
+        if loaded_name != peer.name:
+            if loaded_name not in self._peers:
+                agent.remove_remote_agent(loaded_name)
+            raise ValueError(f"peer metadata names {peer.name!r} but its NIXL agent is {loaded_name!r}")
+        self._peers[peer.name] = peer
+        return peer.name
+
+    def remove_peer(self, name: str) -> None:
+        if self._peers.pop(name, None) is None:
+            return
+        try:
+            self._open_agent().remove_remote_agent(name)
+        except _NIXL_ERRORS as error:
+            logger.warning("NIXL could not invalidate peer %r: %r", name, error)
+
+    def write_pages(self, peer: str, src_pages: list[int], dst_pages: list[int], notif: bytes) -> TransferHandle:
+        agent = self._open_agent()
+        target = self._peers.get(peer)
+        if target is None:
+            raise KVTransferError(
+                f"unknown peer {peer!r} (known: {sorted(self._peers)}): add_peer() its metadata first; "
+                "remove_peer() forgets a peer after a failure"
+            )
+        check_pages(src_pages, dst_pages, self.layout.num_pages, target.layout.num_pages)
+        runs = coalesce_runs(src_pages, dst_pages)
+        page_bytes = self.layout.page_bytes
+        local = run_descriptors(
+            self._k_addrs, self._v_addrs, page_bytes, self._device_id, [(src, n) for src, _, n in runs]
+        )
+        remote = run_descriptors(
+            target.k_addrs, target.v_addrs, page_bytes, target.device_id, [(dst, n) for _, dst, n in runs]
+        )
+        try:
+            xfer = agent.initialize_xfer(
+                "WRITE",
+                agent.get_xfer_descs(local, self._mem_type),
+                agent.get_xfer_descs(remote, target.mem_type),
+                peer,
+                notif,
+            )
+        except _NIXL_ERRORS as error:
+            raise KVTransferError(f"NIXL refused a WRITE of {len(src_pages)} pages to {peer!r}: {error!r}") from error
+        num_bytes = 2 * self.layout.num_layers * len(src_pages) * page_bytes
+        handle = NixlTransferHandle(peer, len(src_pages), num_bytes, xfer)
+        self._live.add(handle)
+        try:
+            posted = agent.transfer(xfer)
+        except _NIXL_ERRORS as error:
+            posted = f"ERR ({error!r})"
+        if posted.startswith("ERR"):
+            self._release_quietly(handle)
+            raise KVTransferError(f"NIXL could not post a WRITE of {len(src_pages)} pages to {peer!r}: {posted}")
+        return handle
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        handle = self._own(handle)
+        if handle.released:
+            raise KVTransferError(f"{handle} was already released")
+        try:
+            state = self._open_agent().check_xfer_state(handle.xfer)
+        except _NIXL_ERRORS as error:
+            logger.warning("WRITE to %r failed: %r", handle.peer, error)
+            return TransferState.FAILED
+        return _XFER_STATES.get(state, TransferState.FAILED)
+
+    def release(self, handle: TransferHandle) -> None:
+        handle = self._own(handle)
+        if handle.released:
+            return
+        try:
+            handle.xfer.release()
+        except _NIXL_ERRORS as error:
+            raise KVTransferError(f"NIXL could not release (abort) {handle}: {error!r}") from error
+        handle.released = True
+        self._live.discard(handle)
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        received = self._open_agent().get_new_notifs()
+        return [(peer, notif) for peer, notifs in received.items() for notif in notifs]
+
+    def close(self) -> None:
+        if self._agent is None:
+            return
+        for handle in list(self._live):
+            self._release_quietly(handle)
+        try:
+            self._agent.deregister_memory(self._registered)
+        except _NIXL_ERRORS as error:
+            logger.warning("NIXL could not deregister the KV pool of %r: %r", self.name, error)
+        self._peers.clear()
+        self._agent = None
+
+    def _open_agent(self) -> nixl_agent:
+        if self._agent is None:
+            raise KVTransferError(f"KV transfer agent {self.name!r} is closed")
+        return self._agent
+
+    def _own(self, handle: TransferHandle) -> NixlTransferHandle:
+        if not isinstance(handle, NixlTransferHandle):
+            raise TypeError(f"{handle!r} is not a handle from a NixlKVAgent")
+        return handle
+
+    def _release_quietly(self, handle: NixlTransferHandle) -> None:
+        try:
+            self.release(handle)
+        except KVTransferError as error:
+            logger.warning("%s", error)

@@ -1,0 +1,81 @@
+"""What one agent publishes about its pool so that a peer can WRITE into it.
+
+Wire format (version 1), no pickle:
+    struct "!4sHI": magic b"PDKV", version, length J of the JSON part
+    J bytes of JSON: name, layout, mem_type, device_id, k_addrs, v_addrs
+    the rest: the transport's own agent metadata (opaque bytes)
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass
+
+from pdserve.common.kv_transfer.base import KVLayout
+
+MAGIC = b"PDKV"
+VERSION = 1
+_HEADER = struct.Struct("!4sHI")
+
+
+@dataclass(frozen=True)
+class PoolMetadata:
+    """A pool as seen from a peer. `mem_type` is "DRAM" or "VRAM"; `device_id` is the GPU index
+    (0 for DRAM); k_addrs[l], v_addrs[l] are the base addresses of layer l's K and V buffers."""
+
+    name: str
+    layout: KVLayout
+    mem_type: str
+    device_id: int
+    k_addrs: tuple[int, ...]
+    v_addrs: tuple[int, ...]
+    transport_metadata: bytes
+
+
+def encode_pool_metadata(meta: PoolMetadata) -> bytes:
+    fields = {
+        "name": meta.name,
+        "layout": asdict(meta.layout),
+        "mem_type": meta.mem_type,
+        "device_id": meta.device_id,
+        "k_addrs": list(meta.k_addrs),
+        "v_addrs": list(meta.v_addrs),
+    }
+    body = json.dumps(fields, separators=(",", ":")).encode()
+    return _HEADER.pack(MAGIC, VERSION, len(body)) + body + meta.transport_metadata
+
+
+def decode_pool_metadata(data: bytes) -> PoolMetadata:
+    """The PoolMetadata in `data`; ValueError, saying what is wrong, for anything else."""
+    if len(data) < _HEADER.size:
+        raise ValueError(f"KV pool metadata too short ({len(data)} bytes)")
+    magic, version, body_len = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise ValueError(f"not pdserve KV pool metadata (magic {magic!r}, expected {MAGIC!r})")
+    if version != VERSION:
+        raise ValueError(f"KV pool metadata version {version}, this side speaks version {VERSION}")
+    body_end = _HEADER.size + body_len
+    if len(data) < body_end:
+        raise ValueError(f"KV pool metadata truncated ({len(data)} bytes, header says at least {body_end})")
+    try:
+        fields = json.loads(data[_HEADER.size : body_end])
+        meta = PoolMetadata(
+            name=fields["name"],
+            layout=KVLayout(**fields["layout"]),
+            mem_type=fields["mem_type"],
+            device_id=fields["device_id"],
+            k_addrs=tuple(fields["k_addrs"]),
+            v_addrs=tuple(fields["v_addrs"]),
+            transport_metadata=bytes(data[body_end:]),
+        )
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"malformed KV pool metadata: {error!r}") from error
+    if meta.mem_type not in ("DRAM", "VRAM"):
+        raise ValueError(f"KV pool metadata of {meta.name!r} has memory type {meta.mem_type!r}, not DRAM or VRAM")
+    if len(meta.k_addrs) != meta.layout.num_layers or len(meta.v_addrs) != meta.layout.num_layers:
+        raise ValueError(
+            f"KV pool metadata of {meta.name!r} has {len(meta.k_addrs)} K and {len(meta.v_addrs)} V addresses "
+            f"for {meta.layout.num_layers} layers"
+        )
+    return meta

@@ -1,0 +1,397 @@
+"""KV transfer layer: page arithmetic, layouts, wire formats, and real NIXL WRITEs between two processes.
+
+The two-process test needs nixl (install it with the torch pin in the same command:
+`pip install torch==2.13.0 nixl==1.5.1`); without it that test fails, it does not skip.
+"""
+
+import json
+import multiprocessing as mp
+import time
+import traceback
+
+import pytest
+import torch
+
+from pdserve.common.kv_pool import PagedKVPool
+from pdserve.common.kv_transfer import KVLayout, decode_notif, encode_notif, new_room
+from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, run_descriptors
+from pdserve.common.kv_transfer.pool_metadata import PoolMetadata, decode_pool_metadata, encode_pool_metadata
+
+# Every wait that crosses a process gives up after this long.
+TIMEOUT_S = 30.0
+
+LAYOUT = KVLayout(page_size=4, num_layers=3, kv_heads=2, head_dim=8, dtype="float32", num_pages=32)
+
+
+# ---- page runs and descriptors ----
+
+
+def test_runs_coalesce_only_when_contiguous_on_both_sides():
+    assert coalesce_runs([3, 4, 5], [10, 11, 12]) == [(3, 10, 3)]
+    assert coalesce_runs([3, 4, 7], [10, 11, 12]) == [(3, 10, 2), (7, 12, 1)]
+    assert coalesce_runs([3, 4, 5], [10, 11, 20]) == [(3, 10, 2), (5, 20, 1)]
+    assert coalesce_runs([3, 4, 5, 9], [20, 21, 22, 7]) == [(3, 20, 3), (9, 7, 1)]
+    assert coalesce_runs([5, 4, 3], [10, 11, 12]) == [(5, 10, 1), (4, 11, 1), (3, 12, 1)]
+    assert coalesce_runs([8], [2]) == [(8, 2, 1)]
+
+
+def test_descriptors_go_layer_then_k_v_then_run():
+    page_bytes = 100
+    k_addrs, v_addrs = [10_000, 20_000], [30_000, 40_000]
+    descs = run_descriptors(k_addrs, v_addrs, page_bytes, device_id=0, runs=[(3, 2), (7, 1)])
+    assert descs == [
+        (10_300, 200, 0), (10_700, 100, 0),  # layer 0 K
+        (30_300, 200, 0), (30_700, 100, 0),  # layer 0 V
+        (20_300, 200, 0), (20_700, 100, 0),  # layer 1 K
+        (40_300, 200, 0), (40_700, 100, 0),  # layer 1 V
+    ]  # fmt: skip
+    one_run = run_descriptors(k_addrs, v_addrs, page_bytes, device_id=3, runs=[(10, 3)])
+    assert one_run == [(11_000, 300, 3), (31_000, 300, 3), (21_000, 300, 3), (41_000, 300, 3)]
+
+
+def test_page_bytes_follow_the_layout():
+    assert LAYOUT.page_bytes == 4 * 2 * 8 * 4
+    assert KVLayout(16, 1, 8, 128, "bfloat16", 10).page_bytes == 16 * 8 * 128 * 2
+
+
+@pytest.mark.parametrize(
+    "src, dst, message",
+    [
+        ([0, 1], [1, 2], "source pages [0]"),
+        ([1, 16], [1, 2], "source pages [16]"),
+        ([1, 2], [0, 3], "destination pages [0]"),
+        ([1, 2], [31, 32], "destination pages [32]"),
+        ([1, -1], [1, 2], "source pages [-1]"),
+        ([1, 2], [1], "2 source pages but 1 destination pages"),
+        ([], [], "no pages"),
+        ([1, 2], [5, 5], "appears twice"),
+    ],
+)
+def test_bad_page_lists_are_rejected(src, dst, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        check_pages(src, dst, src_num_pages=16, dst_num_pages=32)
+
+
+def test_good_page_lists_pass():
+    check_pages([1, 15, 3], [31, 7, 1], src_num_pages=16, dst_num_pages=32)
+
+
+# ---- layouts ----
+
+
+def test_layouts_differing_only_in_num_pages_are_compatible():
+    assert LAYOUT.compatible_with(KVLayout(4, 3, 2, 8, "float32", num_pages=1000)) is None
+
+
+def test_incompatible_layouts_say_what_differs():
+    assert LAYOUT.compatible_with(KVLayout(8, 3, 2, 8, "float32", 32)) == "page_size 4 here vs 8 at the peer"
+    assert LAYOUT.compatible_with(KVLayout(4, 3, 2, 8, "bfloat16", 32)) == "dtype float32 here vs bfloat16 at the peer"
+    assert LAYOUT.compatible_with(KVLayout(4, 2, 2, 8, "float32", 32)) == "num_layers 3 here vs 2 at the peer"
+    assert LAYOUT.compatible_with(KVLayout(4, 3, 4, 8, "float32", 32)) == "kv_heads 2 here vs 4 at the peer"
+    assert LAYOUT.compatible_with(KVLayout(4, 3, 2, 16, "float32", 32)) == "head_dim 8 here vs 16 at the peer"
+    both = LAYOUT.compatible_with(KVLayout(8, 3, 2, 16, "float32", 32))
+    assert both == "page_size 4 here vs 8 at the peer; head_dim 8 here vs 16 at the peer"
+
+
+def test_layout_of_a_pool():
+    pool = PagedKVPool(32, 4, 3, 2, 8, torch.float32, "cpu")
+    assert KVLayout.of_pool(pool) == LAYOUT
+
+
+# ---- notifications ----
+
+
+def test_notif_round_trip():
+    room = new_room()
+    assert 0 <= room < 1 << 63
+    logprobs = {"token": -0.25, "top": [[7, -0.25], [9, -1.5]]}
+    assert decode_notif(encode_notif(room, 42, logprobs)) == {"room": room, "first_token": 42, "logprobs": logprobs}
+    largest = (1 << 63) - 1
+    assert decode_notif(encode_notif(largest, 0, None)) == {"room": largest, "first_token": 0, "logprobs": None}
+
+
+def test_bad_notifs_are_rejected():
+    with pytest.raises(ValueError, match="63-bit"):
+        encode_notif(1 << 63, 1, None)
+    with pytest.raises(ValueError, match="63-bit"):
+        encode_notif(-1, 1, None)
+    for data in (b"\xff\x00", b"[1, 2]", b'{"v": 2, "room": 1, "first_token": 1, "logprobs": null}', b'{"v": 1}'):
+        with pytest.raises(ValueError, match="notification"):
+            decode_notif(data)
+
+
+# ---- pool metadata ----
+
+
+def make_pool_metadata(**overrides) -> PoolMetadata:
+    fields = dict(
+        name="decode-0",
+        layout=LAYOUT,
+        mem_type="DRAM",
+        device_id=0,
+        k_addrs=(0x7F00_0000_1000, 0x7F00_0000_9000, 0x7F00_0001_1000),
+        v_addrs=(0x7F00_0002_1000, 0x7F00_0002_9000, 0x7F00_0003_1000),
+        transport_metadata=bytes(range(256)) + b"\x00trailing",
+    )
+    fields.update(overrides)
+    return PoolMetadata(**fields)
+
+
+def test_pool_metadata_round_trip():
+    meta = make_pool_metadata()
+    data = encode_pool_metadata(meta)
+    assert data.startswith(b"PDKV")
+    assert decode_pool_metadata(data) == meta
+    vram = make_pool_metadata(mem_type="VRAM", device_id=5, transport_metadata=b"")
+    assert decode_pool_metadata(encode_pool_metadata(vram)) == vram
+
+
+def test_bad_pool_metadata_is_rejected():
+    data = encode_pool_metadata(make_pool_metadata())
+    with pytest.raises(ValueError, match="magic"):
+        decode_pool_metadata(b"XXXX" + data[4:])
+    with pytest.raises(ValueError, match="version 7"):
+        decode_pool_metadata(data[:4] + (7).to_bytes(2, "big") + data[6:])
+    with pytest.raises(ValueError, match="too short"):
+        decode_pool_metadata(data[:5])
+    with pytest.raises(ValueError, match="truncated"):
+        decode_pool_metadata(data[:20])
+    with pytest.raises(ValueError, match="3 layers"):
+        decode_pool_metadata(encode_pool_metadata(make_pool_metadata(k_addrs=(1, 2))))
+    with pytest.raises(ValueError, match="memory type"):
+        decode_pool_metadata(encode_pool_metadata(make_pool_metadata(mem_type="FILE")))
+
+
+# ---- two processes, real NIXL DRAM WRITEs ----
+
+PREFILL_PAGES = 16
+SRC_PAGES = [3, 4, 5, 9]
+DST_PAGES = [20, 21, 22, 7]
+FIRST_TOKEN = 42
+LOGPROBS = {"token": -0.5}
+
+
+def make_pool(num_pages: int, page_size: int = 4) -> PagedKVPool:
+    return PagedKVPool(num_pages, page_size, num_layers=3, kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu")
+
+
+def prefill_values(layer: int, kind: int) -> torch.Tensor:
+    """Exactly representable, non-zero, and different in every slot, layer and K/V (kind 0/1)."""
+    shape = (PREFILL_PAGES * 4, 2, 8)
+    offset = (2 * layer + kind + 1) * 10_000
+    return (torch.arange(shape[0] * shape[1] * shape[2], dtype=torch.float32) + offset).reshape(shape)
+
+
+def send_json(conn, **message) -> None:
+    conn.send_bytes(json.dumps(message).encode())
+
+
+def recv_json(conn, what: str) -> dict:
+    if not conn.poll(TIMEOUT_S):
+        raise TimeoutError(f"no {what} within {TIMEOUT_S} s")
+    message = json.loads(conn.recv_bytes())
+    if "error" in message:
+        raise AssertionError(f"the other process failed while we waited for {what}:\n{message['error']}")
+    return message
+
+
+def decode_process(conn) -> None:
+    """Publish the pool, wait for one notif, send back the notifs and the whole pool, wait to close."""
+    try:
+        from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
+
+        pool = make_pool(32)
+        agent = NixlKVAgent("decode", pool)
+        send_json(conn, metadata=agent.metadata().hex())
+        notifs = []
+        deadline = time.monotonic() + TIMEOUT_S
+        while not notifs and time.monotonic() < deadline:
+            notifs = agent.get_notifs()
+            time.sleep(0.001)
+        send_json(
+            conn,
+            notifs=[[peer, notif.hex()] for peer, notif in notifs],
+            k=[b.numpy().tobytes().hex() for b in pool.k_buffers],
+            v=[b.numpy().tobytes().hex() for b in pool.v_buffers],
+        )
+        recv_json(conn, "close")  # the pool stays registered until the prefill side is done
+        agent.close()
+    except BaseException:
+        send_json(conn, error=traceback.format_exc())
+
+
+def prefill_process(conn) -> None:
+    """WRITE SRC_PAGES into the decode's DST_PAGES, then try what must be refused; report it all."""
+    try:
+        from pdserve.common.kv_transfer import KVTransferError, TransferState
+        from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
+
+        pool = make_pool(PREFILL_PAGES)
+        for layer in range(3):
+            pool.k_buffers[layer].copy_(prefill_values(layer, 0))
+            pool.v_buffers[layer].copy_(prefill_values(layer, 1))
+        agent = NixlKVAgent("prefill", pool)
+        order = recv_json(conn, "the decode metadata")
+        decode_metadata = bytes.fromhex(order["metadata"])
+        peer = agent.add_peer(decode_metadata)
+        peer_again = agent.add_peer(decode_metadata)
+
+        handle = agent.write_pages(peer, SRC_PAGES, DST_PAGES, encode_notif(order["room"], FIRST_TOKEN, LOGPROBS))
+        deadline = time.monotonic() + TIMEOUT_S
+        while (state := agent.poll(handle)) is TransferState.IN_PROGRESS and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        agent.release(handle)
+
+        refusals = {}
+        for label, src, dst in (("page0", [0], [1]), ("beyond_peer", [1], [32])):
+            try:
+                agent.write_pages(peer, src, dst, b"")
+            except ValueError as error:
+                refusals[label] = str(error)
+        agent.remove_peer(peer)
+        try:
+            agent.write_pages(peer, [1], [1], b"x")
+        except KVTransferError as error:
+            refusals["removed_peer"] = str(error)
+
+        other = NixlKVAgent("prefill-page8", make_pool(PREFILL_PAGES, page_size=8))
+        try:
+            other.add_peer(decode_metadata)
+        except ValueError as error:
+            refusals["incompatible"] = str(error)
+        other.close()
+        agent.close()
+        send_json(
+            conn, peer=peer, peer_again=peer_again, state=state.name, num_bytes=handle.num_bytes, refusals=refusals
+        )
+    except BaseException:
+        send_json(conn, error=traceback.format_exc())
+
+
+@pytest.fixture(scope="module")
+def two_process_run() -> dict:
+    try:
+        import nixl  # noqa: F401
+    except ImportError as error:
+        pytest.fail(
+            f"nixl is not importable ({error}); install it with the torch pin in the same command: "
+            "pip install torch==2.13.0 nixl==1.5.1"
+        )
+    ctx = mp.get_context("spawn")
+    decode_conn, decode_end = ctx.Pipe()
+    prefill_conn, prefill_end = ctx.Pipe()
+    processes = [
+        ctx.Process(target=decode_process, args=(decode_end,), daemon=True),
+        ctx.Process(target=prefill_process, args=(prefill_end,), daemon=True),
+    ]
+    for process in processes:
+        process.start()
+    room = new_room()
+    try:
+        decode_metadata = recv_json(decode_conn, "the decode metadata")["metadata"]
+        send_json(prefill_conn, metadata=decode_metadata, room=room)
+        report = recv_json(prefill_conn, "the prefill report")
+        received = recv_json(decode_conn, "the decode side's notifs and pool")
+        send_json(decode_conn, close=True)
+        for process in processes:
+            process.join(TIMEOUT_S)
+        exit_codes = [process.exitcode for process in processes]
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    assert exit_codes == [0, 0], f"decode, prefill exit codes: {exit_codes}"
+    return {"room": room, "received": received, "report": report}
+
+
+def test_pages_arrive_byte_exact_with_the_notif(two_process_run):
+    report, received = two_process_run["report"], two_process_run["received"]
+    assert report["peer"] == report["peer_again"] == "decode"
+    assert report["state"] == "DONE"
+    assert report["num_bytes"] == 2 * 3 * len(SRC_PAGES) * LAYOUT.page_bytes
+
+    assert [peer for peer, _ in received["notifs"]] == ["prefill"]
+    notif = decode_notif(bytes.fromhex(received["notifs"][0][1]))
+    assert notif == {"room": two_process_run["room"], "first_token": FIRST_TOKEN, "logprobs": LOGPROBS}
+
+    slots = 4
+    for layer in range(3):
+        for kind, name in ((0, "k"), (1, "v")):
+            raw = bytearray.fromhex(received[name][layer])
+            got = torch.frombuffer(raw, dtype=torch.float32).reshape(32 * slots, 2, 8)
+            expected = torch.zeros_like(got)
+            source = prefill_values(layer, kind)
+            for src, dst in zip(SRC_PAGES, DST_PAGES):
+                expected[dst * slots : (dst + 1) * slots] = source[src * slots : (src + 1) * slots]
+            for page in range(32):
+                rows = slice(page * slots, (page + 1) * slots)
+                assert torch.equal(got[rows], expected[rows]), f"layer {layer} {name.upper()} page {page} differs"
+
+
+def test_bad_pages_are_refused_before_any_transfer(two_process_run):
+    refusals = two_process_run["report"]["refusals"]
+    assert "source pages [0]" in refusals["page0"]
+    assert "destination pages [32]" in refusals["beyond_peer"] and "32 pages" in refusals["beyond_peer"]
+
+
+def test_write_to_a_removed_peer_raises(two_process_run):
+    message = two_process_run["report"]["refusals"]["removed_peer"]
+    assert "unknown peer 'decode'" in message and "add_peer" in message
+
+
+def test_incompatible_layout_is_refused_by_add_peer(two_process_run):
+    message = two_process_run["report"]["refusals"]["incompatible"]
+    assert message == "peer 'decode' has an incompatible KV layout: page_size 8 here vs 4 at the peer"
+
+
+def restart_process(conn) -> None:
+    """A peer that restarts under the same name: re-adding its new metadata replaces the old entry,
+    re-adding identical metadata is a no-op, and WRITEs land in the new pool (two agents, one process)."""
+    try:
+        from pdserve.common.kv_transfer import TransferState
+        from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
+
+        source_pool = make_pool(PREFILL_PAGES)
+        source_pool.k_buffers[0].fill_(1.0)
+        source = NixlKVAgent("prefill", source_pool)
+        first = NixlKVAgent("decode", make_pool(32))
+        source.add_peer(first.metadata())
+        first.close()
+        restarted_pool = make_pool(32)
+        restarted = NixlKVAgent("decode", restarted_pool)
+        assert restarted.metadata() != first.metadata()
+        source.add_peer(restarted.metadata())
+        source.add_peer(restarted.metadata())
+        handle = source.write_pages("decode", [2], [5], b"again")
+        deadline = time.monotonic() + TIMEOUT_S
+        while (state := source.poll(handle)) is TransferState.IN_PROGRESS and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        notifs = []
+        while not notifs and time.monotonic() < deadline:
+            notifs = restarted.get_notifs()
+            time.sleep(0.001)
+        source.release(handle)
+        landed = restarted_pool.k_buffers[0][5 * 4 : 6 * 4].eq(1.0).all().item()
+        untouched = restarted_pool.k_buffers[0][: 5 * 4].eq(0).all().item()
+        source.close()
+        restarted.close()
+        send_json(conn, state=state.name, notifs=[[p, n.hex()] for p, n in notifs], landed=landed, untouched=untouched)
+    except BaseException:
+        send_json(conn, error=traceback.format_exc())
+
+
+def test_a_restarted_peer_is_replaced_by_add_peer():
+    ctx = mp.get_context("spawn")
+    conn, child_end = ctx.Pipe()
+    process = ctx.Process(target=restart_process, args=(child_end,), daemon=True)
+    process.start()
+    try:
+        report = recv_json(conn, "the restart report")
+        process.join(TIMEOUT_S)
+    finally:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    assert report == {"state": "DONE", "notifs": [["prefill", b"again".hex()]], "landed": True, "untouched": True}
+    assert process.exitcode == 0
