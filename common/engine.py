@@ -47,6 +47,7 @@ class Engine:
         seed = None if self.config.random_seed < 0 else self.config.random_seed
         self._rng = random.Random(seed)
         self._ids = itertools.count()
+        self._serial_loop = LoopState(self, overlap=False)
 
     @property
     def max_context_len(self) -> int:
@@ -102,40 +103,18 @@ class Engine:
 
     def step(self) -> list[Completion]:
         """One serial iteration: schedule a batch, run it, process its result. Returns what finished."""
-        batch = self.scheduler.get_next_batch_to_run()
-        if batch is None:
-            if self.scheduler.has_work():
-                raise RuntimeError(f"scheduler stalled with work queued: {self.stats()}")
-            return []
-        with self.streams.use(self.streams.schedule_stream):
-            return self.process(batch, self.launch(batch))
+        return self._serial_loop.step()
 
     def event_loop_normal(self) -> Iterator[Completion]:
         """The serial loop (--disable-overlap-schedule): runs until nothing is queued or running."""
-        while self.scheduler.has_work():
-            yield from self.step()
+        while self._serial_loop.busy():
+            yield from self._serial_loop.step()
 
     def event_loop_overlap(self) -> Iterator[Completion]:
         """Launch batch N, then process batch N-1 while the device runs N (seeds' event_loop_overlap)."""
-        streams = self.streams
-        inflight: deque[tuple[ForwardBatch, ForwardResult]] = deque()
-        last_mode = None
-        with streams.use(streams.schedule_stream):
-            while self.scheduler.has_work() or inflight:
-                batch = self.scheduler.get_next_batch_to_run()
-                if batch is not None:
-                    if inflight and self._must_run_serially(batch, last_mode):
-                        yield from self.process(*inflight.popleft())
-                    inflight.append((batch, self.launch(batch)))
-                    last_mode = batch.mode
-                    if self.war_barrier:
-                        # WAR barrier: the next scheduling step rewrites req_to_token rows and KV
-                        # slots that this forward may still be reading.
-                        streams.schedule_stream.wait_stream(streams.forward_stream)
-                elif not inflight:
-                    raise RuntimeError(f"scheduler stalled with work queued: {self.stats()}")
-                if inflight and (batch is None or len(inflight) > 1):
-                    yield from self.process(*inflight.popleft())
+        loop = LoopState(self, overlap=True)
+        while loop.busy():
+            yield from loop.step()
 
     def _must_run_serially(self, batch: ForwardBatch, last_mode) -> bool:
         """Cases where overlapping with the previous batch would be wrong or hurt.
@@ -151,6 +130,7 @@ class Engine:
 
     def run_loop(self) -> Iterator[Completion]:
         return self.event_loop_normal() if self.config.disable_overlap_schedule else self.event_loop_overlap()
+
 
     # ---- offline API ----------------------------------------------------------------------------
 
@@ -195,3 +175,48 @@ class Engine:
 
     def is_idle(self) -> bool:
         return self.scheduler.is_idle()
+
+
+class LoopState:
+    """One event loop, an iteration at a time, so a server can interleave it with its I/O.
+
+    Serial: schedule, launch, process. Overlapped: schedule N, launch N, WAR barrier, process
+    N-1 — the batches still in flight live here between iterations. `poll` runs at the top of
+    each iteration (intake, transfer queues) and may return completions; with it, an iteration
+    with nothing to run is normal (waiting for KV, say), without it that is a stall.
+    """
+
+    def __init__(self, engine: Engine, overlap: bool, poll=None):
+        self.engine = engine
+        self.overlap = overlap
+        self.poll = poll
+        self.inflight: deque[tuple[ForwardBatch, ForwardResult]] = deque()
+        self.last_mode = None
+
+    def busy(self) -> bool:
+        return bool(self.inflight) or self.engine.scheduler.has_work()
+
+    def step(self) -> list[Completion]:
+        engine, streams = self.engine, self.engine.streams
+        done = list(self.poll()) if self.poll is not None else []
+        with streams.use(streams.schedule_stream):
+            batch = engine.scheduler.get_next_batch_to_run()
+            if batch is None:
+                if self.inflight:
+                    done += engine.process(*self.inflight.popleft())
+                elif self.poll is None and engine.scheduler.has_work():
+                    raise RuntimeError(f"scheduler stalled with work queued: {engine.stats()}")
+                return done
+            if not self.overlap:
+                return done + engine.process(batch, engine.launch(batch))
+            if self.inflight and engine._must_run_serially(batch, self.last_mode):
+                done += engine.process(*self.inflight.popleft())
+            self.inflight.append((batch, engine.launch(batch)))
+            self.last_mode = batch.mode
+            if engine.war_barrier:
+                # WAR barrier: the next scheduling step rewrites req_to_token rows and KV slots
+                # that this forward may still be reading.
+                streams.schedule_stream.wait_stream(streams.forward_stream)
+            if len(self.inflight) > 1:
+                done += engine.process(*self.inflight.popleft())
+            return done

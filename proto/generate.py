@@ -26,6 +26,7 @@ import argparse
 import difflib
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -44,16 +45,25 @@ def _clip(line: str) -> str:
 
 
 def generate(proto: Path = PROTO) -> dict[str, bytes]:
-    """Run protoc on `proto` (in a temporary tree); return {output file name: contents}."""
-    from grpc_tools import protoc  # imported here so `--help` works without grpcio-tools
+    """Run protoc on `proto` (in a temporary tree); return {output file name: contents}.
 
+    NOTE: protoc runs in a child process. grpc_tools' compiled protoc, imported into a process
+    that already loaded torch (and nixl), can crash the interpreter (clashing native symbols).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("grpc_tools")  # located without importing its native module
+    if spec is None or spec.origin is None:
+        raise RuntimeError("grpcio-tools is not installed: pip install grpcio-tools==1.85.1")
     with tempfile.TemporaryDirectory(prefix="pdserve-protoc-") as tmp:
         src, out = Path(tmp) / "src", Path(tmp) / "out"
         (src / PROTO_REL).parent.mkdir(parents=True)
         out.mkdir()
         shutil.copyfile(proto, src / PROTO_REL)
-        well_known = Path(protoc.__file__).parent / "_proto"  # google/protobuf/*.proto, if imported
+        well_known = Path(spec.origin).parent / "_proto"  # google/protobuf/*.proto, if imported
         args = [
+            sys.executable,
+            "-m",
             "grpc_tools.protoc",
             f"-I{src}",
             f"-I{well_known}",
@@ -62,9 +72,9 @@ def generate(proto: Path = PROTO) -> dict[str, bytes]:
             f"--grpc_python_out={out}",
             PROTO_REL.as_posix(),
         ]
-        rc = protoc.main(args)
-        if rc != 0:
-            raise RuntimeError(f"protoc failed (exit {rc}) on {proto}; its errors are above")
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"protoc failed (exit {proc.returncode}) on {proto}: {proc.stderr.strip()}")
         gen_dir = out / PROTO_REL.parent
         return {name: (gen_dir / name).read_bytes() for name in OUTPUTS}
 
