@@ -37,9 +37,7 @@ class Engine:
         self.tokenizer = load_tokenizer(self.config.model_path)
         self.eos_token_ids = eos_token_ids(self.config.model_path, self.tokenizer)
         self.runner = ModelRunner(self.config)
-        self.scheduler = Scheduler(
-            self.config, self.runner.req_to_token_pool, self.runner.kv_pool, self.eos_token_ids
-        )
+        self.scheduler = self.make_scheduler()
         self.streams = self.runner.streams
         self.war_barrier = True  # debug switch for the race test only: never turn off in serving
         self.trace: deque = deque(maxlen=4096)  # ("launch" | "process", batch.seq), for ordering tests
@@ -48,6 +46,10 @@ class Engine:
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._serial_loop = LoopState(self, overlap=False)
+
+    def make_scheduler(self) -> Scheduler:
+        """The scheduler of this role (the prefill and decode servers bring their own)."""
+        return Scheduler(self.config, self.runner.req_to_token_pool, self.runner.kv_pool, self.eos_token_ids)
 
     @property
     def max_context_len(self) -> int:
@@ -68,13 +70,18 @@ class Engine:
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None) -> str:
         """Queue one sequence; raises ValueError (and queues nothing) when it cannot be served."""
+        req = self.make_req(prompt_ids, params, rid)
+        self.scheduler.add_request(req)
+        return req.rid
+
+    def make_req(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None) -> Req:
+        """A checked request with its seed drawn (when the client gave none) and its detokenizer."""
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         self.check_request(prompt_ids, params)
         seed = params.seed % 2**64 if params.seed is not None else self._rng.getrandbits(64)
         req = Req(rid, list(prompt_ids), params, seed)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.skip_special_tokens)
-        self.scheduler.add_request(req)
-        return rid
+        return req
 
     def abort(self, rid: str) -> Completion | None:
         return self.scheduler.abort(rid)

@@ -61,4 +61,5 @@ def finalize(req: Req) -> Completion:
         matched_stop=req.matched_stop,
         logprobs=req.output_logprobs if req.params.logprobs is not None else None,
         cached_tokens=req.cached_tokens,
+        error=req.error,
     )

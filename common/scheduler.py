@@ -35,6 +35,9 @@ from pdserve.common.types import Completion, FinishReason, Req, SamplingParams, 
 
 
 class Scheduler:
+    # A prefill-only role (the prefill server) neither decodes nor reserves KV for decoding.
+    decodes = True
+
     def __init__(
         self,
         config: EngineConfig,
@@ -147,7 +150,7 @@ class Scheduler:
         spans.append((req, req.kv_len, end))
         if end < req.seq_len:
             self.chunked_req = req
-        else:
+        elif self.decodes:
             self.running.append(req)
         return end - req.kv_len
 
@@ -224,6 +227,8 @@ class Scheduler:
 
     def _decode_reserve_pages(self, req: Req, seq_len: int) -> int:
         """Pages the request should hold to run its next num_reserved_decode_tokens tokens."""
+        if not self.decodes:
+            return pages_for(seq_len, self.page_size)
         ahead = min(req.params.max_new_tokens - req.num_sampled, self.config.num_reserved_decode_tokens)
         return pages_for(seq_len + ahead, self.page_size)
 

@@ -108,6 +108,7 @@ class Completion:
     matched_stop: int | str | None = None  # the EOS/stop token id or stop string that ended it
     logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # why an aborted sequence failed (None: cancelled, or not aborted)
 
 
 class Req:
@@ -141,6 +142,11 @@ class Req:
         self.pending = 0
         self.future_idx = 0
         self.discard = 0
+        # Disaggregation: the 63-bit room pairing this request's prefill with its decode, and
+        # the role-specific transfer state (decode: deadline for the KV; prefill: destination).
+        self.room = 0
+        self.deadline = 0.0
+        self.error: str | None = None
         self.kv_len = 0
         self.cached_tokens = 0
         self.detokenizer = None  # set by the engine: an IncrementalDetokenizer

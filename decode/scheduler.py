@@ -1,0 +1,124 @@
+"""The decode role's scheduler: KV arrives over the network instead of from a prefill forward.
+
+Queues, in the order a request passes through them (DESIGN.md "Life of a request"):
+    prealloc      waiting for a row and pages for its prompt (+ reserved decode tokens)
+    transferring  pages handed out as a KV destination; waiting, under a deadline, for the
+                  prefill server's WRITE and its notification (keyed by the request's room).
+                  An aborted request stays here, answered but holding its pages, until the
+                  notification or the deadline says no WRITE can land in them any more.
+    running       the KV and the first token arrived: it decodes like any colocated request,
+                  joining the batch without a forward pass of its own
+    waiting       only requests retracted under KV pressure: they are prefilled again locally
+
+The decode server keeps no prefix cache: its pages are filled by other servers' transfers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pdserve.common.kv_pool import pages_for, slots_for_positions
+from pdserve.common.output_processor import append_token, finalize
+from pdserve.common.overlap import h2d
+from pdserve.common.scheduler import Scheduler
+from pdserve.common.types import Completion, FinishReason, Req, TokenLogprob
+
+import torch
+
+
+class DecodeScheduler(Scheduler):
+    def __init__(self, *args, kv_transfer_timeout: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tree_cache = None
+        self.kv_transfer_timeout = kv_transfer_timeout
+        self.prealloc: deque[Req] = deque()
+        self.transferring: dict[int, Req] = {}  # room -> request
+
+    def add_request(self, req: Req) -> None:
+        self.check_request(req.prompt_ids, req.params)
+        if req.room in self.transferring or any(r.room == req.room for r in self.prealloc):
+            raise ValueError(f"room {req.room} is already in use")
+        self.prealloc.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.prealloc or self.transferring) or super().has_work()
+
+    def pop_preallocated(self, now: float) -> list[Req]:
+        """Give queued requests a row and the pages for their prompt, oldest first.
+
+        Admission keeps, as for colocated requests, room for every admitted request's next
+        num_reserved_decode_tokens tokens; a request that does not fit blocks those behind it.
+        """
+        admitted = []
+        holders = self.running + list(self.transferring.values())
+        available = self._available_pages() - self._reserved_pages(holders)
+        while self.prealloc:
+            req = self.prealloc[0]
+            if len(holders) + len(admitted) + 1 > self.config.max_running_requests:
+                break
+            if self.req_to_token_pool.available() == 0:
+                break
+            need = self._decode_reserve_pages(req, req.seq_len)
+            if need > available:
+                break
+            self.prealloc.popleft()
+            row = self.req_to_token_pool.alloc()
+            req.req_pool_idx, req.pages = row, self._alloc_pages(pages_for(len(req.prompt_ids), self.page_size))
+            slots = slots_for_positions(req.pages, 0, len(req.prompt_ids), self.page_size)
+            self.req_to_token_pool.write(row, 0, h2d(slots, torch.int32, self.device))
+            req.kv_len = len(req.prompt_ids)  # written by the prefill server, not by a forward here
+            req.deadline = now + self.kv_transfer_timeout
+            self.transferring[req.room] = req
+            admitted.append(req)
+            available -= need
+        return admitted
+
+    def on_kv_arrived(self, room: int, first_token: int, logprob: TokenLogprob | None) -> Completion | None:
+        """The prefill's WRITE for `room` landed: the request joins running with its first token.
+
+        A notification for a room not waiting (late, duplicate, or from an abandoned attempt after
+        a retry) is ignored: the first completed transfer for a room wins.
+        """
+        req = self.transferring.pop(room, None)
+        if req is None:
+            return None
+        if req.finished:  # aborted while its WRITE was in flight: now the pages are quiet
+            self._free_kv(req)
+            return None
+        append_token(req, first_token, logprob, self.eos_token_ids, self.config.context_length)
+        if req.finished:
+            self._free_kv(req)
+            return finalize(req)
+        self.running.append(req)
+        return None
+
+    def expire_transfers(self, now: float) -> list[Completion]:
+        """Requests whose KV did not arrive in time: abort with an error and free their pages."""
+        expired = [req for req in self.transferring.values() if now > req.deadline]
+        timed_out = []
+        for req in expired:
+            del self.transferring[req.room]
+            self._free_kv(req)
+            if not req.finished:  # (an aborted one was already answered)
+                req.finish_reason = FinishReason.ABORT
+                req.error = f"KV transfer timed out after {self.kv_transfer_timeout:g}s (room {req.room})"
+                timed_out.append(finalize(req))
+        return timed_out
+
+    def abort(self, rid: str) -> Completion | None:
+        for req in self.prealloc:
+            if req.rid == rid:
+                self.prealloc.remove(req)
+                req.finish_reason = FinishReason.ABORT
+                return finalize(req)
+        for req in self.transferring.values():
+            if req.rid == rid and not req.finished:
+                # NOTE: the prefill server may still WRITE into these pages: they stay with the
+                # request until its notification arrives or its deadline passes, so a late WRITE
+                # can never land in a new owner's KV. The client is answered now.
+                req.finish_reason = FinishReason.ABORT
+                return finalize(req)
+        return super().abort(rid)
+
+    def is_idle(self) -> bool:
+        return not self.prealloc and not self.transferring and super().is_idle()

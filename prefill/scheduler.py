@@ -1,0 +1,159 @@
+"""The prefill role's scheduler: prefill, sample the first token, WRITE the KV to the decode server.
+
+A request arrives with its destination (the decode server's agent, its pages, the room). It is
+scheduled like any colocated prefill — radix-cache prefix reuse, chunking — but never decodes.
+When its last chunk's result is processed (so the forward that wrote its KV has completed: the
+result's copy_done event is recorded after it), the KV pages covering its prompt are written into
+the destination pages over the transfer agent, with a notification carrying the room and the
+first token. The request keeps its pages until the agent reports the WRITE done (or failed, or
+past its deadline); then its KV is cached (or freed) and its result reported.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pdserve.common.kv_pool import pages_for
+from pdserve.common.kv_transfer import TransferState, encode_notif
+from pdserve.common.scheduler import Scheduler
+from pdserve.common.types import FinishReason, Req, TokenLogprob
+
+
+@dataclass
+class Destination:
+    """Where a request's KV goes: the peer agent and its pages, in position order."""
+
+    peer: str
+    page_ids: list[int]
+
+
+@dataclass
+class PrefillResult:
+    """What the prefill server answers for one request."""
+
+    rid: str
+    room: int
+    first_token: int | None
+    first_logprob: TokenLogprob | None
+    prompt_tokens: int
+    cached_tokens: int
+    transfer_bytes: int = 0
+    error: str | None = None  # None: the KV and the first token are at the decode server
+
+
+@dataclass
+class _Transfer:
+    req: Req
+    handle: object
+    deadline: float
+
+
+class PrefillScheduler(Scheduler):
+    decodes = False
+
+    def __init__(self, *args, agent, kv_transfer_timeout: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.agent = agent
+        self.kv_transfer_timeout = kv_transfer_timeout
+        self.destinations: dict[str, Destination] = {}  # rid -> destination
+        self.transfers: list[_Transfer] = []
+        self.done: list[PrefillResult] = []  # results not yet collected
+
+    def add_prefill_request(self, req: Req, destination: Destination) -> None:
+        self.check_request(req.prompt_ids, req.params)
+        need = pages_for(len(req.prompt_ids), self.page_size)
+        if len(destination.page_ids) < need:
+            raise ValueError(f"the destination has {len(destination.page_ids)} pages; the prompt needs {need}")
+        self.destinations[req.rid] = destination
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.transfers) or super().has_work()
+
+    def process_batch_result(self, batch, next_token_ids: list[int], logprobs: list[TokenLogprob | None]):
+        """Each finished prompt starts its KV WRITE; nothing finishes here (see poll_transfers)."""
+        for req, sampling, token, lp in zip(batch.reqs, batch.samples, next_token_ids, logprobs):
+            if not sampling:
+                continue
+            req.pending -= 1
+            if req.discard:  # aborted after launch
+                req.discard -= 1
+                continue
+            req.output_ids.append(token)
+            if lp is not None:
+                req.output_logprobs.append(lp)
+            self._start_transfer(req, token, lp, time.monotonic())
+        return []
+
+    def _start_transfer(self, req: Req, token: int, lp: TokenLogprob | None, now: float) -> None:
+        dest = self.destinations[req.rid]
+        n = pages_for(len(req.prompt_ids), self.page_size)
+        top = {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} if lp is not None else None
+        try:
+            handle = self.agent.write_pages(dest.peer, req.pages[:n], dest.page_ids[:n], encode_notif(req.room, token, top))
+        except Exception as e:  # noqa: BLE001 - any agent failure fails this request, not the server
+            self._finish(req, error=f"KV transfer to {dest.peer} could not start: {e}")
+            return
+        self.transfers.append(_Transfer(req, handle, now + self.kv_transfer_timeout))
+
+    def poll_transfers(self, now: float) -> list[PrefillResult]:
+        """Finish the transfers the agent reports done, failed or late; never blocks."""
+        still = []
+        for t in self.transfers:
+            state = self.agent.poll(t.handle)
+            if state is TransferState.IN_PROGRESS and now <= t.deadline:
+                still.append(t)
+                continue
+            self.agent.release(t.handle)
+            if state is TransferState.DONE:
+                self._finish(t.req, transfer_bytes=t.handle.num_bytes)
+            elif state is TransferState.FAILED:
+                self._finish(t.req, error=f"KV transfer to {self.destinations[t.req.rid].peer} failed")
+            else:
+                self._finish(t.req, error=f"KV transfer timed out after {self.kv_transfer_timeout:g}s")
+        self.transfers = still
+        done, self.done = self.done, []
+        return done
+
+    def _finish(self, req: Req, transfer_bytes: int = 0, error: str | None = None) -> None:
+        """Cache (on success) or free the request's KV and record its result (an aborted request
+        was answered when it was aborted)."""
+        aborted = req.finish_reason is FinishReason.ABORT
+        if error is None and not aborted:
+            req.kv_len = len(req.prompt_ids)  # the prompt's KV; the first token's is the decode's job
+            self._cache_and_release(req)
+        else:
+            self._free_kv(req)
+        del self.destinations[req.rid]
+        if aborted:
+            return
+        ok = error is None
+        self.done.append(
+            PrefillResult(
+                rid=req.rid,
+                room=req.room,
+                first_token=req.output_ids[0] if ok else None,
+                first_logprob=req.output_logprobs[0] if ok and req.output_logprobs else None,
+                prompt_tokens=len(req.prompt_ids),
+                cached_tokens=req.cached_tokens,
+                transfer_bytes=transfer_bytes,
+                error=error,
+            )
+        )
+
+    def abort(self, rid: str):
+        """Queued or prefilling: freed now. Transferring: answered now, freed when the WRITE ends
+        (the agent may still be reading its pages)."""
+        for t in self.transfers:
+            if t.req.rid == rid and not t.req.finished:
+                t.req.finish_reason = FinishReason.ABORT
+                return PrefillResult(rid, t.req.room, None, None, len(t.req.prompt_ids), t.req.cached_tokens, error="aborted")
+        completion = super().abort(rid)
+        if completion is None:
+            return None
+        self.destinations.pop(rid, None)
+        return PrefillResult(rid, 0, None, None, len(completion.prompt_ids), completion.cached_tokens, error="aborted")
+
+    def is_idle(self) -> bool:
+        return not self.transfers and not self.destinations and super().is_idle()
