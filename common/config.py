@@ -101,3 +101,26 @@ def add_cli_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> N
 
 def from_cli_args(args: argparse.Namespace, cls: type = EngineConfig) -> Any:
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What a prefill or decode server adds to the engine's flags."""
+
+    host: str = _opt("127.0.0.1", "Address the gRPC service (and the metrics port) listen on.")
+    port: int = _opt(0, "gRPC port (required).")
+    metrics_port: int = _opt(0, "Prometheus /metrics port; 0: no metrics endpoint.")
+    transfer_backend: str = _opt("nixl", "KV transfer backend: nixl (UCX; DRAM on CPU, VRAM on CUDA).")
+    kv_transfer_timeout: float = _opt(
+        30.0, "Seconds a KV transfer may take: decode aborts a request whose KV has not arrived, prefill fails one whose WRITE has not finished."
+    )
+    agent_name: str = _opt("", "Unique name of this server's transfer agent; default: role-host-port-random.")
+    log_level: str = _opt("info", "Logging level (debug, info, warning, error).")
+
+    def check(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError("--port is required (1-65535)")
+        if self.transfer_backend != "nixl":
+            raise ValueError(f"--transfer-backend must be nixl, got {self.transfer_backend!r}")
+        if self.kv_transfer_timeout <= 0:
+            raise ValueError("--kv-transfer-timeout must be > 0")

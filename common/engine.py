@@ -174,7 +174,8 @@ class Engine:
     def stats(self) -> dict:
         pool = self.runner.kv_pool
         return {
-            "kv_used_tokens": pool.used_tokens(),
+            "kv_used_tokens": self.scheduler.kv_used_tokens(),
+            "kv_cached_tokens": pool.used_tokens() - self.scheduler.kv_used_tokens(),
             "kv_total_tokens": pool.capacity_tokens,
             "running_requests": len(self.scheduler.running),
             "waiting_requests": len(self.scheduler.waiting),

@@ -357,6 +357,11 @@ class Scheduler:
             self.running = [r for r in self.running if not r.finished]
         return finished
 
+    def kv_used_tokens(self) -> int:
+        """KV tokens held by requests: neither free nor cached-and-evictable."""
+        evictable = self.tree_cache.evictable_pages if self.tree_cache is not None else 0
+        return self.kv_pool.used_tokens() - evictable * self.page_size
+
     def is_idle(self) -> bool:
         """Nothing queued, every row back, and every page either free or cached and unlocked."""
         cached = self.tree_cache.evictable_pages if self.tree_cache is not None else 0

@@ -39,6 +39,7 @@ class PrefillResult:
     prompt_tokens: int
     cached_tokens: int
     transfer_bytes: int = 0
+    transfer_s: float = 0.0  # from the WRITE's start to its completion
     error: str | None = None  # None: the KV and the first token are at the decode server
 
 
@@ -46,6 +47,7 @@ class PrefillResult:
 class _Transfer:
     req: Req
     handle: object
+    started: float
     deadline: float
 
 
@@ -95,7 +97,7 @@ class PrefillScheduler(Scheduler):
         except Exception as e:  # noqa: BLE001 - any agent failure fails this request, not the server
             self._finish(req, error=f"KV transfer to {dest.peer} could not start: {e}")
             return
-        self.transfers.append(_Transfer(req, handle, now + self.kv_transfer_timeout))
+        self.transfers.append(_Transfer(req, handle, now, now + self.kv_transfer_timeout))
 
     def poll_transfers(self, now: float) -> list[PrefillResult]:
         """Finish the transfers the agent reports done, failed or late; never blocks."""
@@ -107,7 +109,7 @@ class PrefillScheduler(Scheduler):
                 continue
             self.agent.release(t.handle)
             if state is TransferState.DONE:
-                self._finish(t.req, transfer_bytes=t.handle.num_bytes)
+                self._finish(t.req, transfer_bytes=t.handle.num_bytes, transfer_s=now - t.started)
             elif state is TransferState.FAILED:
                 self._finish(t.req, error=f"KV transfer to {self.destinations[t.req.rid].peer} failed")
             else:
@@ -116,7 +118,7 @@ class PrefillScheduler(Scheduler):
         done, self.done = self.done, []
         return done
 
-    def _finish(self, req: Req, transfer_bytes: int = 0, error: str | None = None) -> None:
+    def _finish(self, req: Req, transfer_bytes: int = 0, error: str | None = None, transfer_s: float = 0.0) -> None:
         """Cache (on success) or free the request's KV and record its result (an aborted request
         was answered when it was aborted)."""
         aborted = req.finish_reason is FinishReason.ABORT
@@ -138,6 +140,7 @@ class PrefillScheduler(Scheduler):
                 prompt_tokens=len(req.prompt_ids),
                 cached_tokens=req.cached_tokens,
                 transfer_bytes=transfer_bytes,
+                transfer_s=transfer_s,
                 error=error,
             )
         )

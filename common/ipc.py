@@ -1,0 +1,160 @@
+"""Typed messages between a server's frontend process and its scheduler process, over pyzmq.
+
+Two one-way ipc:// channels (PUSH -> PULL), one each way, carrying msgspec msgpack-encoded,
+tagged structs: no pickle. NOTE: a PUSH socket closed with pending messages can drop them, so
+every socket here lingers (bounded) on close, and the scheduler's last message before exiting
+(`Bye`) is only sent once the frontend has asked it to stop.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# ---- frontend -> scheduler --------------------------------------------------------------------
+
+
+class Params(msgspec.Struct, frozen=True):
+    """SamplingParams' fields, as plain data (validated into SamplingParams by the scheduler)."""
+
+    max_new_tokens: int
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+
+class NewRequest(msgspec.Struct, tag=True):
+    """A request for this server. Prefill requests also carry their KV destination."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: Params
+    room: int
+    peer_metadata: bytes = b""
+    page_ids: list[int] = []
+
+
+class Abort(msgspec.Struct, tag=True):
+    rid: str
+
+
+class Drain(msgspec.Struct, tag=True):
+    """Admit nothing new, finish what is in flight, then say Bye and exit."""
+
+
+# ---- scheduler -> frontend --------------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag=True):
+    """The scheduler is up: what GetServerInfo and GetAgentMetadata answer."""
+
+    agent_name: str
+    agent_metadata: bytes
+    layout: dict
+    info: dict
+
+
+class Rejected(msgspec.Struct, tag=True):
+    """The request could not be admitted (bad input, or draining); nothing was queued."""
+
+    rid: str
+    message: str
+    code: str = "INVALID_REQUEST"
+
+
+class Destination(msgspec.Struct, tag=True):
+    """Decode: pages for the request's prompt are held; the prefill server may WRITE them."""
+
+    rid: str
+    room: int
+    page_ids: list[int]
+
+
+class Tokens(msgspec.Struct, tag=True):
+    """Decode: new output tokens of a request, starting at output index `index`."""
+
+    rid: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
+
+
+class Finished(msgspec.Struct, tag=True):
+    """Decode: the request is over (its last Tokens were sent before this)."""
+
+    rid: str
+    reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    matched_token: int | None = None
+    matched_text: str | None = None
+    error: str | None = None
+    error_code: str | None = None
+
+
+class PrefillDone(msgspec.Struct, tag=True):
+    """Prefill: the KV and the first token are at the decode server (or `error` says why not)."""
+
+    rid: str
+    first_token: int | None
+    first_logprob: tuple[int, float, list[tuple[int, float]]] | None
+    prompt_tokens: int
+    cached_tokens: int
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    transfer_bytes: int
+    error: str | None = None
+    error_code: str | None = None
+
+
+class LoadReport(msgspec.Struct, tag=True):
+    running: int
+    waiting: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    inflight_transfers: int
+    transfer_failures: int = 0
+
+
+class Bye(msgspec.Struct, tag=True):
+    """The scheduler drained and is exiting."""
+
+
+ToScheduler = NewRequest | Abort | Drain
+ToFrontend = Ready | Rejected | Destination | Tokens | Finished | PrefillDone | LoadReport | Bye
+
+_to_scheduler = msgspec.msgpack.Decoder(ToScheduler)
+_to_frontend = msgspec.msgpack.Decoder(ToFrontend)
+_encoder = msgspec.msgpack.Encoder()
+
+LINGER_MS = 2000
+
+
+def encode(msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_scheduler(data: bytes) -> ToScheduler:
+    return _to_scheduler.decode(data)
+
+
+def decode_to_frontend(data: bytes) -> ToFrontend:
+    return _to_frontend.decode(data)
+
+
+def ipc_paths(run_dir: str) -> tuple[str, str]:
+    """(frontend -> scheduler, scheduler -> frontend) endpoints inside a private directory."""
+    return f"ipc://{run_dir}/to-scheduler", f"ipc://{run_dir}/to-frontend"

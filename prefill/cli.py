@@ -1,0 +1,13 @@
+"""`prefill-server`: see `prefill-server --help`."""
+
+import sys
+
+from pdserve.common.server_cli import main as _main
+
+
+def main() -> int:
+    return _main("prefill")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The prefill server: PrefillService (frontend process) and the prefill role (scheduler process).
+
+Prefill(request, destination) answers once the request's KV and first token are at the decode
+server named in the destination (or with an error): first token, its logprob, cached tokens,
+timings. The decode server's agent metadata travels in the destination and is cached per peer
+by the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+from pdserve.common import ipc
+from pdserve.common.config import EngineConfig
+from pdserve.common.scheduler_process import Role, sampling_params
+from pdserve.common.serving import CommonRpcs, error_to_proto, logprob_to_proto, params_from_proto, ready_message
+from pdserve.prefill.engine import PrefillEngine
+from pdserve.prefill.scheduler import PrefillResult
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+
+
+class PrefillRole(Role):
+    def __init__(self, config: EngineConfig, agent_name: str, kv_transfer_timeout: float):
+        self.engine = PrefillEngine(config, agent_name, kv_transfer_timeout)
+        self.arrived: dict[str, float] = {}  # rid -> arrival time, for timings
+
+    def ready(self) -> ipc.Ready:
+        return ready_message(self.engine)
+
+    def on_request(self, msg: ipc.NewRequest, send) -> None:
+        try:
+            self.engine.add_prefill_request(
+                msg.prompt_ids, sampling_params(msg.params), msg.room, msg.peer_metadata, msg.page_ids, rid=msg.rid
+            )
+        except ValueError as e:
+            send(ipc.Rejected(msg.rid, str(e)))
+            return
+        self.arrived[msg.rid] = time.monotonic()
+
+    def on_abort(self, rid: str, send) -> None:
+        result = self.engine.scheduler.abort(rid)
+        if result is not None:
+            self.on_outputs([result], send)
+
+    def on_outputs(self, outputs: list[PrefillResult], send) -> None:
+        now = time.monotonic()
+        for r in outputs:
+            arrived = self.arrived.pop(r.rid, now)
+            lp = r.first_logprob
+            code = None if r.error is None else ("ABORTED" if r.error == "aborted" else "KV_TRANSFER_FAILED")
+            send(ipc.PrefillDone(
+                r.rid, r.first_token, (lp.token_id, lp.logprob, lp.top) if lp is not None else None,
+                r.prompt_tokens, r.cached_tokens, queue_s=0.0, prefill_s=now - arrived - r.transfer_s,
+                transfer_s=r.transfer_s, transfer_bytes=r.transfer_bytes, error=r.error, error_code=code,
+            ))
+
+    def load(self) -> ipc.LoadReport:
+        s = self.engine.scheduler
+        return ipc.LoadReport(
+            running=len(s.transfers) + (1 if s.chunked_req else 0),
+            waiting=len(s.waiting),
+            kv_used_tokens=s.kv_used_tokens(),
+            kv_total_tokens=self.engine.runner.kv_pool.capacity_tokens,
+            inflight_transfers=len(s.transfers),
+        )
+
+
+def run_prefill_scheduler(config, agent_name, kv_transfer_timeout, log_level, to_scheduler, to_frontend):
+    from pdserve.common.scheduler_process import run_scheduler
+
+    run_scheduler(lambda: PrefillRole(config, agent_name, kv_transfer_timeout), to_scheduler, to_frontend, log_level)
+
+
+class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
+    role = pb.ServerInfo.PREFILL
+
+    async def Prefill(self, request: pb.PrefillRequest, context):
+        if self.draining:
+            return pb.PrefillResponse(error=pb.Error(code=pb.Error.OVERLOADED, message="the server is draining"))
+        req, dest = request.request, request.destination
+        rid = req.request_id or secrets.token_hex(8)
+        try:
+            queue = self.bridge.subscribe(rid)
+        except ValueError as e:
+            return pb.PrefillResponse(error=pb.Error(code=pb.Error.INVALID_REQUEST, message=str(e)))
+        done = False
+        try:
+            await self.bridge.send(ipc.NewRequest(
+                rid, list(req.prompt_token_ids), params_from_proto(req.params), req.bootstrap_room,
+                peer_metadata=dest.decode_agent_metadata, page_ids=list(dest.page_ids)))
+            timeout = None
+            if req.HasField("deadline_unix_s"):
+                timeout = max(req.deadline_unix_s - time.time(), 0.0)
+            try:
+                msg = await asyncio.wait_for(queue.get(), timeout)
+            except asyncio.TimeoutError:
+                return pb.PrefillResponse(error=pb.Error(code=pb.Error.ABORTED, message="the request's deadline passed"))
+            done = True
+            if isinstance(msg, ipc.Rejected):
+                return pb.PrefillResponse(error=error_to_proto(msg.code, msg.message))
+            timings = pb.Timings(queue_s=msg.queue_s, prefill_s=msg.prefill_s, transfer_s=msg.transfer_s,
+                                 transfer_bytes=msg.transfer_bytes)
+            response = pb.PrefillResponse(cached_tokens=msg.cached_tokens, prompt_tokens=msg.prompt_tokens, timings=timings)
+            if msg.error is not None:
+                response.error.CopyFrom(error_to_proto(msg.error_code, msg.error))
+                return response
+            response.first_token_id = msg.first_token
+            if msg.first_logprob is not None:
+                response.first_logprob.CopyFrom(logprob_to_proto(msg.first_logprob))
+            return response
+        finally:
+            if not done:  # cancelled by the client or past its deadline
+                await self.bridge.send(ipc.Abort(rid))
+            self.bridge.unsubscribe(rid)

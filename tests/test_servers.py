@@ -1,0 +1,290 @@
+"""prefill-server and decode-server as real processes: real gRPC, real ZMQ IPC, real NIXL (DRAM).
+
+The client here follows the router's protocol (DESIGN.md "Life of a request"): Generate on the
+decode server, whose first message is the KV destination; Prefill on the prefill server with that
+destination; then the decode stream to its end.
+"""
+
+import asyncio
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+
+KV_TIMEOUT = 3.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, role: str, model: str, *flags: str):
+        self.role, self.port, self.metrics_port = role, free_port(), free_port()
+        cmd = [sys.executable, "-m", f"pdserve.{role}.cli", "--model-path", model, "--device", "cpu",
+               "--port", str(self.port), "--metrics-port", str(self.metrics_port), "--max-total-tokens", "4096",
+               "--kv-transfer-timeout", str(KV_TIMEOUT), "--log-level", "warning", *flags]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.address = f"127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout=120.0) -> None:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                assert self.proc.poll() is None, f"{self.role} server exited:\n{self.proc.stdout.read()}"
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    time.sleep(0.2)
+        raise TimeoutError(f"{self.role} server not ready in {timeout}s")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def stop(self, sig=signal.SIGTERM) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            out, _ = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate(timeout=10)
+        return out
+
+
+@pytest.fixture(scope="module", params=["overlap", "serial"])
+def servers(request, tiny_models):
+    model = tiny_models("llama")
+    flags = () if request.param == "overlap" else ("--disable-overlap-schedule",)
+    decode = Server("decode", model, "--max-running-requests", "8", *flags)
+    prefill = Server("prefill", model, "--chunked-prefill-size", "32", *flags)
+    try:
+        decode.wait_ready()
+        prefill.wait_ready()
+        yield model, decode, prefill
+    finally:
+        for s in (decode, prefill):
+            log = s.stop()
+            assert s.proc.returncode == 0, f"{s.role} did not exit cleanly on SIGTERM:\n{log}"
+
+
+def params(max_new=12, **kw) -> pb.SamplingParams:
+    """Every field set: in the proto, zero means zero, not 'default'."""
+    base = dict(max_new_tokens=max_new, temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0,
+                skip_special_tokens=True)
+    return pb.SamplingParams(**(base | kw))
+
+
+async def generate(decode, prefill, prompt, sampling, rid, after_destination=None, cancel_after_tokens=None):
+    """The router's protocol for one request; returns (tokens, finish or error, prefill response)."""
+    async with grpc.aio.insecure_channel(decode.address) as dch, grpc.aio.insecure_channel(prefill.address) as pch:
+        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=sampling,
+                                 bootstrap_room=random.getrandbits(63))
+        call = pb_grpc.DecodeServiceStub(dch).Generate(req, timeout=120)
+        first = await call.read()
+        if first.WhichOneof("response") != "destination":
+            return [], first, None
+        if after_destination is not None:
+            return await after_destination(call, first, pch, req)
+        pre = await pb_grpc.PrefillServiceStub(pch).Prefill(
+            pb.PrefillRequest(request=req, destination=first.destination), timeout=120)
+        tokens, end = [], None
+        while True:
+            msg = await call.read()
+            if msg is grpc.aio.EOF:
+                break
+            kind = msg.WhichOneof("response")
+            if kind == "tokens":
+                assert msg.tokens.index == len(tokens), "a chunk lost or repeated tokens"
+                tokens += list(msg.tokens.token_ids)
+                if cancel_after_tokens is not None and len(tokens) >= cancel_after_tokens:
+                    call.cancel()
+                    return tokens, None, pre
+            else:
+                end = msg
+        return tokens, end, pre
+
+
+def reference(model, prompts, max_new):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, attn_implementation="eager", dtype=torch.float32).eval()
+    out = []
+    for ids in prompts:
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, pad_token_id=2)
+        out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def prompts(n, seed=0, low=1, high=70):
+    rng = random.Random(seed)
+    return [[0] + [rng.randrange(5, 512) for _ in range(rng.randrange(low, high))] for _ in range(n)]
+
+
+async def load(server) -> pb.Load:
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        stub = pb_grpc.DecodeServiceStub(ch) if server.role == "decode" else pb_grpc.PrefillServiceStub(ch)
+        return await stub.GetLoad(pb.GetLoadRequest(), timeout=5)
+
+
+async def wait_idle(*servers, timeout=KV_TIMEOUT + 10):
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = [await load(s) for s in servers]
+        if all(l.kv_used_tokens == 0 and l.running_requests == 0 and l.waiting_requests == 0 for l in loads):
+            return
+        assert time.monotonic() < deadline, f"KV not back to idle: {loads}"
+        await asyncio.sleep(0.1)
+
+
+def test_greedy_through_prefill_and_decode_servers_matches_transformers(servers):
+    model, decode, prefill = servers
+    cases = prompts(8)
+    expected = reference(model, cases, 12)
+
+    async def main():
+        return await asyncio.gather(*(generate(decode, prefill, p, params(12), f"par-{i}") for i, p in enumerate(cases)))
+
+    results = asyncio.run(main())
+    for (tokens, end, pre), want in zip(results, expected):
+        assert tokens == want
+        assert end.WhichOneof("response") == "finish" and end.finish.usage.completion_tokens == len(want)
+        assert pre.first_token_id == want[0] and pre.timings.transfer_bytes > 0 and not pre.HasField("error")
+    asyncio.run(wait_idle(decode, prefill))
+    metrics = decode.metrics()
+    assert 'pdserve_kv_used_tokens{role="decode"} 0.0' in metrics and "pdserve_kv_total_tokens" in metrics
+    prefill_metrics = prefill.metrics()
+    assert 'pdserve_kv_transfer_seconds_count{role="prefill"}' in prefill_metrics
+    assert 'pdserve_kv_transfer_bytes_total{role="prefill"}' in prefill_metrics
+
+
+def test_64_concurrent_requests_complete_with_nothing_lost(servers):
+    model, decode, prefill = servers
+    cases = prompts(64, seed=3, high=40)
+
+    async def main():
+        return await asyncio.gather(*(generate(decode, prefill, p, params(10, ignore_eos=True), f"many-{i}")
+                                      for i, p in enumerate(cases)))
+
+    results = asyncio.run(main())
+    from pdserve.common.engine import Engine
+    from pdserve.common.types import SamplingParams
+
+    local = Engine(model_path=model, device="cpu", max_total_tokens=8192).generate(
+        cases, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
+    assert [tokens for tokens, _, _ in results] == [c.output_ids for c in local]
+    assert all(end.finish.reason == pb.FINISH_REASON_LENGTH for _, end, _ in results)
+    asyncio.run(wait_idle(decode, prefill))
+
+
+def test_aborts_at_every_stage_free_kv_on_both_sides(servers):
+    model, decode, prefill = servers
+
+    async def cancel_while_waiting_for_kv(call, first, pch, req):
+        call.cancel()  # the destination is held; no prefill will ever come
+        return [], None, None
+
+    async def cancel_prefill_midway(call, first, pch, req):
+        stub = pb_grpc.PrefillServiceStub(pch)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.Prefill(pb.PrefillRequest(request=req, destination=first.destination), timeout=0.01)
+        call.cancel()
+        return [], None, None
+
+    async def abort_rpc_then_prefill(call, first, pch, req):
+        async with grpc.aio.insecure_channel(decode.address) as ch:
+            found = await pb_grpc.DecodeServiceStub(ch).Abort(pb.AbortRequest(request_id=req.request_id), timeout=5)
+        assert found.found
+        msg = await call.read()
+        assert msg.finish.reason == pb.FINISH_REASON_ABORT
+        # the prefill still WRITEs into pages the decode keeps quarantined until the WRITE is done
+        pre = await pb_grpc.PrefillServiceStub(pch).Prefill(
+            pb.PrefillRequest(request=req, destination=first.destination), timeout=60)
+        return [], msg, pre
+
+    async def main():
+        long_prompt = prompts(1, seed=9, low=200, high=201)[0]
+        await asyncio.gather(
+            generate(decode, prefill, prompts(1, seed=5)[0], params(40), "ab-kv", after_destination=cancel_while_waiting_for_kv),
+            generate(decode, prefill, long_prompt, params(40), "ab-pre", after_destination=cancel_prefill_midway),
+            generate(decode, prefill, prompts(1, seed=6)[0], params(40), "ab-rpc", after_destination=abort_rpc_then_prefill),
+            generate(decode, prefill, prompts(1, seed=7)[0], params(60, ignore_eos=True), "ab-dec", cancel_after_tokens=3),
+        )
+        # waiting on decode for a row: more requests than --max-running-requests, the last cancelled
+        calls = [generate(decode, prefill, p, params(30, ignore_eos=True), f"ab-q{i}") for i, p in enumerate(prompts(9, seed=8))]
+        tasks = [asyncio.create_task(c) for c in calls]
+        await asyncio.sleep(0.05)
+        tasks[-1].cancel()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        assert sum(isinstance(d, tuple) for d in done) >= 8
+        await wait_idle(decode, prefill)
+
+    asyncio.run(main())
+
+
+def test_kv_that_never_arrives_times_out_with_a_clear_error(servers):
+    model, decode, prefill = servers
+
+    async def never_prefill(call, first, pch, req):
+        msg = await call.read()  # no prefill: the decode must give up by itself
+        return [], msg, None
+
+    _, end, _ = asyncio.run(generate(decode, prefill, [0, 9, 8, 7], params(5), "lost", after_destination=never_prefill))
+    assert end.WhichOneof("response") == "error" and end.error.code == pb.Error.KV_TRANSFER_TIMEOUT
+    assert "timed out" in end.error.message
+    asyncio.run(wait_idle(decode, prefill))
+
+
+def test_bad_requests_get_clear_errors(servers):
+    _, decode, prefill = servers
+    _, end, _ = asyncio.run(generate(decode, prefill, [0, 10**6], params(5), "bad-ids"))
+    assert end.error.code == pb.Error.INVALID_REQUEST and "out of range" in end.error.message
+    _, end, _ = asyncio.run(generate(decode, prefill, [0, 5], params(5, top_p=0.0), "bad-top-p"))
+    assert end.error.code == pb.Error.INVALID_REQUEST and "top_p" in end.error.message
+    asyncio.run(wait_idle(decode, prefill))
+
+
+def test_a_prefill_killed_mid_request_leaves_decode_healthy(servers, tiny_models):
+    model, decode, prefill = servers
+    doomed = Server("prefill", model, "--max-running-requests", "4")
+    doomed.wait_ready()
+
+    async def kill_during_prefill(call, first, pch, req):
+        async with grpc.aio.insecure_channel(doomed.address) as ch:
+            pending = asyncio.ensure_future(pb_grpc.PrefillServiceStub(ch).Prefill(
+                pb.PrefillRequest(request=req, destination=first.destination), timeout=30))
+            await asyncio.sleep(0.05)
+            os.kill(doomed.proc.pid, signal.SIGKILL)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await pending
+        msg = await call.read()
+        return [], msg, None
+
+    try:
+        _, end, _ = asyncio.run(generate(decode, prefill, prompts(1, seed=11, low=150, high=151)[0], params(5),
+                                         "killed", after_destination=kill_during_prefill))
+    finally:
+        doomed.stop(signal.SIGKILL)
+    # either the WRITE landed before the kill (then decoding finished) or the decode timed out
+    assert end.WhichOneof("response") in ("finish", "error")
+    asyncio.run(wait_idle(decode))
+    tokens, end, _ = asyncio.run(generate(decode, prefill, [0, 5, 6], params(4, ignore_eos=True), "after-kill"))
+    assert len(tokens) == 4 and end.WhichOneof("response") == "finish"
