@@ -111,7 +111,9 @@ class PrefillScheduler(Scheduler):
             if state is TransferState.DONE:
                 self._finish(t.req, transfer_bytes=t.handle.num_bytes, transfer_s=now - t.started)
             elif state is TransferState.FAILED:
-                self._finish(t.req, error=f"KV transfer to {self.destinations[t.req.rid].peer} failed")
+                peer = self.destinations[t.req.rid].peer
+                self.agent.remove_peer(peer)  # its cached metadata may be stale (a restarted server)
+                self._finish(t.req, error=f"KV transfer to {peer} failed")
             else:
                 self._finish(t.req, error=f"KV transfer timed out after {self.kv_transfer_timeout:g}s")
         self.transfers = still

@@ -23,8 +23,8 @@ def engines(path, overlap=True, decode_kw=None, prefill_kw=None, timeout=30.0):
     n = next(_names)
     base = dict(model_path=path, device="cpu", max_total_tokens=8192, page_size=8,
                 disable_overlap_schedule=not overlap)
-    prefill = PrefillEngine(EngineConfig(**base, **(prefill_kw or {})), f"prefill-{n}", kv_transfer_timeout=timeout)
-    decode = DecodeEngine(EngineConfig(**base, **(decode_kw or {})), f"decode-{n}", kv_transfer_timeout=timeout)
+    prefill = PrefillEngine(EngineConfig(**(base | (prefill_kw or {}))), f"prefill-{n}", kv_transfer_timeout=timeout)
+    decode = DecodeEngine(EngineConfig(**(base | (decode_kw or {}))), f"decode-{n}", kv_transfer_timeout=timeout)
     return prefill, decode
 
 
@@ -109,3 +109,34 @@ def test_kv_that_never_arrives_times_out_and_frees_pages(tiny_models):
     assert decode.is_idle() and decode.stats()["kv_used_tokens"] == 0
     [dest] = decode.destinations
     assert dest.room == 42 and len(dest.page_ids) == 1
+
+
+def test_decode_retracts_under_kv_pressure_and_output_is_unchanged(tiny_models):
+    path = tiny_models("mistral")
+    prompts = make_prompts(12, seed=4)
+    expected = hf_greedy(path, prompts, 24)
+    prefill, decode = engines(path, decode_kw=dict(max_total_tokens=200, context_length=128, num_reserved_decode_tokens=1))
+    params = [SamplingParams(max_new_tokens=24, temperature=0)] * len(prompts)
+    completions, _ = drive(prefill, decode, prompts, params)
+    assert decode.scheduler.stats["retractions"] > 0, "the decode pool was never short"
+    assert [completions[f"r{i}"].output_ids for i in range(len(prompts))] == expected
+    assert prefill.is_idle() and decode.is_idle()
+
+
+def test_an_abort_while_the_write_is_in_flight_keeps_pages_until_it_lands(tiny_models):
+    path = tiny_models("llama")
+    prefill, decode = engines(path)
+    decode.add_decode_request([0, 7, 8, 9, 10], SamplingParams(max_new_tokens=4), room=7, rid="x")
+    d_loop, p_loop = decode.loop_state(), prefill.loop_state()
+    d_loop.step()
+    [dest] = decode.destinations
+    aborted = decode.abort("x")
+    assert aborted.finish_reason is FinishReason.ABORT
+    assert decode.stats()["kv_used_tokens"] > 0, "pages must stay quarantined while a WRITE may land"
+    prefill.add_prefill_request([0, 7, 8, 9, 10], SamplingParams(max_new_tokens=4), 7, dest.agent_metadata, dest.page_ids, rid="x")
+    deadline = time.monotonic() + 30
+    while p_loop.busy() or d_loop.busy():
+        assert time.monotonic() < deadline
+        p_loop.step()
+        d_loop.step()
+    assert decode.is_idle() and prefill.is_idle() and decode.stats()["kv_used_tokens"] == 0
