@@ -30,7 +30,12 @@ class EngineConfig:
     page_size: int = _opt(16, "Tokens per KV page.")
     context_length: int = _opt(0, "Longest sequence (prompt + output); 0: the model's max_position_embeddings.")
     max_total_tokens: int = _opt(0, "KV cache capacity in tokens; 0: sized from --kv-cache-memory-gb.")
-    kv_cache_memory_gb: float = _opt(1.0, "Memory for the KV cache when --max-total-tokens is 0.")
+    kv_cache_memory_gb: float = _opt(1.0, "Memory for the KV cache when --max-total-tokens and --mem-fraction-static are 0.")
+    mem_fraction_static: float = _opt(
+        0.0,
+        "CUDA: fraction of the GPU's memory for weights + KV cache; the KV cache gets what is left of it "
+        "after loading the model, measured (SGLang's meaning). 0: use --kv-cache-memory-gb.",
+    )
     max_running_requests: int = _opt(256, "Most requests in the running batch at once.")
     max_prefill_tokens: int = _opt(16384, "Most prompt tokens in one prefill batch.")
     chunked_prefill_size: int = _opt(
@@ -73,6 +78,10 @@ class EngineConfig:
         for name in ("max_running_requests", "max_prefill_tokens", "num_reserved_decode_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0.0 <= self.mem_fraction_static < 1.0:
+            raise ValueError(f"--mem-fraction-static must be in [0, 1), got {self.mem_fraction_static}")
+        if self.mem_fraction_static and not device.startswith("cuda"):
+            raise ValueError("--mem-fraction-static sizes GPU memory; on CPU use --max-total-tokens or --kv-cache-memory-gb")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
         return dataclasses.replace(

@@ -51,7 +51,7 @@ class ModelRunner:
         c = self.config
         tokens = c.max_total_tokens
         if tokens == 0:
-            by_memory = int(c.kv_cache_memory_gb * 2**30) // bytes_per_token
+            by_memory = int(self._kv_budget_bytes()) // bytes_per_token
             # More than every running request at full context can never be used.
             tokens = min(by_memory, c.max_running_requests * c.context_length)
         pages = pages_for(tokens, c.page_size)
@@ -61,6 +61,22 @@ class ModelRunner:
                 f"{c.context_length}; raise --max-total-tokens or lower --context-length"
             )
         return pages
+
+    def _kv_budget_bytes(self) -> float:
+        """Bytes for the KV cache: measured on CUDA with --mem-fraction-static, else the flag."""
+        c = self.config
+        if not c.mem_fraction_static:
+            return c.kv_cache_memory_gb * 2**30
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        in_use = total - free  # weights, the CUDA context, and anything else on the GPU
+        budget = total * c.mem_fraction_static - in_use
+        if budget <= 0:
+            raise ValueError(
+                f"--mem-fraction-static {c.mem_fraction_static} leaves no room for the KV cache: "
+                f"{in_use / 2**30:.1f} GiB of {total / 2**30:.1f} GiB is already in use after loading the model"
+            )
+        return budget
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:

@@ -179,3 +179,10 @@ def test_run_batch_cli_reports_bad_arguments_clearly(tiny_models, tmp_path):
     bad_model = subprocess.run(base + ["-i", str(tmp_path / "in.jsonl"), "--model-path", str(tmp_path)],
                                capture_output=True, text=True, timeout=120)
     assert bad_model.returncode == 2 and "config.json" in bad_model.stderr
+
+
+def test_mem_fraction_static_is_refused_on_cpu(tiny_models):
+    from pdserve.common.engine import Engine
+
+    with pytest.raises(ValueError, match="sizes GPU memory"):
+        Engine(model_path=tiny_models("llama"), device="cpu", mem_fraction_static=0.5)

@@ -142,3 +142,13 @@ def test_timeline_host_work_for_n_plus_1_overlaps_device_work_for_n(tiny_models)
     # host-clock check of the same fact: launching N ended before forward N-1 ended on the device
     # (device times are relative to t0_event, recorded right before t0: same origin within ~0.1 ms)
     assert sum(he < ge for _, _, he, _, ge in rows[2:]) >= 0.9 * len(rows[2:])
+
+
+def test_mem_fraction_static_sizes_the_kv_cache_from_measured_memory(tiny_models):
+    free, total = torch.cuda.mem_get_info()
+    engine = Engine(model_path=tiny_models("llama"), device="cuda", mem_fraction_static=0.05, max_running_requests=100000)
+    kv_bytes = engine.runner.kv_pool.capacity_tokens * engine.runner.kv_pool.bytes_per_token()
+    print(f"\nmem_fraction_static 0.05 of {total / 2**30:.1f} GiB: KV cache {kv_bytes / 2**30:.2f} GiB")
+    assert 0.5 * 0.05 * total < kv_bytes <= 0.05 * total
+    [out] = engine.generate([[0, 5, 6]], SamplingParams(max_new_tokens=3, temperature=0))
+    assert len(out.output_ids) == 3
