@@ -290,3 +290,31 @@ def test_a_prefill_killed_mid_request_leaves_decode_healthy(servers, tiny_models
     asyncio.run(wait_idle(decode))
     tokens, end, _ = asyncio.run(generate(decode, prefill, [0, 5, 6], params(4, ignore_eos=True), "after-kill"))
     assert len(tokens) == 4 and end.WhichOneof("response") == "finish"
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(tiny_models):
+    model = tiny_models("llama")
+    decode, prefill = Server("decode", model), Server("prefill", model)
+    try:
+        decode.wait_ready()
+        prefill.wait_ready()
+
+        async def main():
+            started = [asyncio.create_task(generate(decode, prefill, p, params(40, ignore_eos=True), f"drain-{i}"))
+                       for i, p in enumerate(prompts(4, seed=12))]
+            for _ in range(200):  # until decoding is under way
+                if (await load(decode)).running_requests:
+                    break
+                await asyncio.sleep(0.02)
+            decode.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            _, refused, _ = await generate(decode, prefill, [0, 5, 6], params(4), "too-late")
+            return await asyncio.gather(*started), refused
+
+        results, refused = asyncio.run(main())
+        assert all(len(tokens) == 40 and end.finish.reason == pb.FINISH_REASON_LENGTH for tokens, end, _ in results)
+        assert refused.WhichOneof("response") == "error" and refused.error.code == pb.Error.OVERLOADED
+        assert decode.proc.wait(60) == 0
+    finally:
+        decode.stop()
+        prefill.stop()
