@@ -2,6 +2,7 @@
 
     pdserve make-tiny-model DIR --arch llama [--seed N]
     pdserve run-batch -i IN.jsonl -o OUT.jsonl --model-path DIR [engine flags]
+    pdserve up [--model-path DIR] [--num-prefill N] [--num-decode M] [--device ...] [--port ...]
 
 Heavy imports (torch, transformers) happen inside the sub-commands, so `--help` is instant.
 """
@@ -45,6 +46,12 @@ def _run_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    from pdserve.router.up import up
+
+    return up(args.model_path, args.num_prefill, args.num_decode, args.device, args.port, args.host)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.common.tiny_model import ARCHS
 
@@ -57,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--arch", required=True, choices=ARCHS, help="Model architecture.")
     tiny.add_argument("--seed", type=int, default=0, help="Weight seed; same seed, same bytes.")
     tiny.set_defaults(func=_make_tiny_model)
+
+    local = sub.add_parser("up", help="Start a local router + prefill + decode deployment (Ctrl-C stops it).")
+    local.add_argument("--model-path", default=None, help="Checkpoint directory; default: a tiny llama made on the fly.")
+    local.add_argument("--num-prefill", type=int, default=1, help="Prefill servers to start.")
+    local.add_argument("--num-decode", type=int, default=1, help="Decode servers to start.")
+    local.add_argument("--device", default="auto", help="cpu, cuda or auto.")
+    local.add_argument("--host", default="127.0.0.1", help="Router HTTP address.")
+    local.add_argument("--port", type=int, default=8000, help="Router HTTP port.")
+    local.set_defaults(func=_up)
 
     batch = sub.add_parser(
         "run-batch",

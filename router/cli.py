@@ -1,0 +1,41 @@
+"""`pdserve-router`: the OpenAI-compatible HTTP front door (see `pdserve-router --help`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve-router", description="OpenAI-compatible router pairing prefill and decode servers.")
+    p.add_argument("--model-path", required=True, help="Checkpoint directory: the tokenizer, chat template and limits come from it.")
+    p.add_argument("--prefill", nargs="+", required=True, metavar="HOST:PORT", help="Prefill servers (gRPC).")
+    p.add_argument("--decode", nargs="+", required=True, metavar="HOST:PORT", help="Decode servers (gRPC).")
+    p.add_argument("--served-model-name", default="", help="Model name clients use; default: --model-path as given.")
+    p.add_argument("--api-key", default="", help="Require 'Authorization: Bearer KEY' on the API.")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address.")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port.")
+    p.add_argument("--log-level", default="info", help="Logging level.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s router: %(message)s")
+    import uvicorn
+
+    from pdserve.router.app import Router, RouterConfig, create_app
+
+    config = RouterConfig(args.model_path, tuple(args.prefill), tuple(args.decode), args.served_model_name, args.api_key)
+    try:
+        router = Router(config)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    uvicorn.run(create_app(router), host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

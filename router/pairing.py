@@ -1,0 +1,109 @@
+"""The pairing protocol (DESIGN.md "Life of a request"), one choice at a time.
+
+    decode.Generate(request)            first message: the KV destination (pages held)
+    prefill.Prefill(request, dest)      the KV and the first token land at the decode server
+    decode stream                       the rest of the tokens, then the finish (or an error)
+
+Tokens come back as ids; the router turns them into text with the same output rules the engine
+uses (common/output_processor.py), so stop strings, EOS and lengths end a choice exactly as they
+would in the colocated engine.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+from dataclasses import dataclass, replace
+
+import grpc
+
+from pdserve.common.types import SamplingParams
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+
+RPC_TIMEOUT_S = 600.0
+
+
+class UpstreamError(Exception):
+    """A worker failed the request; `status` is the HTTP status the client gets."""
+
+    def __init__(self, message: str, status: int = 502):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Event:
+    kind: str  # "tokens" | "finish"
+    token_ids: list[int]
+    index: int = 0
+
+
+def proto_params(p: SamplingParams) -> pb.SamplingParams:
+    out = pb.SamplingParams(
+        max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens, temperature=p.temperature, top_p=p.top_p,
+        top_k=p.top_k, min_p=p.min_p, repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos, include_stop_str_in_output=p.include_stop_str_in_output,
+        skip_special_tokens=p.skip_special_tokens,
+    )
+    if p.seed is not None:
+        out.seed = p.seed % 2**64
+    if p.logprobs is not None:
+        out.logprobs = p.logprobs
+    return out
+
+
+def fix_seed(p: SamplingParams) -> SamplingParams:
+    """Every attempt of a request must sample the same first token: fix a seed when none was given."""
+    return p if p.seed is not None else replace(p, seed=random.getrandbits(63))
+
+
+async def paired_generate(decode: grpc.aio.Channel, prefill: grpc.aio.Channel, prompt_ids: list[int], params: SamplingParams):
+    """Yields Event("tokens", ids, index) as they arrive (the first token as soon as prefill
+    answers), then Event("finish"). Raises UpstreamError on a worker error. Cancelling the
+    consumer cancels both RPCs (the servers free the request's KV)."""
+    rid = secrets.token_hex(12)
+    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids, params=proto_params(params),
+                             bootstrap_room=random.getrandbits(63))
+    call = pb_grpc.DecodeServiceStub(decode).Generate(req, timeout=RPC_TIMEOUT_S)
+    try:
+        first = await call.read()
+        if first is grpc.aio.EOF or first.WhichOneof("response") != "destination":
+            raise _error(first)
+        response = await pb_grpc.PrefillServiceStub(prefill).Prefill(
+            pb.PrefillRequest(request=req, destination=first.destination), timeout=RPC_TIMEOUT_S)
+        if response.HasField("error"):
+            raise UpstreamError(f"prefill failed: {response.error.message}", _status(response.error.code))
+        sent = 1
+        yield Event("tokens", [response.first_token_id], 0)
+        while True:
+            msg = await call.read()
+            if msg is grpc.aio.EOF:
+                raise UpstreamError("the decode stream ended without a finish")
+            kind = msg.WhichOneof("response")
+            if kind == "tokens":
+                chunk = msg.tokens
+                new = list(chunk.token_ids)[max(sent - chunk.index, 0):]  # token 0 came from prefill
+                if new:
+                    yield Event("tokens", new, sent)
+                    sent += len(new)
+            elif kind == "finish":
+                yield Event("finish", [])
+                return
+            else:
+                raise _error(msg)
+    except grpc.aio.AioRpcError as e:
+        raise UpstreamError(f"worker unavailable: {e.code().name}: {e.details()}", 503) from e
+    finally:
+        call.cancel()
+
+
+def _status(code) -> int:
+    return {pb.Error.INVALID_REQUEST: 400, pb.Error.OVERLOADED: 503}.get(code, 502)
+
+
+def _error(msg) -> UpstreamError:
+    if msg is grpc.aio.EOF or msg.WhichOneof("response") != "error":
+        return UpstreamError("the decode server answered out of protocol")
+    return UpstreamError(msg.error.message, _status(msg.error.code))

@@ -1,0 +1,276 @@
+"""How the router picks a prefill and a decode worker for a request.
+
+A policy sees only `WorkerView`s (filled by the registry) and the prompt's token ids. Policies are
+plain objects with no locking: call them from one thread (the router's event loop). Importing this
+module must not import torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WorkerView:
+    """What a policy may look at about one worker."""
+
+    url: str  # "host:port", the worker's identity
+    healthy: bool  # health-checked and circuit closed/half-open
+    load: int  # e.g. running + waiting requests from GetLoad (lower is better)
+    inflight: int  # requests this router has in flight on it right now
+
+    @property
+    def total_load(self) -> int:
+        """The load policies compare: the worker's own report plus what this router sent since."""
+        return self.load + self.inflight
+
+
+class Policy(ABC):
+    """Contract: pick(workers, prompt_ids) returns one of the HEALTHY workers given, or None when none
+    is healthy; never blocks; must be cheap (called per request)."""
+
+    @abstractmethod
+    def pick(self, workers: list[WorkerView], prompt_ids: list[int]) -> WorkerView | None:
+        """One of the healthy `workers` for this prompt, or None when none is healthy."""
+
+    def on_routed(self, worker: WorkerView, prompt_ids: list[int]) -> None:
+        """The request was sent to `worker` (the one pick returned, or another the router chose)."""
+
+    def on_removed(self, url: str) -> None:
+        """The worker `url` left the registry; forget whatever is kept about it."""
+
+
+def least_loaded(healthy: list[WorkerView]) -> WorkerView | None:
+    """The worker with the least load + inflight, ties by url; None for an empty list."""
+    return min(healthy, key=lambda w: (w.total_load, w.url), default=None)
+
+
+class RoundRobin(Policy):
+    """Cycles over the healthy workers in url order, skipping unhealthy ones.
+
+    The cursor is the url picked last, not an index, so a worker joining or leaving neither repeats
+    nor skips anyone: the next pick is the first healthy url after the last one, wrapping around.
+    pick() advances the cursor (whether or not on_routed follows)."""
+
+    def __init__(self) -> None:
+        self._last_url: str | None = None
+
+    def pick(self, workers: list[WorkerView], prompt_ids: list[int]) -> WorkerView | None:
+        healthy = sorted((w for w in workers if w.healthy), key=lambda w: w.url)
+        if not healthy:
+            return None
+        chosen = healthy[0]
+        if self._last_url is not None:
+            chosen = next((w for w in healthy if w.url > self._last_url), healthy[0])
+        self._last_url = chosen.url
+        return chosen
+
+
+class LeastLoad(Policy):
+    """The healthy worker with the least load + inflight; ties by url."""
+
+    def pick(self, workers: list[WorkerView], prompt_ids: list[int]) -> WorkerView | None:
+        return least_loaded([w for w in workers if w.healthy])
+
+
+@dataclass(eq=False)
+class _Node:
+    """A radix tree node: the edge `key` from its parent, and the workers routed a prompt through it.
+
+    Invariant: a child's tenants are a subset of its parent's (a prompt marks its whole path)."""
+
+    key: tuple[int, ...]
+    parent: _Node | None
+    tenants: set[str] = field(default_factory=set)
+    last_access: int = 0
+    children: dict[int, _Node] = field(default_factory=dict)  # first token of the child's key -> child
+
+
+def _common_prefix_len(key: tuple[int, ...], tokens: list[int], start: int) -> int:
+    """How many leading tokens of `key` equal tokens[start:]."""
+    n = min(len(key), len(tokens) - start)
+    i = 0
+    while i < n and key[i] == tokens[start + i]:
+        i += 1
+    return i
+
+
+class ApproxRadixTree:
+    """Which workers were routed which prompts: an approximation of each worker's prefix cache.
+
+    It does not know what a worker actually evicted; it only bounds its own size: after an insert
+    takes it over `max_tokens` (tokens on all edges), least-recently-inserted leaves are evicted
+    until it holds at most `low_water` tokens (below the bound, so the full walk an eviction pass
+    costs is paid once per many inserts, not on every insert at the bound)."""
+
+    def __init__(self, max_tokens: int, low_water_fraction: float = 0.75) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tree_tokens must be >= 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.low_water = int(max_tokens * low_water_fraction)
+        self.total_tokens = 0
+        self._root = _Node(key=(), parent=None)
+        self._tick = 0
+
+    def insert(self, tokens: list[int], url: str) -> None:
+        """Record that `url` was routed `tokens` (only its first max_tokens tokens are kept)."""
+        tokens = tokens[: self.max_tokens]
+        self._tick += 1
+        node, i = self._root, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                child = _Node(key=tuple(tokens[i:]), parent=node)
+                node.children[tokens[i]] = child
+                self.total_tokens += len(child.key)
+            else:
+                matched = _common_prefix_len(child.key, tokens, i)
+                if matched < len(child.key):
+                    child = self._split(child, matched)
+            child.tenants.add(url)
+            child.last_access = self._tick
+            i += len(child.key)
+            node = child
+        if self.total_tokens > self.max_tokens:
+            self._evict_to(self.low_water)
+
+    def match(self, tokens: list[int], urls: set[str]) -> dict[str, int]:
+        """For each worker in `urls` that shares a prefix with `tokens`: how many tokens it matches."""
+        matched: dict[str, int] = {}
+        node, i = self._root, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            n = _common_prefix_len(child.key, tokens, i)
+            live = child.tenants & urls
+            if not live:
+                break  # tenants only shrink further down
+            for url in live:
+                matched[url] = i + n
+            if n < len(child.key):
+                break
+            i += n
+            node = child
+        return matched
+
+    def remove_tenant(self, url: str) -> None:
+        """Forget `url` everywhere; nodes left with no tenant are deleted with their subtrees."""
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            for first, child in list(node.children.items()):
+                if url not in child.tenants:
+                    continue
+                child.tenants.discard(url)
+                if child.tenants:
+                    stack.append(child)
+                else:
+                    del node.children[first]
+                    self.total_tokens -= self._subtree_tokens(child)
+
+    def _split(self, child: _Node, at: int) -> _Node:
+        """Cut child's edge after `at` tokens; returns the new upper node (same tenants and tick)."""
+        upper = _Node(key=child.key[:at], parent=child.parent, tenants=set(child.tenants),
+                      last_access=child.last_access)
+        child.parent.children[upper.key[0]] = upper
+        child.key = child.key[at:]
+        child.parent = upper
+        upper.children[child.key[0]] = child
+        return upper
+
+    def _evict_to(self, target: int) -> None:
+        """Delete least-recently-inserted leaves until at most `target` tokens remain."""
+        order = itertools.count()  # tie-break: nodes do not compare
+        heap = [(leaf.last_access, next(order), leaf) for leaf in self._leaves()]
+        heapq.heapify(heap)
+        while self.total_tokens > target and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[leaf.key[0]]
+            self.total_tokens -= len(leaf.key)
+            if parent is not self._root and not parent.children:
+                heapq.heappush(heap, (parent.last_access, next(order), parent))
+
+    def _leaves(self) -> list[_Node]:
+        leaves, stack = [], list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            else:
+                leaves.append(node)
+        return leaves
+
+    @staticmethod
+    def _subtree_tokens(node: _Node) -> int:
+        total, stack = 0, [node]
+        while stack:
+            n = stack.pop()
+            total += len(n.key)
+            stack.extend(n.children.values())
+        return total
+
+
+class CacheAware(Policy):
+    """SGLang's cache-aware routing (prefill only): send a prompt where its prefix was sent before.
+
+    pick(): over the healthy workers, with load = load + inflight, if
+    (max - min) > balance_abs_threshold and max > balance_rel_threshold * min, pick the least
+    loaded (the cache is not worth an overloaded worker). Otherwise find the healthy worker with the
+    longest prefix match in the tree; when matched / len(prompt) >= cache_threshold pick it (ties:
+    least load, then url), else pick the least loaded, which will build cache for this prefix.
+    on_routed() records the prompt for the worker; pick() alone changes nothing."""
+
+    def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
+                 balance_rel_threshold: float = 1.5, max_tree_tokens: int = 2**20) -> None:
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.tree = ApproxRadixTree(max_tree_tokens)
+
+    def pick(self, workers: list[WorkerView], prompt_ids: list[int]) -> WorkerView | None:
+        healthy = [w for w in workers if w.healthy]
+        if not healthy or self._imbalanced(healthy) or not prompt_ids:
+            return least_loaded(healthy)
+        matched = self.tree.match(prompt_ids, {w.url for w in healthy})
+        best_len = max(matched.values(), default=0)
+        if best_len / len(prompt_ids) < self.cache_threshold:
+            return least_loaded(healthy)
+        return least_loaded([w for w in healthy if matched.get(w.url) == best_len])
+
+    def on_routed(self, worker: WorkerView, prompt_ids: list[int]) -> None:
+        self.tree.insert(prompt_ids, worker.url)
+
+    def on_removed(self, url: str) -> None:
+        self.tree.remove_tenant(url)
+
+    def _imbalanced(self, healthy: list[WorkerView]) -> bool:
+        loads = [w.total_load for w in healthy]
+        lo, hi = min(loads), max(loads)
+        return hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo
+
+
+POLICY_NAMES = ("round_robin", "least_load", "cache_aware")
+
+
+def make_policy(name: str, role: str) -> Policy:
+    """A fresh policy `name` for workers of `role` ("prefill" or "decode").
+
+    cache_aware is for prefill only: decode workers receive KV, not prompts, so prefix affinity
+    means nothing there. Raises ValueError for an unknown name or role."""
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_load":
+        return LeastLoad()
+    if name == "cache_aware":
+        if role != "prefill":
+            raise ValueError(f"policy 'cache_aware' is for prefill workers only, not {role!r}; "
+                             f"use round_robin or least_load for {role}")
+        return CacheAware()
+    raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(POLICY_NAMES)}")

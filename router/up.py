@@ -1,0 +1,82 @@
+"""`pdserve up`: a local deployment in one command — decode and prefill servers and the router.
+
+Starts every process, waits until the router's /readiness says both roles are healthy, prints the
+URL and a curl example, and on Ctrl-C (or SIGTERM) stops everything (SIGTERM: the servers drain).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+READY_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{' '.join(p.args[:4])} exited with code {p.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"not ready after {READY_TIMEOUT_S}s: {url}")
+
+
+def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, port: int, host: str) -> int:
+    if model_path is None:
+        from pdserve.common.tiny_model import make_tiny_model
+
+        model_path = str(make_tiny_model(os.path.join(tempfile.gettempdir(), "pdserve-tiny-llama"), "llama"))
+    py = sys.executable
+    common = ["--model-path", model_path, "--device", device, "--log-level", "warning"]
+    procs, prefill, decode = [], [], []
+    try:
+        for role, count, urls in (("decode", num_decode, decode), ("prefill", num_prefill, prefill)):
+            for _ in range(count):
+                p = _free_port()
+                procs.append(subprocess.Popen([py, "-m", f"pdserve.{role}.cli", *common, "--port", str(p),
+                                               "--metrics-port", str(_free_port())]))
+                urls.append(f"127.0.0.1:{p}")
+        procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", model_path, "--prefill", *prefill,
+                                       "--decode", *decode, "--host", host, "--port", str(port), "--log-level", "warning"]))
+        base = f"http://{host}:{port}"
+        _wait_ready(base + "/readiness", procs)
+        print(f"pdserve is up: {base}  (model {model_path}; prefill {' '.join(prefill)}; decode {' '.join(decode)})")
+        print(f"""try:
+  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model_path}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 16}}'
+Ctrl-C stops everything.""", flush=True)
+        stop = []
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+        while not stop and all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()

@@ -1,0 +1,104 @@
+"""The router through `pdserve up` (real processes: router, prefill server, decode server), driven
+by the official `openai` client."""
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from tests.test_servers import free_port
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_models):
+    model = tiny_models("qwen3")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.common.cli", "up", "--model-path", model, "--device", "cpu",
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, "pdserve up exited:\n" + "".join(lines)
+        lines.append(line)
+        if "pdserve is up" in line:
+            break
+    else:
+        proc.kill()
+        raise TimeoutError("pdserve up not ready:\n" + "".join(lines))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+    yield model, port, client
+    proc.send_signal(2)  # Ctrl-C
+    proc.wait(90)
+    assert proc.returncode == 0
+
+
+def test_models_and_readiness(deployment):
+    model, port, client = deployment
+    assert [m.id for m in client.models.list().data] == [model]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/readiness", timeout=10) as r:
+        assert json.loads(r.read())["ready"] is True
+
+
+def test_greedy_completions_through_the_router_match_transformers(deployment):
+    from transformers import AutoModelForCausalLM
+
+    model, _, client = deployment
+    prompts = [[0, 11, 22, 33], [0] + list(range(40, 90)), [0, 7]]
+    hf = AutoModelForCausalLM.from_pretrained(model, attn_implementation="eager", dtype=torch.float32).eval()
+    for ids in prompts:
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=2)[0, len(ids):].tolist()
+        out = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0,
+                                        extra_body={"return_token_ids": True})
+        assert out.choices[0].model_extra["token_ids"] == want
+        assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(want)
+
+
+def test_chat_streaming_equals_non_streaming_and_reports_usage(deployment):
+    model, _, client = deployment
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    full = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_n_seeds_and_stop_strings(deployment):
+    model, _, client = deployment
+    out = client.completions.create(model=model, prompt="Once upon", max_tokens=12, temperature=1.0, n=3, seed=5)
+    again = client.completions.create(model=model, prompt="Once upon", max_tokens=12, temperature=1.0, n=3, seed=5)
+    assert [c.text for c in out.choices] == [c.text for c in again.choices]
+    assert len({c.text for c in out.choices}) > 1
+    free = client.completions.create(model=model, prompt="Once upon", max_tokens=16, temperature=0).choices[0].text
+    stop = next(free[i:i + 2] for i in range(2, len(free) - 2) if free[i:i + 2].strip() and "\ufffd" not in free[i:i + 2])
+    cut = client.completions.create(model=model, prompt="Once upon", max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].text == free[: free.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_bad_requests_get_openai_errors(deployment):
+    model, port, client = deployment
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="other-model", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=model, prompt="x", max_tokens=2, temperature=5)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=model, messages=[], max_tokens=2)
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=b"{not json",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=10)
+    assert e.value.code == 400 and "not valid JSON" in e.value.read().decode()
+    # and the deployment still serves
+    assert client.completions.create(model=model, prompt="x", max_tokens=2, temperature=0).choices[0].finish_reason == "length"
