@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 TINY ?= $(VENV)/tiny-llama
 
-.PHONY: setup test test-gpu demo clean
+.PHONY: setup up test test-gpu demo clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,12 @@ test: setup
 test-gpu: setup
 	$(VENV)/bin/python -m pytest tests/gpu -q -ra
 
-# Run the system: a tiny llama checkpoint and an OpenAI Batch file through the engine.
+# Run the system: router + prefill server + decode server on a tiny model made on the fly
+# (OpenAI API on http://127.0.0.1:8000; Ctrl-C stops everything).
+up: setup
+	$(VENV)/bin/pdserve up
+
+# An OpenAI Batch file through the colocated engine on a tiny llama checkpoint.
 demo: setup
 	$(VENV)/bin/pdserve make-tiny-model $(TINY) --arch llama
 	$(VENV)/bin/pdserve run-batch -i docs/example-batch.jsonl -o $(VENV)/example-out.jsonl --model-path $(TINY)

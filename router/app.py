@@ -9,7 +9,6 @@ and `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import secrets
 import time
@@ -28,6 +27,7 @@ from pdserve.common.output_processor import append_token, finalize
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Completion, FinishReason, Req
 from pdserve.router.pairing import UpstreamError, fix_seed, paired_generate
+from pdserve.router.policies import WorkerView, make_policy
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class RouterConfig:
     decode: tuple[str, ...]
     served_model_name: str = ""
     api_key: str = ""
+    prefill_policy: str = "round_robin"
+    decode_policy: str = "round_robin"
 
 
 class Router:
@@ -48,8 +50,18 @@ class Router:
         hf = read_hf_config(config.model_path)
         self.context_len = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 2048)
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._next_prefill = itertools.cycle(config.prefill)
-        self._next_decode = itertools.cycle(config.decode)
+        self.policies = {"prefill": make_policy(config.prefill_policy, "prefill"),
+                         "decode": make_policy(config.decode_policy, "decode")}
+        self.workers = {"prefill": config.prefill, "decode": config.decode}
+        self.inflight = {url: 0 for url in (*config.prefill, *config.decode)}
+
+    def pick(self, role: str, prompt_ids: list[int]) -> str:
+        """A worker of `role` by its policy. NOTE: health and GetLoad are not polled yet (issue 6):
+        every worker counts as healthy, and its load is what this router has in flight on it."""
+        views = [WorkerView(url, True, 0, self.inflight[url]) for url in self.workers[role]]
+        chosen = self.policies[role].pick(views, prompt_ids)
+        self.policies[role].on_routed(chosen, prompt_ids)
+        return chosen.url
 
     def channel(self, url: str) -> grpc.aio.Channel:
         """One channel per worker, created on first use: grpc.aio binds it to the running loop."""
@@ -68,8 +80,10 @@ class Router:
         """Run one choice through a prefill/decode pair; `on_text(delta)` sees text as it is final."""
         req = Req(secrets.token_hex(8), prompt_ids, params, params.seed or 0)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-        decode, prefill = next(self._next_decode), next(self._next_prefill)
+        decode, prefill = self.pick("decode", prompt_ids), self.pick("prefill", prompt_ids)
         stream = paired_generate(self.channel(decode), self.channel(prefill), prompt_ids, params)
+        self.inflight[decode] += 1
+        self.inflight[prefill] += 1
         try:
             async for event in stream:
                 for token in event.token_ids:
@@ -83,6 +97,8 @@ class Router:
                     break
         finally:
             await stream.aclose()  # cancels both RPCs if we stopped early (stop string, client gone)
+            self.inflight[decode] -= 1
+            self.inflight[prefill] -= 1
         if req.finish_reason is None:
             req.finish_reason = FinishReason.LENGTH
         before = len(req.text)

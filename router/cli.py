@@ -14,6 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", nargs="+", required=True, metavar="HOST:PORT", help="Decode servers (gRPC).")
     p.add_argument("--served-model-name", default="", help="Model name clients use; default: --model-path as given.")
     p.add_argument("--api-key", default="", help="Require 'Authorization: Bearer KEY' on the API.")
+    p.add_argument("--prefill-policy", default="round_robin", help="round_robin, least_load or cache_aware.")
+    p.add_argument("--decode-policy", default="round_robin", help="round_robin or least_load.")
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address.")
     p.add_argument("--port", type=int, default=8000, help="HTTP port.")
     p.add_argument("--log-level", default="info", help="Logging level.")
@@ -27,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from pdserve.router.app import Router, RouterConfig, create_app
 
-    config = RouterConfig(args.model_path, tuple(args.prefill), tuple(args.decode), args.served_model_name, args.api_key)
+    config = RouterConfig(args.model_path, tuple(args.prefill), tuple(args.decode), args.served_model_name, args.api_key,
+                          args.prefill_policy, args.decode_policy)
     try:
         router = Router(config)
     except (OSError, ValueError) as e:
