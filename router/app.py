@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import asynccontextmanager
 import secrets
 import time
 from dataclasses import dataclass
 
-import grpc
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdserve.common.config import read_hf_config
 from pdserve.common.detokenizer import IncrementalDetokenizer
@@ -27,7 +27,8 @@ from pdserve.common.output_processor import append_token, finalize
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Completion, FinishReason, Req
 from pdserve.router.pairing import UpstreamError, fix_seed, paired_generate
-from pdserve.router.policies import WorkerView, make_policy
+from pdserve.router.policies import make_policy
+from pdserve.router.workers import WorkerRegistry
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class RouterConfig:
     api_key: str = ""
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
+    max_inflight: int = 1024  # requests in flight before new ones get 429
 
 
 class Router:
@@ -49,43 +51,51 @@ class Router:
         self.eos = eos_token_ids(config.model_path, self.tokenizer)
         hf = read_hf_config(config.model_path)
         self.context_len = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 2048)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.registry = WorkerRegistry(config.prefill, config.decode)
+        self.metrics = RouterMetrics(self.registry)
+        self.inflight = 0
         self.policies = {"prefill": make_policy(config.prefill_policy, "prefill"),
                          "decode": make_policy(config.decode_policy, "decode")}
-        self.workers = {"prefill": config.prefill, "decode": config.decode}
-        self.inflight = {url: 0 for url in (*config.prefill, *config.decode)}
 
-    def pick(self, role: str, prompt_ids: list[int]) -> str:
-        """A worker of `role` by its policy. NOTE: health and GetLoad are not polled yet (issue 6):
-        every worker counts as healthy, and its load is what this router has in flight on it."""
-        views = [WorkerView(url, True, 0, self.inflight[url]) for url in self.workers[role]]
+    async def start(self) -> None:
+        await self.registry.start()
+
+    def pick(self, role: str, prompt_ids: list[int], exclude=()) -> str | None:
+        views = [v for v in self.registry.views(role) if v.url not in exclude]
         chosen = self.policies[role].pick(views, prompt_ids)
+        if chosen is None:
+            return None
         self.policies[role].on_routed(chosen, prompt_ids)
         return chosen.url
 
-    def channel(self, url: str) -> grpc.aio.Channel:
-        """One channel per worker, created on first use: grpc.aio binds it to the running loop."""
-        if url not in self._channels:
-            self._channels[url] = grpc.aio.insecure_channel(url)
-        return self._channels[url]
-
-    async def healthy(self, url: str) -> bool:
-        try:
-            reply = await health_pb2_grpc.HealthStub(self.channel(url)).Check(health_pb2.HealthCheckRequest(), timeout=2)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
-            return False
+    def ready(self) -> dict:
+        return {role: [v.url for v in self.registry.views(role) if v.healthy] for role in ("prefill", "decode")}
 
     async def choice(self, prompt_ids: list[int], params, on_text=None) -> Completion:
         """Run one choice through a prefill/decode pair; `on_text(delta)` sees text as it is final."""
         req = Req(secrets.token_hex(8), prompt_ids, params, params.seed or 0)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-        decode, prefill = self.pick("decode", prompt_ids), self.pick("prefill", prompt_ids)
-        stream = paired_generate(self.channel(decode), self.channel(prefill), prompt_ids, params)
-        self.inflight[decode] += 1
-        self.inflight[prefill] += 1
+        decode = self.pick("decode", prompt_ids)
+        if decode is None:
+            raise UpstreamError("no healthy decode server", 503)
+        workers = self.registry.workers
+
+        def pick_prefill(tried):
+            url = self.pick("prefill", prompt_ids, exclude=tried)
+            return None if url is None else (url, workers[url].channel)
+
+        stream = paired_generate(workers[decode].channel, pick_prefill, self.registry.record, prompt_ids, params)
+        workers[decode].inflight += 1
+        started, last = time.monotonic(), None
         try:
             async for event in stream:
+                now = time.monotonic()
+                if event.token_ids:
+                    if last is None:
+                        self.metrics.ttft.observe(now - started)
+                    else:
+                        self.metrics.itl.observe((now - last) / len(event.token_ids))
+                    last = now
                 for token in event.token_ids:
                     before = len(req.text)
                     append_token(req, token, None, self.eos, self.context_len)
@@ -97,10 +107,10 @@ class Router:
                     break
         finally:
             await stream.aclose()  # cancels both RPCs if we stopped early (stop string, client gone)
-            self.inflight[decode] -= 1
-            self.inflight[prefill] -= 1
+            workers[decode].inflight -= 1
         if req.finish_reason is None:
             req.finish_reason = FinishReason.LENGTH
+        self.metrics.e2e.observe(time.monotonic() - started)
         before = len(req.text)
         completion = finalize(req)
         if on_text is not None and len(completion.text) > before:
@@ -108,12 +118,59 @@ class Router:
         return completion
 
 
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def until_disconnect(request: Request, work):
+    """Await `work`, but give up (ClientGone) as soon as the client disconnects."""
+    work = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({work}, timeout=0.1)
+        if done:
+            return work.result()
+        if await request.is_disconnected():
+            work.cancel()
+            raise ClientGone()
+
+
+class RouterMetrics:
+    """The router's Prometheus series (served on /metrics)."""
+
+    def __init__(self, registry: WorkerRegistry):
+        self.registry = CollectorRegistry()
+        r, self.workers = self.registry, registry
+        self.requests = Counter("pdserve_router_requests", "HTTP API requests by status code.", ["status"], registry=r)
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.ttft = Histogram("pdserve_router_time_to_first_token_seconds", "Time to first token.", registry=r, buckets=buckets)
+        self.itl = Histogram("pdserve_router_inter_token_latency_seconds", "Time between tokens.", registry=r, buckets=buckets)
+        self.e2e = Histogram("pdserve_router_e2e_latency_seconds", "Request (choice) latency, end to end.", registry=r, buckets=buckets)
+        self.inflight = Gauge("pdserve_router_inflight_requests", "Requests in flight.", registry=r)
+        self.worker_errors = Gauge("pdserve_router_worker_errors", "Failed requests and health checks per worker.",
+                                   ["worker", "role"], registry=r)
+        self.worker_healthy = Gauge("pdserve_router_worker_healthy", "1 when the worker is routable.", ["worker", "role"], registry=r)
+
+    def render(self) -> bytes:
+        now = time.monotonic()
+        for w in self.workers.workers.values():
+            self.worker_errors.labels(worker=w.url, role=w.role).set(w.errors)
+            self.worker_healthy.labels(worker=w.url, role=w.role).set(1 if w.routable(now) else 0)
+        return generate_latest(self.registry)
+
+
 def error_response(e: OpenAIError) -> JSONResponse:
     return JSONResponse(e.to_body(), status_code=e.status_code)
 
 
 def create_app(router: Router) -> FastAPI:
-    app = FastAPI(title="pdserve router", description="OpenAI-compatible front door of a prefill/decode deployment.")
+    @asynccontextmanager
+    async def lifespan(app):
+        await router.start()  # channels and health checks live on the server's event loop
+        yield
+        await router.registry.stop()
+
+    app = FastAPI(title="pdserve router", description="OpenAI-compatible front door of a prefill/decode deployment.",
+                  lifespan=lifespan)
 
     async def body_of(request: Request) -> dict:
         if router.config.api_key and request.headers.get("authorization") != f"Bearer {router.config.api_key}":
@@ -127,20 +184,47 @@ def create_app(router: Router) -> FastAPI:
         return body
 
     async def handle(request: Request, parse):
+        response = await answer(request, parse)
+        router.metrics.requests.labels(status=str(response.status_code)).inc()
+        return response
+
+    async def answer(request: Request, parse):
+        if router.inflight >= router.config.max_inflight:
+            return JSONResponse(OpenAIError(f"the router has {router.inflight} requests in flight; retry later",
+                                            status_code=429).to_body(), status_code=429, headers={"Retry-After": "1"})
         try:
             body = await body_of(request)
             parsed = parse(body, router.tokenizer, router.model, router.context_len, allow_stream=True)
         except OpenAIError as e:
             return error_response(e)
+        if not (router.ready()["prefill"] and router.ready()["decode"]):
+            return JSONResponse(OpenAIError("no healthy prefill or decode server", status_code=503).to_body(),
+                                status_code=503, headers={"Retry-After": "5"})
         choices = [(ids, fix_seed(p)) for ids, p in parsed.engine_requests()]
         request_id, created = secrets.token_hex(12), int(time.time())
         if parsed.stream:
-            return StreamingResponse(stream(parsed, choices, request_id, created), media_type="text/event-stream")
+            return StreamingResponse(counted(stream(parsed, choices, request_id, created)), media_type="text/event-stream")
+        router.inflight += 1
+        tasks = [asyncio.create_task(router.choice(ids, p)) for ids, p in choices]
         try:
-            completions = await asyncio.gather(*(router.choice(ids, p) for ids, p in choices))
+            completions = await until_disconnect(request, asyncio.gather(*tasks))
         except UpstreamError as e:
             return error_response(OpenAIError(str(e), status_code=e.status))
+        except ClientGone:
+            return JSONResponse({}, status_code=499)
+        finally:
+            router.inflight -= 1
+            for task in tasks:  # cancels both sides of every choice still running
+                task.cancel()
         return JSONResponse(format_response(parsed, list(completions), router.tokenizer, request_id, created))
+
+    async def counted(chunks):
+        router.inflight += 1
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            router.inflight -= 1
 
     async def stream(parsed: ParsedRequest, choices, request_id: str, created: int):
         chat = parsed.kind == "chat"
@@ -189,6 +273,57 @@ def create_app(router: Router) -> FastAPI:
             for task in tasks:  # the client went away: cancel both sides of every choice
                 task.cancel()
 
+    @app.post("/generate")
+    async def generate(request: Request):
+        """Native: {"text" | "input_ids", "sampling_params": {OpenAI completion fields}, "stream"} ->
+        {"text", "output_ids", "finish_reason", "usage"} (or SSE of {"text", "output_ids"} deltas)."""
+        try:
+            body = await body_of(request)
+            if ("text" in body) == ("input_ids" in body):
+                raise OpenAIError("give exactly one of 'text' or 'input_ids'")
+            sampling = body.get("sampling_params") or {}
+            if not isinstance(sampling, dict):
+                raise OpenAIError("'sampling_params' must be an object")
+            openai_body = {**sampling, "prompt": body.get("text", body.get("input_ids")), "stream": bool(body.get("stream"))}
+            parsed = parse_completion_request(openai_body, router.tokenizer, router.model, router.context_len, allow_stream=True)
+        except OpenAIError as e:
+            return error_response(e)
+        if parsed.n != 1 or len(parsed.prompts) != 1:
+            return error_response(OpenAIError("/generate takes one prompt and n = 1"))
+        [(ids, params)] = [(i, fix_seed(p)) for i, p in parsed.engine_requests()]
+        if parsed.stream:
+            async def native_stream():
+                queue: asyncio.Queue = asyncio.Queue()
+
+                async def on_text(delta):
+                    await queue.put({"text": delta})
+
+                task = asyncio.create_task(router.choice(ids, params, on_text))
+                try:
+                    while not task.done() or not queue.empty():
+                        try:
+                            yield "data: " + json.dumps(await asyncio.wait_for(queue.get(), 0.05)) + "\n\n"
+                        except asyncio.TimeoutError:
+                            continue
+                    c = task.result()
+                    yield "data: " + json.dumps({"output_ids": c.output_ids, "finish_reason": c.finish_reason.value}) + "\n\n"
+                    yield "data: [DONE]\n\n"
+                finally:
+                    task.cancel()
+
+            return StreamingResponse(native_stream(), media_type="text/event-stream")
+        try:
+            c = await router.choice(ids, params)
+        except UpstreamError as e:
+            return error_response(OpenAIError(str(e), status_code=e.status))
+        return {"text": c.text, "output_ids": c.output_ids, "finish_reason": c.finish_reason.value,
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(c.output_ids), "cached_tokens": c.cached_tokens}}
+
+    @app.get("/metrics")
+    async def metrics():
+        router.metrics.inflight.set(router.inflight)
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await handle(request, parse_completion_request)
@@ -207,9 +342,8 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/readiness")
     async def readiness():
-        prefill = [u for u in router.config.prefill if await router.healthy(u)]
-        decode = [u for u in router.config.decode if await router.healthy(u)]
-        ok = bool(prefill and decode)
-        return JSONResponse({"ready": ok, "prefill": prefill, "decode": decode}, status_code=200 if ok else 503)
+        ready = router.ready()
+        ok = bool(ready["prefill"] and ready["decode"])
+        return JSONResponse({"ready": ok, **ready}, status_code=200 if ok else 503)
 
     return app

@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default="", help="Require 'Authorization: Bearer KEY' on the API.")
     p.add_argument("--prefill-policy", default="round_robin", help="round_robin, least_load or cache_aware.")
     p.add_argument("--decode-policy", default="round_robin", help="round_robin or least_load.")
+    p.add_argument("--max-inflight", type=int, default=1024, help="Requests in flight before new ones get 429 + Retry-After.")
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address.")
     p.add_argument("--port", type=int, default=8000, help="HTTP port.")
     p.add_argument("--log-level", default="info", help="Logging level.")
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.router.app import Router, RouterConfig, create_app
 
     config = RouterConfig(args.model_path, tuple(args.prefill), tuple(args.decode), args.served_model_name, args.api_key,
-                          args.prefill_policy, args.decode_policy)
+                          args.prefill_policy, args.decode_policy, args.max_inflight)
     try:
         router = Router(config)
     except (OSError, ValueError) as e:

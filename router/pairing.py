@@ -59,10 +59,20 @@ def fix_seed(p: SamplingParams) -> SamplingParams:
     return p if p.seed is not None else replace(p, seed=random.getrandbits(63))
 
 
-async def paired_generate(decode: grpc.aio.Channel, prefill: grpc.aio.Channel, prompt_ids: list[int], params: SamplingParams):
+MAX_PREFILL_ATTEMPTS = 3
+PREFILL_TIMEOUT_S = 120.0
+
+
+async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt_ids: list[int], params: SamplingParams):
     """Yields Event("tokens", ids, index) as they arrive (the first token as soon as prefill
     answers), then Event("finish"). Raises UpstreamError on a worker error. Cancelling the
-    consumer cancels both RPCs (the servers free the request's KV)."""
+    consumer cancels both RPCs (the servers free the request's KV).
+
+    `pick_prefill(tried_urls)` returns (url, channel) of a prefill server not tried yet, or None;
+    `report(url, ok)` feeds the circuit breakers. A prefill that fails or times out is retried on
+    another prefill server with the same destination: the seed is fixed, so every attempt
+    samples the same first token, and the decode server takes the first transfer that lands.
+    """
     rid = secrets.token_hex(12)
     req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids, params=proto_params(params),
                              bootstrap_room=random.getrandbits(63))
@@ -71,10 +81,7 @@ async def paired_generate(decode: grpc.aio.Channel, prefill: grpc.aio.Channel, p
         first = await call.read()
         if first is grpc.aio.EOF or first.WhichOneof("response") != "destination":
             raise _error(first)
-        response = await pb_grpc.PrefillServiceStub(prefill).Prefill(
-            pb.PrefillRequest(request=req, destination=first.destination), timeout=RPC_TIMEOUT_S)
-        if response.HasField("error"):
-            raise UpstreamError(f"prefill failed: {response.error.message}", _status(response.error.code))
+        response = await _prefill_with_retries(pick_prefill, report, pb.PrefillRequest(request=req, destination=first.destination))
         sent = 1
         yield Event("tokens", [response.first_token_id], 0)
         while True:
@@ -97,6 +104,31 @@ async def paired_generate(decode: grpc.aio.Channel, prefill: grpc.aio.Channel, p
         raise UpstreamError(f"worker unavailable: {e.code().name}: {e.details()}", 503) from e
     finally:
         call.cancel()
+
+
+async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest) -> pb.PrefillResponse:
+    tried: list[str] = []
+    last = "no prefill server is available"
+    for _ in range(MAX_PREFILL_ATTEMPTS):
+        target = pick_prefill(tried)
+        if target is None:
+            break
+        url, channel = target
+        tried.append(url)
+        try:
+            response = await pb_grpc.PrefillServiceStub(channel).Prefill(request, timeout=PREFILL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            report(url, False)
+            last = f"prefill {url}: {e.code().name}: {e.details()}"
+            continue
+        if not response.HasField("error"):
+            report(url, True)
+            return response
+        if response.error.code == pb.Error.INVALID_REQUEST:
+            raise UpstreamError(response.error.message, 400)
+        report(url, False)
+        last = f"prefill {url}: {response.error.message}"
+    raise UpstreamError(f"prefill failed after {len(tried)} attempt(s): {last}", 503)
 
 
 def _status(code) -> int:
