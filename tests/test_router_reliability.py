@@ -1,0 +1,148 @@
+"""The router's must-shows beyond the happy path: a bad-input table, 200 concurrent streams, a
+prefill killed under load (the retry path), and a client that disconnects mid-stream."""
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from tests.test_servers import Server, free_port, load
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models):
+    model = tiny_models("llama")
+    decode = Server("decode", model)
+    prefills = [Server("prefill", model), Server("prefill", model)]
+    for s in (decode, *prefills):
+        s.wait_ready()
+    port = free_port()
+    router = subprocess.Popen([sys.executable, "-m", "pdserve.router.cli", "--model-path", model, "--port", str(port),
+                               "--prefill", *(p.address for p in prefills), "--decode", decode.address,
+                               "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/readiness", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline and router.poll() is None, "router not ready"
+        time.sleep(0.2)
+    yield model, url, decode, prefills
+    router.terminate()
+    router.wait(30)
+    for s in (decode, *prefills):
+        s.stop()
+
+
+def post(url, body: bytes | dict):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+BAD = [
+    ("/v1/completions", b"{oops", 400, "not valid JSON"),
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "does not exist"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400, "maximum context length"),
+    ("/v1/completions", {"prompt": [0] + [7] * 2000, "max_tokens": 1}, 400, "maximum context length"),
+    ("/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "content"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/generate", {"text": "x", "input_ids": [1]}, 400, "exactly one"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,words", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_input_gets_a_clear_openai_error(cluster, path, body, status, words):
+    _, url, _, _ = cluster
+    code, reply = post(url + path, body)
+    assert code == status and words in reply["error"]["message"], reply
+    assert reply["error"]["type"] == "invalid_request_error"
+
+
+def test_native_generate(cluster):
+    _, url, _, _ = cluster
+    code, reply = post(url + "/generate", {"input_ids": [0, 5, 6, 7], "sampling_params": {"max_tokens": 4, "temperature": 0}})
+    assert code == 200 and len(reply["output_ids"]) == 4 and reply["usage"]["completion_tokens"] == 4
+
+
+def test_200_concurrent_streams_lose_and_duplicate_nothing(cluster):
+    model, url, decode, prefills = cluster
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=300, max_retries=0)
+    prompts = [f"stream {i} " + "word " * (i % 13) for i in range(200)]
+
+    async def one(prompt, stream):
+        kw = dict(model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        if not stream:
+            return (await client.completions.create(**kw)).choices[0].text
+        chunks = await client.completions.create(stream=True, **kw)
+        return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+    async def main():
+        streamed = await asyncio.gather(*(one(p, True) for p in prompts))
+        plain = await asyncio.gather(*(one(p, False) for p in prompts[:20]))
+        return streamed, plain
+
+    streamed, plain = asyncio.run(main())
+    assert streamed[:20] == plain and all(streamed)
+    asyncio.run(_idle(decode, *prefills))
+
+
+def test_a_client_disconnect_mid_stream_frees_kv_on_both_sides(cluster):
+    model, url, decode, prefills = cluster
+    body = json.dumps({"model": model, "prompt": "abc", "max_tokens": 400, "temperature": 0, "stream": True,
+                       "ignore_eos": True}).encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    response = urllib.request.urlopen(request, timeout=60)
+    assert response.readline().startswith(b"data: ")  # streaming has started
+    response.close()  # the client goes away
+    asyncio.run(_idle(decode, *prefills))
+
+
+def test_a_prefill_killed_under_load_is_retried_elsewhere(cluster):
+    model, url, decode, prefills = cluster
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=300, max_retries=0)
+
+    async def main():
+        tasks = [asyncio.create_task(client.completions.create(
+            model=model, prompt=f"load {i} " + "x " * 40, max_tokens=6, temperature=0)) for i in range(30)]
+        await asyncio.sleep(0.3)
+        prefills[1].proc.send_signal(signal.SIGKILL)  # one prefill dies mid-load
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(main())
+    failed = [r for r in results if isinstance(r, Exception)]
+    assert not failed, failed[:3]
+    assert all(r.choices[0].finish_reason in ("length", "stop") for r in results)
+    asyncio.run(_idle(decode, prefills[0]))
+
+
+async def _idle(*servers, timeout=20):
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = [await load(s) for s in servers]
+        if all(l.kv_used_tokens == 0 and l.running_requests == 0 and l.waiting_requests == 0 for l in loads):
+            return
+        assert time.monotonic() < deadline, f"not idle: {loads}"
+        await asyncio.sleep(0.1)
