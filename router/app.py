@@ -41,6 +41,7 @@ class RouterConfig:
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
     max_inflight: int = 1024  # requests in flight before new ones get 429
+    request_timeout_s: float = 600.0  # a request's deadline, passed to both servers
 
 
 class Router:
@@ -81,10 +82,13 @@ class Router:
         workers = self.registry.workers
 
         def pick_prefill(tried):
+            if tried:
+                self.metrics.retries.inc()
             url = self.pick("prefill", prompt_ids, exclude=tried)
             return None if url is None else (url, workers[url].channel)
 
-        stream = paired_generate(workers[decode].channel, pick_prefill, self.registry.record, prompt_ids, params)
+        deadline = time.time() + self.config.request_timeout_s
+        stream = paired_generate(workers[decode].channel, pick_prefill, self.registry.record, prompt_ids, params, deadline)
         workers[decode].inflight += 1
         started, last = time.monotonic(), None
         try:
@@ -96,9 +100,10 @@ class Router:
                     else:
                         self.metrics.itl.observe((now - last) / len(event.token_ids))
                     last = now
-                for token in event.token_ids:
+                logprobs = event.logprobs if params.logprobs is not None else []
+                for i, token in enumerate(event.token_ids):
                     before = len(req.text)
-                    append_token(req, token, None, self.eos, self.context_len)
+                    append_token(req, token, logprobs[i] if i < len(logprobs) else None, self.eos, self.context_len)
                     if on_text is not None and len(req.text) > before:
                         await on_text(req.text[before:])
                     if req.finished:
@@ -146,6 +151,7 @@ class RouterMetrics:
         self.itl = Histogram("pdserve_router_inter_token_latency_seconds", "Time between tokens.", registry=r, buckets=buckets)
         self.e2e = Histogram("pdserve_router_e2e_latency_seconds", "Request (choice) latency, end to end.", registry=r, buckets=buckets)
         self.inflight = Gauge("pdserve_router_inflight_requests", "Requests in flight.", registry=r)
+        self.retries = Counter("pdserve_router_prefill_retries", "Prefill attempts retried on another server.", registry=r)
         self.worker_errors = Gauge("pdserve_router_worker_errors", "Failed requests and health checks per worker.",
                                    ["worker", "role"], registry=r)
         self.worker_healthy = Gauge("pdserve_router_worker_healthy", "1 when the worker is routable.", ["worker", "role"], registry=r)

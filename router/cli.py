@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-policy", default="round_robin", help="round_robin, least_load or cache_aware.")
     p.add_argument("--decode-policy", default="round_robin", help="round_robin or least_load.")
     p.add_argument("--max-inflight", type=int, default=1024, help="Requests in flight before new ones get 429 + Retry-After.")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="Seconds a request may take (its deadline on both servers).")
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address.")
     p.add_argument("--port", type=int, default=8000, help="HTTP port.")
     p.add_argument("--log-level", default="info", help="Logging level.")
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.router.app import Router, RouterConfig, create_app
 
     config = RouterConfig(args.model_path, tuple(args.prefill), tuple(args.decode), args.served_model_name, args.api_key,
-                          args.prefill_policy, args.decode_policy, args.max_inflight)
+                          args.prefill_policy, args.decode_policy, args.max_inflight, args.request_timeout)
     try:
         router = Router(config)
     except (OSError, ValueError) as e:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import random
 import secrets
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 
-from pdserve.common.types import SamplingParams
+from pdserve.common.types import SamplingParams, TokenLogprob
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
@@ -37,6 +37,7 @@ class Event:
     kind: str  # "tokens" | "finish"
     token_ids: list[int]
     index: int = 0
+    logprobs: list = field(default_factory=list)  # TokenLogprob per token, when requested
 
 
 def proto_params(p: SamplingParams) -> pb.SamplingParams:
@@ -63,7 +64,12 @@ MAX_PREFILL_ATTEMPTS = 3
 PREFILL_TIMEOUT_S = 120.0
 
 
-async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt_ids: list[int], params: SamplingParams):
+def _logprob(lp: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+
+
+async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt_ids: list[int], params: SamplingParams,
+                          deadline_unix_s: float | None = None):
     """Yields Event("tokens", ids, index) as they arrive (the first token as soon as prefill
     answers), then Event("finish"). Raises UpstreamError on a worker error. Cancelling the
     consumer cancels both RPCs (the servers free the request's KV).
@@ -76,6 +82,8 @@ async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt
     rid = secrets.token_hex(12)
     req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids, params=proto_params(params),
                              bootstrap_room=random.getrandbits(63))
+    if deadline_unix_s is not None:
+        req.deadline_unix_s = deadline_unix_s  # both servers give up (and free the KV) past it
     call = pb_grpc.DecodeServiceStub(decode).Generate(req, timeout=RPC_TIMEOUT_S)
     try:
         first = await call.read()
@@ -83,7 +91,8 @@ async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt
             raise _error(first)
         response = await _prefill_with_retries(pick_prefill, report, pb.PrefillRequest(request=req, destination=first.destination))
         sent = 1
-        yield Event("tokens", [response.first_token_id], 0)
+        first_lp = [_logprob(response.first_logprob)] if response.HasField("first_logprob") else []
+        yield Event("tokens", [response.first_token_id], 0, first_lp)
         while True:
             msg = await call.read()
             if msg is grpc.aio.EOF:
@@ -91,9 +100,10 @@ async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt
             kind = msg.WhichOneof("response")
             if kind == "tokens":
                 chunk = msg.tokens
-                new = list(chunk.token_ids)[max(sent - chunk.index, 0):]  # token 0 came from prefill
+                skip = max(sent - chunk.index, 0)  # token 0 came from prefill
+                new = list(chunk.token_ids)[skip:]
                 if new:
-                    yield Event("tokens", new, sent)
+                    yield Event("tokens", new, sent, [_logprob(lp) for lp in chunk.logprobs[skip:]])
                     sent += len(new)
             elif kind == "finish":
                 yield Event("finish", [])

@@ -102,3 +102,14 @@ def test_bad_requests_get_openai_errors(deployment):
     assert e.value.code == 400 and "not valid JSON" in e.value.read().decode()
     # and the deployment still serves
     assert client.completions.create(model=model, prompt="x", max_tokens=2, temperature=0).choices[0].finish_reason == "length"
+
+
+def test_logprobs_come_through_the_router(deployment):
+    model, _, client = deployment
+    out = client.completions.create(model=model, prompt="Hello", max_tokens=5, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == 5 and len(lp.token_logprobs) == 5 and all(v <= 0 for v in lp.token_logprobs)
+    assert all(len(top) >= 2 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    assert len(chat.choices[0].logprobs.content) == 4 and len(chat.choices[0].logprobs.content[0].top_logprobs) == 3
