@@ -146,3 +146,51 @@ async def _idle(*servers, timeout=20):
             return
         assert time.monotonic() < deadline, f"not idle: {loads}"
         await asyncio.sleep(0.1)
+
+
+def test_saturation_gets_429_with_retry_after(cluster):
+    model, _, decode, prefills = cluster
+    port = free_port()
+    router = subprocess.Popen([sys.executable, "-m", "pdserve.router.cli", "--model-path", model, "--port", str(port),
+                               "--prefill", prefills[0].address, "--decode", decode.address, "--max-inflight", "1",
+                               "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(url + "/readiness", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        slow = json.dumps({"model": model, "prompt": "a", "max_tokens": 300, "stream": True, "ignore_eos": True}).encode()
+        held = urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", data=slow,
+                                                             headers={"Content-Type": "application/json"}), timeout=60)
+        held.readline()
+        request = urllib.request.Request(url + "/v1/completions", data=json.dumps({"prompt": "b", "max_tokens": 2}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request, timeout=30)
+        assert e.value.code == 429 and e.value.headers["Retry-After"] == "1"
+        held.close()
+    finally:
+        router.terminate()
+        router.wait(30)
+    asyncio.run(_idle(decode, prefills[0]))
+
+
+def test_circuit_breaker_opens_after_failures_and_closes_on_success():
+    from pdserve.router.workers import FAILURES_TO_OPEN, Worker, WorkerRegistry
+
+    registry = WorkerRegistry(("p:1",), ("d:1",))
+    registry.workers = {"p:1": Worker("p:1", "prefill", None, serving=True), "d:1": Worker("d:1", "decode", None, serving=True)}
+    for _ in range(FAILURES_TO_OPEN - 1):
+        registry.record("p:1", ok=False)
+    assert [v.healthy for v in registry.views("prefill")] == [True]
+    registry.record("p:1", ok=False)
+    assert [v.healthy for v in registry.views("prefill")] == [False]  # open
+    registry.workers["p:1"].open_until = time.monotonic()  # the open period is over: half-open
+    assert [v.healthy for v in registry.views("prefill")] == [True]
+    registry.record("p:1", ok=True)
+    assert registry.workers["p:1"].failures == 0 and registry.workers["p:1"].errors == FAILURES_TO_OPEN
