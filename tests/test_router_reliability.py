@@ -194,3 +194,18 @@ def test_circuit_breaker_opens_after_failures_and_closes_on_success():
     assert [v.healthy for v in registry.views("prefill")] == [True]
     registry.record("p:1", ok=True)
     assert registry.workers["p:1"].failures == 0 and registry.workers["p:1"].errors == FAILURES_TO_OPEN
+
+
+def test_api_key_is_required_when_set_and_no_worker_means_503(tiny_models):
+    from fastapi.testclient import TestClient
+
+    from pdserve.router.app import Router, RouterConfig, create_app
+
+    config = RouterConfig(tiny_models("llama"), (f"127.0.0.1:{free_port()}",), (f"127.0.0.1:{free_port()}",), api_key="sekret")
+    with TestClient(create_app(Router(config))) as http:
+        body = {"prompt": "x", "max_tokens": 2}
+        denied = http.post("/v1/completions", json=body)
+        assert denied.status_code == 401 and "API key" in denied.json()["error"]["message"]
+        down = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
+        assert down.status_code == 503 and down.headers["Retry-After"] == "5"  # nothing is listening there
+        assert http.get("/readiness").status_code == 503
