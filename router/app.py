@@ -28,7 +28,7 @@ from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Completion, FinishReason, Req
 from pdserve.router.pairing import UpstreamError, fix_seed, paired_generate
 from pdserve.router.policies import make_policy
-from pdserve.router.workers import WorkerRegistry
+from pdserve.router.workers import WorkerRegistry, resolve_dns
 
 
 @dataclass(frozen=True)
@@ -42,17 +42,21 @@ class RouterConfig:
     decode_policy: str = "round_robin"
     max_inflight: int = 1024  # requests in flight before new ones get 429
     request_timeout_s: float = 600.0  # a request's deadline, passed to both servers
+    prefill_dns: tuple[str, ...] = ()  # NAME:PORT resolved periodically (headless Services)
+    decode_dns: tuple[str, ...] = ()
 
 
 class Router:
-    def __init__(self, config: RouterConfig):
+    def __init__(self, config: RouterConfig, resolve=None):
         self.config = config
         self.model = config.served_model_name or config.model_path
         self.tokenizer = load_tokenizer(config.model_path)
         self.eos = eos_token_ids(config.model_path, self.tokenizer)
         hf = read_hf_config(config.model_path)
         self.context_len = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 2048)
-        self.registry = WorkerRegistry(config.prefill, config.decode)
+        self.registry = WorkerRegistry(config.prefill, config.decode, config.prefill_dns, config.decode_dns,
+                                       resolve=resolve or resolve_dns,
+                                       on_removed=lambda role, url: self.policies[role].on_removed(url))
         self.metrics = RouterMetrics(self.registry)
         self.inflight = 0
         self.policies = {"prefill": make_policy(config.prefill_policy, "prefill"),
@@ -88,8 +92,9 @@ class Router:
             return None if url is None else (url, workers[url].channel)
 
         deadline = time.time() + self.config.request_timeout_s
-        stream = paired_generate(workers[decode].channel, pick_prefill, self.registry.record, prompt_ids, params, deadline)
-        workers[decode].inflight += 1
+        decode_worker = workers[decode]
+        stream = paired_generate(decode_worker.channel, pick_prefill, self.registry.record, prompt_ids, params, deadline)
+        decode_worker.inflight += 1
         started, last = time.monotonic(), None
         try:
             async for event in stream:
@@ -112,7 +117,7 @@ class Router:
                     break
         finally:
             await stream.aclose()  # cancels both RPCs if we stopped early (stop string, client gone)
-            workers[decode].inflight -= 1
+            decode_worker.inflight -= 1  # (the worker may have left the registry meanwhile)
         if req.finish_reason is None:
             req.finish_reason = FinishReason.LENGTH
         self.metrics.e2e.observe(time.monotonic() - started)

@@ -1,4 +1,8 @@
-"""The router's view of its workers: health checks, load, and a circuit breaker per worker.
+"""The router's view of its workers: discovery, health checks, load, a circuit breaker each.
+
+Workers are given statically (HOST:PORT) or discovered: NAME:PORT is resolved every
+`RESOLVE_INTERVAL_S` (a Kubernetes headless Service answers with one A record per ready pod), new
+addresses are added — routable only once a health check says SERVING — and vanished ones removed.
 
 Every `CHECK_INTERVAL_S` each worker is asked `grpc.health.v1/Check` and `GetLoad`. A worker is
 routable when its last check said SERVING and its circuit is not open. The circuit opens after
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from dataclasses import dataclass
 
@@ -23,6 +28,7 @@ from pdserve.router.policies import WorkerView
 log = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 1.0
+RESOLVE_INTERVAL_S = 2.0
 FAILURES_TO_OPEN = 3
 OPEN_S = 5.0
 
@@ -46,25 +52,68 @@ class Worker:
         return WorkerView(self.url, self.routable(now), self.load, self.inflight)
 
 
+def resolve_dns(name: str, port: int) -> set[str]:
+    """HOST:PORT for every IPv4/IPv6 address `name` resolves to (empty when it does not resolve)."""
+    try:
+        infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return set()
+    return {f"[{a[0]}]:{a[1]}" if ":" in a[0] else f"{a[0]}:{a[1]}" for *_, a in infos}
+
+
 class WorkerRegistry:
-    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...]):
+    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...], prefill_dns: tuple[str, ...] = (),
+                 decode_dns: tuple[str, ...] = (), resolve=resolve_dns, on_removed=None):
         self.urls = {"prefill": prefill, "decode": decode}
+        self.dns = {"prefill": [_name_port(d) for d in prefill_dns], "decode": [_name_port(d) for d in decode_dns]}
+        self.resolve = resolve
+        self.on_removed = on_removed or (lambda role, url: None)
         self.workers: dict[str, Worker] = {}
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         """Create the channels (on the running loop) and run one round of checks before serving."""
         for role, urls in self.urls.items():
             for url in urls:
-                self.workers[url] = Worker(url, role, grpc.aio.insecure_channel(url))
+                self._add(role, url)
+        await self.discover()
         await self.check_all()
-        self._task = asyncio.create_task(self._check_forever())
+        self._tasks = [asyncio.create_task(self._check_forever())]
+        if any(self.dns.values()):
+            self._tasks.append(asyncio.create_task(self._discover_forever()))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
         for w in self.workers.values():
             await w.channel.close()
+
+    async def discover(self) -> None:
+        """Add the addresses the DNS names resolve to now; remove discovered ones that vanished."""
+        for role, names in self.dns.items():
+            if not names:
+                continue
+            found: set[str] = set()
+            for name, port in names:
+                found |= await asyncio.to_thread(self.resolve, name, port)
+            static = set(self.urls[role])
+            for url in found - set(w.url for w in self.of(role)):
+                log.info("discovered %s %s", role, url)
+                self._add(role, url)
+            for w in [w for w in self.of(role) if w.url not in found and w.url not in static]:
+                log.info("%s %s left", role, w.url)
+                del self.workers[w.url]
+                self.on_removed(role, w.url)
+                await w.channel.close()  # in-flight calls on it fail and are retried elsewhere
+
+    def _add(self, role: str, url: str) -> None:
+        self.workers[url] = Worker(url, role, grpc.aio.insecure_channel(url))
+
+    async def _discover_forever(self) -> None:
+        while True:
+            await asyncio.sleep(RESOLVE_INTERVAL_S)
+            await self.discover()
+            await self.check_all()
 
     def of(self, role: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role]
@@ -86,7 +135,7 @@ class WorkerRegistry:
             log.warning("circuit open for %s after %d failures", url, w.failures)
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self._check(w) for w in self.workers.values()))
+        await asyncio.gather(*(self._check(w) for w in list(self.workers.values())))
 
     async def _check_forever(self) -> None:
         while True:
@@ -106,3 +155,10 @@ class WorkerRegistry:
             return
         w.serving = reply.status == health_pb2.HealthCheckResponse.SERVING
         w.load = load.running_requests + load.waiting_requests
+
+
+def _name_port(spec: str) -> tuple[str, int]:
+    name, sep, port = spec.rpartition(":")
+    if not sep or not name or not port.isdigit():
+        raise ValueError(f"expected NAME:PORT, got {spec!r}")
+    return name, int(port)

@@ -209,3 +209,54 @@ def test_api_key_is_required_when_set_and_no_worker_means_503(tiny_models):
         down = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
         assert down.status_code == 503 and down.headers["Retry-After"] == "5"  # nothing is listening there
         assert http.get("/readiness").status_code == 503
+
+
+def test_dns_discovery_adds_and_removes_workers_while_serving(tiny_models):
+    """A headless Service's answer changes: {A} -> {A, B} -> {B}. The router follows it, health-gated,
+    and requests keep succeeding. Two prefill servers share one port on two loopback addresses."""
+    from fastapi.testclient import TestClient
+
+    from pdserve.router import workers as workers_mod
+    from pdserve.router.app import Router, RouterConfig, create_app
+
+    model = tiny_models("llama")
+    port = free_port()
+    decode = Server("decode", model)
+    prefill_a = Server("prefill", model, "--host", "127.0.0.2", "--port", str(port))
+    prefill_b = Server("prefill", model, "--host", "127.0.0.3", "--port", str(port))
+    prefill_a.address, prefill_b.address = f"127.0.0.2:{port}", f"127.0.0.3:{port}"
+    answers = {prefill_a.address}
+
+    def fake_dns(name, p):
+        return set(answers) if (name, p) == ("pdserve-prefill.test", port) else set()
+
+    old_interval = workers_mod.RESOLVE_INTERVAL_S
+    workers_mod.RESOLVE_INTERVAL_S = 0.3
+    try:
+        for s in (decode, prefill_a, prefill_b):
+            s.wait_ready()
+        config = RouterConfig(model, (), (decode.address,), prefill_dns=(f"pdserve-prefill.test:{port}",))
+        with TestClient(create_app(Router(config, resolve=fake_dns))) as http:
+            def ask(n=4):
+                for i in range(n):
+                    r = http.post("/v1/completions", json={"prompt": f"dns {i}", "max_tokens": 3, "temperature": 0})
+                    assert r.status_code == 200, r.text
+
+            def wait_for(expected):
+                deadline = time.monotonic() + 20
+                while http.get("/readiness").json().get("prefill") != expected:
+                    assert time.monotonic() < deadline, http.get("/readiness").json()
+                    time.sleep(0.1)
+
+            wait_for([prefill_a.address])
+            ask()
+            answers.add(prefill_b.address)
+            wait_for(sorted([prefill_a.address, prefill_b.address]))
+            ask(8)
+            answers.discard(prefill_a.address)
+            wait_for([prefill_b.address])
+            ask()
+    finally:
+        workers_mod.RESOLVE_INTERVAL_S = old_interval
+        for s in (decode, prefill_a, prefill_b):
+            s.stop()
