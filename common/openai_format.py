@@ -19,7 +19,7 @@ def _logprob(value: float) -> float:
     return value if value >= MIN_LOGPROB else MIN_LOGPROB  # NaN fails the comparison too
 
 
-def _token_text(tokenizer) -> Callable[[int], str]:
+def token_text_of(tokenizer) -> Callable[[int], str]:
     """Each id decoded on its own (so a byte of a multi-byte character reads as U+FFFD), cached per response."""
     cache: dict[int, str] = {}
 
@@ -90,7 +90,7 @@ def format_completion_response(
 ) -> dict:
     """The /v1/completions body; its id is "cmpl-" + request_id."""
     _check_count(parsed, completions)
-    token_text = _token_text(tokenizer)
+    token_text = token_text_of(tokenizer)
     choices = []
     for index, completion in enumerate(completions):
         text = completion.text
@@ -132,7 +132,7 @@ def format_chat_response(
 ) -> dict:
     """The /v1/chat/completions body; its id is "chatcmpl-" + request_id."""
     _check_count(parsed, completions)
-    token_text = _token_text(tokenizer)
+    token_text = token_text_of(tokenizer)
     choices = []
     for index, completion in enumerate(completions):
         logprobs = None

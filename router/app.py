@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pdserve.common.config import read_hf_config
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.openai_api import OpenAIError, ParsedRequest, parse_chat_request, parse_completion_request
-from pdserve.common.openai_format import format_response, usage
+from pdserve.common.openai_format import chat_logprobs, completion_logprobs, format_response, token_text_of, usage
 from pdserve.common.output_processor import append_token, finalize
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Completion, FinishReason, Req
@@ -77,7 +77,8 @@ class Router:
         return {role: [v.url for v in self.registry.views(role) if v.healthy] for role in ("prefill", "decode")}
 
     async def choice(self, prompt_ids: list[int], params, on_text=None) -> Completion:
-        """Run one choice through a prefill/decode pair; `on_text(delta)` sees text as it is final."""
+        """Run one choice through a prefill/decode pair; `on_text(delta, logprobs)` sees text as it
+        becomes final, with the logprobs of the tokens that produced it (when requested)."""
         req = Req(secrets.token_hex(8), prompt_ids, params, params.seed or 0)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         decode = self.pick("decode", prompt_ids)
@@ -95,7 +96,7 @@ class Router:
         decode_worker = workers[decode]
         stream = paired_generate(decode_worker.channel, pick_prefill, self.registry.record, prompt_ids, params, deadline)
         decode_worker.inflight += 1
-        started, last = time.monotonic(), None
+        started, last, reported = time.monotonic(), None, 0
         try:
             async for event in stream:
                 now = time.monotonic()
@@ -110,7 +111,8 @@ class Router:
                     before = len(req.text)
                     append_token(req, token, logprobs[i] if i < len(logprobs) else None, self.eos, self.context_len)
                     if on_text is not None and len(req.text) > before:
-                        await on_text(req.text[before:])
+                        await on_text(req.text[before:], req.output_logprobs[reported:])
+                        reported = len(req.output_logprobs)
                     if req.finished:
                         break
                 if req.finished or event.kind == "finish":
@@ -124,7 +126,7 @@ class Router:
         before = len(req.text)
         completion = finalize(req)
         if on_text is not None and len(completion.text) > before:
-            await on_text(completion.text[before:])
+            await on_text(completion.text[before:], req.output_logprobs[reported:])
         return completion
 
 
@@ -242,18 +244,23 @@ def create_app(router: Router) -> FastAPI:
         prefix, kind = ("chatcmpl-", "chat.completion.chunk") if chat else ("cmpl-", "text_completion")
         queue: asyncio.Queue = asyncio.Queue()
 
-        def chunk(index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+        token_text = token_text_of(router.tokenizer)
+
+        def chunk(index: int, text: str | None, finish: str | None, role: bool = False, logprobs=None) -> str:
+            lp = None
+            if logprobs and parsed.logprobs is not None:
+                lp = (chat_logprobs if chat else completion_logprobs)(logprobs, parsed.logprobs, token_text)
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                body = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                body = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                body = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+                body = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
             return json.dumps({"id": prefix + request_id, "object": kind, "created": created, "model": parsed.model,
                                "choices": [body]})
 
         async def run(index: int, ids, params):
-            async def on_text(delta: str):
-                await queue.put(chunk(index, delta, None))
+            async def on_text(delta: str, logprobs):
+                await queue.put(chunk(index, delta, None, logprobs=logprobs))
 
             try:
                 completion = await router.choice(ids, params, on_text)
@@ -306,7 +313,7 @@ def create_app(router: Router) -> FastAPI:
             async def native_stream():
                 queue: asyncio.Queue = asyncio.Queue()
 
-                async def on_text(delta):
+                async def on_text(delta, logprobs):
                     await queue.put({"text": delta})
 
                 task = asyncio.create_task(router.choice(ids, params, on_text))

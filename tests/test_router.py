@@ -113,3 +113,15 @@ def test_logprobs_come_through_the_router(deployment):
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           temperature=0, logprobs=True, top_logprobs=3)
     assert len(chat.choices[0].logprobs.content) == 4 and len(chat.choices[0].logprobs.content[0].top_logprobs) == 3
+
+
+def test_streamed_logprobs_cover_every_token(deployment):
+    model, _, client = deployment
+    chunks = list(client.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=0, logprobs=1,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert len(tokens) == 6 and all(v <= 0 for v in tokens)
+    chat = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                               temperature=0, logprobs=True, stream=True, extra_body={"ignore_eos": True}))
+    entries = [e for c in chat if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == 5
