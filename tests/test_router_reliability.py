@@ -13,7 +13,7 @@ import urllib.request
 import openai
 import pytest
 
-from tests.test_servers import Server, free_port, load
+from tests.test_servers import Server, free_port, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_200_concurrent_streams_lose_and_duplicate_nothing(cluster):
 
     streamed, plain = asyncio.run(main())
     assert streamed[:20] == plain and all(streamed)
-    asyncio.run(_idle(decode, *prefills))
+    asyncio.run(wait_idle(decode, *prefills))
 
 
 def test_a_client_disconnect_mid_stream_frees_kv_on_both_sides(cluster):
@@ -117,7 +117,7 @@ def test_a_client_disconnect_mid_stream_frees_kv_on_both_sides(cluster):
     response = urllib.request.urlopen(request, timeout=60)
     assert response.readline().startswith(b"data: ")  # streaming has started
     response.close()  # the client goes away
-    asyncio.run(_idle(decode, *prefills))
+    asyncio.run(wait_idle(decode, *prefills))
 
 
 def test_a_prefill_killed_under_load_is_retried_elsewhere(cluster):
@@ -135,17 +135,8 @@ def test_a_prefill_killed_under_load_is_retried_elsewhere(cluster):
     failed = [r for r in results if isinstance(r, Exception)]
     assert not failed, failed[:3]
     assert all(r.choices[0].finish_reason in ("length", "stop") for r in results)
-    asyncio.run(_idle(decode, prefills[0]))
+    asyncio.run(wait_idle(decode, prefills[0]))
 
-
-async def _idle(*servers, timeout=20):
-    deadline = time.monotonic() + timeout
-    while True:
-        loads = [await load(s) for s in servers]
-        if all(l.kv_used_tokens == 0 and l.running_requests == 0 and l.waiting_requests == 0 for l in loads):
-            return
-        assert time.monotonic() < deadline, f"not idle: {loads}"
-        await asyncio.sleep(0.1)
 
 
 def test_saturation_gets_429_with_retry_after(cluster):
@@ -177,7 +168,7 @@ def test_saturation_gets_429_with_retry_after(cluster):
     finally:
         router.terminate()
         router.wait(30)
-    asyncio.run(_idle(decode, prefills[0]))
+    asyncio.run(wait_idle(decode, prefills[0]))
 
 
 def test_circuit_breaker_opens_after_failures_and_closes_on_success():
