@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
-KV_TIMEOUT = 3.0
+KV_TIMEOUT = 6.0  # long enough for a loaded 2-core CI box; the timeout tests wait this long
 
 
 def free_port() -> int:
