@@ -117,9 +117,15 @@ class Router:
                         break
                 if req.finished or event.kind == "finish":
                     break
+        except UpstreamError as e:
+            if e.decode_failed and decode in workers:
+                self.registry.record(decode, ok=False)
+            raise
         finally:
             await stream.aclose()  # cancels both RPCs if we stopped early (stop string, client gone)
             decode_worker.inflight -= 1  # (the worker may have left the registry meanwhile)
+        if decode in workers:
+            self.registry.record(decode, ok=True)
         if req.finish_reason is None:
             req.finish_reason = FinishReason.LENGTH
         self.metrics.e2e.observe(time.monotonic() - started)

@@ -25,11 +25,14 @@ RPC_TIMEOUT_S = 600.0
 
 
 class UpstreamError(Exception):
-    """A worker failed the request; `status` is the HTTP status the client gets."""
+    """A worker failed the request; `status` is the HTTP status the client gets, `decode_failed`
+    whether the decode server is to blame (for its circuit breaker; prefill failures are
+    reported per attempt)."""
 
-    def __init__(self, message: str, status: int = 502):
+    def __init__(self, message: str, status: int = 502, decode_failed: bool = False):
         super().__init__(message)
         self.status = status
+        self.decode_failed = decode_failed
 
 
 @dataclass
@@ -96,7 +99,7 @@ async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt
         while True:
             msg = await call.read()
             if msg is grpc.aio.EOF:
-                raise UpstreamError("the decode stream ended without a finish")
+                raise UpstreamError("the decode stream ended without a finish", decode_failed=True)
             kind = msg.WhichOneof("response")
             if kind == "tokens":
                 chunk = msg.tokens
@@ -110,8 +113,8 @@ async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt
                 return
             else:
                 raise _error(msg)
-    except grpc.aio.AioRpcError as e:
-        raise UpstreamError(f"worker unavailable: {e.code().name}: {e.details()}", 503) from e
+    except grpc.aio.AioRpcError as e:  # the decode call itself broke (prefill errors are caught per attempt)
+        raise UpstreamError(f"decode server unavailable: {e.code().name}: {e.details()}", 503, decode_failed=True) from e
     finally:
         call.cancel()
 
@@ -147,5 +150,6 @@ def _status(code) -> int:
 
 def _error(msg) -> UpstreamError:
     if msg is grpc.aio.EOF or msg.WhichOneof("response") != "error":
-        return UpstreamError("the decode server answered out of protocol")
-    return UpstreamError(msg.error.message, _status(msg.error.code))
+        return UpstreamError("the decode server answered out of protocol", decode_failed=True)
+    code = msg.error.code
+    return UpstreamError(msg.error.message, _status(code), decode_failed=code == pb.Error.INTERNAL)

@@ -251,3 +251,29 @@ def test_dns_discovery_adds_and_removes_workers_while_serving(tiny_models):
         workers_mod.RESOLVE_INTERVAL_S = old_interval
         for s in (decode, prefill_a, prefill_b):
             s.stop()
+
+
+def test_a_dead_decode_server_opens_its_circuit(tiny_models):
+    from fastapi.testclient import TestClient
+
+    from pdserve.router.app import Router, RouterConfig, create_app
+    from pdserve.router.workers import FAILURES_TO_OPEN
+
+    model = tiny_models("llama")
+    decode, prefill = Server("decode", model), Server("prefill", model)
+    try:
+        decode.wait_ready()
+        prefill.wait_ready()
+        router = Router(RouterConfig(model, (prefill.address,), (decode.address,)))
+        with TestClient(create_app(router)) as http:
+            assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+            decode.proc.kill()
+            decode.proc.wait(10)
+            codes = [http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code
+                     for _ in range(FAILURES_TO_OPEN + 1)]
+            assert all(c == 503 for c in codes), codes
+            assert router.registry.workers[decode.address].errors >= FAILURES_TO_OPEN
+            assert http.get("/readiness").status_code == 503  # the decode is no longer routable
+    finally:
+        decode.stop()
+        prefill.stop()
