@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from tests.test_disagg_engines import hf_greedy
 
 KV_TIMEOUT = 6.0  # long enough for a loaded 2-core CI box; the timeout tests wait this long
 
@@ -121,19 +122,6 @@ async def generate(decode, prefill, prompt, sampling, rid, after_destination=Non
         return tokens, end, pre
 
 
-def reference(model, prompts, max_new):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model, attn_implementation="eager", dtype=torch.float32).eval()
-    out = []
-    for ids in prompts:
-        with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, pad_token_id=2)
-        out.append(gen[0, len(ids):].tolist())
-    return out
-
-
 def prompts(n, seed=0, low=1, high=70):
     rng = random.Random(seed)
     return [[0] + [rng.randrange(5, 512) for _ in range(rng.randrange(low, high))] for _ in range(n)]
@@ -158,7 +146,7 @@ async def wait_idle(*servers, timeout=KV_TIMEOUT + 10):
 def test_greedy_through_prefill_and_decode_servers_matches_transformers(servers):
     model, decode, prefill = servers
     cases = prompts(8)
-    expected = reference(model, cases, 12)
+    expected = hf_greedy(model, cases, 12)
 
     async def main():
         return await asyncio.gather(*(generate(decode, prefill, p, params(12), f"par-{i}") for i, p in enumerate(cases)))
