@@ -1,0 +1,1 @@
+"""Benchmarks: `pdserve bench offline|serve` and the overlap on/off study."""
