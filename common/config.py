@@ -50,6 +50,11 @@ class EngineConfig:
     serial_consecutive_prefill: bool = _opt(
         False, "Process a prefill's result before launching the next prefill (lower TTFT under load)."
     )
+    attention_backend: str = _opt(
+        "auto", "torch_native (the reference; CPU and CUDA) or triton (paged kernels; CUDA); auto: triton on CUDA."
+    )
+    disable_cuda_graph: bool = _opt(False, "CUDA: run decode eagerly instead of replaying captured CUDA graphs.")
+    cuda_graph_max_bs: int = _opt(0, "CUDA: largest decode batch captured in a graph (padded up to the next captured size); 0: --max-running-requests, at most 256.")
     random_seed: int = _opt(-1, "Seed for the per-request seeds the engine draws; -1: from the OS.")
 
     def resolve(self) -> "EngineConfig":
@@ -84,8 +89,19 @@ class EngineConfig:
             raise ValueError("--mem-fraction-static sizes GPU memory; on CPU use --max-total-tokens or --kv-cache-memory-gb")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        attention_backend = self.attention_backend
+        if attention_backend == "auto":
+            attention_backend = "triton" if device.startswith("cuda") else "torch_native"
+        if attention_backend not in ("torch_native", "triton"):
+            raise ValueError(f"--attention-backend must be torch_native, triton or auto, got {attention_backend!r}")
+        if attention_backend == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+            # On CPU the kernels run only in Triton's interpreter (slow; the CPU tests use it).
+            raise ValueError("--attention-backend triton needs a CUDA device (or TRITON_INTERPRET=1); on CPU use torch_native")
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError(f"--cuda-graph-max-bs must be >= 0, got {self.cuda_graph_max_bs}")
         return dataclasses.replace(
             self,
+            attention_backend=attention_backend,
             served_model_name=self.served_model_name or self.model_path,
             device=device,
             dtype=dtype,
