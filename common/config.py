@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import Any
 
 
+# What CUDA graphs, activations and the sampling buffers get is the rest of the GPU's memory.
+DEFAULT_MEM_FRACTION_STATIC = 0.85
+
+
 def _opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
@@ -30,11 +34,14 @@ class EngineConfig:
     page_size: int = _opt(16, "Tokens per KV page.")
     context_length: int = _opt(0, "Longest sequence (prompt + output); 0: the model's max_position_embeddings.")
     max_total_tokens: int = _opt(0, "KV cache capacity in tokens; 0: sized from --kv-cache-memory-gb.")
-    kv_cache_memory_gb: float = _opt(1.0, "Memory for the KV cache when --max-total-tokens and --mem-fraction-static are 0.")
+    kv_cache_memory_gb: float = _opt(
+        0.0, "GiB for the KV cache when --max-total-tokens is 0; 0: from --mem-fraction-static on CUDA, 1 GiB on CPU."
+    )
     mem_fraction_static: float = _opt(
         0.0,
         "CUDA: fraction of the GPU's memory for weights + KV cache; the KV cache gets what is left of it "
-        "after loading the model, measured (SGLang's meaning). 0: use --kv-cache-memory-gb.",
+        f"after loading the model, measured (SGLang's meaning). 0: {DEFAULT_MEM_FRACTION_STATIC} on CUDA "
+        "unless --kv-cache-memory-gb or --max-total-tokens is given.",
     )
     max_running_requests: int = _opt(256, "Most requests in the running batch at once.")
     max_prefill_tokens: int = _opt(16384, "Most prompt tokens in one prefill batch.")
@@ -87,6 +94,14 @@ class EngineConfig:
             raise ValueError(f"--mem-fraction-static must be in [0, 1), got {self.mem_fraction_static}")
         if self.mem_fraction_static and not device.startswith("cuda"):
             raise ValueError("--mem-fraction-static sizes GPU memory; on CPU use --max-total-tokens or --kv-cache-memory-gb")
+        if self.kv_cache_memory_gb < 0:
+            raise ValueError(f"--kv-cache-memory-gb must be >= 0, got {self.kv_cache_memory_gb}")
+        mem_fraction_static, kv_cache_memory_gb = self.mem_fraction_static, self.kv_cache_memory_gb
+        if not (self.max_total_tokens or kv_cache_memory_gb or mem_fraction_static):
+            if device.startswith("cuda"):
+                mem_fraction_static = DEFAULT_MEM_FRACTION_STATIC
+            else:
+                kv_cache_memory_gb = 1.0
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
         attention_backend = self.attention_backend
@@ -102,6 +117,8 @@ class EngineConfig:
         return dataclasses.replace(
             self,
             attention_backend=attention_backend,
+            mem_fraction_static=mem_fraction_static,
+            kv_cache_memory_gb=kv_cache_memory_gb,
             served_model_name=self.served_model_name or self.model_path,
             device=device,
             dtype=dtype,

@@ -21,12 +21,17 @@ import torch
 
 
 class ReqToTokenPool:
-    """Rows of the position -> slot table, one per live request."""
+    """Rows of the position -> slot table, one per live request.
+
+    One extra row, `pad_row`, is never handed out and stays all zeros (slot 0, in the reserved
+    page 0): the padded rows of a CUDA-graph batch point at it, so they read and write only page 0.
+    """
 
     def __init__(self, size: int, context_len: int, device: torch.device | str):
         self.size = size
         self.context_len = context_len
-        self.req_to_token = torch.zeros((size, context_len), dtype=torch.int32, device=device)
+        self.pad_row = size
+        self.req_to_token = torch.zeros((size + 1, context_len), dtype=torch.int32, device=device)
         self._free_rows: deque[int] = deque(range(size))
 
     def available(self) -> int:

@@ -6,16 +6,21 @@ next-token logits and samples them. It never looks at request state beyond what 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pdserve.common.attention import create_backend
-from pdserve.common.batch import ForwardBatch
+from pdserve.common.batch import ForwardBatch, ForwardMode
 from pdserve.common.config import EngineConfig
+from pdserve.common.cuda_graph import CudaGraphRunner
 from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.models.loader import load_model
 from pdserve.common.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs, h2d
 from pdserve.common.sampling import SampleOutput, SamplingBatchInfo, sample
 from pdserve.common.types import MAX_TOP_LOGPROBS
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -39,13 +44,26 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        self.attn = create_backend("torch_native", self.req_to_token_pool, self.kv_pool)
+        num_heads = self.model.arch.num_heads
+        self.attn = create_backend(config.attention_backend, self.req_to_token_pool, self.kv_pool, num_heads, config.max_running_requests)
         self.streams = DeviceStreams(self.device)
         self.future_map = FutureMap(config.max_running_requests, self.device)
         self.pinned = PinnedOutputs(config.max_running_requests, MAX_TOP_LOGPROBS, self.device)
         # Test hook: called on the forward stream before the model runs (e.g. a GPU sleep that
         # widens race windows). None in production.
         self.before_forward = None
+        self.cuda_graphs = self._capture_cuda_graphs()
+
+    def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
+        c = self.config
+        if self.device.type != "cuda" or c.disable_cuda_graph:
+            return None
+        if c.attention_backend != "triton":
+            # The torch-native decode sizes its tensors from host lengths: not capturable.
+            logger.info("CUDA graphs need --attention-backend triton; decode runs eagerly")
+            return None
+        max_bs = min(c.cuda_graph_max_bs or 256, c.max_running_requests)
+        return CudaGraphRunner(self, max_bs)
 
     def _kv_pages(self, bytes_per_token: int) -> int:
         c = self.config
@@ -80,10 +98,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
-        """Next-token logits, float32 [batch_size, vocab]."""
+        """Next-token logits, float32 [batch_size, vocab], run eagerly."""
         self.attn.init_forward(batch)
         hidden = self.model(input_ids, batch.positions, batch, self.attn)
-        return self.model.compute_logits(hidden[batch.last_indices])
+        if batch.mode is ForwardMode.EXTEND:
+            hidden = hidden[batch.last_indices]  # decode has one token per request already
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def launch(self, batch: ForwardBatch, info: SamplingBatchInfo, future_slots: list[int]) -> ForwardResult:
@@ -96,10 +116,14 @@ class ModelRunner:
         slots = h2d(future_slots, torch.int64, self.device)  # queued on the schedule stream
         with streams.use(streams.forward_stream):
             streams.forward_stream.wait_stream(streams.schedule_stream)
-            input_ids = self.future_map.resolve(batch.input_ids) if batch.has_placeholders else batch.input_ids
             if self.before_forward is not None:
                 self.before_forward(batch)
-            out = sample(self.forward(batch, input_ids), info)
+            if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+                logits = self.cuda_graphs.replay(batch)  # resolves placeholders inside the graph
+            else:
+                input_ids = self.future_map.resolve(batch.input_ids) if batch.has_placeholders else batch.input_ids
+                logits = self.forward(batch, input_ids)
+            out = sample(logits, info)
             self.future_map.store(slots, out.next_token_ids)
             published = streams.event()
             published.record(streams.forward_stream)
