@@ -24,6 +24,7 @@ class IncrementalDetokenizer:
         if self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []
         self.tokens = context  # the context, then every output token
+        self.context_len = len(context)
         self.prefix_offset = 0  # start of the window decoded for context
         self.read_offset = len(context)  # tokens before this one have been emitted
         self.text = ""
@@ -44,6 +45,14 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Appends one output token; returns the text that became final (may be "")."""
         self.tokens.append(token_id)
+        return self._emit(final=False)
+
+    def num_output(self) -> int:
+        """Output tokens added so far."""
+        return len(self.tokens) - self.context_len
+
+    def emit_ready(self) -> str:
+        """Text of the tokens added so far that is final (an incomplete character held back)."""
         return self._emit(final=False)
 
     def flush(self) -> str:

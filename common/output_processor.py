@@ -25,7 +25,7 @@ def append_token(
     if (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids:
         req.finish_reason, req.matched_stop = FinishReason.STOP, token
         return
-    if req.detokenizer is not None:
+    if req.detokenizer is not None and (params.stop or req.stream_text):
         _append_text(req, req.detokenizer.add(token))
         if req.finished:
             return
@@ -49,9 +49,14 @@ def _append_text(req: Req, delta: str) -> None:
 
 def finalize(req: Req) -> Completion:
     """The request's result; flushes any text the detokenizer still held back."""
-    # Text held back for an incomplete UTF-8 character is still owed, unless a stop string cut it.
-    if req.detokenizer is not None and req.finish_reason is not FinishReason.ABORT and not isinstance(req.matched_stop, str):
-        _append_text(req, req.detokenizer.flush())
+    detok = req.detokenizer
+    if detok is not None and not isinstance(req.matched_stop, str):
+        # Tokens not detokenized yet (all of them unless stop strings or streaming needed text
+        # per token), in one decode. An EOS or stop id adds no text.
+        text_ids = req.output_ids[:-1] if isinstance(req.matched_stop, int) else req.output_ids
+        detok.tokens += text_ids[detok.num_output() :]
+        # Text held back for an incomplete UTF-8 character is still owed, unless aborted.
+        _append_text(req, detok.flush() if req.finish_reason is not FinishReason.ABORT else detok.emit_ready())
     return Completion(
         rid=req.rid,
         prompt_ids=req.prompt_ids,

@@ -119,7 +119,7 @@ class SamplingBatchInfo:
             top_ks=column(any(k < vocab_size for k in top_ks), top_ks, torch.int64),
             top_ps=column(any(p < float("inf") for p in top_ps), top_ps, torch.float32),
             min_ps=column(any(m > 0.0 for m in min_ps), min_ps, torch.float32),
-            noise_keys=column(not all_greedy, [row_key(r.seed, r.num_sampled) for r in reqs], torch.int64),
+            noise_keys=None if all_greedy else column(True, [row_key(r.seed, r.num_sampled) for r in reqs], torch.int64),
             repetition_penalties=column(bool(seen), [p.repetition_penalty for p in params], torch.float32),
             seen_token_idx=upload(bool(seen), seen, torch.int64),
             frequency_penalties=column(bool(counted), [p.frequency_penalty for p in params], torch.float32),

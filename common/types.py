@@ -150,6 +150,9 @@ class Req:
         self.kv_len = 0
         self.cached_tokens = 0
         self.detokenizer = None  # set by the engine: an IncrementalDetokenizer
+        # Detokenize each token as it arrives (the router streams text). Otherwise text is only
+        # built per token when stop strings need it, and in one decode at the end when not.
+        self.stream_text = False
 
     @property
     def seq_len(self) -> int:

@@ -81,6 +81,7 @@ class Router:
         becomes final, with the logprobs of the tokens that produced it (when requested)."""
         req = Req(secrets.token_hex(8), prompt_ids, params, params.seed or 0)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+        req.stream_text = True
         decode = self.pick("decode", prompt_ids)
         if decode is None:
             raise UpstreamError("no healthy decode server", 503)
