@@ -52,6 +52,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.replays = 0
         self._capture_all()
 
     @property
@@ -120,4 +121,5 @@ class CudaGraphRunner:
             self.out_cache_loc[n:size].zero_()
             self.req_pool_indices[n:size].fill_(self.pad_row)
         self.graphs[size].replay()
+        self.replays += 1
         return self.logits[size][:n]
