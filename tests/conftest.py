@@ -1,8 +1,17 @@
 """Shared fixtures: tiny checkpoints built once per session, engines that must end idle."""
 
-import pytest
+import os
 
-from pdserve.common.tiny_model import ARCHS, make_tiny_model
+import torch
+
+# NOTE: before anything imports a Triton kernel module: Triton reads TRITON_INTERPRET when a
+# @triton.jit function is defined, so without a GPU the kernels run in its interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from pdserve.common.tiny_model import ARCHS, make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
