@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pdserve.common.attention.triton_decode import DecodeWorkspace, decode_attention
+from pdserve.common.attention.triton_decode import DecodeWorkspace, decode_attention, num_kv_splits_for
 from pdserve.common.attention.triton_extend import extend_attention
 from pdserve.common.attention.triton_store import store_kv
 
@@ -192,9 +192,10 @@ def test_decode_window_zero_means_off():
 
 
 # (heads, kv heads, head dim, page size, window, [(prefix, extend), ...]): extend cases for CPU.
-# Extends of 70 span two 64-query blocks; prefixes of 0 and 1 and long ones; extend_len 1.
+# Extends of 70 span two 64-query blocks; prefixes of 0 and 1 and long ones; extend_len 1; a
+# first query at 62 or 63 puts the causal diagonal at the edge of a 32- or 64-key block.
 EXTEND_CASES = {
-    "mha": (2, 2, 16, 4, None, [(0, 1), (0, 7), (5, 1), (13, 70), (100, 3)]),
+    "mha": (2, 2, 16, 4, None, [(0, 1), (0, 7), (5, 1), (13, 70), (100, 3), (62, 5), (63, 1)]),
     "gqa2-d24": (4, 2, 24, 16, None, [(0, 33), (40, 17), (150, 1)]),
     "gqa4-window": (4, 1, 16, 4, 9, [(0, 70), (30, 5), (3, 1), (1, 20)]),
     "gqa4-d80-window": (8, 2, 80, 16, 64, [(70, 10), (0, 66)]),
@@ -321,3 +322,11 @@ def test_decode_matches_torch_native_backend():
     from pdserve.common.batch import ForwardMode
 
     _backend_parity(ForwardMode.DECODE, seq_lens=[9, 30, 4], extend_lens=[1, 1, 1])
+
+
+def test_num_kv_splits_for_targets_about_512_programs():
+    assert num_kv_splits_for(1, 32, 8, max_kv_splits=16) == 16  # 8 programs a split
+    assert num_kv_splits_for(32, 32, 8, max_kv_splits=16) == 2
+    assert num_kv_splits_for(128, 32, 8, max_kv_splits=16) == 1
+    assert num_kv_splits_for(8, 12, 12, max_kv_splits=16) == 4  # MHA: a program per head
+    assert num_kv_splits_for(1, 12, 12, max_kv_splits=1) == 1

@@ -17,27 +17,36 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-NO_WINDOW = 1 << 30  # "no sliding window", as a window wider than any context
 
 
 @triton.jit
 def _attend_block(
-    q_tile, q_pos, m_i, l_i, acc, block_start, hi, window, row_slots, k_buf, v_buf,
-    kv_head_offset, stride_buf_s, qk_scale, offs_d, mask_d,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_tile, q_pos, m_i, l_i, acc, block_start, end, window, row_slots, k_buf, v_buf,
+    kv_head_offset, stride_buf_s, qk_scale, offs_d,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """Online softmax over keys [block_start, min(block_start + BLOCK_N, hi)), masked per query
-    (causal and sliding window): one gather of slots, then [BLOCK_N, BLOCK_D] of K and of V."""
+    """Online softmax over keys [block_start, min(block_start + BLOCK_N, end)): one gather of
+    slots, then [BLOCK_N, BLOCK_D] of K and of V. MASKED: apply the bound, causal and window
+    masks; without it the block must be whole and visible to every query."""
     offs_n = block_start + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < hi
-    slots = tl.load(row_slots + offs_n, mask=mask_n, other=0).to(tl.int64)
+    mask_d = offs_d < HEAD_DIM
+    if MASKED:
+        mask_n = offs_n < end
+        slots = tl.load(row_slots + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+    else:
+        slots = tl.load(row_slots + offs_n).to(tl.int64)
+        kv_mask = mask_d[None, :]
     kv_offsets = slots[:, None] * stride_buf_s + kv_head_offset + offs_d[None, :]
-    kv_mask = mask_n[:, None] & mask_d[None, :]
     k_tile = tl.load(k_buf + kv_offsets, mask=kv_mask, other=0.0).to(q_tile.dtype)  # [BLOCK_N, BLOCK_D]
     scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale
-    distance = q_pos[:, None] - offs_n[None, :]
-    visible = mask_n[None, :] & (distance >= 0) & (distance < window)
-    scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        distance = q_pos[:, None] - offs_n[None, :]
+        visible = mask_n[None, :] & (distance >= 0)
+        if USE_WINDOW:
+            visible = visible & (distance < window)
+        scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
 
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     alpha = tl.exp2(m_i - m_new)
@@ -46,6 +55,33 @@ def _attend_block(
     v_tile = tl.load(v_buf + kv_offsets, mask=kv_mask, other=0.0).to(q_tile.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_range(
+    q_tile, q_pos, m_i, l_i, acc, start, end, window, row_slots, k_buf, v_buf,
+    kv_head_offset, stride_buf_s, qk_scale, offs_d,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """_attend_block over keys [start, end), BLOCK_N at a time."""
+    if INTERPRETED:
+        # NOTE: Triton 3.6's interpreter int()s range() bounds, which numpy >= 2.4 refuses for its
+        # 1-element scalars (triton#9171); it walks the same blocks with a while loop instead.
+        block_start = start
+        while block_start < end:
+            m_i, l_i, acc = _attend_block(
+                q_tile, q_pos, m_i, l_i, acc, block_start, end, window, row_slots, k_buf, v_buf,
+                kv_head_offset, stride_buf_s, qk_scale, offs_d, BLOCK_N, HEAD_DIM, MASKED, USE_WINDOW, DOT_PRECISION,
+            )
+            block_start += BLOCK_N
+    else:
+        for block_start in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_block(
+                q_tile, q_pos, m_i, l_i, acc, block_start, end, window, row_slots, k_buf, v_buf,
+                kv_head_offset, stride_buf_s, qk_scale, offs_d, BLOCK_N, HEAD_DIM, MASKED, USE_WINDOW, DOT_PRECISION,
+            )
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -69,7 +105,8 @@ def _extend_kernel(
     qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
     window,
     group_size,
-    head_dim,
+    HEAD_DIM: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -93,14 +130,23 @@ def _extend_kernel(
     mask_m = offs_m < extend_len
     q_pos = prefix_len + offs_m
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < head_dim
+    mask_qd = mask_m[:, None] & (offs_d < HEAD_DIM)[None, :]
     q_rows = extend_start + offs_m
     q_ptrs = q + q_rows[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :]
-    q_tile = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q_tile = tl.load(q_ptrs, mask=mask_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
 
-    # Keys [lo, hi): from the first query's window start to the last query's own position.
-    hi = tl.minimum(seq_len, prefix_len + (q_block + 1) * BLOCK_M)
-    lo = tl.maximum(prefix_len + q_block * BLOCK_M - window + 1, 0)
+    # The block's queries sit at [first_q, last_q]; it reads keys [lo, hi), in three ranges:
+    #   [lo, full_lo)       outside the window of some queries          masked (window only)
+    #   [full_lo, full_hi)  whole key blocks every query sees            no masks (most of the work)
+    #   [full_hi, hi)       across the causal diagonal (and the rest)    masked
+    first_q = prefix_len + q_block * BLOCK_M
+    hi = tl.minimum(seq_len, first_q + BLOCK_M)
+    lo = 0
+    full_lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(first_q - window + 1, 0)
+        full_lo = tl.minimum(tl.maximum(hi - window, lo), hi)  # the last query's window start
+    full_hi = full_lo + tl.maximum(first_q + 1 - full_lo, 0) // BLOCK_N * BLOCK_N
 
     # A finite floor instead of -inf: a row whose keys in a block are all masked (before its
     # window opens) keeps exp2(m_old - m_new) at 1 and p at 0, never nan.
@@ -109,27 +155,24 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row_slots = req_to_token + row * stride_r2t
     kv_head_offset = (head // group_size).to(tl.int64) * stride_buf_h
-    if INTERPRETED:
-        # NOTE: Triton 3.6's interpreter int()s range() bounds, which numpy >= 2.4 refuses for its
-        # 1-element scalars (triton#9171); it walks the same blocks with a while loop instead.
-        block_start = lo
-        while block_start < hi:
-            m_i, l_i, acc = _attend_block(
-                q_tile, q_pos, m_i, l_i, acc, block_start, hi, window, row_slots, k_buf, v_buf,
-                kv_head_offset, stride_buf_s, qk_scale, offs_d, mask_d, BLOCK_N, DOT_PRECISION,
-            )
-            block_start += BLOCK_N
-    else:
-        for block_start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _attend_block(
-                q_tile, q_pos, m_i, l_i, acc, block_start, hi, window, row_slots, k_buf, v_buf,
-                kv_head_offset, stride_buf_s, qk_scale, offs_d, mask_d, BLOCK_N, DOT_PRECISION,
-            )
+    if USE_WINDOW:
+        m_i, l_i, acc = _attend_range(
+            q_tile, q_pos, m_i, l_i, acc, lo, full_lo, window, row_slots, k_buf, v_buf, kv_head_offset,
+            stride_buf_s, qk_scale, offs_d, BLOCK_N, HEAD_DIM, True, USE_WINDOW, DOT_PRECISION, INTERPRETED,
+        )
+    m_i, l_i, acc = _attend_range(
+        q_tile, q_pos, m_i, l_i, acc, full_lo, full_hi, window, row_slots, k_buf, v_buf, kv_head_offset,
+        stride_buf_s, qk_scale, offs_d, BLOCK_N, HEAD_DIM, False, USE_WINDOW, DOT_PRECISION, INTERPRETED,
+    )
+    m_i, l_i, acc = _attend_range(
+        q_tile, q_pos, m_i, l_i, acc, full_hi, hi, window, row_slots, k_buf, v_buf, kv_head_offset,
+        stride_buf_s, qk_scale, offs_d, BLOCK_N, HEAD_DIM, True, USE_WINDOW, DOT_PRECISION, INTERPRETED,
+    )
 
     # Every valid row saw at least its own key (l_i > 0); the guard is for the masked-off rows.
     out_tile = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_ptrs = out + q_rows[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :]
-    tl.store(o_ptrs, out_tile.to(out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(o_ptrs, out_tile.to(out.dtype.element_ty), mask=mask_qd)
 
 
 # True when TRITON_INTERPRET was set as the kernels were defined (the CPU tests).
@@ -137,10 +180,10 @@ INTERPRETED = not isinstance(_extend_kernel, triton.runtime.JITFunction)
 
 
 def _launch_config(head_dim: int) -> dict:
-    """Block sizes and warps per head dim (tuned on an H200, bf16)."""
+    """Block sizes and warps per head dim (tuned on an H200, bf16, prompts of 256)."""
     if head_dim <= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)
 
 
 def extend_attention(
@@ -195,9 +238,10 @@ def extend_attention(
         k_buf.stride(1),
         req_to_token.stride(0),
         scale * LOG2E,
-        sliding_window if sliding_window else NO_WINDOW,
+        sliding_window or 0,
         num_heads // num_kv_heads,
-        head_dim,
+        HEAD_DIM=head_dim,
+        USE_WINDOW=bool(sliding_window),
         # tl.dot needs K >= 16 on the GPU; masks cover the padding (and non-powers of two like 80).
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 must not drop to tf32
