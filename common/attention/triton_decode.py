@@ -210,7 +210,7 @@ def _head_block(group_size: int) -> int:
     return max(16, min(64, triton.next_power_of_2(group_size)))
 
 
-def _split_config(block_h: int, block_d: int) -> dict:
+def _split_config(block_d: int) -> dict:
     """Stage 1's keys per iteration (BLOCK_N) and warps (tuned on an H200, bf16, ~300-token contexts)."""
     return dict(BLOCK_N=64, num_warps=2 if block_d <= 64 else 4, num_stages=2)
 
@@ -301,7 +301,7 @@ def decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 must not drop to tf32
         SINGLE_SPLIT=num_kv_splits == 1,
         INTERPRETED=INTERPRETED,
-        **_split_config(block_h, block_d),
+        **_split_config(block_d),
     )
     if num_kv_splits == 1:
         return

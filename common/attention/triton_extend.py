@@ -3,8 +3,9 @@
 Grid (query heads, query blocks, requests): a program takes BLOCK_M consecutive new queries of
 one request and one head, and walks that request's keys through req_to_token from the start of
 the block's sliding window to the causal bound of its last query. The new tokens' K and V are
-already in the pool (the backend stores them first), so prefix and new keys are one loop.
-Heads of one request and KV group are adjacent in the grid, so their shared K/V stays in L2.
+already in the pool (the backend stores them first), so prefix and new keys are one walk; only
+the key blocks at the causal diagonal and the window's edge pay for masks. Heads of one request
+and KV group are adjacent in the grid, so their shared K/V stays in L2.
 
 NOTE: import this module lazily (never from common/attention/__init__.py): Triton reads
 TRITON_INTERPRET when a @triton.jit function is defined, and the CPU tests set it in conftest.
