@@ -32,6 +32,8 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         self.model = load_model(config.model_path, self.dtype, self.device)
         self.vocab_size = self.model.arch.vocab_size
+        if config.attention_backend == "triton" and self.device.type == "cuda":
+            self.model.fuse()  # the fast path: merged projections, fused small ops
         num_layers, kv_heads, head_dim = self.model.kv_geometry()
         bytes_per_token = 2 * num_layers * kv_heads * head_dim * self.dtype.itemsize
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, config.context_length, self.device)

@@ -24,3 +24,15 @@ def test_triton_backend_greedy_matches_transformers(make_engine, tiny_models, ar
     again = engine.generate(prompts, params)
     assert [c.output_ids for c in again] == expected
     assert sum(c.cached_tokens for c in again) > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt2"])
+def test_fused_model_path_greedy_matches_transformers(make_engine, tiny_models, arch):
+    """The CUDA fast path's model (merged projections, Triton RMSNorm / rotary / silu_mul /
+    gelu kernels) with the Triton backend, through the interpreter: same greedy tokens."""
+    prompts = make_prompts(3, seed=8)
+    expected = hf_greedy(tiny_models(arch), prompts, 6)
+    engine = make_engine(arch, attention_backend="triton", page_size=4, max_total_tokens=4096)
+    engine.runner.model.fuse()
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    assert [c.output_ids for c in engine.generate(prompts, params)] == expected

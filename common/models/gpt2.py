@@ -11,7 +11,7 @@ from torch import nn
 
 from pdserve.common.attention.base import AttentionBackend
 from pdserve.common.batch import ForwardBatch
-from pdserve.common.models.layers import PagedAttention, gelu_tanh
+from pdserve.common.models.layers import PagedAttention, gelu_tanh, triton_ops
 
 # Weight names (after the "transformer." prefix) whose checkpoint layout is Conv1D [in, out].
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -67,9 +67,11 @@ class GPT2MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(a.hidden, a.inner)
         self.c_proj = nn.Linear(a.inner, a.hidden)
+        self.fused = False  # gelu_new as one Triton kernel (see fuse)
 
     def forward(self, x):
-        return self.c_proj(gelu_tanh(self.c_fc(x)))
+        act = triton_ops().gelu_tanh if self.fused else gelu_tanh
+        return self.c_proj(act(self.c_fc(x)))
 
 
 class GPT2Model(nn.Module):
@@ -101,6 +103,11 @@ class GPT2LMHeadModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def fuse(self) -> None:
+        """The fused CUDA path: gelu_new as one kernel (the projections are already fused)."""
+        for block in self.transformer.h:
+            block.mlp.fused = True
 
     def kv_geometry(self) -> tuple[int, int, int]:
         return self.arch.num_layers, self.arch.num_heads, self.arch.head_dim

@@ -15,17 +15,50 @@ from pdserve.common.attention.base import AttentionBackend
 from pdserve.common.batch import ForwardBatch
 
 
+def triton_ops():
+    """The fused kernels, imported on first use (see models/triton_ops.py)."""
+    from pdserve.common.models import triton_ops as ops
+
+    return ops
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # one Triton kernel instead of HF's seven ops (see fuse_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, also the residual stream: (norm(x + residual), x + residual).
+
+        The fused kernel updates `residual` in place; the eager path returns a new tensor.
+        """
+        if self.fused and x.dim() == 2:
+            out = triton_ops().rmsnorm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            residual = residual + x
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def merge_linears(*linears: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the given Linears' outputs side by side (one GEMM, not several)."""
+    first = linears[0]
+    merged = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None)
+    merged = merged.to(device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        merged.weight.copy_(torch.cat([m.weight for m in linears]))
+        if first.bias is not None:
+            merged.bias.copy_(torch.cat([m.bias for m in linears]))
+    return merged
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +96,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.rope = head_dim, rope
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
+        self.fused = False
 
     def init_buffers(self) -> None:
         """Recompute inv_freq after the model was built on the meta device and cast.
@@ -73,6 +107,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, H, D], k: [T, KVH, D]; cos/sin in float32, cast to the activations' dtype as HF does.
+        if self.fused:
+            triton_ops().rope_(q, k, positions, self.inv_freq)  # in place
+            return q, k
         freqs = positions[:, None].float() * self.inv_freq[None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(q.dtype)[:, None, :]

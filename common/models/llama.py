@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from pdserve.common.attention.base import AttentionBackend
 from pdserve.common.batch import ForwardBatch
-from pdserve.common.models.layers import PagedAttention, RMSNorm, RotaryEmbedding
+from pdserve.common.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, merge_linears, triton_ops
 
 
 def rope_params(cfg: dict) -> dict:
@@ -61,9 +61,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden, a.eps)
         self.mlp = GatedMLP(a)
 
-    def forward(self, x, positions, batch: ForwardBatch, attn: AttentionBackend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, batch, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, batch: ForwardBatch, attn: AttentionBackend):
+        """(this layer's MLP output, the residual stream before it); the next norm adds the two."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, batch, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class SelfAttention(nn.Module):
@@ -81,11 +87,24 @@ class SelfAttention(nn.Module):
         self.rotary = RotaryEmbedding(a.head_dim, a.rope)
         self.attn = PagedAttention(layer_id, a.num_heads, a.kv_heads, a.head_dim, a.sliding_window)
 
+    def fuse(self) -> None:
+        """q/k/v as one GEMM; rotary as one kernel."""
+        self.qkv_proj = merge_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+        self.rotary.fused = True
+
     def forward(self, x, positions, batch: ForwardBatch, attn: AttentionBackend):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        if hasattr(self, "qkv_proj"):
+            q_size, kv_size = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)  # strided views
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.kv_heads, self.head_dim)
+            v = v.view(t, self.kv_heads, self.head_dim)
+        else:
+            q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+            k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+            v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
@@ -99,7 +118,14 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(a.hidden, a.intermediate, bias=a.mlp_bias)
         self.down_proj = nn.Linear(a.intermediate, a.hidden, bias=a.mlp_bias)
 
+    def fuse(self) -> None:
+        """gate and up as one GEMM, then one silu-and-multiply kernel."""
+        self.gate_up_proj = merge_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x):
+        if hasattr(self, "gate_up_proj"):
+            return self.down_proj(triton_ops().silu_mul(self.gate_up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -132,10 +158,22 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, positions, batch, attn)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, batch, attn)
+        return self.model.norm(x, residual)[0]
+
+    def fuse(self) -> None:
+        """Switch to the fused CUDA path: merged projections and Triton kernels for the small ops.
+
+        Called after the weights are loaded; the eager HF-arithmetic path stays the reference.
+        """
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.fused = True
+        self.model.norm.fused = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

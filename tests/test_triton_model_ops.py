@@ -1,0 +1,80 @@
+"""The fused model kernels (models/triton_ops.py) against the eager HF-arithmetic layers they
+replace, in fp32 and fp16, on random inputs (the interpreter on CPU; compiled on a GPU)."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from pdserve.common.models import triton_ops
+from pdserve.common.models.layers import RMSNorm, RotaryEmbedding, gelu_tanh
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# The interpreter mishandles bf16; compiled kernels on a GPU are checked in it too.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def rel_err(out, ref):
+    assert not torch.isnan(out).any(), "an element was not written (or is NaN)"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [48, 100])
+def test_rmsnorm_with_and_without_residual(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    norm = RMSNorm(n, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(n, generator=g))
+    # Rows strided inside a wider buffer, as a slice of a bigger activation would be.
+    wide = torch.randn(7, n + 5, generator=g).to(DEVICE, dtype)
+    x = wide[:, :n]
+    ref = norm._norm(x)
+    assert rel_err(triton_ops.rmsnorm(x, norm.weight, 1e-6), ref) < TOL[dtype]
+
+    residual = torch.randn(7, n, generator=g).to(DEVICE, dtype)
+    ref_sum = residual + x
+    out = triton_ops.rmsnorm(x, norm.weight, 1e-6, residual)  # updates residual in place
+    assert torch.equal(residual, ref_sum)
+    assert rel_err(out, norm._norm(ref_sum)) < TOL[dtype]
+
+
+def test_rmsnorm_of_no_rows():
+    weight = torch.ones(16, device=DEVICE)
+    assert triton_ops.rmsnorm(torch.empty(0, 16, device=DEVICE), weight, 1e-6).shape == (0, 16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 32), (6, 3, 24)])
+def test_rope_in_place_on_fused_qkv_views(dtype, heads, kv_heads, head_dim):
+    g = torch.Generator().manual_seed(heads * head_dim)
+    tokens = 9
+    rope = {"rope_theta": 10000.0}
+    rotary = RotaryEmbedding(head_dim, rope).to(DEVICE)
+    rotary.init_buffers()
+    positions = torch.randint(0, 3000, (tokens,), generator=g).to(DEVICE)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=g).to(DEVICE, dtype)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    ref_q, ref_k = rotary(positions, q.clone(), k.clone())  # the eager path
+    v_before = v.clone()
+    triton_ops.rope_(q, k, positions, rotary.inv_freq)
+    assert rel_err(q, ref_q) < TOL[dtype] and rel_err(k, ref_k) < TOL[dtype]
+    assert torch.equal(v, v_before), "rotary touched v"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_of_a_fused_gate_up(dtype):
+    g = torch.Generator().manual_seed(3)
+    gate_up = (3 * torch.randn(5, 2 * 1100, generator=g)).to(DEVICE, dtype)  # > one 1024 block
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert rel_err(triton_ops.silu_mul(gate_up), F.silu(gate) * up) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh(dtype):
+    g = torch.Generator().manual_seed(4)
+    x = (4 * torch.randn(3, 1500, generator=g)).to(DEVICE, dtype)
+    x[0, :4] = torch.tensor([-30.0, 30.0, 0.0, -1e-3])  # both tails and zero
+    assert rel_err(triton_ops.gelu_tanh(x), gelu_tanh(x.float()).to(dtype)) < TOL[dtype]
