@@ -1,8 +1,8 @@
 """The Triton attention kernels against a float64 dense reference (CPU: Triton's interpreter).
 
-tests/conftest.py sets TRITON_INTERPRET=1 without a GPU before the kernel modules are imported.
-Sizes are small because the interpreter runs every program in Python; tests/gpu has the large
-shapes. Pools and req_to_token are built from shuffled pages, and every slot and table entry a
+tests/conftest.py sets TRITON_INTERPRET=1 without a GPU before the kernel modules are imported;
+with a GPU the same tests run compiled on it. Sizes are small because the interpreter runs every
+program in Python; tests/gpu has the large shapes and bf16. Pools and req_to_token are built from shuffled pages, and every slot and table entry a
 kernel must not read holds live-looking data, so a wrong gather shows up in the numbers.
 """
 
@@ -16,6 +16,9 @@ import torch
 from pdserve.common.attention.triton_decode import DecodeWorkspace, decode_attention, num_kv_splits_for
 from pdserve.common.attention.triton_extend import extend_attention
 from pdserve.common.attention.triton_store import store_kv
+
+# NOTE: with CUDA present the kernels are compiled, not interpreted, and take only CUDA tensors.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # Relative error ||out - ref|| / ||ref|| allowed per dtype (the reference is float64).
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
@@ -46,7 +49,7 @@ def build_case(
     head_dim: int,
     page_size: int,
     dtype: torch.dtype,
-    device: str = "cpu",
+    device: str = DEVICE,
     num_padded: int = 0,
     seed: int = 0,
 ) -> PagedCase:
@@ -217,7 +220,7 @@ def test_extend_reads_strided_q():
     """q as a slice of a fused qkv projection: row stride != heads * head_dim."""
     case = build_case([20, 9], [12, 9], 4, 2, 16, 4, torch.float32)
     num_tokens, heads, head_dim = case.q.shape
-    qkv = torch.randn(num_tokens, (heads + 4) * head_dim)
+    qkv = torch.randn(num_tokens, (heads + 4) * head_dim, device=DEVICE)
     qkv[:, : heads * head_dim] = case.q.reshape(num_tokens, -1)
     q_view = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)
     assert not q_view.is_contiguous()
@@ -227,27 +230,27 @@ def test_extend_reads_strided_q():
 @pytest.mark.parametrize("kv_heads,head_dim", [(2, 16), (3, 24), (5, 1024)])
 def test_store_kv_writes_exactly_its_slots(kv_heads, head_dim):
     gen = torch.Generator().manual_seed(1)
-    k_buf = torch.randn(40, kv_heads, head_dim, generator=gen).half()
-    v_buf = torch.randn(40, kv_heads, head_dim, generator=gen).half()
+    k_buf = torch.randn(40, kv_heads, head_dim, generator=gen).to(DEVICE, torch.float16)
+    v_buf = torch.randn(40, kv_heads, head_dim, generator=gen).to(DEVICE, torch.float16)
     k_before, v_before = k_buf.clone(), v_buf.clone()
-    loc = torch.randperm(39, generator=gen)[:7] + 1
+    loc = (torch.randperm(39, generator=gen)[:7] + 1).to(DEVICE)
     # k and v as slices of one fused fp32 tensor: strided, and cast to the fp16 pool.
-    kv = torch.randn(7, 2, kv_heads, head_dim, generator=gen)
+    kv = torch.randn(7, 2, kv_heads, head_dim, generator=gen).to(DEVICE)
     k, v = kv[:, 0], kv[:, 1]
     store_kv(k_buf, v_buf, loc, k, v)
 
     assert torch.equal(k_buf[loc], k.half()) and torch.equal(v_buf[loc], v.half())
-    untouched = torch.ones(40, dtype=torch.bool)
+    untouched = torch.ones(40, dtype=torch.bool, device=DEVICE)
     untouched[loc] = False
     assert torch.equal(k_buf[untouched], k_before[untouched])
     assert torch.equal(v_buf[untouched], v_before[untouched])
 
 
 def test_store_kv_zero_tokens_is_a_no_op():
-    k_buf, v_buf = torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+    k_buf, v_buf = torch.randn(8, 2, 16, device=DEVICE), torch.randn(8, 2, 16, device=DEVICE)
     k_before, v_before = k_buf.clone(), v_buf.clone()
-    empty = torch.empty(0, 2, 16)
-    store_kv(k_buf, v_buf, torch.empty(0, dtype=torch.int64), empty, empty)
+    empty = torch.empty(0, 2, 16, device=DEVICE)
+    store_kv(k_buf, v_buf, torch.empty(0, dtype=torch.int64, device=DEVICE), empty, empty)
     assert torch.equal(k_buf, k_before) and torch.equal(v_buf, v_before)
 
 
@@ -258,16 +261,17 @@ def _backend_parity(mode, seq_lens, extend_lens):
     from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, slots_for_positions
 
     page_size, heads, kv_heads, head_dim, scale, window = 4, 4, 2, 16, 0.25, 11
-    kv_pool = PagedKVPool(32, page_size, 1, kv_heads, head_dim, torch.float32, "cpu")
-    req_pool = ReqToTokenPool(4, 64, "cpu")
+    kv_pool = PagedKVPool(32, page_size, 1, kv_heads, head_dim, torch.float32, DEVICE)
+    req_pool = ReqToTokenPool(4, 64, DEVICE)
     gen = torch.Generator().manual_seed(2)
     kv_pool.k_buffers[0].copy_(torch.randn(kv_pool.k_buffers[0].shape, generator=gen))
-    kv_pool.v_buffers[0].copy_(torch.randn(kv_pool.v_buffers[0].shape, generator=gen))
+    kv_pool.v_buffers[0].copy_(torch.randn(kv_pool.v_buffers[0].shape, generator=gen))  # copy_ moves to DEVICE
     rows, new_slots = [], []
     for seq_len, ext in zip(seq_lens, extend_lens):
         rows.append(req_pool.alloc())
         pages = kv_pool.alloc_pages(-(-seq_len // page_size))
-        req_pool.write(rows[-1], 0, torch.tensor(slots_for_positions(pages, 0, seq_len, page_size), dtype=torch.int32))
+        slots = torch.tensor(slots_for_positions(pages, 0, seq_len, page_size), dtype=torch.int32, device=DEVICE)
+        req_pool.write(rows[-1], 0, slots)
         new_slots += slots_for_positions(pages, seq_len - ext, seq_len, page_size)
     num_tokens = sum(extend_lens)
     starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
@@ -276,8 +280,8 @@ def _backend_parity(mode, seq_lens, extend_lens):
         reqs=[None] * len(seq_lens),
         input_ids=torch.zeros(num_tokens, dtype=torch.int64),
         positions=torch.zeros(num_tokens, dtype=torch.int64),
-        out_cache_loc=torch.tensor(new_slots, dtype=torch.int64),
-        req_pool_indices=torch.tensor(rows, dtype=torch.int64),
+        out_cache_loc=torch.tensor(new_slots, dtype=torch.int64, device=DEVICE),
+        req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE),
         seq_lens=list(seq_lens),
         extend_lens=list(extend_lens),
         extend_starts=starts,
@@ -286,9 +290,9 @@ def _backend_parity(mode, seq_lens, extend_lens):
         samples=[True] * len(seq_lens),
         has_placeholders=False,
     )
-    q = torch.randn(num_tokens, heads, head_dim, generator=gen)
-    k = torch.randn(num_tokens, kv_heads, head_dim, generator=gen)
-    v = torch.randn(num_tokens, kv_heads, head_dim, generator=gen)
+    q = torch.randn(num_tokens, heads, head_dim, generator=gen).to(DEVICE)
+    k = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(DEVICE)
+    v = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(DEVICE)
 
     k_pool, v_pool = kv_pool.k_buffers[0].clone(), kv_pool.v_buffers[0].clone()
     backend = TorchNativeBackend(req_pool, kv_pool)
@@ -298,9 +302,9 @@ def _backend_parity(mode, seq_lens, extend_lens):
     store_kv(k_pool, v_pool, batch.out_cache_loc, k, v)
     assert torch.equal(k_pool, kv_pool.k_buffers[0]) and torch.equal(v_pool, kv_pool.v_buffers[0])
     out = torch.full_like(q, float("nan"))
-    device_lens = [torch.tensor(x, dtype=torch.int32) for x in (seq_lens, extend_lens, starts)]
+    device_lens = [torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in (seq_lens, extend_lens, starts)]
     if mode.value == "decode":
-        workspace = DecodeWorkspace(len(seq_lens), heads, head_dim, 4, "cpu")
+        workspace = DecodeWorkspace(len(seq_lens), heads, head_dim, 4, DEVICE)
         decode_attention(
             q, k_pool, v_pool, out, req_pool.req_to_token, batch.req_pool_indices, device_lens[0], scale, window, 4, workspace
         )
