@@ -36,6 +36,10 @@ class ForwardBatch:
     last_indices: torch.Tensor  # [B] int64: flat index of each request's last new token
     samples: list[bool]  # False for a mid-prompt chunk: its sampled token is discarded
     has_placeholders: bool  # some input id is a FutureMap placeholder (< 0)
+    seq_lens_dev: torch.Tensor | None = None  # [B] int64: seq_lens on the device
+    # Decode only: the [6, B] int64 upload the device fields are rows of (input_ids, positions,
+    # out_cache_loc, req_pool_indices, seq_lens, last_indices), for the CUDA-graph runner's one copy.
+    packed: torch.Tensor | None = None
     seq: int = 0  # launch order, set by the loop (for traces and tests)
 
     @property

@@ -3,6 +3,7 @@
     pdserve make-tiny-model DIR --arch llama [--seed N]
     pdserve run-batch -i IN.jsonl -o OUT.jsonl --model-path DIR [engine flags]
     pdserve up [--model-path DIR] [--num-prefill N] [--num-decode M] [--device ...] [--port ...]
+    pdserve bench offline|serve ...  (see `pdserve bench offline --help`, bench/cli.py)
 
 Heavy imports (torch, transformers) happen inside the sub-commands, so `--help` is instant.
 """
@@ -82,11 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("-o", "--output", required=True, help="Output JSONL: one result line per input line.")
     add_cli_args(batch, EngineConfig)
     batch.set_defaults(func=_run_batch)
+
+    from pdserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the benchmarks record their command line
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

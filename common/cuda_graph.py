@@ -27,7 +27,6 @@ import logging
 import torch
 
 from pdserve.common.batch import ForwardBatch, ForwardMode
-from pdserve.common.overlap import h2d
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +43,13 @@ class CudaGraphRunner:
         self.sizes = capture_sizes(max_bs)
         n, device = self.sizes[-1], runner.device
         self.pad_row = runner.req_to_token_pool.pad_row
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)
-        self.req_pool_indices = torch.full((n,), self.pad_row, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        # Static inputs, one row each (the layout of a decode batch's upload, ForwardBatch.packed):
+        # input_ids, positions, out_cache_loc, req_pool_indices, seq_lens.
+        self.static = torch.zeros((5, n), dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices, self.seq_lens = self.static
+        # What a padded row holds: token 0 at position 0, slot 0, the all-zero row, seq_len 1.
+        self.padding = torch.tensor([[0], [0], [0], [self.pad_row], [1]], dtype=torch.int64, device=device).expand(5, n)
+        self.static.copy_(self.padding)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -60,7 +61,7 @@ class CudaGraphRunner:
         return self.sizes[-1]
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.mode is ForwardMode.DECODE and batch.batch_size <= self.max_bs
+        return batch.mode is ForwardMode.DECODE and batch.packed is not None and batch.batch_size <= self.max_bs
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         """The ForwardBatch the captured model sees: views of the static buffers."""
@@ -78,12 +79,13 @@ class CudaGraphRunner:
             last_indices=torch.arange(bs, device=self.input_ids.device),
             samples=[True] * bs,
             has_placeholders=True,
+            seq_lens_dev=self.seq_lens[:bs],
         )
 
     def _run_model(self, bs: int) -> torch.Tensor:
         r = self.runner
         batch = self._static_batch(bs)
-        r.attn.bind_decode(batch.req_pool_indices, self.seq_lens[:bs])
+        r.attn.bind_decode(batch.req_pool_indices, batch.seq_lens_dev)
         input_ids = r.future_map.resolve(batch.input_ids)
         hidden = r.model(input_ids, batch.positions, batch, r.attn)
         return r.model.compute_logits(hidden)
@@ -109,17 +111,9 @@ class CudaGraphRunner:
         """Logits [n, vocab] of a decode batch; call on the forward stream."""
         n = batch.batch_size
         size = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.out_cache_loc[:n].copy_(batch.out_cache_loc)
-        self.req_pool_indices[:n].copy_(batch.req_pool_indices)
-        # Padded rows' seq_len 1 rides in the same upload.
-        self.seq_lens[:size].copy_(h2d(batch.seq_lens + [1] * (size - n), torch.int32, self.seq_lens.device))
+        self.static[:, :n].copy_(batch.packed[:5])  # one strided copy of the batch's upload
         if size > n:  # rows a larger batch left behind become padding again
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-            self.out_cache_loc[n:size].zero_()
-            self.req_pool_indices[n:size].fill_(self.pad_row)
+            self.static[:, n:size].copy_(self.padding[:, : size - n])
         self.graphs[size].replay()
         self.replays += 1
         return self.logits[size][:n]

@@ -16,7 +16,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.cuda_graph import CudaGraphRunner
 from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.models.loader import load_model
-from pdserve.common.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs, h2d
+from pdserve.common.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs
 from pdserve.common.sampling import SampleOutput, SamplingBatchInfo, sample
 from pdserve.common.types import MAX_TOP_LOGPROBS
 
@@ -115,7 +115,6 @@ class ModelRunner:
         Sampled ids also go to the FutureMap slots `future_slots`, where later batches read them.
         """
         streams = self.streams
-        slots = h2d(future_slots, torch.int64, self.device)  # queued on the schedule stream
         with streams.use(streams.forward_stream):
             streams.forward_stream.wait_stream(streams.schedule_stream)
             if self.before_forward is not None:
@@ -126,7 +125,7 @@ class ModelRunner:
                 input_ids = self.future_map.resolve(batch.input_ids) if batch.has_placeholders else batch.input_ids
                 logits = self.forward(batch, input_ids)
             out = sample(logits, info)
-            self.future_map.store(slots, out.next_token_ids)
+            self.future_map.store(future_slots, out.next_token_ids)
             published = streams.event()
             published.record(streams.forward_stream)
         host = self.pinned.acquire()
@@ -141,7 +140,7 @@ class ModelRunner:
                 host.top_logprobs[:bs, :k].copy_(out.top_logprobs, non_blocking=True)
             copy_done = streams.event()
             copy_done.record(streams.d2h_stream)
-        return ForwardResult(host, bs, out.logprobs is not None, k, copy_done, published, keep_alive=[batch, info, out, slots])
+        return ForwardResult(host, bs, out.logprobs is not None, k, copy_done, published, keep_alive=[batch, info, out])
 
     def host_sample_output(self, result: ForwardResult) -> SampleOutput:
         """The result's host copies, as a SampleOutput (call after copy_done.synchronize())."""

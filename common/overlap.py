@@ -67,14 +67,18 @@ class FutureMap:
         self.next = 1
 
     def alloc(self, n: int) -> list[int]:
+        """n consecutive slots."""
         if self.next + n > self.size:
             self.next = 1
         slots = list(range(self.next, self.next + n))
         self.next += n
         return slots
 
-    def store(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        self.buf[slots] = token_ids
+    def store(self, slots: list[int], token_ids: torch.Tensor) -> None:
+        """Write `token_ids` to `slots` (consecutive, as alloc hands them out): a slice copy, no
+        index upload."""
+        if slots:
+            self.buf[slots[0] : slots[0] + len(slots)].copy_(token_ids)
 
     def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Input ids with placeholders replaced (a new tensor; runs on the current stream)."""

@@ -107,6 +107,8 @@ class Scheduler:
         return batch
 
     def get_new_batch_prefill(self) -> ForwardBatch | None:
+        if self.chunked_req is None and not self.waiting:
+            return None  # the common decode step: nothing to admit
         spans: list[tuple[Req, int, int]] = []  # (req, first new position, end)
         budget = self.prefill_budget
         if self.chunked_req is not None:
@@ -276,48 +278,88 @@ class Scheduler:
         req.req_pool_idx, req.pages, req.prefix_pages, req.last_node = None, [], 0, None
 
     def _build_batch(self, mode: ForwardMode, spans: list[tuple[Req, int, int]]) -> ForwardBatch:
+        if mode is ForwardMode.DECODE:
+            return self._build_decode_batch([req for req, _, _ in spans])
         input_ids: list[int] = []
         positions: list[int] = []
         out_loc: list[int] = []
-        rows, cols = [], []
+        rows: list[int] = []
         seq_lens, extend_lens, extend_starts, samples = [], [], [], []
         for req, start, end in spans:
             extend_starts.append(len(input_ids))
-            # Decode feeds the last token, a FutureMap placeholder while it is still in flight.
-            input_ids += req.fill_ids()[start:end] if mode is ForwardMode.EXTEND else [req.last_token()]
+            input_ids += req.fill_ids()[start:end]
             positions += range(start, end)
             out_loc += slots_for_positions(req.pages, start, end, self.page_size)
             rows += [req.req_pool_idx] * (end - start)
-            cols += range(start, end)
             seq_lens.append(end)
             extend_lens.append(end - start)
             samples.append(end == req.seq_len)
             req.kv_len = end  # launched: a later forward on the same stream sees these positions
-
-        def dev(values: list[int]) -> torch.Tensor:
-            return h2d(values, torch.int64, self.device)
-
-        out_cache_loc = dev(out_loc)
-        # The position -> slot entries of the new tokens, written (on the schedule stream) before
-        # the forward reads them.
-        self.req_to_token_pool.req_to_token[dev(rows), dev(cols)] = out_cache_loc.to(torch.int32)
         reqs = [req for req, _, _ in spans]
         req_rows = [r.req_pool_idx for r in reqs]
+        last = [s + n - 1 for s, n in zip(extend_starts, extend_lens)]
+        # One upload for everything; the fields are views of it.
+        t, b = len(input_ids), len(reqs)
+        packed = h2d(input_ids + positions + out_loc + rows + req_rows + last + seq_lens, torch.int64, self.device)
+        ids_d, pos_d, loc_d, rows_d = packed[:t], packed[t : 2 * t], packed[2 * t : 3 * t], packed[3 * t : 4 * t]
+        self._write_slots(rows_d, pos_d, loc_d)
         return ForwardBatch(
-            mode=mode,
+            mode=ForwardMode.EXTEND,
             reqs=reqs,
-            input_ids=dev(input_ids),
-            positions=dev(positions),
-            out_cache_loc=out_cache_loc,
-            req_pool_indices=dev(req_rows),
+            input_ids=ids_d,
+            positions=pos_d,
+            out_cache_loc=loc_d,
+            req_pool_indices=packed[4 * t : 4 * t + b],
             seq_lens=seq_lens,
             extend_lens=extend_lens,
             extend_starts=extend_starts,
             req_rows=req_rows,
-            last_indices=dev([s + n - 1 for s, n in zip(extend_starts, extend_lens)]),
+            last_indices=packed[4 * t + b : 4 * t + 2 * b],
             samples=samples,
-            has_placeholders=any(t < 0 for t in input_ids),
+            has_placeholders=False,  # a prefill feeds only tokens the host knows
+            seq_lens_dev=packed[4 * t + 2 * b :],
         )
+
+    def _build_decode_batch(self, reqs: list[Req]) -> ForwardBatch:
+        """One new token per request, at position seq_len - 1; the hot path of every decode step."""
+        page = self.page_size
+        input_ids, positions, out_loc, req_rows, seq_lens = [], [], [], [], []
+        for req in reqs:
+            seq_len = req.seq_len
+            pos = seq_len - 1
+            # The last token: a FutureMap placeholder while its value is still in flight.
+            input_ids.append(-req.future_idx if req.pending else (req.output_ids or req.prompt_ids)[-1])
+            positions.append(pos)
+            out_loc.append(req.pages[pos // page] * page + pos % page)
+            req_rows.append(req.req_pool_idx)
+            seq_lens.append(seq_len)
+            req.kv_len = seq_len
+        b = len(reqs)
+        # Rows of one [6, B] upload: the CUDA-graph runner copies rows 0-4 in one strided copy.
+        packed = h2d([input_ids, positions, out_loc, req_rows, seq_lens, list(range(b))], torch.int64, self.device)
+        self._write_slots(packed[3], packed[1], packed[2])
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            reqs=reqs,
+            input_ids=packed[0],
+            positions=packed[1],
+            out_cache_loc=packed[2],
+            req_pool_indices=packed[3],
+            seq_lens=seq_lens,
+            extend_lens=[1] * b,
+            extend_starts=list(range(b)),
+            req_rows=req_rows,
+            last_indices=packed[5],
+            samples=[True] * b,
+            has_placeholders=any(t < 0 for t in input_ids),
+            seq_lens_dev=packed[4],
+            packed=packed,
+        )
+
+    def _write_slots(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[row, position] = slot for the new tokens: queued on the schedule stream,
+        before the forward that reads them."""
+        self.req_to_token_pool.req_to_token[rows, positions] = slots.to(torch.int32)
 
     def on_launched(self, batch: ForwardBatch, future_slots: list[int]) -> None:
         """The batch's forward is queued: each sampling request now has a token in flight."""

@@ -120,5 +120,5 @@ def test_aborts_at_random_steps_with_tokens_in_flight(make_engine):
 def test_future_map_slots_wrap_and_resolve():
     fm = FutureMap(max_batch=2, device=torch.device("cpu"))  # 10 slots, slot 0 unused
     assert fm.alloc(3) == [1, 2, 3] and fm.alloc(4) == [4, 5, 6, 7] and fm.alloc(3) == [1, 2, 3]
-    fm.store(torch.tensor([1, 2, 3]), torch.tensor([70, 80, 90]))
+    fm.store([1, 2, 3], torch.tensor([70, 80, 90]))
     assert fm.resolve(torch.tensor([5, -2, 6, -3, -1])).tolist() == [5, 80, 6, 90, 70]

@@ -28,7 +28,7 @@ MAX_KV_SPLITS = 16
 @dataclass
 class DecodeMeta:
     req_pool_indices: torch.Tensor  # [B] int64
-    seq_lens: torch.Tensor  # [B] int32, on the device
+    seq_lens: torch.Tensor  # [B] int64, on the device
     num_kv_splits: int
 
 
@@ -60,8 +60,7 @@ class TritonBackend(AttentionBackend):
     def init_forward(self, batch: ForwardBatch) -> None:
         bs = batch.batch_size
         if batch.mode is ForwardMode.DECODE:
-            seq_lens = h2d(batch.seq_lens, torch.int32, batch.req_pool_indices.device)
-            self.meta = DecodeMeta(batch.req_pool_indices, seq_lens, self.kv_splits(bs))
+            self.meta = DecodeMeta(batch.req_pool_indices, batch.seq_lens_dev, self.kv_splits(bs))
             return
         packed = h2d([batch.seq_lens, batch.extend_lens, batch.extend_starts], torch.int32, batch.req_pool_indices.device)
         self.meta = ExtendMeta(batch.req_pool_indices, packed[0], packed[1], packed[2], max(batch.extend_lens))
