@@ -2,7 +2,7 @@
 
     python bench/overlap.py --device cuda --arch gpt2 --batch-sizes 1 8 32 64 --repeats 3
 
-Builds a random-weight checkpoint of the given shape (make_tiny_model with overrides), runs
+Uses the random-weight checkpoint of the given shape (bench/random_weights.py, built once), runs
 B prompts of --input-len random tokens for --output-len tokens (ignore_eos, greedy) with the
 overlapped and the serial loop alternately, and reports per batch size the median decode step
 interval (ITL; every running request gets one token per step, so TPOT equals it here) and
@@ -15,15 +15,10 @@ import argparse
 import json
 import random
 import statistics
-import tempfile
 import time
 
-SHAPES = {
-    # GPT-2 small (124M) and a Llama-1B-like decoder, random weights
-    "gpt2": {"n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": 3072, "vocab_size": 50257, "n_positions": 1024},
-    "llama": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-              "head_dim": 64, "intermediate_size": 8192, "vocab_size": 128256, "max_position_embeddings": 2048},
-}
+# --arch keeps its meaning: the full-size shape of that architecture (bench/shapes.py).
+ARCH_SHAPES = {"gpt2": "gpt2/small", "llama": "llama/1b"}
 
 
 def decode_itl(engine, prompts, params) -> tuple[float, float, float]:
@@ -80,14 +75,15 @@ def sleep_cycles_per_ms() -> float:
 
 
 def main() -> None:
+    from pdserve.bench.random_weights import random_weight_checkpoint
+    from pdserve.bench.shapes import resolve_shape
     from pdserve.common.engine import Engine
-    from pdserve.common.tiny_model import make_tiny_model
     from pdserve.common.types import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--arch", default="gpt2", choices=sorted(SHAPES))
+    ap.add_argument("--arch", default="gpt2", choices=sorted(ARCH_SHAPES))
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
@@ -99,8 +95,8 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    path = make_tiny_model(tempfile.mkdtemp(), args.arch, overrides=SHAPES[args.arch])
-    vocab = SHAPES[args.arch]["vocab_size"]
+    path = random_weight_checkpoint(ARCH_SHAPES[args.arch])
+    vocab = resolve_shape(ARCH_SHAPES[args.arch])[1]["vocab_size"]
     engines = {
         mode: Engine(model_path=str(path), device=args.device, dtype=args.dtype, max_total_tokens=65536,
                      max_running_requests=max(args.batch_sizes), disable_overlap_schedule=(mode == "off"))

@@ -1,0 +1,120 @@
+"""`pdserve bench offline|serve`: the argument parsers, and the options both commands share.
+
+    pdserve bench offline (--model-path DIR | --random-weights ARCH/SHAPE) [--num-prompts N]
+        [--input-len L] [--output-len L] [--warmup W] [--repeats R] [--backend pdserve|hf|both]
+        [--hf-batch-size B] [--temperature T] [--seed S] [--output-json FILE] [engine flags]
+    pdserve bench serve [--base-url URL] [--model NAME] (--model-path DIR | --random-weights ARCH/SHAPE
+        | --vocab-size V) [--num-prompts N] [--input-len L] [--output-len L]
+        [--request-rate R ...] [--max-concurrency C ...] [--goodput KEY:MS ...] [--backend pdserve|hf]
+        [--hf-batch-size B] [--warmup W] [--seed S] [--api-key KEY] [--output-json FILE] [engine flags]
+
+Parsing needs only the config and the shape names; the engine, transformers and the HTTP client
+load when a benchmark runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdserve.common.config import EngineConfig, add_cli_args
+
+OFFLINE_DOC = """Offline throughput: N prompts of random token ids, input-len -> output-len tokens each
+(ignore_eos, greedy unless --temperature), through the engine's Python API (Engine.generate), and/or
+transformers generate on the same ids. Prints every run, then medians over --repeats runs after
+--warmup runs, and a JSON line. With --backend both, transformers runs first and its model is
+freed before the engine is built, so the engine sizes its KV cache (--mem-fraction-static) on a GPU
+it has to itself."""
+
+SERVE_DOC = """Online serving against an OpenAI-compatible endpoint: random token-id prompts sent to
+/v1/completions (stream, ignore_eos, temperature 0), arriving as a Poisson process (--request-rate)
+and/or with at most --max-concurrency in flight. Reports TTFT, TPOT, ITL and E2E latency (mean,
+p50, p90, p99), throughput and goodput as `vllm bench serve` defines them. Without --base-url it
+starts a local router + 1 prefill + 1 decode server with the engine flags given here, and stops
+them at the end. --backend hf serves the same arrivals in-process with transformers generate
+(static batches: see docs/benchmarks.md). Several --request-rate / --max-concurrency values run
+one after another on the same server, each with fresh prompts."""
+
+
+def add_bench_parser(sub) -> None:
+    """`bench` and its two sub-commands, on the `pdserve` parser's sub-parsers."""
+    bench = sub.add_parser("bench", help="Benchmarks: offline throughput (offline), online serving (serve).")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+
+    offline = kinds.add_parser("offline", help="Offline throughput of the engine (and transformers).",
+                               description=OFFLINE_DOC)
+    _workload_args(offline)
+    offline.add_argument("--backend", choices=("pdserve", "hf", "both"), default="pdserve",
+                         help="pdserve (the engine), hf (transformers generate) or both, on the same prompts.")
+    offline.add_argument("--warmup", type=int, default=1, help="Unmeasured runs first (each backend).")
+    offline.add_argument("--repeats", type=int, default=3, help="Measured runs; the report gives their medians.")
+    offline.add_argument("--temperature", type=float, default=0.0, help="0: greedy.")
+    offline.add_argument("--hf-batch-size", type=int, default=0, help="transformers: prompts per generate call; 0: all.")
+    add_cli_args(offline, EngineConfig)
+    offline.set_defaults(func=_offline)
+
+    serve = kinds.add_parser("serve", help="Online serving latency and throughput over HTTP (or transformers).",
+                             description=SERVE_DOC)
+    _workload_args(serve)
+    serve.add_argument("--base-url", default=None, help="http://HOST:PORT of the server; default: start a local stack.")
+    serve.add_argument("--model", default=None, help="Model name to request; default: the first of GET /v1/models.")
+    serve.add_argument("--vocab-size", type=int, default=0,
+                       help="Draw prompt ids from [0, V); default: from the checkpoint's tokenizer and config.")
+    serve.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
+                       help="Requests per second, Poisson arrivals (inf: all at once). Several: one run each.")
+    serve.add_argument("--max-concurrency", type=int, nargs="+", default=[0],
+                       help="Most requests in flight (0: no limit). Several: one run each (with every rate).")
+    serve.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
+                       help="SLOs for goodput, keys ttft, tpot, e2el in milliseconds (vllm bench serve's meaning).")
+    serve.add_argument("--backend", choices=("pdserve", "hf"), default="pdserve",
+                       help="pdserve: the HTTP endpoint (a local stack without --base-url); hf: transformers in-process.")
+    serve.add_argument("--warmup", type=int, default=1, help="Requests sent one at a time before the measured runs.")
+    serve.add_argument("--hf-batch-size", type=int, default=0, help="--backend hf: most requests per generate batch; 0: no limit.")
+    serve.add_argument("--api-key", default="", help="Sent as 'Authorization: Bearer KEY'.")
+    serve.add_argument("--request-timeout", type=float, default=600.0, help="Seconds a request may take before it counts as failed.")
+    add_cli_args(serve, EngineConfig)
+    serve.set_defaults(func=_serve)
+
+
+def _workload_args(parser: argparse.ArgumentParser) -> None:
+    from pdserve.bench.random_weights import add_model_args
+
+    add_model_args(parser, model_path_flag=False)  # --model-path comes with the engine flags
+    parser.add_argument("--num-prompts", type=int, default=128, help="Prompts (requests) per run.")
+    parser.add_argument("--input-len", type=int, default=256, help="Prompt tokens per request.")
+    parser.add_argument("--output-len", type=int, default=64, help="Output tokens per request (ignore_eos).")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the prompts (and of the arrival times).")
+    parser.add_argument("--output-json", default=None, metavar="FILE", help="Also write the JSON report here.")
+
+
+def check_workload(args: argparse.Namespace) -> None:
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("warmup", "repeats", "hf_batch_size"):
+        if getattr(args, name, 0) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    if getattr(args, "repeats", 1) < 1:
+        raise ValueError("--repeats must be >= 1")
+
+
+def _offline(args: argparse.Namespace) -> int:
+    from pdserve.bench.offline import run_offline
+
+    return _guarded(run_offline, args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pdserve.bench.serve import run_serve
+
+    return _guarded(run_serve, args)
+
+
+def _guarded(run, args: argparse.Namespace) -> int:
+    """Bad options and unusable checkpoints print one line and exit 2; a wrong benchmark raises."""
+    try:
+        check_workload(args)
+        return run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,121 @@
+"""The serving benchmark's load generator: arrival times, the requests, and what each one saw.
+
+A backend is anything with `stream(prompt_ids, output_len) -> async iterator of Chunk`: the
+OpenAI-compatible HTTP endpoint here, or transformers in-process (hf_serve.py). The timing is the
+same for both (metrics.py has the definitions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from pdserve.bench.http_client import post_events
+from pdserve.bench.metrics import RequestResult
+
+
+@dataclass
+class Chunk:
+    """One piece of a streamed answer: when it arrived, whether it carries output tokens, and the
+    output token count when the server reports it (usage)."""
+
+    stamp: float
+    tokens: bool
+    usage_tokens: int | None = None
+
+
+class OpenAIBackend:
+    """/v1/completions with stream=true, ignore_eos, temperature 0 and the usage at the end."""
+
+    def __init__(self, base_url: str, model: str, api_key: str = ""):
+        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.model = model
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def stream(self, prompt: list[int], output_len: int) -> AsyncIterator[Chunk]:
+        payload = {
+            "model": self.model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        async for stamp, data in post_events(self.url, payload, self.headers):
+            if data == "[DONE]":
+                return
+            message = json.loads(data)
+            if "error" in message:  # an error inside a 200 stream
+                raise RuntimeError(f"server error: {message['error']}")
+            choices = message.get("choices") or []
+            usage = message.get("usage") or {}
+            yield Chunk(stamp, tokens=bool(choices and choices[0].get("text")),
+                        usage_tokens=usage.get("completion_tokens"))
+
+
+async def timed_request(backend, prompt: list[int], output_len: int, timeout_s: float) -> RequestResult:
+    """Send one request and time its chunks; failures (errors, wrong token counts) are recorded, not raised."""
+    result = RequestResult(prompt_len=len(prompt))
+    start = time.perf_counter()
+    try:
+        last = await asyncio.wait_for(_read_answer(backend, prompt, output_len, result, start), timeout_s)
+    except Exception as e:  # noqa: BLE001 - any failure of one request is that request's result
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    if last is None:
+        result.error = "no chunk carried tokens"
+    elif result.output_tokens != output_len:
+        # Usage missing, or a server that stopped early although ignore_eos was asked for.
+        result.error = f"{result.output_tokens} output tokens reported, expected {output_len}"
+    else:
+        result.e2e = last - start
+        result.success = True
+    return result
+
+
+async def _read_answer(backend, prompt: list[int], output_len: int, result: RequestResult, start: float) -> float | None:
+    """Fill result's TTFT, ITL and output tokens; return when the last token-carrying chunk arrived."""
+    last = None
+    async for chunk in backend.stream(prompt, output_len):
+        if chunk.usage_tokens is not None:
+            result.output_tokens = chunk.usage_tokens
+        if not chunk.tokens:
+            continue
+        if last is None:
+            result.ttft = chunk.stamp - start
+        else:
+            result.itl.append(chunk.stamp - last)
+        last = chunk.stamp
+    return last
+
+
+def arrival_times(num_requests: int, rate: float, seed: int) -> list[float]:
+    """Send offsets in seconds: a Poisson process (exponential gaps) at `rate`; inf: all at 0."""
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for _ in range(num_requests):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+async def run_schedule(backend, prompts: list[list[int]], output_len: int, rate: float, max_concurrency: int,
+                       seed: int, timeout_s: float) -> tuple[list[RequestResult], float]:
+    """Send every prompt at its arrival time (waiting for a free slot under max_concurrency > 0);
+    returns the results in prompt order and the duration from the start to the last answer."""
+    offsets = arrival_times(len(prompts), rate, seed)
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
+    start = time.perf_counter()
+
+    async def one(prompt: list[int], offset: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        if slots is None:
+            return await timed_request(backend, prompt, output_len, timeout_s)
+        async with slots:  # timing starts once the request is sent, as vllm bench serve does
+            return await timed_request(backend, prompt, output_len, timeout_s)
+
+    results = await asyncio.gather(*(one(p, t) for p, t in zip(prompts, offsets)))
+    return list(results), time.perf_counter() - start

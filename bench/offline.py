@@ -1,0 +1,152 @@
+"""`pdserve bench offline`: throughput of a fixed batch, the engine and/or transformers.
+
+Each backend runs --warmup + --repeats prompt sets (run i uses the same ids for both backends) and
+reports the medians of the measured runs. Throughputs: output tok/s = prompts * output_len / s,
+total tok/s = prompts * (input_len + output_len) / s, req/s = prompts / s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+from pdserve.bench.random_weights import model_path_from_args
+from pdserve.bench.report import command_line, device_name, emit, table
+from pdserve.bench.workload import random_prompts, token_pool
+from pdserve.common.config import EngineConfig, from_cli_args
+
+NUMBERS = ("output_tok_s", "total_tok_s", "req_s", "elapsed_s")
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    model_path_from_args(args)
+    config = from_cli_args(args, EngineConfig).resolve()
+    if args.input_len + args.output_len > config.context_length:
+        raise ValueError(f"--input-len + --output-len exceeds the context length {config.context_length}")
+    pool = token_pool(config.model_path)
+    prompt_sets = [random_prompts(pool, args.num_prompts, args.input_len, args.seed, run)
+                   for run in range(args.warmup + args.repeats)]
+    runs = {}
+    # transformers first: its model is freed before the engine sizes its KV cache from free memory.
+    if args.backend in ("hf", "both"):
+        runs["hf"] = bench_hf(args, config, prompt_sets)
+    if args.backend in ("pdserve", "both"):
+        runs["pdserve"] = bench_pdserve(args, config, prompt_sets)
+    report = offline_report(args, config, runs)
+    print_summary(args, report)
+    emit(report, args.output_json)
+    return 0
+
+
+def bench_pdserve(args: argparse.Namespace, config, prompt_sets: list[list[list[int]]]) -> list[dict]:
+    from pdserve.bench.hf import synchronize
+    from pdserve.common.engine import Engine
+    from pdserve.common.types import SamplingParams
+
+    engine = Engine(config)
+    capacity, workload = engine.stats()["kv_total_tokens"], args.num_prompts * (args.input_len + args.output_len)
+    if capacity < workload:
+        print(f"note: the KV cache holds {capacity} tokens, the workload {workload}: not every prompt runs at once "
+              f"(--max-total-tokens, --kv-cache-memory-gb or --mem-fraction-static size it)", flush=True)
+    params = SamplingParams(max_new_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+    runs = []
+    for run, prompts in enumerate(prompt_sets):
+        synchronize(config.device)
+        start = time.perf_counter()
+        completions = engine.generate(prompts, params)
+        synchronize(config.device)
+        elapsed = time.perf_counter() - start
+        check_completions(completions, args.output_len)
+        runs.append(run_numbers(args, run, elapsed))
+        print_run("pdserve", args, runs[-1])
+    return runs
+
+
+def check_completions(completions, output_len: int) -> None:
+    """A benchmark that produced fewer tokens than it counts must fail, loudly."""
+    for c in completions:
+        if c.error is not None or len(c.output_ids) != output_len:
+            raise RuntimeError(f"request {c.rid} produced {len(c.output_ids)} tokens, expected {output_len} "
+                               f"(finish_reason {c.finish_reason.value}, error {c.error})")
+
+
+def bench_hf(args: argparse.Namespace, config, prompt_sets: list[list[list[int]]]) -> list[dict]:
+    from pdserve.bench.hf import free_hf_model, hf_generate_timed, load_hf_model
+
+    model = load_hf_model(config.model_path, config.device, config.dtype)
+    runs = []
+    for run, prompts in enumerate(prompt_sets):
+        elapsed = hf_generate_timed(model, prompts, args.output_len, args.hf_batch_size, args.temperature, config.device)
+        runs.append(run_numbers(args, run, elapsed))
+        print_run("hf", args, runs[-1])
+    free_hf_model(model)
+    return runs
+
+
+def run_numbers(args: argparse.Namespace, run: int, elapsed: float) -> dict:
+    n = args.num_prompts
+    return {
+        "run": run,
+        "warmup": run < args.warmup,
+        "elapsed_s": elapsed,
+        "output_tok_s": n * args.output_len / elapsed,
+        "total_tok_s": n * (args.input_len + args.output_len) / elapsed,
+        "req_s": n / elapsed,
+    }
+
+
+def print_run(backend: str, args: argparse.Namespace, r: dict) -> None:
+    if r["warmup"]:
+        label = f"warmup {r['run'] + 1}/{args.warmup}"
+    else:
+        label = f"run {r['run'] - args.warmup + 1}/{args.repeats}"
+    print(f"{backend} {label}: {r['elapsed_s']:.3f} s, output {r['output_tok_s']:.1f} tok/s, "
+          f"total {r['total_tok_s']:.1f} tok/s, {r['req_s']:.2f} req/s", flush=True)
+
+
+def medians(runs: list[dict]) -> dict:
+    measured = [r for r in runs if not r["warmup"]]
+    return {key: statistics.median(r[key] for r in measured) for key in NUMBERS}
+
+
+def offline_report(args: argparse.Namespace, config, runs: dict[str, list[dict]]) -> dict:
+    report = {
+        "bench": "offline",
+        "command": command_line(args.argv),
+        "device": device_name(config.device),
+        "dtype": config.dtype,
+        "model_path": config.model_path,
+        "random_weights": args.random_weights,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "temperature": args.temperature,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "hf_batch_size": args.hf_batch_size,
+        "engine_config": dataclasses.asdict(config),
+        "backends": {name: {"median": medians(r), "runs": r} for name, r in runs.items()},
+        "pdserve_over_hf_output_tok_s": None,
+    }
+    if "pdserve" in runs and "hf" in runs:
+        backends = report["backends"]
+        report["pdserve_over_hf_output_tok_s"] = (
+            backends["pdserve"]["median"]["output_tok_s"] / backends["hf"]["median"]["output_tok_s"]
+        )
+    return report
+
+
+def print_summary(args: argparse.Namespace, report: dict) -> None:
+    print(f"\n{report['device']} {report['dtype']}, {args.num_prompts} prompts x {args.input_len} in -> "
+          f"{args.output_len} out; medians of {args.repeats} runs after {args.warmup} warm-up")
+    rows = []
+    for name, backend in report["backends"].items():
+        m = backend["median"]
+        rows.append([name, f"{m['output_tok_s']:.1f}", f"{m['total_tok_s']:.1f}", f"{m['req_s']:.2f}",
+                     f"{m['elapsed_s']:.3f}"])
+    print(table(["backend", "output tok/s", "total tok/s", "req/s", "s/run"], rows))
+    if report["pdserve_over_hf_output_tok_s"] is not None:
+        print(f"pdserve/hf output tok/s: {report['pdserve_over_hf_output_tok_s']:.2f}x")
+    print(flush=True)

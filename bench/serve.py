@@ -1,0 +1,136 @@
+"""`pdserve bench serve`: online serving latency and throughput (see SERVE_DOC in bench/cli.py).
+
+One run per (--request-rate, --max-concurrency) pair, one after another on the same server, each
+with a fresh prompt set (a repeated one would hit the prefix cache); --warmup requests go first,
+one at a time, unmeasured, and must succeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import math
+from contextlib import ExitStack
+
+from pdserve.bench.http_client import get_json
+from pdserve.bench.loadgen import OpenAIBackend, run_schedule, timed_request
+from pdserve.bench.metrics import parse_goodput, summarize
+from pdserve.bench.random_weights import model_path_from_args
+from pdserve.bench.report import command_line, device_name, emit, table
+from pdserve.bench.workload import random_prompts, token_pool
+from pdserve.common.config import EngineConfig, from_cli_args
+
+LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E"))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    slos = parse_goodput(args.goodput)
+    model_path = model_path_from_args(args, required=False)
+    if args.backend == "hf" and (args.base_url or not model_path):
+        raise ValueError("--backend hf runs transformers in-process: give --model-path or --random-weights, no --base-url")
+    if not args.base_url and not model_path:
+        raise ValueError("give --base-url, or --model-path / --random-weights to start a local stack")
+    if not args.vocab_size and not model_path:
+        raise ValueError("prompt ids need a vocabulary: give --vocab-size, --model-path or --random-weights")
+    if any(not rate > 0 for rate in args.request_rate) or any(c < 0 for c in args.max_concurrency):
+        raise ValueError("--request-rate must be > 0 (inf: all at once), --max-concurrency >= 0 (0: no limit)")
+    pool = list(range(args.vocab_size)) if args.vocab_size else token_pool(model_path)
+    config = from_cli_args(args, EngineConfig)
+    local = config.resolve() if not args.base_url else None  # the device and dtype this machine serves with
+    with ExitStack() as cleanup:
+        if args.backend == "hf":
+            backend, model = hf_backend(args, local, cleanup), f"transformers:{model_path}"
+        else:
+            base_url = args.base_url
+            if base_url is None:
+                from pdserve.bench.stack import local_stack
+
+                max_inflight = max(1024, args.num_prompts)  # the router must not turn our own load away (429)
+                base_url = cleanup.enter_context(local_stack(config, local.device, max_inflight))
+            headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+            model = args.model or asyncio.run(get_json(base_url + "/v1/models", headers))["data"][0]["id"]
+            backend = OpenAIBackend(base_url, model, args.api_key)
+        runs = asyncio.run(bench_runs(backend, args, pool, slos))
+    report = {
+        "bench": "serve",
+        "command": command_line(args.argv),
+        "backend": args.backend,
+        "base_url": args.base_url,  # None: a local stack (pdserve) or in-process (hf)
+        "device": device_name(local.device) if local else None,
+        "dtype": local.dtype if local else None,
+        "model": model,
+        "model_path": model_path or None,
+        "random_weights": args.random_weights,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "goodput_slos_ms": slos,
+        "runs": runs,
+    }
+    print_summary(report)
+    emit(report, args.output_json)
+    return 1 if any(run["failed"] for run in runs) else 0
+
+
+def hf_backend(args: argparse.Namespace, config, cleanup: ExitStack):
+    from pdserve.bench.hf import load_hf_model
+    from pdserve.bench.hf_serve import HFServer
+
+    model = load_hf_model(config.model_path, config.device, config.dtype)
+    server = HFServer(model, config.device, args.output_len, args.hf_batch_size)
+    cleanup.callback(server.close)
+    return server
+
+
+async def bench_runs(backend, args: argparse.Namespace, pool: list[int], slos: dict) -> list[dict]:
+    for prompt in random_prompts(pool, args.warmup, args.input_len, args.seed, run=-1):
+        result = await timed_request(backend, prompt, args.output_len, args.request_timeout)
+        if not result.success:
+            raise RuntimeError(f"warm-up request failed: {result.error}")
+    runs = []
+    for index, (rate, concurrency) in enumerate(itertools.product(args.request_rate, args.max_concurrency)):
+        prompts = random_prompts(pool, args.num_prompts, args.input_len, args.seed, index)
+        results, duration = await run_schedule(backend, prompts, args.output_len, rate, concurrency, args.seed,
+                                               args.request_timeout)
+        run = {"request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": concurrency or None,
+               **summarize(results, duration, slos)}
+        run["errors"] = sorted({r.error for r in results if not r.success})[:5]
+        print_run(run)
+        runs.append(run)
+    return runs
+
+
+def print_run(run: dict) -> None:
+    lines = [
+        f"==== rate {run['request_rate']} req/s, max concurrency {run['max_concurrency'] or 'none'} ====",
+        f"successful requests: {run['completed']}   failed: {run['failed']}",
+        f"duration: {run['duration_s']:.3f} s   input tokens: {run['total_input_tokens']}   "
+        f"output tokens: {run['total_output_tokens']}",
+        f"request throughput: {run['request_throughput']:.2f} req/s   output: {run['output_throughput']:.1f} tok/s   "
+        f"total: {run['total_token_throughput']:.1f} tok/s",
+    ]
+    if run["request_goodput"] is not None:
+        lines.append(f"request goodput: {run['request_goodput']:.2f} req/s")
+    for key, name in LATENCIES:
+        s = run[key]
+        lines.append(f"{name:>4} ms: mean {s['mean']:.2f}  p50 {s['p50']:.2f}  p90 {s['p90']:.2f}  p99 {s['p99']:.2f}")
+    for error in run["errors"]:
+        lines.append(f"error: {error}")
+    print("\n".join(lines), flush=True)
+
+
+def print_summary(report: dict) -> None:
+    print(f"\n{report['backend']} {report['model']} on {report['device'] or report['base_url']}, "
+          f"{report['num_prompts']} requests x {report['input_len']} in -> {report['output_len']} out")
+    header = ["rate", "max conc", "ok", "failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
+              "ITL p50", "E2E p50", "goodput"]
+    rows = []
+    for run in report["runs"]:
+        goodput = run["request_goodput"]
+        rows.append([run["request_rate"], run["max_concurrency"] or "-", run["completed"], run["failed"],
+                     f"{run['request_throughput']:.2f}", f"{run['output_throughput']:.1f}",
+                     f"{run['ttft_ms']['p50']:.1f}", f"{run['ttft_ms']['p99']:.1f}", f"{run['tpot_ms']['p50']:.2f}",
+                     f"{run['itl_ms']['p50']:.2f}", f"{run['e2el_ms']['p50']:.1f}",
+                     "-" if goodput is None else f"{goodput:.2f}"])
+    print(table(header, rows) + "\n  (latencies in ms)\n", flush=True)

@@ -1,0 +1,112 @@
+"""`bench serve` without --base-url: a local router + 1 prefill + 1 decode server, as `pdserve up`
+starts them, but with the benchmark's engine flags (so --disable-overlap-schedule and friends apply).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from pdserve.common.config import DEFAULT_MEM_FRACTION_STATIC, EngineConfig
+from pdserve.router.up import READY_TIMEOUT_S, _free_port
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """The command-line flags of every field that differs from its default (and --model-path)."""
+    flags = []
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(config, f.name)
+        if value == f.default and f.name != "model_path":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            flags.append(flag)
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def memory_split(config: EngineConfig, device: str) -> tuple[EngineConfig, EngineConfig]:
+    """(decode, prefill) configs sharing one GPU.
+
+    NOTE: --mem-fraction-static is measured device-wide (whatever is in use on the GPU counts), so
+    two servers that each ask for the default 0.85 cannot both start. The decode server starts
+    first with half the fraction, the prefill server once it is up with all of it: together they
+    take the fraction. Explicit sizes (--max-total-tokens, --kv-cache-memory-gb) apply to each as given.
+    """
+    if not device.startswith("cuda") or config.max_total_tokens or config.kv_cache_memory_gb:
+        return config, config
+    fraction = config.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+    return (dataclasses.replace(config, mem_fraction_static=round(fraction / 2, 4)),
+            dataclasses.replace(config, mem_fraction_static=fraction))
+
+
+@contextmanager
+def local_stack(config: EngineConfig, device: str, max_inflight: int) -> Iterator[str]:
+    """Start the three processes, wait until the router is ready, yield its base URL; stop them at the end."""
+    py = sys.executable
+    decode_config, prefill_config = memory_split(config, device)
+    decode, prefill, router = _free_port(), _free_port(), _free_port()
+    base = f"http://127.0.0.1:{router}"
+    procs: list[subprocess.Popen] = []
+
+    def server(role: str, cfg: EngineConfig, port: int) -> None:
+        procs.append(subprocess.Popen([py, "-m", f"pdserve.{role}.cli", *engine_flags(cfg), "--port", str(port),
+                                       "--log-level", "warning"]))
+
+    try:
+        procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", config.model_path,
+                                       "--prefill", f"127.0.0.1:{prefill}", "--decode", f"127.0.0.1:{decode}",
+                                       "--served-model-name", config.served_model_name, "--port", str(router),
+                                       "--max-inflight", str(max_inflight), "--log-level", "warning"]))
+        server("decode", decode_config, decode)
+        if decode_config is not prefill_config:  # one GPU: the prefill server sizes itself after the decode server
+            _wait_until(base, procs, lambda state: bool(state.get("decode")), "the decode server")
+        server("prefill", prefill_config, prefill)
+        _wait_until(base, procs, lambda state: state.get("ready") is True, "the local stack")
+        print(f"local stack up: router {base}, prefill :{prefill}, decode :{decode}", flush=True)
+        yield base
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)  # the servers drain, the router stops
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _readiness(base: str) -> dict:
+    """The router's /readiness body ({"ready", "prefill": [...], "decode": [...]}, 503 until ready)."""
+    try:
+        with urllib.request.urlopen(base + "/readiness", timeout=2) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            return json.loads(e.read())
+        except ValueError:
+            return {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _wait_until(base: str, procs: list[subprocess.Popen], done: Callable[[dict], bool], what: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{' '.join(p.args[:3])} exited with code {p.returncode} before {what} was ready")
+        if done(_readiness(base)):
+            return
+        time.sleep(0.3)
+    raise TimeoutError(f"{what} not ready after {READY_TIMEOUT_S} s")

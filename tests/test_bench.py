@@ -1,0 +1,334 @@
+"""`pdserve bench offline|serve`: the statistics on hand-made numbers, the random-weight cache, the
+load generator with fake backends and a canned HTTP server, and both commands end to end on tiny
+models (offline: engine and transformers; serve: a real local stack, and transformers in-process)."""
+
+import asyncio
+import json
+import math
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from pdserve.bench import random_weights
+from pdserve.bench.hf import check_generated
+from pdserve.bench.loadgen import Chunk, OpenAIBackend, arrival_times, run_schedule, timed_request
+from pdserve.bench.metrics import RequestResult, is_good, parse_goodput, percentile, summarize
+from pdserve.bench.offline import check_completions
+from pdserve.bench.stack import engine_flags, memory_split
+from pdserve.common.cli import main
+from pdserve.common.config import EngineConfig
+from pdserve.common.types import FinishReason
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A private $PDSERVE_CACHE for the commands run here."""
+    root = tmp_path_factory.mktemp("pdserve-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PDSERVE_CACHE", str(root))
+        yield root
+
+
+def report_of(capsys) -> dict:
+    out = capsys.readouterr().out
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# ---- statistics ---------------------------------------------------------------------------------
+
+
+def test_percentiles_interpolate_linearly():
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 90) == pytest.approx(3.7)
+    assert percentile(values, 99) == pytest.approx(3.97)
+    assert (percentile(values, 0), percentile(values, 100)) == (1.0, 4.0)
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([], 50) == 0.0
+    assert percentile(list(range(101)), 90) == 90.0
+
+
+def result(ttft, e2e, tokens, itl=(), success=True, prompt_len=10):
+    return RequestResult(prompt_len, tokens, ttft, e2e, list(itl), success)
+
+
+def test_tpot_and_goodput_follow_vllm():
+    slos = parse_goodput(["ttft:100", "tpot:20"])
+    assert slos == {"ttft": 100.0, "tpot": 20.0}
+    assert result(0.050, 0.250, 11).tpot == pytest.approx(0.020)  # (0.25 - 0.05) / 10
+    results = [
+        result(0.050, 0.250, 11),  # tpot 20 ms, ttft 50 ms: both SLOs met exactly/under -> good
+        result(0.100, 0.150, 6),   # ttft exactly 100 ms, tpot 10 ms -> good
+        result(0.101, 0.150, 6),   # ttft over -> bad
+        result(0.050, 0.550, 11),  # tpot 50 ms -> bad
+        result(0.900, 0.900, 1),   # ttft over; its tpot counts as 0
+        result(0.010, 0.010, 1),   # one token: tpot 0 -> good
+        result(0.0, 0.0, 0, success=False),  # failed: never good, not counted anywhere
+    ]  # fmt: skip
+    assert [is_good(r, slos) for r in results[:6]] == [True, True, False, False, False, True]
+    assert is_good(results[3], {"e2el": 550.0}) and not is_good(results[3], {"e2el": 549.9})
+    summary = summarize(results, duration_s=2.0, slos_ms=slos)
+    assert summary["completed"] == 6 and summary["failed"] == 1
+    assert summary["request_goodput"] == 3 / 2.0
+    assert summary["request_throughput"] == 6 / 2.0
+    assert summary["total_output_tokens"] == 11 + 6 + 6 + 11 + 1 + 1
+    assert summary["output_throughput"] == 36 / 2.0
+    assert summary["total_token_throughput"] == (60 + 36) / 2.0
+    assert summary["ttft_ms"]["p50"] == pytest.approx(75.0)  # of 10, 50, 50, 100, 101, 900
+    assert summary["tpot_ms"]["mean"] == pytest.approx((20 + 10 + 9.8 + 50) / 4)  # one-token requests left out
+    assert summarize(results, 2.0, {})["request_goodput"] is None
+
+
+def test_itl_pools_every_gap():
+    summary = summarize([result(0.1, 0.3, 3, itl=[0.1, 0.1]), result(0.1, 0.5, 3, itl=[0.1, 0.3])], 1.0, {})
+    assert summary["itl_ms"]["mean"] == pytest.approx(150.0)
+    assert summary["itl_ms"]["p50"] == pytest.approx(100.0)
+
+
+@pytest.mark.parametrize("bad", ["ttft", "itl:5", "ttft:x", "tpot:-1"])
+def test_goodput_rejects_bad_slos(bad):
+    with pytest.raises(ValueError):
+        parse_goodput([bad])
+
+
+def test_arrivals_poisson_or_all_at_once():
+    assert arrival_times(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    times = arrival_times(2000, 50.0, seed=7)
+    assert times == arrival_times(2000, 50.0, seed=7) and times[0] == 0.0
+    assert all(b >= a for a, b in zip(times, times[1:]))
+    assert times[-1] / (len(times) - 1) == pytest.approx(1 / 50.0, rel=0.1)  # mean gap 20 ms
+
+
+# ---- the load generator, with fake backends -----------------------------------------------------
+
+
+class FakeBackend:
+    """`tokens` chunks `gap` seconds apart, then the usage; records the concurrency it saw."""
+
+    def __init__(self, tokens=3, gap=0.01, usage=None, fail=False):
+        self.tokens, self.gap, self.usage, self.fail = tokens, gap, usage, fail
+        self.inflight = self.most = 0
+        self.sent = []
+
+    async def stream(self, prompt, output_len):
+        self.sent.append(time.perf_counter())
+        self.inflight += 1
+        self.most = max(self.most, self.inflight)
+        try:
+            if self.fail:
+                raise ConnectionError("refused")
+            for _ in range(self.tokens):
+                await asyncio.sleep(self.gap)
+                yield Chunk(time.perf_counter(), tokens=True)
+            yield Chunk(time.perf_counter(), tokens=False, usage_tokens=self.usage or self.tokens)
+        finally:
+            self.inflight -= 1
+
+
+def test_timed_request_measures_and_fails_loudly():
+    ok = asyncio.run(timed_request(FakeBackend(tokens=3, gap=0.02), [1, 2], 3, timeout_s=5))
+    assert ok.success and ok.output_tokens == 3 and len(ok.itl) == 2
+    assert 0.015 < ok.ttft < ok.e2e and ok.e2e == pytest.approx(ok.ttft + sum(ok.itl))
+    short = asyncio.run(timed_request(FakeBackend(tokens=2), [1], 3, timeout_s=5))
+    assert not short.success and "2 output tokens reported, expected 3" in short.error
+    refused = asyncio.run(timed_request(FakeBackend(fail=True), [1], 3, timeout_s=5))
+    assert not refused.success and "ConnectionError" in refused.error
+    slow = asyncio.run(timed_request(FakeBackend(tokens=3, gap=0.5), [1], 3, timeout_s=0.1))
+    assert not slow.success and "TimeoutError" in slow.error
+
+
+def test_schedule_keeps_the_concurrency_limit_and_the_arrivals():
+    backend = FakeBackend(tokens=2, gap=0.01)
+    results, duration = asyncio.run(run_schedule(backend, [[1]] * 8, 2, math.inf, 3, seed=0, timeout_s=5))
+    assert backend.most == 3 and all(r.success for r in results) and duration > 0
+    backend = FakeBackend(tokens=1, gap=0.0)
+    start = time.perf_counter()
+    asyncio.run(run_schedule(backend, [[1]] * 6, 1, 40.0, 0, seed=3, timeout_s=5))
+    offsets = arrival_times(6, 40.0, seed=3)
+    for sent, offset in zip(backend.sent, offsets):
+        assert sent - start >= offset - 0.002
+
+
+async def canned_server(handler):
+    """A one-response-per-connection HTTP server: handler(request head) -> raw response bytes."""
+
+    async def serve(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next((line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0))
+        body = await reader.readexactly(length)
+        writer.write(handler(head, body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def sse_response(events: list[str]) -> bytes:
+    chunks = b""
+    for event in events:
+        data = f"data: {event}\n\n".encode()
+        chunks += f"{len(data):x}\r\n".encode() + data + b"\r\n"
+    return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n"
+
+
+def test_openai_backend_parses_a_chunked_sse_stream_and_http_errors():
+    seen = []
+
+    def handler(head, body):
+        seen.append(json.loads(body))
+        if b"Bearer nope" in head:
+            error = b'{"error": {"message": "bad key"}}'
+            return b"HTTP/1.1 401 Unauthorized\r\ncontent-length: %d\r\n\r\n%s" % (len(error), error)
+        choice = lambda text, finish=None: json.dumps({"choices": [{"index": 0, "text": text, "finish_reason": finish}]})  # noqa: E731
+        usage = json.dumps({"choices": [], "usage": {"completion_tokens": 3}})
+        return sse_response([choice("a"), choice(""), choice("bc"), choice("", "length"), usage, "[DONE]"])
+
+    async def scenario():
+        server, url = await canned_server(handler)
+        async with server:
+            good = await timed_request(OpenAIBackend(url, "m"), [5, 6], 3, timeout_s=5)
+            bad = await timed_request(OpenAIBackend(url, "m", api_key="nope"), [5], 3, timeout_s=5)
+        return good, bad
+
+    good, bad = asyncio.run(scenario())
+    assert good.success and good.output_tokens == 3 and len(good.itl) == 1  # two chunks carried text
+    assert not bad.success and "HTTP 401" in bad.error and "bad key" in bad.error
+    assert seen[0] == {"model": "m", "prompt": [5, 6], "max_tokens": 3, "temperature": 0.0, "ignore_eos": True,
+                       "stream": True, "stream_options": {"include_usage": True}}
+
+
+# ---- exact token counts -------------------------------------------------------------------------
+
+
+def test_short_outputs_fail_loudly():
+    done = SimpleNamespace(rid="r0", output_ids=[1, 2, 3], finish_reason=FinishReason.LENGTH, error=None)
+    check_completions([done], 3)
+    short = SimpleNamespace(rid="r1", output_ids=[1, 2], finish_reason=FinishReason.STOP, error=None)
+    with pytest.raises(RuntimeError, match="r1 produced 2 tokens, expected 3"):
+        check_completions([done, short], 3)
+    check_generated([[7, 8, 9]], 3, eos={1})
+    with pytest.raises(RuntimeError, match="EOS"):
+        check_generated([[7, 1, 2]], 3, eos={1})  # stopped at EOS, then padded (pad id 2)
+    with pytest.raises(RuntimeError, match="2 tokens"):
+        check_generated([[7, 8]], 3, eos={1})
+
+
+# ---- random-weight checkpoints ------------------------------------------------------------------
+
+
+def test_random_weight_cache_is_built_once_and_rebuilt_when_stale(tmp_path, monkeypatch):
+    path = random_weights.random_weight_checkpoint("gpt2/tiny", root=tmp_path)
+    assert path == tmp_path / "gpt2-tiny" and (path / "model.safetensors").is_file()
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    real, built = random_weights.write_checkpoint, []
+
+    def counting(*args):
+        built.append(args)
+        real(*args)
+
+    monkeypatch.setattr(random_weights, "write_checkpoint", counting)
+    assert random_weights.random_weight_checkpoint("gpt2/tiny", root=tmp_path) == path
+    assert built == [] and (path / "model.safetensors").stat().st_mtime_ns == stamp
+    recipe = json.loads((path / random_weights.RECIPE_FILE).read_text())
+    (path / random_weights.RECIPE_FILE).write_text(json.dumps({**recipe, "version": 0}))
+    assert random_weights.random_weight_checkpoint("gpt2/tiny", root=tmp_path) == path
+    assert len(built) == 1 and json.loads((path / random_weights.RECIPE_FILE).read_text()) == recipe
+    assert [p.name for p in tmp_path.iterdir()] == ["gpt2-tiny"]  # no staging directory left behind
+    with pytest.raises(ValueError, match="unknown shape"):
+        random_weights.random_weight_checkpoint("gpt2/huge", root=tmp_path)
+
+
+def test_full_size_shapes_are_bf16_with_a_tokenizer_as_wide_as_the_vocab(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    overrides = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+                 "head_dim": 16, "vocab_size": 700, "tie_word_embeddings": True}
+    random_weights.write_checkpoint(tmp_path, "llama", overrides)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+        assert f.get_slice("model.embed_tokens.weight").get_shape() == [700, 32]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tokenizer) == 700 and tokenizer.decode([600, 699]) == f" t{600 - 512} t{699 - 512}"
+    assert tokenizer("The quick brown fox")["input_ids"] == AutoTokenizer.from_pretrained(
+        random_weights.random_weight_checkpoint("llama/tiny", root=tmp_path / "tiny"))("The quick brown fox")["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert model.config.vocab_size == 700 and model.config.hidden_size == 32
+
+
+# ---- the commands -------------------------------------------------------------------------------
+
+
+def test_offline_both_backends_on_a_tiny_model(cache, tmp_path, capsys):
+    out = tmp_path / "offline.json"
+    argv = ["bench", "offline", "--random-weights", "qwen3/tiny", "--num-prompts", "4", "--input-len", "8",
+            "--output-len", "4", "--backend", "both", "--warmup", "1", "--repeats", "2", "--device", "cpu",
+            "--disable-overlap-schedule", "--output-json", str(out)]
+    assert main(argv) == 0
+    report = report_of(capsys)
+    assert report == json.loads(out.read_text())
+    assert report["command"] == "pdserve " + " ".join(argv)
+    assert (report["device"], report["dtype"], report["random_weights"]) == ("cpu", "float32", "qwen3/tiny")
+    assert report["engine_config"]["disable_overlap_schedule"] is True
+    for backend in ("pdserve", "hf"):
+        runs = report["backends"][backend]["runs"]
+        assert [r["warmup"] for r in runs] == [True, False, False]
+        for r in runs:
+            assert r["output_tok_s"] == pytest.approx(16 / r["elapsed_s"])
+            assert r["total_tok_s"] == pytest.approx(48 / r["elapsed_s"]) and r["req_s"] > 0
+        assert report["backends"][backend]["median"]["output_tok_s"] > 0
+    ratio = report["backends"]["pdserve"]["median"]["output_tok_s"] / report["backends"]["hf"]["median"]["output_tok_s"]
+    assert report["pdserve_over_hf_output_tok_s"] == pytest.approx(ratio)
+
+
+def test_bad_options_exit_2(cache, capsys):
+    assert main(["bench", "offline", "--device", "cpu"]) == 2
+    assert "--random-weights" in capsys.readouterr().err
+    assert main(["bench", "offline", "--random-weights", "gpt2/medium"]) == 2
+    assert main(["bench", "serve", "--backend", "hf", "--base-url", "http://127.0.0.1:9"]) == 2
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--goodput", "ttft"]) == 2
+
+
+def test_engine_flags_reach_the_local_servers():
+    config = EngineConfig(model_path="/m", device="cpu", max_total_tokens=4096, disable_overlap_schedule=True)
+    assert engine_flags(config) == ["--model-path", "/m", "--device", "cpu", "--max-total-tokens", "4096",
+                                    "--disable-overlap-schedule"]
+    assert memory_split(config, "cpu") == (config, config)
+    decode, prefill = memory_split(EngineConfig(model_path="/m"), "cuda")
+    assert (decode.mem_fraction_static, prefill.mem_fraction_static) == (0.425, 0.85)
+
+
+def check_serve_runs(report, runs, requests, output_len):
+    assert [(r["request_rate"], r["max_concurrency"]) for r in report["runs"]] == runs
+    for r in report["runs"]:
+        assert (r["completed"], r["failed"], r["errors"]) == (requests, 0, [])
+        assert r["total_output_tokens"] == requests * output_len
+        assert 0 < r["ttft_ms"]["p50"] <= r["e2el_ms"]["p50"] <= r["e2el_ms"]["p99"]
+        assert r["tpot_ms"]["mean"] > 0 and r["output_throughput"] > 0
+        assert r["request_goodput"] == pytest.approx(r["request_throughput"])  # a 60 s SLO: all good
+
+
+def test_serve_against_a_local_stack_it_starts(cache, capsys):
+    argv = ["bench", "serve", "--random-weights", "llama/tiny", "--num-prompts", "6", "--input-len", "8",
+            "--output-len", "4", "--request-rate", "40", "inf", "--max-concurrency", "0", "2", "--device", "cpu",
+            "--max-total-tokens", "4096", "--disable-overlap-schedule", "--goodput", "ttft:60000", "e2el:60000"]
+    assert main(argv) == 0
+    report = report_of(capsys)
+    assert report["backend"] == "pdserve" and report["base_url"] is None and report["device"] == "cpu"
+    assert report["model"] == report["model_path"]  # the router serves it under its path
+    check_serve_runs(report, [(40.0, None), (40.0, 2), ("inf", None), ("inf", 2)], 6, 4)
+
+
+def test_serve_hf_backend_in_process(cache, capsys):
+    argv = ["bench", "serve", "--backend", "hf", "--random-weights", "llama/tiny", "--num-prompts", "5",
+            "--input-len", "8", "--output-len", "4", "--request-rate", "100", "--max-concurrency", "0", "2",
+            "--hf-batch-size", "3", "--device", "cpu", "--goodput", "tpot:60000"]
+    assert main(argv) == 0
+    report = report_of(capsys)
+    assert report["model"].startswith("transformers:") and report["device"] == "cpu"
+    check_serve_runs(report, [(100.0, None), (100.0, 2)], 5, 4)
+    for r in report["runs"]:  # one chunk per generated token: three gaps per request
+        assert r["itl_ms"]["mean"] == pytest.approx(r["tpot_ms"]["mean"])
