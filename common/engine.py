@@ -63,7 +63,9 @@ class Engine:
 
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError, with a message for the client, when a request could never run."""
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        bad = []
+        if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size):  # fast path: C loops
+            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         self.scheduler.check_request(list(prompt_ids), params)

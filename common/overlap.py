@@ -35,6 +35,14 @@ def h2d(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
+def h2d_array(values, device: torch.device) -> torch.Tensor:
+    """A numpy array -> device tensor of its dtype, like h2d (no list-to-tensor conversion)."""
+    tensor = torch.from_numpy(values)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device, copy=True)
+
+
 class DeviceStreams:
     def __init__(self, device: torch.device):
         self.device = device

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 
 from pdserve.common.batch import ForwardBatch, ForwardMode
 from pdserve.common.config import EngineConfig
 from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for, slots_for_positions
 from pdserve.common.output_processor import append_token, finalize
-from pdserve.common.overlap import h2d
+from pdserve.common.overlap import h2d, h2d_array
 from pdserve.common.radix_cache import RadixCache
 from pdserve.common.types import Completion, FinishReason, Req, SamplingParams, TokenLogprob
 
@@ -280,17 +281,20 @@ class Scheduler:
     def _build_batch(self, mode: ForwardMode, spans: list[tuple[Req, int, int]]) -> ForwardBatch:
         if mode is ForwardMode.DECODE:
             return self._build_decode_batch([req for req, _, _ in spans])
-        input_ids: list[int] = []
-        positions: list[int] = []
-        out_loc: list[int] = []
-        rows: list[int] = []
+        # Per-token fields are built with numpy, one request at a time: a prefill batch can hold
+        # tens of thousands of tokens, too many for per-token Python.
+        page = self.page_size
+        input_ids, positions, out_loc, rows = [], [], [], []
         seq_lens, extend_lens, extend_starts, samples = [], [], [], []
+        num_tokens = 0
         for req, start, end in spans:
-            extend_starts.append(len(input_ids))
-            input_ids += req.fill_ids()[start:end]
-            positions += range(start, end)
-            out_loc += slots_for_positions(req.pages, start, end, self.page_size)
-            rows += [req.req_pool_idx] * (end - start)
+            extend_starts.append(num_tokens)
+            num_tokens += end - start
+            input_ids.append(np.asarray(req.fill_ids()[start:end], dtype=np.int64))
+            pos = np.arange(start, end, dtype=np.int64)
+            positions.append(pos)
+            out_loc.append(np.asarray(req.pages, dtype=np.int64)[pos // page] * page + pos % page)
+            rows.append(np.full(end - start, req.req_pool_idx, dtype=np.int64))
             seq_lens.append(end)
             extend_lens.append(end - start)
             samples.append(end == req.seq_len)
@@ -299,8 +303,9 @@ class Scheduler:
         req_rows = [r.req_pool_idx for r in reqs]
         last = [s + n - 1 for s, n in zip(extend_starts, extend_lens)]
         # One upload for everything; the fields are views of it.
-        t, b = len(input_ids), len(reqs)
-        packed = h2d(input_ids + positions + out_loc + rows + req_rows + last + seq_lens, torch.int64, self.device)
+        t, b = num_tokens, len(reqs)
+        per_req = np.asarray(req_rows + last + seq_lens, dtype=np.int64)
+        packed = h2d_array(np.concatenate(input_ids + positions + out_loc + rows + [per_req]), self.device)
         ids_d, pos_d, loc_d, rows_d = packed[:t], packed[t : 2 * t], packed[2 * t : 3 * t], packed[3 * t : 4 * t]
         self._write_slots(rows_d, pos_d, loc_d)
         return ForwardBatch(
