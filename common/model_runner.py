@@ -100,7 +100,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
-        """Next-token logits, float32 [batch_size, vocab], run eagerly."""
+        """Next-token logits [batch_size, vocab] in the model's dtype, run eagerly."""
         self.attn.init_forward(batch)
         hidden = self.model(input_ids, batch.positions, batch, self.attn)
         if batch.mode is ForwardMode.EXTEND:

@@ -184,7 +184,13 @@ def _sample_rows(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
-    """Next token per row of `logits` [B, V] (rows in the order of the batch's reqs); no host sync."""
+    """Next token per row of `logits` [B, V], any float dtype (rows in the order of the batch's
+    reqs); no host sync. Logprobs and sampling work in float32."""
+    plain_greedy = info.all_greedy and not info.want_logprobs and info.seen_token_idx is None
+    if plain_greedy and info.output_token_idx is None and info.banned_token_idx is None:
+        # Upcasting is exact, so the argmax of the model-dtype logits is the float32 one's; it
+        # reads half the bytes and skips the cast (a 128 x 128k-vocab batch: ~70 us per step).
+        return SampleOutput(logits.argmax(dim=-1), None, None, None)
     raw = logits.float()
     logits = process_logits(raw, info)
     if info.all_greedy:

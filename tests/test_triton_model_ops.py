@@ -78,3 +78,21 @@ def test_gelu_tanh(dtype):
     x = (4 * torch.randn(3, 1500, generator=g)).to(DEVICE, dtype)
     x[0, :4] = torch.tensor([-30.0, 30.0, 0.0, -1e-3])  # both tails and zero
     assert rel_err(triton_ops.gelu_tanh(x), gelu_tanh(x.float()).to(dtype)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [48, 100])
+def test_layernorm_with_and_without_residual(dtype, n):
+    g = torch.Generator().manual_seed(n + 1)
+    norm = torch.nn.LayerNorm(n, eps=1e-5).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(n, generator=g))
+        norm.bias.copy_(0.1 * torch.randn(n, generator=g))
+    wide = (3 + torch.randn(7, n + 5, generator=g)).to(DEVICE, dtype)  # a mean far from 0
+    x = wide[:, :n]
+    assert rel_err(triton_ops.layernorm(x, norm.weight, norm.bias, 1e-5), norm(x)) < TOL[dtype]
+    residual = torch.randn(7, n, generator=g).to(DEVICE, dtype)
+    ref_sum = residual + x
+    out = triton_ops.layernorm(x, norm.weight, norm.bias, 1e-5, residual)
+    assert torch.equal(residual, ref_sum)
+    assert rel_err(out, norm(ref_sum)) < TOL[dtype]

@@ -43,10 +43,25 @@ class GPT2Block(nn.Module):
         self.attn = GPT2Attention(a, layer_id)
         self.ln_2 = nn.LayerNorm(a.hidden, eps=a.eps)
         self.mlp = GPT2MLP(a)
+        self.fused = False  # residual adds fused into the LayerNorms (see GPT2LMHeadModel.fuse)
 
-    def forward(self, x, batch: ForwardBatch, attn: AttentionBackend):
-        x = x + self.attn(self.ln_1(x), batch, attn)
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x, residual, batch: ForwardBatch, attn: AttentionBackend):
+        """(this block's MLP output, the residual stream before it); the next norm adds the two."""
+        if residual is None:
+            residual, x = x, self.ln_1(x)
+        else:
+            x, residual = add_layernorm(self.ln_1, x, residual, self.fused)
+        x = self.attn(x, batch, attn)
+        x, residual = add_layernorm(self.ln_2, x, residual, self.fused)
+        return self.mlp(x), residual
+
+
+def add_layernorm(norm: nn.LayerNorm, x, residual, fused: bool):
+    """(norm(residual + x), residual + x); fused: one Triton kernel that updates residual in place."""
+    if fused:
+        return triton_ops().layernorm(x, norm.weight, norm.bias, norm.eps, residual), residual
+    residual = residual + x
+    return norm(residual), residual
 
 
 class GPT2Attention(nn.Module):
@@ -96,18 +111,20 @@ class GPT2LMHeadModel(nn.Module):
         self.lm_head.weight = self.transformer.wte.weight
 
     def forward(self, input_ids, positions, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
+        x, residual = self.transformer.wte(input_ids) + self.transformer.wpe(positions), None
         for block in self.transformer.h:
-            x = block(x, batch, attn)
-        return self.transformer.ln_f(x)
+            x, residual = block(x, residual, batch, attn)
+        return add_layernorm(self.transformer.ln_f, x, residual, self.transformer.h[0].fused)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits in the model's dtype; sampling upcasts them only when it needs to."""
+        return self.lm_head(hidden)
 
     def fuse(self) -> None:
-        """The fused CUDA path: gelu_new as one kernel (the projections are already fused)."""
+        """The fused CUDA path: residual adds inside the LayerNorm kernels, gelu_new as one
+        kernel (the projections are already fused)."""
         for block in self.transformer.h:
-            block.mlp.fused = True
+            block.fused = block.mlp.fused = True
 
     def kv_geometry(self) -> tuple[int, int, int]:
         return self.arch.num_layers, self.arch.num_heads, self.arch.head_dim

@@ -176,7 +176,8 @@ class LlamaForCausalLM(nn.Module):
         self.model.norm.fused = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits in the model's dtype; sampling upcasts them only when it needs to."""
+        return self.lm_head(hidden)
 
     def kv_geometry(self) -> tuple[int, int, int]:
         """(num_layers, kv_heads, head_dim) for sizing the KV pool."""

@@ -6,6 +6,7 @@ rotary embedding a dozen per layer. Each kernel here keeps the Hugging Face arit
 roundings to the activation dtype at the same points (so fp32 agrees to rounding, not bitwise).
 
     rmsnorm(x, w, eps[, residual])  residual += x (in place) then RMSNorm, one pass
+    layernorm(x, w, b, eps[, residual])  the same for LayerNorm (GPT-2)
     rope_(q, k, positions, inv_freq)  neox rotary on q and k in place (views of a fused qkv are fine)
     silu_mul(gate_up)                silu(gate) * up of a fused gate_up projection
     gelu_tanh(x)                     GPT-2's gelu_new
@@ -53,6 +54,47 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     r = residual if residual is not None else x
     _rmsnorm_kernel[(rows,)](
         x, r, out, weight, x.stride(0), r.stride(0), out.stride(0), n, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
+    )
+    return out
+
+
+@triton.jit
+def _layernorm_kernel(
+    x, residual, out, weight, bias, stride_x, stride_r, stride_o, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # the add rounds, as in torch
+        tl.store(residual + row * stride_r + cols, h, mask=mask)
+    hf = h.to(tl.float32)
+    mean = tl.sum(hf, axis=0) / n_cols
+    centered = tl.where(mask, hf - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
+    w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + row * stride_o + cols, (centered * rstd * w + b).to(out.dtype.element_ty), mask=mask)
+
+
+def layernorm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """LayerNorm of x [T, N] (float32 statistics, one rounding, like F.layer_norm); with
+    `residual`, first residual += x in place and normalize that sum."""
+    rows, n = x.shape
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    assert x.stride(1) == 1 and (residual is None or (residual.stride(1) == 1 and residual.dtype == x.dtype))
+    block = triton.next_power_of_2(n)
+    r = residual if residual is not None else x
+    _layernorm_kernel[(rows,)](
+        x, r, out, weight, bias, x.stride(0), r.stride(0), out.stride(0), n, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
     )
     return out
