@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import time
+from contextlib import contextmanager
 
 
 def load_hf_model(model_path: str, device: str, dtype: str):
@@ -28,6 +29,25 @@ def free_hf_model(model) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+@contextmanager
+def cudnn_attention_off():
+    """Keep torch's SDPA off cuDNN attention while transformers runs.
+
+    NOTE: on Hopper SDPA picks cuDNN attention, which builds a plan for every new (batch, length)
+    shape: ~25 ms per decode step until each shape has been seen once (H200, torch 2.11; the
+    flash and memory-efficient kernels take ~4 ms per step either way for gpt2/small). Offline
+    warm-up runs see every shape first; a serving load keeps meeting new batch sizes.
+    """
+    import torch
+
+    previous = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(previous)
 
 
 def synchronize(device: str) -> None:

@@ -73,14 +73,16 @@ def check_completions(completions, output_len: int) -> None:
 
 
 def bench_hf(args: argparse.Namespace, config, prompt_sets: list[list[list[int]]]) -> list[dict]:
-    from pdserve.bench.hf import free_hf_model, hf_generate_timed, load_hf_model
+    from pdserve.bench.hf import cudnn_attention_off, free_hf_model, hf_generate_timed, load_hf_model
 
     model = load_hf_model(config.model_path, config.device, config.dtype)
     runs = []
-    for run, prompts in enumerate(prompt_sets):
-        elapsed = hf_generate_timed(model, prompts, args.output_len, args.hf_batch_size, args.temperature, config.device)
-        runs.append(run_numbers(args, run, elapsed))
-        print_run("hf", args, runs[-1])
+    with cudnn_attention_off():
+        for run, prompts in enumerate(prompt_sets):
+            elapsed = hf_generate_timed(model, prompts, args.output_len, args.hf_batch_size, args.temperature,
+                                        config.device)
+            runs.append(run_numbers(args, run, elapsed))
+            print_run("hf", args, runs[-1])
     free_hf_model(model)
     return runs
 

@@ -74,10 +74,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def hf_backend(args: argparse.Namespace, config, cleanup: ExitStack):
-    from pdserve.bench.hf import load_hf_model
+    from pdserve.bench.hf import cudnn_attention_off, load_hf_model
     from pdserve.bench.hf_serve import HFServer
 
     model = load_hf_model(config.model_path, config.device, config.dtype)
+    cleanup.enter_context(cudnn_attention_off())
     server = HFServer(model, config.device, args.output_len, args.hf_batch_size)
     cleanup.callback(server.close)
     return server
