@@ -6,6 +6,7 @@ next-token logits and samples them. It never looks at request state beyond what 
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -88,6 +89,8 @@ class ModelRunner:
         if not c.mem_fraction_static:
             return c.kv_cache_memory_gb * 2**30
         torch.cuda.synchronize(self.device)
+        gc.collect()  # blocks this process cached but no longer uses are not "in use"
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         in_use = total - free  # weights, the CUDA context, and anything else on the GPU
         budget = total * c.mem_fraction_static - in_use

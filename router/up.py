@@ -40,6 +40,37 @@ def _wait_ready(url: str, procs: list[subprocess.Popen]) -> None:
     raise TimeoutError(f"not ready after {READY_TIMEOUT_S}s: {url}")
 
 
+def _wait_serving(addr: str, procs: list[subprocess.Popen]) -> None:
+    """Until the server at addr reports SERVING on gRPC health (its model is loaded)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    with grpc.insecure_channel(addr) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            for p in procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{' '.join(p.args[:4])} exited with code {p.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+    raise TimeoutError(f"not serving after {READY_TIMEOUT_S}s: {addr}")
+
+
+def _on_one_gpu(device: str) -> bool:
+    if device.startswith("cuda"):
+        return True
+    if device != "auto":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, port: int, host: str) -> int:
     if model_path is None:
         from pdserve.common.tiny_model import make_tiny_model
@@ -49,12 +80,19 @@ def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, p
     common = ["--model-path", model_path, "--device", device, "--log-level", "warning"]
     procs, prefill, decode = [], [], []
     try:
+        # NOTE: servers sharing one GPU each size their KV cache from the memory they measure
+        # free, so they start one at a time, server i taking up to (i + 1) / n of the usual 0.85.
+        gpu = _on_one_gpu(device)
+        total = num_decode + num_prefill
         for role, count, urls in (("decode", num_decode, decode), ("prefill", num_prefill, prefill)):
             for _ in range(count):
                 p = _free_port()
-                procs.append(subprocess.Popen([py, "-m", f"pdserve.{role}.cli", *common, "--port", str(p),
+                share = ["--mem-fraction-static", f"{0.85 * (len(procs) + 1) / total:.4f}"] if gpu else []
+                procs.append(subprocess.Popen([py, "-m", f"pdserve.{role}.cli", *common, *share, "--port", str(p),
                                                "--metrics-port", str(_free_port())]))
                 urls.append(f"127.0.0.1:{p}")
+                if gpu:
+                    _wait_serving(urls[-1], procs)
         procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", model_path, "--prefill", *prefill,
                                        "--decode", *decode, "--host", host, "--port", str(port), "--log-level", "warning"]))
         base = f"http://{host}:{port}"
