@@ -1,0 +1,138 @@
+"""Tuning sweep for the decode-step kernels at batch 128 (~300-token contexts), on a GPU.
+
+    python -m pdserve.bench.tune_kernels
+
+Times, with CUDA graphs of many launches (median of repeats), the split-K decode attention for the
+two benchmark shapes (Llama-1B: 32 heads / 8 KV heads; GPT-2: 12 heads MHA; head_dim 64) under
+several block / warp / stage / split settings, rotating over 16 layers' KV so the L2 cache does
+not hold it, and the fused small ops at their decode shapes. Prints achieved bandwidth.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+
+import torch
+
+
+def time_us(fn, calls: int = 20, repeats: int = 7) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def attention_sweep(name: str, heads: int, kv_heads: int, bs: int = 128, ctx: int = 302, layers: int = 16) -> None:
+    from pdserve.common.attention import triton_decode as td
+
+    d, page = 64, 16
+    pages_per_req = -(-ctx // page)
+    slots = (bs * pages_per_req + 1) * page
+    k_bufs = [torch.randn(slots, kv_heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    v_bufs = [torch.randn_like(k) for k in k_bufs]
+    perm = torch.randperm(bs * pages_per_req, device="cuda") + 1
+    pages = perm.view(bs, pages_per_req)
+    r2t = (pages[:, :, None] * page + torch.arange(page, device="cuda")).view(bs, -1).to(torch.int32)
+    rows = torch.arange(bs, device="cuda")
+    seq_lens = torch.full((bs,), ctx, device="cuda", dtype=torch.int64)
+    q = torch.randn(bs, heads, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    ws = td.DecodeWorkspace(bs, heads, d, 16, "cuda")
+    kv_bytes = 2 * bs * ctx * kv_heads * d * 2
+    original = td._split_config
+    print(f"\n{name}: decode attention, batch {bs}, context {ctx}, {heads}/{kv_heads} heads, per layer {kv_bytes / 1e6:.0f} MB")
+    results = []
+    for block_n, warps, stages, splits in itertools.product((32, 64, 128), (2, 4), (2, 3), (1, 2)):
+        td._split_config = lambda *args, c=dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages): c
+
+        def run():
+            for k, v in zip(k_bufs, v_bufs):
+                td.decode_attention(q, k, v, out, r2t, rows, seq_lens, 0.125, None, splits, ws)
+
+        try:
+            us = time_us(run, calls=2) / layers
+        except Exception as e:  # a config that does not compile (shared memory, registers)
+            print(f"  BLOCK_N {block_n} warps {warps} stages {stages} splits {splits}: {type(e).__name__}")
+            continue
+        results.append((us, block_n, warps, stages, splits))
+    td._split_config = original
+    results.sort()
+    for us, block_n, warps, stages, splits in results[:6] + [r for r in results if r[1:] == (64, 2, 2, 1)]:
+        print(f"  {us:6.1f} us  {kv_bytes / us / 1e6:5.2f} TB/s  BLOCK_N {block_n} warps {warps} stages {stages} splits {splits}")
+
+
+def small_ops() -> None:
+    from pdserve.common.attention.triton_store import store_kv
+    from pdserve.common.models import triton_ops as ops
+
+    t, hidden, inter, heads, kv_heads, d = 128, 2048, 8192, 32, 8, 64
+    x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn_like(x)
+    w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.randn(t, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k, v = q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
+    pos = torch.randint(0, 300, (t,), device="cuda")
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    k_buf = torch.zeros(100_000, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+    v_buf = torch.zeros_like(k_buf)
+    loc = torch.randperm(100_000, device="cuda")[:t]
+    print("\nsmall ops at batch 128 (Llama-1B shapes), us per call:")
+    for name, fn in [
+        ("rmsnorm", lambda: ops.rmsnorm(x, w, 1e-5)),
+        ("rmsnorm + residual", lambda: ops.rmsnorm(x, w, 1e-5, res)),
+        ("rope_", lambda: ops.rope_(q, k, pos, inv_freq)),
+        ("silu_mul", lambda: ops.silu_mul(gate_up)),
+        ("store_kv", lambda: store_kv(k_buf, v_buf, loc, k, v)),
+        ("torch add (reference)", lambda: x + res),
+    ]:
+        print(f"  {time_us(fn, calls=100):6.2f}  {name}")
+
+
+def gemm_sweep(m: int = 128, layers: int = 16) -> None:
+    """The decode GEMMs (Llama-1B shapes, M = batch 128), weights rotated over 16 layers' copies."""
+    shapes = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192), "lm_head": (128256, 2048)}
+    print(f"\nGEMMs at M={m}, bf16, us per call (TB/s of weight reads):")
+    for name, (n, k) in shapes.items():
+        count = 2 if name == "lm_head" else layers
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+        wts = [w.t().contiguous() for w in ws]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        row = []
+        for label, fn in [
+            ("F.linear", lambda: [torch.nn.functional.linear(x, w) for w in ws]),
+            ("x @ W^T stored [K,N]", lambda: [x @ w for w in wts]),
+        ]:
+            us = time_us(fn, calls=2) / count
+            row.append(f"{label} {us:7.1f} ({n * k * 2 / us / 1e6:.2f})")
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        us = time_us(lambda: [torch.nn.functional.linear(x, w) for w in ws], calls=2) / count
+        torch.backends.cuda.preferred_blas_library("cublas")
+        row.append(f"cublaslt {us:7.1f} ({n * k * 2 / us / 1e6:.2f})")
+        print(f"  {name:8s} [{n}x{k}]: " + " | ".join(row))
+        del ws, wts
+
+
+def main() -> None:
+    print(torch.cuda.get_device_name())
+    gemm_sweep()
+    small_ops()
+    attention_sweep("Llama-1B", 32, 8)
+    attention_sweep("GPT-2", 12, 12, layers=12)
+
+
+if __name__ == "__main__":
+    main()
