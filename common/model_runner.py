@@ -94,6 +94,11 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         in_use = total - free  # weights, the CUDA context, and anything else on the GPU
         budget = total * c.mem_fraction_static - in_use
+        self.memory_report = {"total": total, "in_use": in_use, "kv_budget": budget}
+        logger.info(
+            "GPU memory: %.1f GiB in use of %.1f GiB after loading; KV cache budget %.2f GiB (--mem-fraction-static %s)",
+            in_use / 2**30, total / 2**30, budget / 2**30, c.mem_fraction_static,
+        )
         if budget <= 0:
             raise ValueError(
                 f"--mem-fraction-static {c.mem_fraction_static} leaves no room for the KV cache: "

@@ -150,11 +150,16 @@ def test_timeline_host_work_for_n_plus_1_overlaps_device_work_for_n(tiny_models)
 
 
 def test_mem_fraction_static_sizes_the_kv_cache_from_measured_memory(tiny_models):
-    free, total = torch.cuda.mem_get_info()
     engine = Engine(model_path=tiny_models("llama"), device="cuda", mem_fraction_static=0.05, max_running_requests=100000)
-    kv_bytes = engine.runner.kv_pool.capacity_tokens * engine.runner.kv_pool.bytes_per_token()
-    print(f"\nmem_fraction_static 0.05 of {total / 2**30:.1f} GiB: KV cache {kv_bytes / 2**30:.2f} GiB")
-    assert 0.5 * 0.05 * total < kv_bytes <= 0.05 * total
+    pool = engine.runner.kv_pool
+    kv_bytes = pool.capacity_tokens * pool.bytes_per_token()
+    m = engine.runner.memory_report  # what the runner measured before sizing the pool
+    print(f"\nmem_fraction_static 0.05 of {m['total'] / 2**30:.1f} GiB, {m['in_use'] / 2**30:.2f} GiB in use "
+          f"(context, weights, earlier tests' leftovers): KV cache {kv_bytes / 2**30:.2f} GiB")
+    assert m["kv_budget"] == 0.05 * m["total"] - m["in_use"] > 0
+    # The usable pool is the budget in whole pages (rounded up: at most one page over).
+    page_bytes = pool.page_size * pool.bytes_per_token()
+    assert m["kv_budget"] - page_bytes < kv_bytes <= m["kv_budget"] + page_bytes
     [out] = engine.generate([[0, 5, 6]], SamplingParams(max_new_tokens=3, temperature=0))
     assert len(out.output_ids) == 3
 
