@@ -30,6 +30,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
+        self.memory_report: dict | None = None  # what --mem-fraction-static measured, on CUDA
         self.dtype = DTYPES[config.dtype]
         self.model = load_model(config.model_path, self.dtype, self.device)
         self.vocab_size = self.model.arch.vocab_size
