@@ -248,7 +248,7 @@ def decode_attention(
 
     q, out: [B, H, D]; k_buf, v_buf: [S, KVH, D] (pool; query head h reads KV head h // (H // KVH));
     req_to_token: [R, C] int32 (row, position -> slot); req_pool_indices: [B] int64;
-    seq_lens: [B] int32 on the device: KV length including the new token (already stored); the
+    seq_lens: [B] int32 or int64 on the device: KV length including the new token (already stored); the
     query is at position seq_len - 1. With sliding_window w (None or 0 = off) only positions p
     with (seq_len - 1) - p < w are visible. Output in q's dtype. No host sync (CUDA-graph safe).
     """
