@@ -1,7 +1,7 @@
 """A small asyncio HTTP/1.1 client for the serving benchmark: one connection per request, the
 answer's Server-Sent Events yielded as they arrive, each stamped with the time its bytes were read.
 
-Built on h11, the HTTP parser uvicorn (a pdserve dependency) already brings, because httpx and
+Built on h11 (a pdserve dependency, which uvicorn needs too), because httpx and
 aiohttp are not pdserve dependencies.
 """
 
