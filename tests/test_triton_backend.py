@@ -36,3 +36,15 @@ def test_fused_model_path_greedy_matches_transformers(make_engine, tiny_models, 
     engine.runner.model.fuse()
     params = SamplingParams(max_new_tokens=6, temperature=0)
     assert [c.output_ids for c in engine.generate(prompts, params)] == expected
+
+
+def test_cuda_graph_capture_sizes_cover_every_batch_up_to_the_max():
+    from pdserve.common.cuda_graph import capture_sizes
+
+    for max_bs in (1, 3, 8, 37, 128, 200, 256):
+        sizes = capture_sizes(max_bs)
+        assert sizes == sorted(set(sizes)) and sizes[-1] == max_bs and sizes[0] == 1
+        # every batch size pads to a captured size at most 16 rows (or 2x, for tiny ones) larger
+        for n in range(1, max_bs + 1):
+            padded = next(s for s in sizes if s >= n)
+            assert padded - n < max(16, n)
