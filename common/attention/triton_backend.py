@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.common.attention.base import AttentionBackend
-from pdserve.common.attention.triton_decode import DecodeWorkspace, decode_attention
+from pdserve.common.attention.triton_decode import DecodeWorkspace, decode_attention, num_kv_splits_for
 from pdserve.common.attention.triton_extend import extend_attention
 from pdserve.common.attention.triton_store import store_kv
 from pdserve.common.batch import ForwardBatch, ForwardMode
@@ -45,17 +45,16 @@ class TritonBackend(AttentionBackend):
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: PagedKVPool, num_heads: int, max_batch: int):
         super().__init__(req_to_token_pool, kv_pool)
         device = kv_pool.k_buffers[0].device
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        self.num_heads = num_heads
         self.workspace = DecodeWorkspace(max_batch, num_heads, kv_pool.head_dim, MAX_KV_SPLITS, device)
         self.meta: DecodeMeta | ExtendMeta | None = None
 
     def kv_splits(self, batch_size: int) -> int:
-        """Split-K factor of a decode batch: enough programs to fill the SMs about twice.
+        """Split-K factor of a decode batch (the kernel's tuned rule, about 512 programs).
 
         Depends on the batch size only, so a captured graph's choice holds for every replay.
         """
-        programs = batch_size * self.kv_pool.kv_heads
-        return max(1, min(MAX_KV_SPLITS, -(-2 * self.num_sms // programs)))
+        return num_kv_splits_for(batch_size, self.num_heads, self.kv_pool.kv_heads, MAX_KV_SPLITS)
 
     def init_forward(self, batch: ForwardBatch) -> None:
         bs = batch.batch_size
