@@ -16,7 +16,6 @@ from pdserve.common.batch import ForwardBatch, ForwardMode
 from pdserve.common.config import EngineConfig
 from pdserve.common.cuda_graph import CudaGraphRunner
 from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
-from pdserve.common.models.layers import use_decode_gemm
 from pdserve.common.models.loader import load_model
 from pdserve.common.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs
 from pdserve.common.sampling import SampleOutput, SamplingBatchInfo, sample
@@ -37,8 +36,6 @@ class ModelRunner:
         self.vocab_size = self.model.arch.vocab_size
         if config.attention_backend == "triton" and self.device.type == "cuda":
             self.model.fuse()  # the fast path: merged projections, fused small ops
-            if self.dtype in (torch.bfloat16, torch.float16):
-                use_decode_gemm(self.model, skip=("lm_head",))  # split-K GEMMs for decode batches
         num_layers, kv_heads, head_dim = self.model.kv_geometry()
         bytes_per_token = 2 * num_layers * kv_heads * head_dim * self.dtype.itemsize
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, config.context_length, self.device)

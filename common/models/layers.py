@@ -22,13 +22,6 @@ def triton_ops():
     return ops
 
 
-def triton_gemm():
-    """The split-K decode GEMM, imported on first use (see models/triton_gemm.py)."""
-    from pdserve.common.models import triton_gemm as gemm
-
-    return gemm
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -66,48 +59,6 @@ def merge_linears(*linears: nn.Linear) -> nn.Linear:
         if first.bias is not None:
             merged.bias.copy_(torch.cat([m.bias for m in linears]))
     return merged
-
-
-class DecodeLinear(nn.Module):
-    """An nn.Linear whose decode-sized bf16/fp16 calls run the split-K Triton GEMM.
-
-    At decode the batch is M <= 256 rows and a projection is a weight stream; cuBLAS's tiles leave
-    most SMs idle there (see models/triton_gemm.py). Larger M (prefill chunks) and fp32 stay on
-    cuBLAS. Holds the same Parameters as the Linear it replaces (tied weights stay tied).
-    """
-
-    def __init__(self, linear: nn.Linear, workspace):
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.workspace = workspace
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gemm = triton_gemm()
-        if x.dim() == 2 and x.shape[0] <= gemm.MAX_M and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1:
-            return gemm.linear(x, self.weight, self.bias, self.workspace)
-        return nn.functional.linear(x, self.weight, self.bias)
-
-
-def use_decode_gemm(model: nn.Module, skip: tuple[str, ...] = ()) -> int:
-    """Swap every nn.Linear of `model` (but those named in `skip`) for a DecodeLinear sharing one
-    split-K workspace sized for all of them. Returns how many were swapped."""
-    gemm = triton_gemm()
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.Linear) and name not in skip
-    ]
-    if not targets:
-        return 0
-    device = targets[0][2].weight.device
-    shapes = {(c.out_features, c.in_features) for _, _, c in targets}
-    partial, tiles = gemm.workspace_size(shapes, num_sms=gemm.num_sms(device))
-    workspace = gemm.GemmWorkspace.create(device, partial_elems=max(partial, 1), tiles=max(tiles, 1))
-    for parent, name, child in targets:
-        setattr(parent, name, DecodeLinear(child, workspace))
-    return len(targets)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
