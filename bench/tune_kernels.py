@@ -74,7 +74,7 @@ def attention_sweep(name: str, heads: int, kv_heads: int, bs: int = 128, ctx: in
 
 
 def small_ops() -> None:
-    from pdserve.common.attention.triton_store import store_kv
+    from pdserve.common.attention.triton_store import rope_store_kv, store_kv
     from pdserve.common.models import triton_ops as ops
 
     t, hidden, inter, heads, kv_heads, d = 128, 2048, 8192, 32, 8, 64
@@ -97,6 +97,7 @@ def small_ops() -> None:
         ("rope_", lambda: ops.rope_(q, k, pos, inv_freq)),
         ("silu_mul", lambda: ops.silu_mul(gate_up)),
         ("store_kv", lambda: store_kv(k_buf, v_buf, loc, k, v)),
+        ("rope_store_kv (rope_ + store_kv)", lambda: rope_store_kv(q, k, v, pos, inv_freq, k_buf, v_buf, loc)),
         ("torch add (reference)", lambda: x + res),
     ]:
         print(f"  {time_us(fn, calls=100):6.2f}  {name}")

@@ -7,7 +7,8 @@ roundings to the activation dtype at the same points (so fp32 agrees to rounding
 
     rmsnorm(x, w, eps[, residual])  residual += x (in place) then RMSNorm, one pass
     layernorm(x, w, b, eps[, residual])  the same for LayerNorm (GPT-2)
-    rope_(q, k, positions, inv_freq)  neox rotary on q and k in place (views of a fused qkv are fine)
+    rope_(q, k, positions, inv_freq)  neox rotary on q and k in place (views of a fused qkv are fine);
+                                     attention/triton_store.py's rope_store_kv also stores K and V
     silu_mul(gate_up)                silu(gate) * up of a fused gate_up projection
     gelu_tanh(x)                     GPT-2's gelu_new
 
@@ -109,10 +110,7 @@ def _rope_kernel(
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
     mask_d = offs < half
-    # float32 angles, rounded to the activations' dtype before use, as transformers does.
-    angle = tl.load(positions + token).to(tl.float32) * tl.load(inv_freq + offs, mask=mask_d, other=0.0)
-    cos = tl.cos(angle).to(q.dtype.element_ty).to(tl.float32)[None, :]
-    sin = tl.sin(angle).to(q.dtype.element_ty).to(tl.float32)[None, :]
+    cos, sin = _rope_cos_sin(positions, inv_freq, token, offs, mask_d, q.dtype.element_ty)
     q_heads = tl.arange(0, BLOCK_QH)
     q_mask = (q_heads < num_q_heads)[:, None] & mask_d[None, :]
     q_ptr = q + token * stride_qt + q_heads[:, None] * stride_qh + offs[None, :]
@@ -124,16 +122,28 @@ def _rope_kernel(
 
 
 @triton.jit
+def _rope_cos_sin(positions, inv_freq, token, offs, mask_d, dtype: tl.constexpr):
+    """cos and sin of one token's angles, [1, BLOCK_HALF] float32 holding values of `dtype`."""
+    # float32 angles, rounded to the activations' dtype before use, as transformers does.
+    angle = tl.load(positions + token).to(tl.float32) * tl.load(inv_freq + offs, mask=mask_d, other=0.0)
+    cos = tl.cos(angle).to(dtype).to(tl.float32)[None, :]
+    sin = tl.sin(angle).to(dtype).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
 def _rotate_store(ptr, cos, sin, half, mask):
+    """Rotate the [heads, half] tiles at ptr and ptr + half in place; also returns them."""
     # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); each product rounds to the dtype.
     x1 = tl.load(ptr, mask=mask, other=0.0)
     x2 = tl.load(ptr + half, mask=mask, other=0.0)
     dtype = x1.dtype
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-    out1 = (a1 * cos).to(dtype).to(tl.float32) + (-a2 * sin).to(dtype).to(tl.float32)
-    out2 = (a2 * cos).to(dtype).to(tl.float32) + (a1 * sin).to(dtype).to(tl.float32)
-    tl.store(ptr, out1.to(dtype), mask=mask)
-    tl.store(ptr + half, out2.to(dtype), mask=mask)
+    out1 = ((a1 * cos).to(dtype).to(tl.float32) + (-a2 * sin).to(dtype).to(tl.float32)).to(dtype)
+    out2 = ((a2 * cos).to(dtype).to(tl.float32) + (a1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(ptr, out1, mask=mask)
+    tl.store(ptr + half, out2, mask=mask)
+    return out1, out2
 
 
 def rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> None:
