@@ -5,6 +5,8 @@ checks the backend's wiring (metadata, the KV store, decode vs extend, chunks ov
 by greedy parity with transformers, the same contract the torch-native backend meets.
 """
 
+from collections import Counter
+
 import pytest
 
 from pdserve.common.types import SamplingParams
@@ -26,16 +28,34 @@ def test_triton_backend_greedy_matches_transformers(make_engine, tiny_models, ar
     assert sum(c.cached_tokens for c in again) > 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gpt2"])
-def test_fused_model_path_greedy_matches_transformers(make_engine, tiny_models, arch):
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "gpt2"])
+def test_fused_model_path_greedy_matches_transformers(make_engine, tiny_models, arch, monkeypatch):
     """The CUDA fast path's model (merged projections, Triton RMSNorm / rotary / silu_mul /
-    gelu kernels) with the Triton backend, through the interpreter: same greedy tokens."""
+    gelu kernels) with the Triton backend, through the interpreter: same greedy tokens.
+    Llama-family layers rotate and store K/V in one launch (rope_store_kv), never store_kv."""
+    from pdserve.common.attention import triton_backend
+
+    calls = Counter()
+
+    def counted(name, kernel):
+        def call(*args):
+            calls[name] += 1
+            return kernel(*args)
+
+        return call
+
+    for name in ("rope_store_kv", "store_kv"):
+        monkeypatch.setattr(triton_backend, name, counted(name, getattr(triton_backend, name)))
     prompts = make_prompts(3, seed=8)
     expected = hf_greedy(tiny_models(arch), prompts, 6)
     engine = make_engine(arch, attention_backend="triton", page_size=4, max_total_tokens=4096)
     engine.runner.model.fuse()
     params = SamplingParams(max_new_tokens=6, temperature=0)
     assert [c.output_ids for c in engine.generate(prompts, params)] == expected
+    if arch == "gpt2":  # no rotary: the plain store
+        assert calls["rope_store_kv"] == 0 and calls["store_kv"] > 0
+    else:
+        assert calls["rope_store_kv"] > 0 and calls["store_kv"] == 0
 
 
 def test_cuda_graph_capture_sizes_cover_every_batch_up_to_the_max():

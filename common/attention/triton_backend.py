@@ -1,8 +1,9 @@
 """The fast path on CUDA: paged Triton kernels for the KV store, decode and extend attention.
 
 Per forward, `init_forward` uploads the little metadata the kernels need (one pinned H2D copy);
-every layer then runs one store launch and one attention call. Decode can instead be bound to a
-CUDA graph's static buffers with `bind_decode`, which is what the graph runner does before capture.
+every layer then runs one store launch and one attention call; the fused Llama path stores in its
+rotary launch instead (`rope_and_store`). Decode can instead be bound to a CUDA graph's static
+buffers with `bind_decode`, which is what the graph runner does before capture.
 
 The kernel modules are imported here, never by attention/__init__: Triton reads TRITON_INTERPRET
 when a kernel is defined, and the CPU tests set it first.
@@ -17,7 +18,7 @@ import torch
 from pdserve.common.attention.base import AttentionBackend
 from pdserve.common.attention.triton_decode import DecodeWorkspace, decode_attention, num_kv_splits_for
 from pdserve.common.attention.triton_extend import extend_attention
-from pdserve.common.attention.triton_store import store_kv
+from pdserve.common.attention.triton_store import rope_store_kv, store_kv
 from pdserve.common.batch import ForwardBatch, ForwardMode
 from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool
 from pdserve.common.overlap import h2d
@@ -42,6 +43,8 @@ class ExtendMeta:
 
 
 class TritonBackend(AttentionBackend):
+    fuses_rope_and_store = True
+
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: PagedKVPool, num_heads: int, max_batch: int):
         super().__init__(req_to_token_pool, kv_pool)
         device = kv_pool.k_buffers[0].device
@@ -68,9 +71,14 @@ class TritonBackend(AttentionBackend):
         """Decode over caller-owned device buffers (a CUDA graph's static inputs)."""
         self.meta = DecodeMeta(req_pool_indices, seq_lens, self.kv_splits(req_pool_indices.numel()))
 
-    def forward(self, q, k, v, layer_id, batch: ForwardBatch, scale, sliding_window=None):
+    def rope_and_store(self, q, k, v, positions, inv_freq, layer_id, batch: ForwardBatch) -> None:
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
-        store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
+        rope_store_kv(q, k, v, positions, inv_freq, k_buf, v_buf, batch.out_cache_loc)
+
+    def forward(self, q, k, v, layer_id, batch: ForwardBatch, scale, sliding_window=None, kv_stored=False):
+        k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
+        if not kv_stored:
+            store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
         out = torch.empty_like(q)
         m = self.meta
         r2t = self.req_to_token_pool.req_to_token

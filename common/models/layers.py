@@ -134,7 +134,8 @@ class PagedAttention(nn.Module):
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
 
-    def forward(self, q, k, v, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, q, k, v, batch: ForwardBatch, attn: AttentionBackend, kv_stored: bool = False) -> torch.Tensor:
+        """kv_stored: k and v are already in the pool (`attn.rope_and_store` ran)."""
         t = q.shape[0]
         out = attn.forward(
             q.view(t, self.num_heads, self.head_dim),
@@ -144,5 +145,6 @@ class PagedAttention(nn.Module):
             batch,
             self.scale,
             self.sliding_window,
+            kv_stored=kv_stored,
         )
         return out.reshape(t, self.num_heads * self.head_dim)

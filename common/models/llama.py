@@ -86,12 +86,14 @@ class SelfAttention(nn.Module):
         self.qk_norm = a.qk_norm
         self.rotary = RotaryEmbedding(a.head_dim, a.rope)
         self.attn = PagedAttention(layer_id, a.num_heads, a.kv_heads, a.head_dim, a.sliding_window)
+        self.rope_and_store = False  # rotary and the KV store as one backend call (see fuse)
 
     def fuse(self) -> None:
-        """q/k/v as one GEMM; rotary as one kernel."""
+        """q/k/v as one GEMM; rotary as one kernel, which also stores K and V where the backend can."""
         self.qkv_proj = merge_linears(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
         self.rotary.fused = True
+        self.rope_and_store = 2 * self.rotary.inv_freq.numel() == self.head_dim  # no partial rotary
 
     def forward(self, x, positions, batch: ForwardBatch, attn: AttentionBackend):
         t = x.shape[0]
@@ -107,6 +109,10 @@ class SelfAttention(nn.Module):
             v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_and_store and attn.fuses_rope_and_store:
+            # One launch rotates q and k in place and writes k, v to the pool; attention only reads.
+            attn.rope_and_store(q, k, v, positions, self.rotary.inv_freq, self.attn.layer_id, batch)
+            return self.o_proj(self.attn(q, k, v, batch, attn, kv_stored=True))
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, batch, attn))
 
