@@ -4,6 +4,11 @@
 
 One warm-up `generate`, then one under torch.profiler; prints wall time, the summed kernel time
 (the GPU is idle for the rest, counting overlap between streams as busy once) and the top kernels.
+
+With --timeline, no profiler (whose host overhead widens every gap): CUDA events around each
+forward on the forward stream and host clocks at each launch give, per forward, when the host
+launched it and when the GPU ran it, relative to the call of `generate`: how long the host takes
+before the first forward, the GPU idle between forwards, and the tail after the last one.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-prefill-tokens", type=int, default=16384)
     ap.add_argument("--chunked-prefill-size", type=int, default=8192)
+    ap.add_argument("--timeline", action="store_true", help="Forward-by-forward timeline, no profiler.")
     args = ap.parse_args()
     engine = Engine(model_path=str(model_path_from_args(args)), device="cuda",
                     max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size)
@@ -41,6 +47,9 @@ def main() -> None:
     engine.generate(prompts(), params)
     batch = prompts()
     torch.cuda.synchronize()
+    if args.timeline:
+        timeline(engine, batch, params)
+        return
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         engine.generate(batch, params)
@@ -70,6 +79,48 @@ def main() -> None:
         print(averages.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=60))
     except (KeyError, AttributeError):
         print(averages.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
+
+
+def timeline(engine, prompts, params) -> None:
+    """Print per-forward host launch time and device interval, relative to the call of generate."""
+    runner = engine.runner
+    stream = runner.streams.forward_stream
+    launch = runner.launch
+    marks = []  # (mode, tokens, host launch s, start event, end event)
+
+    def timed_launch(batch, info, slots):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        host = time.perf_counter()
+        start.record(stream)
+        result = launch(batch, info, slots)
+        end.record(stream)
+        marks.append((batch.mode.value, batch.num_tokens, host, time.perf_counter() - host, start, end))
+        return result
+
+    runner.launch = timed_launch
+    origin = torch.cuda.Event(enable_timing=True)
+    origin.record(stream)
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    runner.launch = launch
+    rows = [(mode, tokens, (host - t0) * 1e3, took * 1e3, origin.elapsed_time(s), origin.elapsed_time(e))
+            for mode, tokens, host, took, s, e in marks]
+    busy = sum(e - s for *_, s, e in rows)
+    gaps = [b[4] - a[5] for a, b in zip(rows, rows[1:])]
+    print(f"wall {wall * 1e3:.2f} ms | {len(rows)} forwards, device time inside them {busy:.2f} ms | "
+          f"host before the first launch {rows[0][2]:.2f} ms | GPU idle between forwards {sum(gaps):.2f} ms | "
+          f"after the last forward ended {wall * 1e3 - rows[-1][5]:.2f} ms")
+    print("  mode     tokens  host launch at ms  launch took ms  device start ms  device ms  idle before ms")
+    for i, (mode, tokens, host, took, s, e) in enumerate(rows):
+        if i < 8 or i >= len(rows) - 3 or mode != "decode":
+            idle = s - rows[i - 1][5] if i else s
+            print(f"  {mode:7s} {tokens:7d} {host:17.2f} {took:15.3f} {s:16.2f} {e - s:10.3f} {idle:14.3f}")
+    decode = [e - s for mode, *_, s, e in rows if mode == "decode"]
+    if decode:
+        decode.sort()
+        print(f"  decode forwards: median {decode[len(decode) // 2]:.3f} ms device")
 
 
 if __name__ == "__main__":

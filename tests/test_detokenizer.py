@@ -139,3 +139,22 @@ def test_nothing_new_or_no_stops():
     assert find_stop_string("hello", 0, ("he",)) is None
     assert find_stop_string("hello", 5, ()) is None
     assert find_stop_string("hi", 10, ("hi",)) == (0, "hi")  # new_text_len past the start is clamped
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_fast_decoder_equals_tokenizer_decode(tokenizer, clean_up):
+    """The backend shortcut gives tokenizer.decode's text exactly (and is skipped with clean-up on)."""
+    from pdserve.common.detokenizer import fast_decoder
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend_tokenizer, bos_token="<s>", eos_token="</s>",
+        clean_up_tokenization_spaces=clean_up,
+    )
+    decode = fast_decoder(tok)
+    assert fast_decoder(tok) is decode  # resolved once
+    rng = random.Random(3)
+    for text in TEXTS:
+        ids = tok.encode(text) + [tok.eos_token_id]
+        for cut in (len(ids), rng.randrange(1, len(ids))):
+            for skip in (False, True):
+                assert decode(ids[:cut], skip) == tok.decode(ids[:cut], skip_special_tokens=skip)
