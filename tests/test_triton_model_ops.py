@@ -96,3 +96,21 @@ def test_layernorm_with_and_without_residual(dtype, n):
     out = triton_ops.layernorm(x, norm.weight, norm.bias, 1e-5, residual)
     assert torch.equal(residual, ref_sum)
     assert rel_err(out, norm(ref_sum)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt2_fused_mlp_matches_eager(dtype):
+    """The fused GPT-2 MLP (half precision: c_fc + gelu_new as one GEMM with a GELU epilogue;
+    fp32: the two-step path) against the eager HF-arithmetic MLP."""
+    from pdserve.common.models.gpt2 import GPT2MLP
+
+    class Arch:
+        hidden, inner = 64, 256
+
+    torch.manual_seed(0)
+    mlp = GPT2MLP(Arch()).to(DEVICE, dtype)
+    x = torch.randn(9, 64).to(DEVICE, dtype)
+    ref = mlp(x)
+    mlp.fused = True
+    out = mlp(x)
+    assert rel_err(out, ref) < TOL[dtype]
