@@ -189,6 +189,32 @@ def test_decode_matches_reference(name, dtype):
     assert_close(out, reference_attention(case, scale, window), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", ["mha", "gqa2-d24", "gqa4-window", "gqa4-d40-many-splits", "gqa72-two-head-blocks"])
+def test_decode_stores_the_new_kv_in_the_same_launch(name, dtype):
+    """k_new/v_new given: the kernel writes them at out_loc and attends to them (bitwise the pool
+    store_kv would leave, and the reference over that pool)."""
+    heads, kv_heads, head_dim, page_size, window, splits, seq_lens = DECODE_CASES[name]
+    case = build_case(seq_lens, [1] * len(seq_lens), heads, kv_heads, head_dim, page_size, dtype, seed=4)
+    gen = torch.Generator().manual_seed(8)
+    # Strided views of a fused [B, H + 2 KVH, D] projection, as the model hands them over.
+    qkv = torch.randn(len(seq_lens), heads + 2 * kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    k_new, v_new = qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    out_loc = torch.stack([case.req_to_token[r, n - 1].long() for r, n in zip(case.rows, case.seq_lens_host)])
+    expected_k, expected_v = case.k_buf.clone(), case.v_buf.clone()
+    store_kv(expected_k, expected_v, out_loc, k_new, v_new)
+    batch, num_heads, dim = case.q.shape
+    workspace = DecodeWorkspace(batch, num_heads, dim, splits, case.q.device)
+    out = torch.full_like(case.q, float("nan"))
+    scale = head_dim**-0.5
+    decode_attention(
+        case.q, case.k_buf, case.v_buf, out, case.req_to_token, case.req_pool_indices, case.seq_lens, scale, window,
+        splits, workspace, k_new, v_new, out_loc,
+    )
+    assert torch.equal(case.k_buf, expected_k) and torch.equal(case.v_buf, expected_v)
+    assert_close(out, reference_attention(case, scale, window), dtype)  # case now holds the stored pool
+
+
 def test_decode_window_zero_means_off():
     case = build_case([5, 40], [1, 1], 4, 2, 16, 4, torch.float32)
     assert_close(run_decode(case, 0.25, 0, 2), reference_attention(case, 0.25, None), torch.float32)

@@ -1,8 +1,9 @@
 """The fast path on CUDA: paged Triton kernels for the KV store, decode and extend attention.
 
 Per forward, `init_forward` uploads the little metadata the kernels need (one pinned H2D copy);
-every layer then runs one store launch and one attention call; the fused Llama path stores in its
-rotary launch instead (`rope_and_store`). Decode can instead be bound to a CUDA graph's static
+every layer then runs one store launch and one attention call (decode: one launch, the attention
+kernel stores the step's K and V itself); the fused Llama path stores in its rotary launch instead
+(`rope_and_store`). Decode can instead be bound to a CUDA graph's static
 buffers with `bind_decode`, which is what the graph runner does before capture.
 
 The kernel modules are imported here, never by attention/__init__: Triton reads TRITON_INTERPRET
@@ -77,16 +78,18 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q, k, v, layer_id, batch: ForwardBatch, scale, sliding_window=None, kv_stored=False):
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
-        if not kv_stored:
-            store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
         out = torch.empty_like(q)
         m = self.meta
         r2t = self.req_to_token_pool.req_to_token
         if isinstance(m, DecodeMeta):
+            new = () if kv_stored else (k, v, batch.out_cache_loc)  # decode stores K/V in its own launch
             decode_attention(
-                q, k_buf, v_buf, out, r2t, m.req_pool_indices, m.seq_lens, scale, sliding_window, m.num_kv_splits, self.workspace
+                q, k_buf, v_buf, out, r2t, m.req_pool_indices, m.seq_lens, scale, sliding_window, m.num_kv_splits,
+                self.workspace, *new,
             )
         else:
+            if not kv_stored:
+                store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
             extend_attention(
                 q, k_buf, v_buf, out, r2t, m.req_pool_indices, m.seq_lens, m.extend_lens, m.extend_starts,
                 m.max_extend_len, scale, sliding_window,

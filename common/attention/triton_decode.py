@@ -2,7 +2,8 @@
 
 Stage 1, grid (batch, head blocks, kv splits): a program takes one request, the query heads of
 one KV head group and one contiguous split of the request's visible KV, and writes a partial
-output (already normalised) and its log2-sum-exp into the workspace. Stage 2, grid (batch,
+output (already normalised) and its log2-sum-exp into the workspace. It can also store the
+step's new K and V first (one launch instead of two). Stage 2, grid (batch,
 heads): merges the splits. Splitting the KV keeps the GPU full when the batch is small; with
 one split, stage 1 writes the output itself and stage 2 is not launched.
 
@@ -76,8 +77,15 @@ def _decode_split_kernel(
     partial_out,
     partial_lse,
     out,
+    k_new,
+    v_new,
+    out_loc,
     stride_q_b,
     stride_q_h,
+    stride_kn_b,
+    stride_kn_h,
+    stride_vn_b,
+    stride_vn_h,
     stride_o_b,
     stride_o_h,
     stride_buf_s,
@@ -99,6 +107,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    STORE_NEW: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     req = tl.program_id(0)
@@ -133,6 +142,18 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     row_slots = req_to_token + row * stride_r2t
     kv_head_offset = kv_head.to(tl.int64) * stride_buf_h
+    if STORE_NEW:
+        # This step's K and V go into the pool here instead of in a launch of their own: the
+        # program whose split holds the new position writes its KV head's row, and the CTA
+        # barrier makes the write visible to the loads below (no other program reads it).
+        if (seq_len - 1 >= start) & (seq_len - 1 < end):
+            slot = tl.load(out_loc + req).to(tl.int64)
+            dst = slot * stride_buf_s + kv_head_offset + offs_d
+            k_row = tl.load(k_new + req_64 * stride_kn_b + kv_head * stride_kn_h + offs_d, mask=mask_d)
+            tl.store(k_buf + dst, k_row.to(k_buf.dtype.element_ty), mask=mask_d)
+            v_row = tl.load(v_new + req_64 * stride_vn_b + kv_head * stride_vn_h + offs_d, mask=mask_d)
+            tl.store(v_buf + dst, v_row.to(v_buf.dtype.element_ty), mask=mask_d)
+        tl.debug_barrier()
     if INTERPRETED:
         # NOTE: Triton 3.6's interpreter int()s range() bounds, which numpy >= 2.4 refuses for its
         # 1-element scalars (triton#9171); it walks the same blocks with a while loop instead.
@@ -243,6 +264,9 @@ def decode_attention(
     sliding_window: int | None,
     num_kv_splits: int,
     workspace: DecodeWorkspace,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    out_loc: torch.Tensor | None = None,
 ) -> None:
     """Flash-decoding (split-K) paged attention, one new query token per request.
 
@@ -251,6 +275,10 @@ def decode_attention(
     seq_lens: [B] int32 or int64 on the device: KV length including the new token (already stored); the
     query is at position seq_len - 1. With sliding_window w (None or 0 = off) only positions p
     with (seq_len - 1) - p < w are visible. Output in q's dtype. No host sync (CUDA-graph safe).
+
+    With k_new, v_new [B, KVH, D] (strided views are fine) and out_loc [B] int64, this step's K
+    and V are first stored at out_loc in the same launch (store_kv's contract: padded rows may all
+    write slot 0); otherwise they must already be in the pool.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -271,6 +299,12 @@ def decode_attention(
     partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
     window = sliding_window if sliding_window else NO_WINDOW
 
+    store = k_new is not None
+    if store:
+        assert k_new.shape == v_new.shape == (batch, num_kv_heads, head_dim) and out_loc.shape == (batch,)
+        assert k_new.stride(2) == v_new.stride(2) == 1
+    else:
+        k_new = v_new = out_loc = q  # not read
     grid = (batch, num_kv_heads * head_blocks_per_group, num_kv_splits)
     _decode_split_kernel[grid](
         q,
@@ -282,8 +316,15 @@ def decode_attention(
         partial_out,
         partial_lse,
         out,
+        k_new,
+        v_new,
+        out_loc,
         q.stride(0),
         q.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
         out.stride(0),
         out.stride(1),
         k_buf.stride(0),
@@ -304,6 +345,7 @@ def decode_attention(
         BLOCK_D=block_d,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 must not drop to tf32
         SINGLE_SPLIT=num_kv_splits == 1,
+        STORE_NEW=store,
         INTERPRETED=INTERPRETED,
         **_split_config(block_d, group_size),
     )
