@@ -51,19 +51,24 @@ class IncrementalDetokenizer:
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         # A prompt that ends inside a character would glue its bytes to the output's first bytes;
         # with no context the output decodes exactly as it would alone.
-        if self._decode(context).endswith(REPLACEMENT_CHAR):
-            context = []
+        context_text = self._decode(context)
+        if context_text.endswith(REPLACEMENT_CHAR):
+            context, context_text = [], ""
         self.tokens = context  # the context, then every output token
         self.context_len = len(context)
         self.prefix_offset = 0  # start of the window decoded for context
         self.read_offset = len(context)  # tokens before this one have been emitted
         self.text = ""
+        self._context_text = context_text  # the first window's prefix text, decoded already
 
     def _decode(self, ids: list[int]) -> str:
         return self.decode_fn(ids, self.skip_special_tokens)
 
     def _emit(self, final: bool) -> str:
-        prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        if self.read_offset == self.context_len:  # nothing emitted yet: the window is the context
+            prefix_text = self._context_text
+        else:
+            prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.tokens[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or (not final and new_text.endswith(REPLACEMENT_CHAR)):
             return ""

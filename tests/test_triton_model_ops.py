@@ -114,3 +114,17 @@ def test_gpt2_fused_mlp_matches_eager(dtype):
     mlp.fused = True
     out = mlp(x)
     assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1, 50, 257, 5000])
+def test_argmax_rows_matches_torch(dtype, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    wide = torch.randn(6, vocab + 7, generator=g).to(DEVICE, dtype)
+    x = wide[:, :vocab]  # rows strided, as sliced logits are
+    if vocab > 1:
+        x[1, vocab // 3] = x[1, vocab - 1] = 100.0  # a tie: the first index wins
+        x[2] = float("-inf")  # an all -inf row: index 0, as torch
+        x[3, vocab // 2] = float("inf")
+    out = triton_ops.argmax_rows(x, block=64, num_warps=4)
+    assert out.dtype == torch.int64 and torch.equal(out, x.argmax(dim=-1))
