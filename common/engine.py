@@ -68,7 +68,7 @@ class Engine:
             bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        self.scheduler.check_request(list(prompt_ids), params)
+        self.scheduler.check_request(prompt_ids, params)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None) -> str:
         """Queue one sequence; raises ValueError (and queues nothing) when it cannot be served."""
@@ -81,7 +81,7 @@ class Engine:
         rid = rid if rid is not None else f"req-{next(self._ids)}"
         self.check_request(prompt_ids, params)
         seed = params.seed % 2**64 if params.seed is not None else self._rng.getrandbits(64)
-        req = Req(rid, list(prompt_ids), params, seed)
+        req = Req(rid, prompt_ids, params, seed)  # Req copies the ids
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.skip_special_tokens)
         return req
 

@@ -22,6 +22,7 @@ still finds no page for some request, the scheduler retracts requests until it d
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -63,7 +64,7 @@ class Scheduler:
 
     # ---- intake -------------------------------------------------------------------------------
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError when a request could never run here."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -281,31 +282,38 @@ class Scheduler:
     def _build_batch(self, mode: ForwardMode, spans: list[tuple[Req, int, int]]) -> ForwardBatch:
         if mode is ForwardMode.DECODE:
             return self._build_decode_batch([req for req, _, _ in spans])
-        # Per-token fields are built with numpy, one request at a time: a prefill batch can hold
+        # Per-token fields are built with numpy over the whole batch: a prefill batch can hold
         # tens of thousands of tokens, too many for per-token Python.
         page = self.page_size
-        input_ids, positions, out_loc, rows = [], [], [], []
-        seq_lens, extend_lens, extend_starts, samples = [], [], [], []
+        ids: list[int] = []
+        page_table: list[int] = []  # every request's pages, back to back
+        page_base, seq_lens, extend_lens, extend_starts, samples = [], [], [], [], []
         num_tokens = 0
         for req, start, end in spans:
             extend_starts.append(num_tokens)
             num_tokens += end - start
-            input_ids.append(np.asarray(req.fill_ids()[start:end], dtype=np.int64))
-            pos = np.arange(start, end, dtype=np.int64)
-            positions.append(pos)
-            out_loc.append(np.asarray(req.pages, dtype=np.int64)[pos // page] * page + pos % page)
-            rows.append(np.full(end - start, req.req_pool_idx, dtype=np.int64))
+            known = req.prompt_ids if end <= len(req.prompt_ids) else req.fill_ids()
+            ids += known[start:end]
+            page_base.append(len(page_table))
+            page_table += req.pages
             seq_lens.append(end)
             extend_lens.append(end - start)
             samples.append(end == req.seq_len)
             req.kv_len = end  # launched: a later forward on the same stream sees these positions
+        lens = np.asarray(extend_lens, dtype=np.int64)
+        first = np.asarray([start for _, start, _ in spans], dtype=np.int64)
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(first - np.asarray(extend_starts, dtype=np.int64), lens)
+        page_index = np.repeat(np.asarray(page_base, dtype=np.int64), lens) + positions // page
+        out_loc = np.asarray(page_table, dtype=np.int64)[page_index] * page + positions % page
         reqs = [req for req, _, _ in spans]
         req_rows = [r.req_pool_idx for r in reqs]
         last = [s + n - 1 for s, n in zip(extend_starts, extend_lens)]
         # One upload for everything; the fields are views of it.
         t, b = num_tokens, len(reqs)
         per_req = np.asarray(req_rows + last + seq_lens, dtype=np.int64)
-        packed = h2d_array(np.concatenate(input_ids + positions + out_loc + rows + [per_req]), self.device)
+        rows = np.repeat(np.asarray(req_rows, dtype=np.int64), lens)
+        input_ids = np.asarray(ids, dtype=np.int64)
+        packed = h2d_array(np.concatenate([input_ids, positions, out_loc, rows, per_req]), self.device)
         ids_d, pos_d, loc_d, rows_d = packed[:t], packed[t : 2 * t], packed[2 * t : 3 * t], packed[3 * t : 4 * t]
         self._write_slots(rows_d, pos_d, loc_d)
         return ForwardBatch(
