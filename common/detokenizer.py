@@ -14,33 +14,35 @@ PROMPT_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
 
 
-def fast_decoder(tokenizer):
-    """`decode(ids, skip_special_tokens)` giving exactly `tokenizer.decode`'s text, cheaper.
+def _rust_backend(tokenizer):
+    """A fast tokenizer's Rust backend when calling it directly gives exactly `tokenizer.decode`.
 
-    A fast tokenizer's decode is its Rust backend's decode plus an optional clean-up pass; the
-    Python wrapper around it (argument conversion, per-id type checks) costs several times the
-    decode itself. Where clean-up is off, call the backend directly; otherwise keep the wrapper.
-    Resolved once per tokenizer and cached on it.
+    A fast tokenizer's decode is its backend's decode plus an optional clean-up pass; the Python
+    wrapper around it (argument conversion, per-id type checks) costs several times the decode
+    itself. With clean-up off the backend's text is the answer; otherwise None (use the wrapper).
     """
-    cached = getattr(tokenizer, "_pdserve_decode", None)
-    if cached is not None:
-        return cached
     backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is not None and hasattr(backend, "decode") and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    if backend is None or not hasattr(backend, "decode") or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend
 
-        def decode(ids, skip_special_tokens):
-            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    else:
+def fast_decoder(tokenizer):
+    """`decode(ids, skip_special_tokens)`: exactly `tokenizer.decode`'s text, cheaper."""
+    backend = _rust_backend(tokenizer)
+    if backend is not None:
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
 
-        def decode(ids, skip_special_tokens):
-            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    try:
-        tokenizer._pdserve_decode = decode
-    except AttributeError:  # a tokenizer that refuses attributes: resolve again next time
-        pass
-    return decode
+def fast_batch_decoder(tokenizer):
+    """`decode_batch(list_of_ids, skip_special_tokens)`: each entry exactly `tokenizer.decode`'s
+    (the Rust backend decodes a batch on several threads)."""
+    backend = _rust_backend(tokenizer)
+    if backend is not None and hasattr(backend, "decode_batch"):
+        return lambda seqs, skip: backend.decode_batch(seqs, skip_special_tokens=skip)
+    decode = fast_decoder(tokenizer)
+    return lambda seqs, skip: [decode(ids, skip) for ids in seqs]
 
 
 class IncrementalDetokenizer:
@@ -64,12 +66,16 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.decode_fn(ids, self.skip_special_tokens)
 
+    def _prefix_window(self) -> list[int] | None:
+        """Tokens whose text is already emitted (None: nothing emitted yet, the context's text)."""
+        return None if self.read_offset == self.context_len else self.tokens[self.prefix_offset : self.read_offset]
+
     def _emit(self, final: bool) -> str:
-        if self.read_offset == self.context_len:  # nothing emitted yet: the window is the context
-            prefix_text = self._context_text
-        else:
-            prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
-        new_text = self._decode(self.tokens[self.prefix_offset :])
+        window = self._prefix_window()
+        prefix_text = self._context_text if window is None else self._decode(window)
+        return self._advance(prefix_text, self._decode(self.tokens[self.prefix_offset :]), final)
+
+    def _advance(self, prefix_text: str, new_text: str, final: bool) -> str:
         if len(new_text) <= len(prefix_text) or (not final and new_text.endswith(REPLACEMENT_CHAR)):
             return ""
         delta = new_text[len(prefix_text) :]
@@ -93,6 +99,33 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """End of sequence: whatever was held back (U+FFFD where the bytes were truly invalid)."""
         return self._emit(final=True)
+
+
+def flush_all(detokenizers: list[IncrementalDetokenizer]) -> list[str]:
+    """flush() of each, with their decodes in one batch per tokenizer (a fast tokenizer decodes a
+    batch on several threads): what finishing a whole batch of sequences at once costs."""
+    out: list[str] = [""] * len(detokenizers)
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, d in enumerate(detokenizers):
+        groups.setdefault((id(d.tokenizer), d.skip_special_tokens), []).append(i)
+    for (_, skip), members in groups.items():
+        decode_batch = fast_batch_decoder(detokenizers[members[0]].tokenizer)
+        windows, slots = [], []  # slots[i]: (index of prefix window or None, index of new window)
+        for i in members:
+            d = detokenizers[i]
+            prefix = d._prefix_window()
+            prefix_at = None
+            if prefix is not None:
+                prefix_at = len(windows)
+                windows.append(prefix)
+            windows.append(d.tokens[d.prefix_offset :])
+            slots.append((prefix_at, len(windows) - 1))
+        texts = decode_batch(windows, skip)
+        for i, (prefix_at, new_at) in zip(members, slots):
+            d = detokenizers[i]
+            prefix_text = d._context_text if prefix_at is None else texts[prefix_at]
+            out[i] = d._advance(prefix_text, texts[new_at], final=True)
+    return out
 
 
 def find_stop_string(text: str, new_text_len: int, stops: tuple[str, ...]) -> tuple[int, str] | None:

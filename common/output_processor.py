@@ -11,7 +11,7 @@ min_new_tokens is enforced at sampling time (EOS and stop ids are masked until i
 
 from __future__ import annotations
 
-from pdserve.common.detokenizer import find_stop_string
+from pdserve.common.detokenizer import find_stop_string, flush_all
 from pdserve.common.types import Completion, FinishReason, Req, TokenLogprob
 
 
@@ -49,22 +49,37 @@ def _append_text(req: Req, delta: str) -> None:
 
 def finalize(req: Req) -> Completion:
     """The request's result; flushes any text the detokenizer still held back."""
-    detok = req.detokenizer
-    if detok is not None and not isinstance(req.matched_stop, str):
-        # Tokens not detokenized yet (all of them unless stop strings or streaming needed text
-        # per token), in one decode. An EOS or stop id adds no text.
+    return finalize_all([req])[0]
+
+
+def finalize_all(reqs: list[Req]) -> list[Completion]:
+    """The finished requests' results. The text their detokenizers still owe (all of it unless
+    stop strings or streaming needed text per token) is decoded in one batch."""
+    flushing = []
+    for req in reqs:
+        detok = req.detokenizer
+        if detok is None or isinstance(req.matched_stop, str):
+            continue
+        # Tokens not detokenized yet, in one decode. An EOS or stop id adds no text.
         text_ids = req.output_ids[:-1] if isinstance(req.matched_stop, int) else req.output_ids
         detok.tokens += text_ids[detok.num_output() :]
-        # Text held back for an incomplete UTF-8 character is still owed, unless aborted.
-        _append_text(req, detok.flush() if req.finish_reason is not FinishReason.ABORT else detok.emit_ready())
-    return Completion(
-        rid=req.rid,
-        prompt_ids=req.prompt_ids,
-        output_ids=req.output_ids,
-        text=req.text,
-        finish_reason=req.finish_reason,
-        matched_stop=req.matched_stop,
-        logprobs=req.output_logprobs if req.params.logprobs is not None else None,
-        cached_tokens=req.cached_tokens,
-        error=req.error,
-    )
+        if req.finish_reason is FinishReason.ABORT:
+            _append_text(req, detok.emit_ready())  # text held back for a split character is dropped
+        else:
+            flushing.append(req)
+    for req, text in zip(flushing, flush_all([r.detokenizer for r in flushing])):
+        _append_text(req, text)
+    return [
+        Completion(
+            rid=req.rid,
+            prompt_ids=req.prompt_ids,
+            output_ids=req.output_ids,
+            text=req.text,
+            finish_reason=req.finish_reason,
+            matched_stop=req.matched_stop,
+            logprobs=req.output_logprobs if req.params.logprobs is not None else None,
+            cached_tokens=req.cached_tokens,
+            error=req.error,
+        )
+        for req in reqs
+    ]

@@ -30,7 +30,7 @@ import torch
 from pdserve.common.batch import ForwardBatch, ForwardMode
 from pdserve.common.config import EngineConfig
 from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for, slots_for_positions
-from pdserve.common.output_processor import append_token, finalize
+from pdserve.common.output_processor import append_token, finalize, finalize_all
 from pdserve.common.overlap import h2d, h2d_array
 from pdserve.common.radix_cache import RadixCache
 from pdserve.common.types import Completion, FinishReason, Req, SamplingParams, TokenLogprob
@@ -395,7 +395,7 @@ class Scheduler:
         gives its KV back at once: anything still in flight that reads it is ordered before any
         later reuse by the forward stream and the WAR barrier.
         """
-        finished: list[Completion] = []
+        done: list[Req] = []
         for req, sampling, token, lp in zip(batch.reqs, batch.samples, next_token_ids, logprobs):
             if not sampling:
                 continue
@@ -407,10 +407,11 @@ class Scheduler:
             if req.finished:
                 self._cache_and_release(req)
                 req.discard = req.pending  # a step launched after this one is dropped
-                finished.append(finalize(req))
-        if finished:
-            self.running = [r for r in self.running if not r.finished]
-        return finished
+                done.append(req)
+        if not done:
+            return []
+        self.running = [r for r in self.running if not r.finished]
+        return finalize_all(done)
 
     def kv_used_tokens(self) -> int:
         """KV tokens held by requests: neither free nor cached-and-evictable."""

@@ -151,10 +151,38 @@ def test_fast_decoder_equals_tokenizer_decode(tokenizer, clean_up):
         clean_up_tokenization_spaces=clean_up,
     )
     decode = fast_decoder(tok)
-    assert fast_decoder(tok) is decode  # resolved once
     rng = random.Random(3)
     for text in TEXTS:
         ids = tok.encode(text) + [tok.eos_token_id]
         for cut in (len(ids), rng.randrange(1, len(ids))):
             for skip in (False, True):
                 assert decode(ids[:cut], skip) == tok.decode(ids[:cut], skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_flush_all_equals_flush_one_at_a_time(tokenizer, clean_up):
+    """Finishing a batch (one batched decode) leaves every detokenizer as its own flush() would:
+    fresh ones (the context's window), ones that emitted already, mixed skip flags."""
+    from pdserve.common.detokenizer import flush_all
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend_tokenizer, bos_token="<s>", eos_token="</s>",
+        clean_up_tokenization_spaces=clean_up,
+    )
+    vocab = len(tok)
+
+    def build(seed_rng):
+        batch = []
+        for i in range(12):
+            prompt = [seed_rng.randrange(vocab) for _ in range(seed_rng.randrange(0, 8))]
+            d = IncrementalDetokenizer(tok, prompt, skip_special_tokens=bool(i % 2))
+            for _ in range(seed_rng.randrange(0, 6)) if i % 3 else ():
+                d.add(seed_rng.randrange(vocab))  # some emitted text already
+            d.tokens += [seed_rng.randrange(vocab) for _ in range(seed_rng.randrange(0, 10))]
+            batch.append(d)
+        return batch
+
+    one, together = build(random.Random(7)), build(random.Random(7))
+    expected = [d.flush() for d in one]
+    assert flush_all(together) == expected
+    assert [d.text for d in together] == [d.text for d in one]
