@@ -242,11 +242,13 @@ def _argmax_chunk(x, row_offset, start, n_cols, lanes, best, best_idx):
 _ARGMAX_INTERPRETED = not isinstance(_argmax_kernel, triton.runtime.JITFunction)
 
 
-def argmax_rows(x: torch.Tensor, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, block: int = 0, num_warps: int = 8) -> torch.Tensor:
     """torch.argmax(x, dim=-1) for x [B, V] (rows may be strided), int64: one program per row
-    streaming it in `block`-wide chunks. torch's reduction reads [128, 128k] bf16 logits at under
-    1 TB/s (38 us on an H200). Same answer as torch, ties to the first index; NaN counts as +inf."""
+    streaming it in `block`-wide chunks. Same answer as torch, ties to the first index; NaN counts
+    as +inf. On an H200 at batch 128 (bf16): vocab 50k 8.1 vs torch's 12.7 us, 128k 13.6 vs 27.4 us
+    (chunks of 4096 and 8192, 8 warps: the defaults)."""
     rows, n = x.shape
+    block = block or (4096 if n <= 65536 else 8192)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows:
         assert x.stride(1) == 1 and n > 0
