@@ -1,11 +1,12 @@
 """Tuning sweep for the decode-step kernels at batch 128 (~300-token contexts), on a GPU.
 
-    python -m pdserve.bench.tune_kernels
+    python -m pdserve.bench.tune_kernels [--layout]
 
 Times, with CUDA graphs of many launches (median of repeats), the split-K decode attention for the
 two benchmark shapes (Llama-1B: 32 heads / 8 KV heads; GPT-2: 12 heads MHA; head_dim 64) under
 several block / warp / stage / split settings, rotating over 16 layers' KV so the L2 cache does
-not hold it, and the fused small ops at their decode shapes. Prints achieved bandwidth.
+not hold it, and the fused small ops at their decode shapes. Prints achieved bandwidth. --layout
+compares the pool's token-major layout with a head-major one under the same kernel.
 """
 
 from __future__ import annotations
@@ -73,6 +74,40 @@ def attention_sweep(name: str, heads: int, kv_heads: int, bs: int = 128, ctx: in
         print(f"  {us:6.1f} us  {kv_bytes / us / 1e6:5.2f} TB/s  BLOCK_N {block_n} warps {warps} stages {stages} splits {splits}")
 
 
+def layout_sweep(bs: int = 128, ctx: int = 300) -> None:
+    """Decode attention over a token-major pool [slots, heads, dim] (pdserve's) against a
+    head-major one [heads, slots, dim] (passed as a strided view), same kernel and config: how much
+    the 128-byte head slices a whole token row apart cost in bandwidth."""
+    from pdserve.common.attention import triton_decode as td
+
+    d, page = 64, 16
+    for name, heads, kv_heads, layers in (("GPT-2", 12, 12, 12), ("Llama-1B", 32, 8, 16)):
+        pages_per_req = -(-ctx // page)
+        slots = (bs * pages_per_req + 1) * page
+        pages = (torch.randperm(bs * pages_per_req, device="cuda") + 1).view(bs, pages_per_req)
+        r2t = (pages[:, :, None] * page + torch.arange(page, device="cuda")).view(bs, -1).to(torch.int32)
+        rows = torch.arange(bs, device="cuda")
+        seq_lens = torch.full((bs,), ctx, device="cuda", dtype=torch.int64)
+        q = torch.randn(bs, heads, d, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        ws = td.DecodeWorkspace(bs, heads, d, 16, "cuda")
+        splits = td.num_kv_splits_for(bs, heads, kv_heads, 16)
+        kv_bytes = 2 * bs * ctx * kv_heads * d * 2
+        for layout in ("token-major", "head-major"):
+            if layout == "token-major":
+                bufs = [torch.randn(slots, kv_heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2 * layers)]
+            else:
+                bufs = [torch.randn(kv_heads, slots, d, device="cuda", dtype=torch.bfloat16).transpose(0, 1) for _ in range(2 * layers)]
+
+            def run():
+                for k, v in zip(bufs[:layers], bufs[layers:]):
+                    td.decode_attention(q, k, v, out, r2t, rows, seq_lens, 0.125, None, splits, ws)
+
+            us = time_us(run, calls=2) / layers
+            print(f"  {name:8s} {layout:11s} {us:6.1f} us  {kv_bytes / us / 1e6:5.2f} TB/s")
+            del bufs
+
+
 def small_ops() -> None:
     from pdserve.common.attention.triton_store import rope_store_kv, store_kv
     from pdserve.common.models import triton_ops as ops
@@ -128,7 +163,12 @@ def gemm_sweep(m: int = 128, layers: int = 16) -> None:
 
 
 def main() -> None:
+    import sys
+
     print(torch.cuda.get_device_name())
+    if sys.argv[1:] == ["--layout"]:
+        layout_sweep()
+        return
     gemm_sweep()
     small_ops()
     attention_sweep("Llama-1B", 32, 8)
