@@ -1,6 +1,6 @@
 """Tuning sweep for the decode-step kernels at batch 128 (~300-token contexts), on a GPU.
 
-    python -m pdserve.bench.tune_kernels [--layout]
+    python -m pdserve.bench.tune_kernels [--layout | --attention]
 
 Times, with CUDA graphs of many launches (median of repeats), the split-K decode attention for the
 two benchmark shapes (Llama-1B: 32 heads / 8 KV heads; GPT-2: 12 heads MHA; head_dim 64) under
@@ -168,6 +168,10 @@ def main() -> None:
     print(torch.cuda.get_device_name())
     if sys.argv[1:] == ["--layout"]:
         layout_sweep()
+        return
+    if sys.argv[1:] == ["--attention"]:
+        attention_sweep("Llama-1B", 32, 8)
+        attention_sweep("GPT-2", 12, 12, layers=12)
         return
     gemm_sweep()
     small_ops()
