@@ -78,8 +78,11 @@ class Engine:
 
     def make_req(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None) -> Req:
         """A checked request with its seed drawn (when the client gave none) and its detokenizer."""
-        rid = rid if rid is not None else f"req-{next(self._ids)}"
         self.check_request(prompt_ids, params)
+        return self._build_req(prompt_ids, params, rid if rid is not None else f"req-{next(self._ids)}")
+
+    def _build_req(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str) -> Req:
+        """make_req without the checks (the caller made them)."""
         seed = params.seed % 2**64 if params.seed is not None else self._rng.getrandbits(64)
         req = Req(rid, prompt_ids, params, seed)  # Req copies the ids
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.skip_special_tokens)
@@ -162,15 +165,31 @@ class Engine:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         ids = [self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompts]
-        rids = []
-        try:
-            for prompt_ids, p in zip(ids, params):
-                rids.append(self.add_request(prompt_ids, p))
-        except Exception:
-            for rid in rids:
-                self.abort(rid)
-            raise
-        done = {c.rid: c for c in self.run_loop()}
+        for prompt_ids, p in zip(ids, params):
+            self.check_request(prompt_ids, p)  # every prompt, before anything is queued
+        rids = [f"req-{next(self._ids)}" for _ in ids]
+        # Queue what the first prefill batch can take; the rest is queued at the top of the next
+        # iteration, while the device already runs that batch (the host's time to build the
+        # requests is then hidden instead of delaying the first forward).
+        later = deque(zip(rids, ids, params))
+        first_tokens = 0
+        while later and first_tokens < self.scheduler.prefill_budget:
+            rid, prompt_ids, p = later.popleft()
+            self.scheduler.add_request(self._build_req(prompt_ids, p, rid))
+            first_tokens += len(prompt_ids)
+
+        def queue_the_rest() -> list[Completion]:
+            while later:
+                rid, prompt_ids, p = later.popleft()
+                self.scheduler.add_request(self._build_req(prompt_ids, p, rid))
+            loop.poll = None  # from here on, an idle iteration with work queued is a stall again
+            return []
+
+        loop = LoopState(self, overlap=not self.config.disable_overlap_schedule, poll=queue_the_rest if later else None)
+        done: dict[str, Completion] = {}
+        while loop.busy() or later:
+            for c in loop.step():
+                done[c.rid] = c
         return [done[rid] for rid in rids]
 
     def stats(self) -> dict:
