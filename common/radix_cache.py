@@ -8,6 +8,10 @@ has len(pages) * page_size tokens, so a match or a split never lands inside a pa
     evictable  pages of unlocked nodes; they count as free for admission and are given back to
                the pool leaf by leaf, least recently used first, when the pool runs dry
 
+Eviction pops a heap of candidate leaves kept up to date as the tree changes (an entry goes stale
+when its node is locked, gains a child, is touched again or is gone, and is skipped when popped),
+so it costs what it evicts, not the size of the tree: a full pool evicts on every admission.
+
 Ownership: pages in the tree belong to the tree. A request owns only the pages after its matched
 prefix until it finishes; then `insert` hands the tree the pages it did not already have, and the
 caller frees the duplicates (the same tokens cached by someone else meanwhile) and the partial
@@ -34,9 +38,6 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = tick
 
-    def __lt__(self, other: TreeNode) -> bool:  # for the LRU heap
-        return self.last_access < other.last_access
-
 
 class RadixCache:
     def __init__(self, kv_pool: PagedKVPool):
@@ -47,6 +48,10 @@ class RadixCache:
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_pages = 0
         self.protected_pages = 0
+        self.num_nodes = 1
+        # (last_access, push order, node) for leaves that were evictable when pushed.
+        self._lru: list[tuple[int, int, TreeNode]] = []
+        self._pushes = itertools.count()
 
     # ---- lookup ---------------------------------------------------------------------------------
 
@@ -71,6 +76,7 @@ class RadixCache:
             pages += child.pages
             pos += len(child.key)
             node = child
+        self._offer(node)  # touched: its old heap entry is stale
         return pages, node
 
     def cached_prefix_len(self, tokens: list[int]) -> int:
@@ -103,6 +109,8 @@ class RadixCache:
                 new = TreeNode(node, key[pos:], pages[pos // self.page_size :], tick)
                 node.children[first] = new
                 self.evictable_pages += len(new.pages)
+                self.num_nodes += 1
+                self._offer(new)
                 return pos // self.page_size
             n = self._common_pages(child.key, key[pos:])  # >= 1: the first page matched
             if n < len(child.pages):
@@ -110,6 +118,7 @@ class RadixCache:
             child.last_access = tick
             pos += len(child.key)
             node = child
+        self._offer(node)  # touched: its old heap entry is stale
         return len(pages)
 
     def _common_pages(self, a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -128,6 +137,7 @@ class RadixCache:
         upper.children[node.key[cut : cut + self.page_size]] = node
         node.parent.children[node.key[: self.page_size]] = upper
         node.parent = upper
+        self.num_nodes += 1
         node.key, node.pages = node.key[cut:], node.pages[n_pages:]
         return upper
 
@@ -148,25 +158,41 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.evictable_pages += len(node.pages)
                 self.protected_pages -= len(node.pages)
+                self._offer(node)
             node = node.parent
 
     # ---- eviction -------------------------------------------------------------------------------
 
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` pages from unlocked leaves, LRU first. Returns pages freed."""
-        leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
-        heapq.heapify(leaves)
         freed = 0
-        while freed < num_pages and leaves:
-            leaf = heapq.heappop(leaves)
+        while freed < num_pages and self._lru:
+            access, _, leaf = heapq.heappop(self._lru)
+            if leaf.parent is None or leaf.children or leaf.lock_ref or leaf.last_access != access:
+                continue  # stale: gone, no longer a leaf, locked, or touched since it was pushed
             self.kv_pool.free_pages(leaf.pages)
             freed += len(leaf.pages)
             self.evictable_pages -= len(leaf.pages)
             parent = leaf.parent
             del parent.children[leaf.key[: self.page_size]]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(leaves, parent)
+            leaf.parent = None
+            self.num_nodes -= 1
+            self._offer(parent)
         return freed
+
+    def _offer(self, node: TreeNode) -> None:
+        """Push `node` as an eviction candidate if it is an unlocked leaf (a stale entry of it may
+        remain; it is skipped when popped). Rebuilds the heap when stale entries dominate."""
+        if node is self.root or node.children or node.lock_ref:
+            return
+        heapq.heappush(self._lru, (node.last_access, next(self._pushes), node))
+        if len(self._lru) > 4 * self.num_nodes + 1024:
+            self._lru = [
+                (n.last_access, next(self._pushes), n)
+                for n in self._nodes()
+                if n is not self.root and not n.children and n.lock_ref == 0
+            ]
+            heapq.heapify(self._lru)
 
     def _nodes(self):
         stack = [self.root]

@@ -158,3 +158,40 @@ def test_randomized_requests_with_aborts_end_with_every_page_free():
     assert s.stats["cache_hit_tokens"] > 0 and s.stats["prefill_chunks"] > 0 and s.stats["retractions"] > 0
     s.tree_cache.reset()
     assert s.kv_pool.num_free_pages() == s.kv_pool.capacity_pages and s.tree_cache.total_pages() == 0
+
+
+def test_eviction_heap_always_takes_the_least_recently_used_unlocked_leaf():
+    """Random inserts, matches, locks, unlocks and evictions: each evicted leaf is, by brute force
+    over the whole tree, an unlocked leaf with the oldest access, and every page is accounted for."""
+    rng = random.Random(11)
+    cache, kv = make_cache(num_pages=400, page_size=2)
+    locked = []
+    for _ in range(600):
+        op = rng.random()
+        tokens = [rng.randrange(3) for _ in range(2 * rng.randrange(1, 6))]  # few symbols: shared prefixes
+        if op < 0.35 and kv.num_free_pages() >= 6:
+            cache_pages(cache, kv, tokens)
+        elif op < 0.55:
+            _, node = cache.match_prefix(tokens)
+            if node is not cache.root and rng.random() < 0.5:
+                cache.inc_lock_ref(node)
+                locked.append(node)
+        elif op < 0.7 and locked:
+            cache.dec_lock_ref(locked.pop(rng.randrange(len(locked))))
+        else:
+            leaves = [n for n in cache._nodes() if n is not cache.root and not n.children and n.lock_ref == 0]
+            before = {id(n): n for n in leaves}
+            oldest = min((n.last_access for n in leaves), default=None)
+            freed = cache.evict(1)
+            gone = [n for i, n in before.items() if n.parent is None]
+            if oldest is None:
+                assert freed == 0 and not gone
+            else:
+                assert len(gone) == 1 and gone[0].last_access == oldest and freed == len(gone[0].pages)
+        held = sum(len(n.pages) for n in cache._nodes())
+        assert held == cache.evictable_pages + cache.protected_pages
+        assert kv.num_free_pages() + held == kv.capacity_pages
+    for node in locked:
+        cache.dec_lock_ref(node)
+    cache.reset()
+    assert cache.total_pages() == 0 and kv.num_free_pages() == kv.capacity_pages
