@@ -35,21 +35,25 @@ def time_us(fn, calls: int = 20, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
+def decode_case(bs: int, ctx: int, heads: int, d: int = 64, page: int = 16, device: str = "cuda"):
+    """A decode batch over shuffled pages: (slots in the pool, req_to_token, rows, seq_lens, q, out)."""
+    pages_per_req = -(-ctx // page)
+    slots = (bs * pages_per_req + 1) * page
+    pages = (torch.randperm(bs * pages_per_req, device=device) + 1).view(bs, pages_per_req)
+    r2t = (pages[:, :, None] * page + torch.arange(page, device=device)).view(bs, -1).to(torch.int32)
+    rows = torch.arange(bs, device=device)
+    seq_lens = torch.full((bs,), ctx, device=device, dtype=torch.int64)
+    q = torch.randn(bs, heads, d, device=device, dtype=torch.bfloat16)
+    return slots, r2t, rows, seq_lens, q, torch.empty_like(q)
+
+
 def attention_sweep(name: str, heads: int, kv_heads: int, bs: int = 128, ctx: int = 302, layers: int = 16) -> None:
     from pdserve.common.attention import triton_decode as td
 
-    d, page = 64, 16
-    pages_per_req = -(-ctx // page)
-    slots = (bs * pages_per_req + 1) * page
+    d = 64
+    slots, r2t, rows, seq_lens, q, out = decode_case(bs, ctx, heads, d)
     k_bufs = [torch.randn(slots, kv_heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
     v_bufs = [torch.randn_like(k) for k in k_bufs]
-    perm = torch.randperm(bs * pages_per_req, device="cuda") + 1
-    pages = perm.view(bs, pages_per_req)
-    r2t = (pages[:, :, None] * page + torch.arange(page, device="cuda")).view(bs, -1).to(torch.int32)
-    rows = torch.arange(bs, device="cuda")
-    seq_lens = torch.full((bs,), ctx, device="cuda", dtype=torch.int64)
-    q = torch.randn(bs, heads, d, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(q)
     ws = td.DecodeWorkspace(bs, heads, d, 16, "cuda")
     kv_bytes = 2 * bs * ctx * kv_heads * d * 2
     original = td._split_config
@@ -80,16 +84,9 @@ def layout_sweep(bs: int = 128, ctx: int = 300) -> None:
     the 128-byte head slices a whole token row apart cost in bandwidth."""
     from pdserve.common.attention import triton_decode as td
 
-    d, page = 64, 16
+    d = 64
     for name, heads, kv_heads, layers in (("GPT-2", 12, 12, 12), ("Llama-1B", 32, 8, 16)):
-        pages_per_req = -(-ctx // page)
-        slots = (bs * pages_per_req + 1) * page
-        pages = (torch.randperm(bs * pages_per_req, device="cuda") + 1).view(bs, pages_per_req)
-        r2t = (pages[:, :, None] * page + torch.arange(page, device="cuda")).view(bs, -1).to(torch.int32)
-        rows = torch.arange(bs, device="cuda")
-        seq_lens = torch.full((bs,), ctx, device="cuda", dtype=torch.int64)
-        q = torch.randn(bs, heads, d, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty_like(q)
+        slots, r2t, rows, seq_lens, q, out = decode_case(bs, ctx, heads, d)
         ws = td.DecodeWorkspace(bs, heads, d, 16, "cuda")
         splits = td.num_kv_splits_for(bs, heads, kv_heads, 16)
         kv_bytes = 2 * bs * ctx * kv_heads * d * 2
