@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.common.models.triton_ops import _rope_cos_sin, _rotate_store
+from pdserve.common.models.triton_ops import _rope_token_q, _rotate_store
 
 # A program copies BLOCK_H heads x BLOCK_D dims of one token's K and V; about 4k elements is a
 # few 16-byte vectors per thread and keeps wide models (64 KV heads x 128) from spilling.
@@ -103,12 +103,9 @@ def _rope_store_kv_kernel(
 ):
     # One program per token: rope_'s math (the same helpers), then store_kv's writes.
     token = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_HALF)
-    mask_d = offs < half
-    cos, sin = _rope_cos_sin(positions, inv_freq, token, offs, mask_d, q.dtype.element_ty)
-    q_heads = tl.arange(0, BLOCK_QH)
-    q_mask = (q_heads < num_q_heads)[:, None] & mask_d[None, :]
-    _rotate_store(q + token * stride_qt + q_heads[:, None] * stride_qh + offs[None, :], cos, sin, half, q_mask)
+    offs, mask_d, cos, sin = _rope_token_q(
+        q, positions, inv_freq, token, stride_qt, stride_qh, num_q_heads, half, BLOCK_HALF, BLOCK_QH
+    )
 
     kv_heads = tl.arange(0, BLOCK_KH)
     kv_mask = (kv_heads < num_kv_heads)[:, None] & mask_d[None, :]

@@ -109,17 +109,29 @@ def _rope_kernel(
 ):
     # One program per token rotates all its query and key heads (one tile each).
     token = tl.program_id(0).to(tl.int64)
+    offs, mask_d, cos, sin = _rope_token_q(
+        q, positions, inv_freq, token, stride_qt, stride_qh, num_q_heads, half, BLOCK_HALF, BLOCK_QH
+    )
+    k_heads = tl.arange(0, BLOCK_KH)
+    k_mask = (k_heads < num_kv_heads)[:, None] & mask_d[None, :]
+    k_ptr = k + token * stride_kt + k_heads[:, None] * stride_kh + offs[None, :]
+    _rotate_store(k_ptr, cos, sin, half, k_mask)
+
+
+@triton.jit
+def _rope_token_q(
+    q, positions, inv_freq, token, stride_qt, stride_qh, num_q_heads, half,
+    BLOCK_HALF: tl.constexpr, BLOCK_QH: tl.constexpr,
+):
+    """One token's cos/sin, and its query heads rotated in place. Returns (offs, mask_d, cos, sin)
+    for rotating its key heads the same way."""
     offs = tl.arange(0, BLOCK_HALF)
     mask_d = offs < half
     cos, sin = _rope_cos_sin(positions, inv_freq, token, offs, mask_d, q.dtype.element_ty)
     q_heads = tl.arange(0, BLOCK_QH)
     q_mask = (q_heads < num_q_heads)[:, None] & mask_d[None, :]
-    q_ptr = q + token * stride_qt + q_heads[:, None] * stride_qh + offs[None, :]
-    _rotate_store(q_ptr, cos, sin, half, q_mask)
-    k_heads = tl.arange(0, BLOCK_KH)
-    k_mask = (k_heads < num_kv_heads)[:, None] & mask_d[None, :]
-    k_ptr = k + token * stride_kt + k_heads[:, None] * stride_kh + offs[None, :]
-    _rotate_store(k_ptr, cos, sin, half, k_mask)
+    _rotate_store(q + token * stride_qt + q_heads[:, None] * stride_qh + offs[None, :], cos, sin, half, q_mask)
+    return offs, mask_d, cos, sin
 
 
 @triton.jit
