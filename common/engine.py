@@ -172,16 +172,19 @@ class Engine:
         # iteration, while the device already runs that batch (the host's time to build the
         # requests is then hidden instead of delaying the first forward).
         later = deque(zip(rids, ids, params))
-        first_tokens = 0
-        while later and first_tokens < self.scheduler.prefill_budget:
+
+        def queue_next() -> int:
             rid, prompt_ids, p = later.popleft()
             self.scheduler.add_request(self._build_req(prompt_ids, p, rid))
-            first_tokens += len(prompt_ids)
+            return len(prompt_ids)
+
+        first_tokens = 0
+        while later and first_tokens < self.scheduler.prefill_budget:
+            first_tokens += queue_next()
 
         def queue_the_rest() -> list[Completion]:
             while later:
-                rid, prompt_ids, p = later.popleft()
-                self.scheduler.add_request(self._build_req(prompt_ids, p, rid))
+                queue_next()
             loop.poll = None  # from here on, an idle iteration with work queued is a stall again
             return []
 
