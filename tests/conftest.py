@@ -1,5 +1,6 @@
 """Shared fixtures: tiny checkpoints built once per session, engines that must end idle."""
 
+import gc
 import os
 
 import torch
@@ -12,6 +13,14 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from pdserve.common.tiny_model import ARCHS, make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def unfreeze_gc():
+    """Engines freeze the heap they start with (gc.freeze); a test's dropped engines, caught in
+    that heap, must still be collectable once the test is over."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

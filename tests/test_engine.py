@@ -186,3 +186,42 @@ def test_mem_fraction_static_is_refused_on_cpu(tiny_models):
 
     with pytest.raises(ValueError, match="sizes GPU memory"):
         Engine(model_path=tiny_models("llama"), device="cpu", mem_fraction_static=0.5)
+
+
+def test_text_caught_up_while_the_device_is_busy_equals_text_decoded_at_the_end(make_engine):
+    """While the host waits for a forward, it decodes owed text a batch at a time; the completions
+    are the same as when all of it is decoded when the requests finish."""
+    engine = make_engine("llama", max_running_requests=8)
+    prompts = ["Once upon a time", "The capital of", "1 2 3 4", "x", "A long prompt " * 5]
+    params = [SamplingParams(max_new_tokens=24 + 3 * i, temperature=0, ignore_eos=True) for i in range(4)]
+    params.append(SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True, stop=["zzz-never"]))
+    at_the_end = engine.generate(prompts, params)
+
+    class BusyFor:
+        """copy_done, reported busy for the first few queries."""
+
+        def __init__(self, event, times):
+            self.event, self.times, self.queries = event, times, 0
+
+        def query(self):
+            self.queries += 1
+            return self.queries > self.times and self.event.query()
+
+        def synchronize(self):
+            self.event.synchronize()
+
+    launch, caught_up = engine.runner.launch, []
+
+    def launch_busy(batch, info, slots):
+        result = launch(batch, info, slots)
+        result.copy_done = BusyFor(result.copy_done, times=3)
+        return result
+
+    detokenize_ahead = engine.scheduler.detokenize_ahead
+    engine.runner.launch = launch_busy
+    engine.scheduler.detokenize_ahead = lambda: caught_up.append(detokenize_ahead(max_reqs=2, min_owed=4)) or caught_up[-1]
+    while_busy = engine.generate(prompts, params)
+    assert caught_up.count(True) >= 10  # the catch-up really ran, many times
+    for a, b in zip(while_busy, at_the_end):
+        assert (a.output_ids, a.text, a.finish_reason) == (b.output_ids, b.text, b.finish_reason)
+        assert a.text == engine.tokenizer.decode(a.output_ids, skip_special_tokens=True)
