@@ -413,9 +413,13 @@ class Scheduler:
         self.running = [r for r in self.running if not r.finished]
         return finalize_all(done)
 
-    def detokenize_ahead(self, max_reqs: int = 64, min_owed: int = 8) -> bool:
+    def detokenize_ahead(self, max_reqs: int = 16, min_owed: int = 8) -> bool:
         """Idle-time work: catch up the text of up to max_reqs running requests that owe at least
-        min_owed tokens of it. False when none does (nothing was done)."""
+        min_owed tokens of it. False when none does (nothing was done).
+
+        NOTE: the caller checks the device between calls, so one call must stay well under a decode
+        step: 64 requests at a time delayed launches on an H200 (GPT-2 at batch 128: 2.5 ms of GPU
+        idle per run, as much as the finishing decode it saved); 16 take ~0.1 ms."""
         owing = []
         for req in self.running:
             detok = req.detokenizer
