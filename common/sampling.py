@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.common.overlap import h2d
-from pdserve.common.types import Req, TokenLogprob
+from pdserve.common.types import Req, SamplingParams, TokenLogprob
 
 _MASK32 = 0xFFFFFFFF
 
@@ -82,8 +82,26 @@ class SamplingBatchInfo:
         """Builds the batch's tensors. The sample step (noise) and min_new_tokens count pending
         tokens too (req.num_sampled); penalties need the token values, so a batch with penalties
         must not have pending tokens (the overlap loop runs such batches serially)."""
-        device = torch.device(device)
         params = [req.params for req in reqs]
+        if all(p.plain_greedy for p in params):
+            # The common decode batch (and every benchmark's): no per-row lists, no uploads.
+            return cls.plain_greedy(len(reqs), vocab_size)
+        return cls.build(reqs, params, vocab_size, eos_token_ids, torch.device(device))
+
+    @classmethod
+    def plain_greedy(cls, batch_size: int, vocab_size: int) -> "SamplingBatchInfo":
+        """What build() gives a batch of plain greedy requests: argmax, nothing else."""
+        return cls(
+            batch_size=batch_size, vocab_size=vocab_size, all_greedy=True, greedy=None, temperatures=None,
+            top_ks=None, top_ps=None, min_ps=None, noise_keys=None, repetition_penalties=None, seen_token_idx=None,
+            frequency_penalties=None, presence_penalties=None, output_token_idx=None, banned_token_idx=None,
+            want_logprobs=False, top_logprobs_k=0,
+        )
+
+    @classmethod
+    def build(
+        cls, reqs: list[Req], params: list[SamplingParams], vocab_size: int, eos_token_ids: tuple[int, ...], device
+    ) -> "SamplingBatchInfo":
         sampled = [not p.greedy for p in params]
         all_greedy = not any(sampled)
 

@@ -164,12 +164,12 @@ class Scheduler:
         # held by a running request is free or evictable, and one request alone always fits.
         while True:
             active = [r for r in self.running if not self._surely_done(r)]
-            if not active or sum(self._needs_page(r) for r in active) <= self._available_pages():
+            growing = [r for r in active if self._needs_page(r)]
+            if not active or len(growing) <= self._available_pages():
                 break
             self._retract_one(active)
-        for req in active:
-            if self._needs_page(req):
-                req.pages += self._alloc_pages(1)
+        for req, page in zip(growing, self._alloc_pages(len(growing)) if growing else ()):
+            req.pages.append(page)
         spans = [(req, req.seq_len - 1, req.seq_len) for req in active]
         return self._build_batch(ForwardMode.DECODE, spans) if spans else None
 

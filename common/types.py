@@ -81,6 +81,11 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def plain_greedy(self) -> bool:
+        """The argmax of the raw logits is all this request's sampling needs (no tensor at all)."""
+        return self.greedy and not self.has_penalties and self.min_new_tokens == 0 and self.logprobs is None
+
+    @property
     def has_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

@@ -230,19 +230,20 @@ def _head_block(group_size: int) -> int:
     return max(16, min(64, triton.next_power_of_2(group_size)))
 
 
-def _split_config(block_d: int, kv_heads_per_program: int) -> dict:
+def _split_config(block_d: int, group_size: int) -> dict:
     """Stage 1's keys per iteration (BLOCK_N), warps and stages, tuned on an H200 in bf16 at batch
-    128 with ~300-token contexts (bench/tune_kernels.py, devscripts-style variant sweeps): 64 keys
-    x 2 stages for GQA 4 (23.6 vs 25.0 us a layer with 32 x 3, the first pass's pick) and MHA;
-    3 stages when a program walks two KV heads."""
-    stages = 3 if kv_heads_per_program > 1 else 2
-    return dict(BLOCK_N=64, num_warps=2 if block_d <= 64 else 4, num_stages=stages)
+    128 with ~300-token contexts (bench/tune_kernels.py): GQA 4 at head_dim 64 runs best with 32
+    keys x 3 stages (24.9 vs 28.9 us a layer with 64 x 2); MHA with 64 keys x 2 stages, paired
+    heads or not (3 stages: 35.0 us unpaired, 44.3 paired)."""
+    if group_size > 1 and block_d <= 64:
+        return dict(BLOCK_N=32, num_warps=2, num_stages=3)
+    return dict(BLOCK_N=64, num_warps=2 if block_d <= 64 else 4, num_stages=2)
 
 
 # MHA with at least this many (request, head) programs walks two KV heads per program, one after
-# the other: GPT-2 at batch 128 on an H200, 33.7 vs 34.6 us a layer (fewer, longer programs: less
+# the other: GPT-2 at batch 128 on an H200, 34.6 vs 34.9 us a layer (fewer, longer programs: less
 # of each one's start-up latency - seq_len, then its row, then its slots - is exposed). GQA groups
-# already share a program per KV head; two of them per program were slower (26.6 vs 23.6 us).
+# already share a program per KV head; two of them per program were slower.
 PAIRED_HEADS_MIN_PROGRAMS = 1024
 
 
@@ -363,7 +364,7 @@ def decode_attention(
         STORE_NEW=store,
         KV_HEADS_PER_PROGRAM=per_program,
         INTERPRETED=INTERPRETED,
-        **_split_config(block_d, per_program),
+        **_split_config(block_d, group_size),
     )
     if num_kv_splits == 1:
         return
