@@ -1,8 +1,10 @@
 """`pdserve bench offline`: throughput of a fixed batch, the engine and/or transformers.
 
-Each backend runs --warmup + --repeats prompt sets (run i uses the same ids for both backends) and
-reports the medians of the measured runs. Throughputs: output tok/s = prompts * output_len / s,
-total tok/s = prompts * (input_len + output_len) / s, req/s = prompts / s.
+Each backend runs --warmup + --repeats prompt sets (run i uses the same ids for both backends; with
+both, their runs alternate) and reports the medians of the measured runs. Throughputs: output
+tok/s = prompts * output_len / s, total tok/s = prompts * (input_len + output_len) / s, req/s =
+prompts / s. With both, the transformers model stays loaded beside the engine: the engine's KV
+cache is sized from what memory it leaves.
 """
 
 from __future__ import annotations
@@ -28,40 +30,57 @@ def run_offline(args: argparse.Namespace) -> int:
     pool = token_pool(config.model_path)
     prompt_sets = [random_prompts(pool, args.num_prompts, args.input_len, args.seed, run)
                    for run in range(args.warmup + args.repeats)]
-    runs = {}
-    # transformers first: its model is freed before the engine sizes its KV cache from free memory.
-    if args.backend in ("hf", "both"):
-        runs["hf"] = bench_hf(args, config, prompt_sets)
-    if args.backend in ("pdserve", "both"):
-        runs["pdserve"] = bench_pdserve(args, config, prompt_sets)
+    timers = {}
+    try:
+        # transformers first: the engine sizes its KV cache from the memory left beside its model.
+        if args.backend in ("hf", "both"):
+            timers["hf"] = HFTimer(args, config)
+        if args.backend in ("pdserve", "both"):
+            timers["pdserve"] = EngineTimer(args, config)
+        runs = {name: [] for name in timers}
+        # Interleaved, run i of each backend back to back: a stretch when the machine is slower
+        # (its host is shared) then hits both backends alike instead of skewing their ratio.
+        for run, prompts in enumerate(prompt_sets):
+            for name, timer in timers.items():
+                runs[name].append(run_numbers(args, run, timer(prompts)))
+                print_run(name, args, runs[name][-1])
+    finally:
+        for timer in timers.values():
+            timer.close()
     report = offline_report(args, config, runs)
     print_summary(args, report)
     emit(report, args.output_json)
     return 0
 
 
-def bench_pdserve(args: argparse.Namespace, config, prompt_sets: list[list[list[int]]]) -> list[dict]:
-    from pdserve.bench.hf import synchronize
-    from pdserve.common.engine import Engine
-    from pdserve.common.types import SamplingParams
+class EngineTimer:
+    """`timer(prompts)`: seconds for the engine to generate them all (checked afterwards)."""
 
-    engine = Engine(config)
-    capacity, workload = engine.stats()["kv_total_tokens"], args.num_prompts * (args.input_len + args.output_len)
-    if capacity < workload:
-        print(f"note: the KV cache holds {capacity} tokens, the workload {workload}: not every prompt runs at once "
-              f"(--max-total-tokens, --kv-cache-memory-gb or --mem-fraction-static size it)", flush=True)
-    params = SamplingParams(max_new_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
-    runs = []
-    for run, prompts in enumerate(prompt_sets):
-        synchronize(config.device)
+    def __init__(self, args: argparse.Namespace, config) -> None:
+        from pdserve.common.engine import Engine
+        from pdserve.common.types import SamplingParams
+
+        self.engine = Engine(config)
+        self.output_len, self.device = args.output_len, config.device
+        capacity, workload = self.engine.stats()["kv_total_tokens"], args.num_prompts * (args.input_len + args.output_len)
+        if capacity < workload:
+            print(f"note: the KV cache holds {capacity} tokens, the workload {workload}: not every prompt runs at once "
+                  f"(--max-total-tokens, --kv-cache-memory-gb or --mem-fraction-static size it)", flush=True)
+        self.params = SamplingParams(max_new_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+
+    def __call__(self, prompts: list[list[int]]) -> float:
+        from pdserve.bench.hf import synchronize
+
+        synchronize(self.device)
         start = time.perf_counter()
-        completions = engine.generate(prompts, params)
-        synchronize(config.device)
+        completions = self.engine.generate(prompts, self.params)
+        synchronize(self.device)
         elapsed = time.perf_counter() - start
-        check_completions(completions, args.output_len)
-        runs.append(run_numbers(args, run, elapsed))
-        print_run("pdserve", args, runs[-1])
-    return runs
+        check_completions(completions, self.output_len)
+        return elapsed
+
+    def close(self) -> None:
+        self.engine = None
 
 
 def check_completions(completions, output_len: int) -> None:
@@ -72,19 +91,29 @@ def check_completions(completions, output_len: int) -> None:
                                f"(finish_reason {c.finish_reason.value}, error {c.error})")
 
 
-def bench_hf(args: argparse.Namespace, config, prompt_sets: list[list[list[int]]]) -> list[dict]:
-    from pdserve.bench.hf import cudnn_attention_off, free_hf_model, hf_generate_timed, load_hf_model
+class HFTimer:
+    """`timer(prompts)`: seconds for transformers `generate` (SDPA's cuDNN path off, see hf.py)."""
 
-    model = load_hf_model(config.model_path, config.device, config.dtype)
-    runs = []
-    with cudnn_attention_off():
-        for run, prompts in enumerate(prompt_sets):
-            elapsed = hf_generate_timed(model, prompts, args.output_len, args.hf_batch_size, args.temperature,
-                                        config.device)
-            runs.append(run_numbers(args, run, elapsed))
-            print_run("hf", args, runs[-1])
-    free_hf_model(model)
-    return runs
+    def __init__(self, args: argparse.Namespace, config) -> None:
+        from pdserve.bench.hf import load_hf_model
+
+        self.model = load_hf_model(config.model_path, config.device, config.dtype)
+        self.args, self.device = args, config.device
+
+    def __call__(self, prompts: list[list[int]]) -> float:
+        from pdserve.bench.hf import cudnn_attention_off, hf_generate_timed
+
+        args = self.args
+        with cudnn_attention_off():
+            return hf_generate_timed(self.model, prompts, args.output_len, args.hf_batch_size, args.temperature,
+                                     self.device)
+
+    def close(self) -> None:
+        from pdserve.bench.hf import free_hf_model
+
+        if self.model is not None:
+            model, self.model = self.model, None
+            free_hf_model(model)
 
 
 def run_numbers(args: argparse.Namespace, run: int, elapsed: float) -> dict:

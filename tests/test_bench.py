@@ -5,6 +5,7 @@ models (offline: engine and transformers; serve: a real local stack, and transfo
 import asyncio
 import json
 import math
+import re
 import time
 from types import SimpleNamespace
 
@@ -268,9 +269,13 @@ def test_offline_both_backends_on_a_tiny_model(cache, tmp_path, capsys):
             "--output-len", "4", "--backend", "both", "--warmup", "1", "--repeats", "2", "--device", "cpu",
             "--disable-overlap-schedule", "--output-json", str(out)]
     assert main(argv) == 0
-    report = report_of(capsys)
+    out_text = capsys.readouterr().out
+    report = json.loads(out_text.strip().splitlines()[-1])
     assert report == json.loads(out.read_text())
     assert report["command"] == "pdserve " + " ".join(argv)
+    # The backends take turns, run by run, so a slow stretch of the machine hits both.
+    order = [line.split()[0] for line in out_text.splitlines() if re.match(r"\w+ (run|warmup) \d+/\d+: ", line)]
+    assert order == ["hf", "pdserve"] * 3, order
     assert (report["device"], report["dtype"], report["random_weights"]) == ("cpu", "float32", "qwen3/tiny")
     assert report["engine_config"]["disable_overlap_schedule"] is True
     for backend in ("pdserve", "hf"):
