@@ -20,7 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+
+# numpy builds an array from a list ~3x faster than torch.tensor (128 x 6 ints: 14 vs 45 us).
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
 
 
 def h2d(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -29,7 +34,8 @@ def h2d(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     NOTE: on CUDA a copy from pageable memory synchronizes with the stream first, which after the
     WAR barrier means waiting for the forward in flight; pinned + non_blocking only queues it.
     """
-    tensor = torch.tensor(values, dtype=dtype)
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    tensor = torch.from_numpy(np.array(values, dtype=np_dtype)) if np_dtype else torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)

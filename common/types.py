@@ -8,6 +8,7 @@ Torch-free on purpose: the router imports these to validate requests and must no
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -80,7 +81,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    @property
+    @functools.cached_property  # read for every request of every decode step
     def plain_greedy(self) -> bool:
         """The argmax of the raw logits is all this request's sampling needs (no tensor at all)."""
         return self.greedy and not self.has_penalties and self.min_new_tokens == 0 and self.logprobs is None
