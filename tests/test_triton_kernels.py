@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pdserve.common.attention.triton_decode import DecodeWorkspace, decode_attention, kv_heads_per_program, num_kv_splits_for
+from pdserve.common.attention.triton_decode import DecodeWorkspace, decode_attention, num_kv_splits_for
 from pdserve.common.attention.triton_extend import extend_attention
 from pdserve.common.attention.triton_store import store_kv
 
@@ -176,6 +176,7 @@ DECODE_CASES = {
     "gqa8-one-split": (16, 2, 16, 4, None, 1, [9, 65, 150]),
     "gqa72-two-head-blocks": (72, 1, 16, 16, None, 2, [1, 70]),
     "mha-window-many-splits": (2, 2, 16, 4, 3, 16, [1, 2, 3, 4, 40]),
+    "gqa2-window-one-split": (4, 2, 16, 4, 37, 1, [1, 36, 37, 38, 100, 129]),  # windows start mid-block
 }
 
 
@@ -190,7 +191,9 @@ def test_decode_matches_reference(name, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("name", ["mha", "gqa2-d24", "gqa4-window", "gqa4-d40-many-splits", "gqa72-two-head-blocks"])
+@pytest.mark.parametrize(
+    "name", ["mha", "gqa2-d24", "gqa4-window", "gqa4-d40-many-splits", "gqa72-two-head-blocks", "gqa2-window-one-split"]
+)
 def test_decode_stores_the_new_kv_in_the_same_launch(name, dtype):
     """k_new/v_new given: the kernel writes them at out_loc and attends to them (bitwise the pool
     store_kv would leave, and the reference over that pool)."""
@@ -213,43 +216,6 @@ def test_decode_stores_the_new_kv_in_the_same_launch(name, dtype):
     )
     assert torch.equal(case.k_buf, expected_k) and torch.equal(case.v_buf, expected_v)
     assert_close(out, reference_attention(case, scale, window), dtype)  # case now holds the stored pool
-
-
-def test_kv_heads_per_program_pairs_only_mha_at_a_large_batch():
-    assert kv_heads_per_program(128, 12, 12, 1) == 2  # GPT-2 at batch 128
-    assert kv_heads_per_program(8, 12, 12, 1) == 1  # few programs: keep them all
-    assert kv_heads_per_program(128, 12, 12, 2) == 1  # split: already short programs
-    assert kv_heads_per_program(512, 3, 3, 1) == 1  # an odd head count
-    assert kv_heads_per_program(128, 32, 8, 1) == 1  # GQA
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("store", [False, True], ids=["pool", "store-new"])
-def test_decode_with_two_kv_heads_per_program(monkeypatch, dtype, store):
-    """The paired-head programs (lowered here to a small batch) match the reference, windowed,
-    and store both heads' new K/V."""
-    from pdserve.common.attention import triton_decode
-
-    monkeypatch.setattr(triton_decode, "PAIRED_HEADS_MIN_PROGRAMS", 1)
-    heads, head_dim, window, seq_lens = 4, 16, 9, [1, 5, 17, 67, 130]
-    assert kv_heads_per_program(len(seq_lens), heads, heads, 1) == 2
-    case = build_case(seq_lens, [1] * len(seq_lens), heads, heads, head_dim, 4, dtype, seed=6)
-    gen = torch.Generator().manual_seed(9)
-    kv_new = torch.randn(len(seq_lens), 2 * heads, head_dim, generator=gen).to(DEVICE, dtype)
-    k_new, v_new = kv_new[:, :heads], kv_new[:, heads:]
-    out_loc = torch.stack([case.req_to_token[r, n - 1].long() for r, n in zip(case.rows, case.seq_lens_host)])
-    expected_k, expected_v = case.k_buf.clone(), case.v_buf.clone()
-    if store:
-        store_kv(expected_k, expected_v, out_loc, k_new, v_new)
-    workspace = DecodeWorkspace(len(seq_lens), heads, head_dim, 1, case.q.device)
-    out = torch.full_like(case.q, float("nan"))
-    new = (k_new, v_new, out_loc) if store else ()
-    decode_attention(
-        case.q, case.k_buf, case.v_buf, out, case.req_to_token, case.req_pool_indices, case.seq_lens,
-        head_dim**-0.5, window, 1, workspace, *new,
-    )
-    assert torch.equal(case.k_buf, expected_k) and torch.equal(case.v_buf, expected_v)
-    assert_close(out, reference_attention(case, head_dim**-0.5, window), dtype)
 
 
 def test_decode_window_zero_means_off():

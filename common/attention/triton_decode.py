@@ -8,7 +8,7 @@ heads): merges the splits. Splitting the KV keeps the GPU full when the batch is
 one split, stage 1 writes the output itself and stage 2 is not launched.
 
 A program serves up to BLOCK_H query heads of one KV head with tl.dot, so K and V are read once
-per group (MHA at a large batch: two KV heads, one after the other). tl.dot needs every dim >= 16 on the GPU, so the head block is padded up to 16: a group
+per group. tl.dot needs every dim >= 16 on the GPU, so the head block is padded up to 16: a group
 of 4 (or MHA's group of 1) leaves rows idle — tensor-core work, not bytes; on an H200 this beat
 an elementwise MHA kernel.
 
@@ -110,7 +110,6 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     STORE_NEW: tl.constexpr,
-    KV_HEADS_PER_PROGRAM: tl.constexpr,
     WINDOWED: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
@@ -141,58 +140,57 @@ def _decode_split_kernel(
     in_group = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = in_group < group_size
     mask_hd = mask_h[:, None] & mask_d[None, :]
-    for kv_in_program in tl.static_range(KV_HEADS_PER_PROGRAM):
-        kv_head = (tl.program_id(1) // head_blocks_per_group) * KV_HEADS_PER_PROGRAM + kv_in_program
-        offs_h = kv_head * group_size + in_group
-        q_ptrs = q + req_64 * stride_q_b + offs_h[:, None] * stride_q_h + offs_d[None, :]
-        q_tile = tl.load(q_ptrs, mask=mask_hd, other=0.0)  # [BLOCK_H, BLOCK_D]
+    kv_head = tl.program_id(1) // head_blocks_per_group
+    offs_h = kv_head * group_size + in_group
+    q_ptrs = q + req_64 * stride_q_b + offs_h[:, None] * stride_q_h + offs_d[None, :]
+    q_tile = tl.load(q_ptrs, mask=mask_hd, other=0.0)  # [BLOCK_H, BLOCK_D]
 
-        # A finite floor instead of -inf: exp2(m_old - m_new) stays 0 or 1, never nan.
-        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        kv_head_offset = kv_head.to(tl.int64) * stride_buf_h
-        if STORE_NEW:
-            # This step's K and V go into the pool here instead of in a launch of their own: the
-            # program whose split holds the new position writes its KV head's row, and the CTA
-            # barrier makes the write visible to the loads below (no other program reads it).
-            if (seq_len - 1 >= start) & (seq_len - 1 < end):
-                slot = tl.load(out_loc + req).to(tl.int64)
-                dst = slot * stride_buf_s + kv_head_offset + offs_d
-                k_row = tl.load(k_new + req_64 * stride_kn_b + kv_head * stride_kn_h + offs_d, mask=mask_d)
-                tl.store(k_buf + dst, k_row.to(k_buf.dtype.element_ty), mask=mask_d)
-                v_row = tl.load(v_new + req_64 * stride_vn_b + kv_head * stride_vn_h + offs_d, mask=mask_d)
-                tl.store(v_buf + dst, v_row.to(v_buf.dtype.element_ty), mask=mask_d)
-            tl.debug_barrier()
-        if INTERPRETED:
-            # NOTE: Triton 3.6's interpreter int()s range() bounds, which numpy >= 2.4 refuses for
-            # its 1-element scalars (triton#9171); it walks the same blocks with a while loop.
-            block_start = start
-            while block_start < end:
-                m_i, l_i, acc = _attend_block(
-                    q_tile, m_i, l_i, acc, block_start, lo, end, row_slots, k_buf, v_buf, kv_head_offset,
-                    stride_buf_s, qk_scale, offs_d, mask_d, BLOCK_N, DOT_PRECISION, WINDOWED,
-                )
-                block_start += BLOCK_N
-        else:
-            for block_start in range(start, end, BLOCK_N):
-                m_i, l_i, acc = _attend_block(
-                    q_tile, m_i, l_i, acc, block_start, lo, end, row_slots, k_buf, v_buf, kv_head_offset,
-                    stride_buf_s, qk_scale, offs_d, mask_d, BLOCK_N, DOT_PRECISION, WINDOWED,
-                )
+    # A finite floor instead of -inf: exp2(m_old - m_new) stays 0 or 1, never nan.
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    kv_head_offset = kv_head.to(tl.int64) * stride_buf_h
+    if STORE_NEW:
+        # This step's K and V go into the pool here instead of in a launch of their own: the
+        # program whose split holds the new position writes its KV head's row, and the CTA
+        # barrier makes the write visible to the loads below (no other program reads it).
+        if (seq_len - 1 >= start) & (seq_len - 1 < end):
+            slot = tl.load(out_loc + req).to(tl.int64)
+            dst = slot * stride_buf_s + kv_head_offset + offs_d
+            k_row = tl.load(k_new + req_64 * stride_kn_b + kv_head * stride_kn_h + offs_d, mask=mask_d)
+            tl.store(k_buf + dst, k_row.to(k_buf.dtype.element_ty), mask=mask_d)
+            v_row = tl.load(v_new + req_64 * stride_vn_b + kv_head * stride_vn_h + offs_d, mask=mask_d)
+            tl.store(v_buf + dst, v_row.to(v_buf.dtype.element_ty), mask=mask_d)
+        tl.debug_barrier()
+    if INTERPRETED:
+        # NOTE: Triton 3.6's interpreter int()s range() bounds, which numpy >= 2.4 refuses for
+        # its 1-element scalars (triton#9171); it walks the same blocks with a while loop.
+        block_start = start
+        while block_start < end:
+            m_i, l_i, acc = _attend_block(
+                q_tile, m_i, l_i, acc, block_start, lo, end, row_slots, k_buf, v_buf, kv_head_offset,
+                stride_buf_s, qk_scale, offs_d, mask_d, BLOCK_N, DOT_PRECISION, WINDOWED,
+            )
+            block_start += BLOCK_N
+    else:
+        for block_start in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_block(
+                q_tile, m_i, l_i, acc, block_start, lo, end, row_slots, k_buf, v_buf, kv_head_offset,
+                stride_buf_s, qk_scale, offs_d, mask_d, BLOCK_N, DOT_PRECISION, WINDOWED,
+            )
 
-        if SINGLE_SPLIT:
-            # Every visible key is in this split: its normalised output is the final one.
-            o_ptrs = out + req_64 * stride_o_b + offs_h[:, None] * stride_o_h + offs_d[None, :]
-            out_tile = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-            tl.store(o_ptrs, out_tile.to(out.dtype.element_ty), mask=mask_hd)
-        else:
-            # An empty split writes out 0 and lse -inf, so stage 2 gives it weight 0.
-            has_keys = l_i > 0.0
-            lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-            po_ptrs = partial_out + req_64 * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s
-            tl.store(po_ptrs + offs_d[None, :], acc / tl.where(has_keys, l_i, 1.0)[:, None], mask=mask_hd)
-            tl.store(partial_lse + req_64 * stride_lse_b + offs_h * stride_lse_h + split, lse, mask=mask_h)
+    if SINGLE_SPLIT:
+        # Every visible key is in this split: its normalised output is the final one.
+        o_ptrs = out + req_64 * stride_o_b + offs_h[:, None] * stride_o_h + offs_d[None, :]
+        out_tile = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(o_ptrs, out_tile.to(out.dtype.element_ty), mask=mask_hd)
+    else:
+        # An empty split writes out 0 and lse -inf, so stage 2 gives it weight 0.
+        has_keys = l_i > 0.0
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        po_ptrs = partial_out + req_64 * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s
+        tl.store(po_ptrs + offs_d[None, :], acc / tl.where(has_keys, l_i, 1.0)[:, None], mask=mask_hd)
+        tl.store(partial_lse + req_64 * stride_lse_b + offs_h * stride_lse_h + split, lse, mask=mask_h)
 
 
 @triton.jit
@@ -241,29 +239,16 @@ def _head_block(group_size: int) -> int:
     return max(16, min(64, triton.next_power_of_2(group_size)))
 
 
-def _split_config(block_d: int, group_size: int) -> dict:
+def _split_config(block_d: int, group_size: int, store: bool) -> dict:
     """Stage 1's keys per iteration (BLOCK_N), warps and stages, tuned on an H200 in bf16 at batch
-    128 with ~300-token contexts (bench/tune_kernels.py): GQA 4 at head_dim 64 runs best with 32
-    keys x 3 stages (24.9 vs 28.9 us a layer with 64 x 2); MHA with 64 keys x 2 stages, paired
-    heads or not (3 stages: 35.0 us unpaired, 44.3 paired)."""
-    if group_size > 1 and block_d <= 64:
-        return dict(BLOCK_N=32, num_warps=2, num_stages=3)
-    return dict(BLOCK_N=64, num_warps=2 if block_d <= 64 else 4, num_stages=2)
-
-
-# MHA with at least this many (request, head) programs walks two KV heads per program, one after
-# the other: GPT-2 at batch 128 on an H200, 34.6 vs 34.9 us a layer (fewer, longer programs: less
-# of each one's start-up latency - seq_len, then its row, then its slots - is exposed). GQA groups
-# already share a program per KV head; two of them per program were slower.
-PAIRED_HEADS_MIN_PROGRAMS = 1024
-
-
-def kv_heads_per_program(batch_size: int, num_heads: int, num_kv_heads: int, num_kv_splits: int) -> int:
-    """KV heads one stage-1 program walks: 2 for MHA at a large batch with one split, else 1."""
-    mha, even = num_heads == num_kv_heads, num_kv_heads % 2 == 0
-    if mha and even and num_kv_splits == 1 and batch_size * num_kv_heads >= PAIRED_HEADS_MIN_PROGRAMS:
-        return 2
-    return 1
+    128 with ~300-token contexts (devscripts-style sweeps of this kernel, bench/tune_kernels.py):
+    GQA 4 at head_dim 64: 64 keys x 2 stages, 23.7 us a layer (32 x 3: 24.7); MHA storing the
+    step's K/V (GPT-2): 32 keys, 35.8 us (64 keys: 38.0)."""
+    if block_d > 64:
+        return dict(BLOCK_N=64, num_warps=4, num_stages=2)
+    if group_size == 1 and store:
+        return dict(BLOCK_N=32, num_warps=2, num_stages=2)
+    return dict(BLOCK_N=64, num_warps=2, num_stages=2)
 
 
 def num_kv_splits_for(batch_size: int, num_heads: int, num_kv_heads: int, max_kv_splits: int) -> int:
@@ -331,8 +316,7 @@ def decode_attention(
         assert k_new.stride(2) == v_new.stride(2) == 1
     else:
         k_new = v_new = out_loc = q  # not read
-    per_program = kv_heads_per_program(batch, num_heads, num_kv_heads, num_kv_splits)
-    grid = (batch, num_kv_heads // per_program * head_blocks_per_group, num_kv_splits)
+    grid = (batch, num_kv_heads * head_blocks_per_group, num_kv_splits)
     _decode_split_kernel[grid](
         q,
         k_buf,
@@ -373,10 +357,9 @@ def decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 must not drop to tf32
         SINGLE_SPLIT=num_kv_splits == 1,
         STORE_NEW=store,
-        KV_HEADS_PER_PROGRAM=per_program,
         WINDOWED=window != NO_WINDOW,
         INTERPRETED=INTERPRETED,
-        **_split_config(block_d, group_size),
+        **_split_config(block_d, group_size, store),
     )
     if num_kv_splits == 1:
         return
