@@ -126,10 +126,6 @@ class Engine:
         return result
 
     def process(self, batch: ForwardBatch, result: ForwardResult) -> list[Completion]:
-        # While the device is still busy, the host decodes text that finishing requests would
-        # otherwise owe all at once (a batch at a time; each takes a fraction of a decode step).
-        while not result.copy_done.query() and self.scheduler.detokenize_ahead():
-            pass
         result.copy_done.synchronize()  # the one place the host waits for the device
         self.trace.append(("process", batch.seq))
         host = self.runner.host_sample_output(result)

@@ -30,7 +30,7 @@ import torch
 from pdserve.common.batch import ForwardBatch, ForwardMode
 from pdserve.common.config import EngineConfig
 from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for, slots_for_positions
-from pdserve.common.output_processor import append_token, catch_up_text, finalize, finalize_all
+from pdserve.common.output_processor import append_token, finalize, finalize_all
 from pdserve.common.overlap import h2d, h2d_array
 from pdserve.common.radix_cache import RadixCache
 from pdserve.common.types import Completion, FinishReason, Req, SamplingParams, TokenLogprob
@@ -412,24 +412,6 @@ class Scheduler:
             return []
         self.running = [r for r in self.running if not r.finished]
         return finalize_all(done)
-
-    def detokenize_ahead(self, max_reqs: int = 16, min_owed: int = 8) -> bool:
-        """Idle-time work: catch up the text of up to max_reqs running requests that owe at least
-        min_owed tokens of it. False when none does (nothing was done).
-
-        NOTE: the caller checks the device between calls, so one call must stay well under a decode
-        step: 64 requests at a time delayed launches on an H200 (GPT-2 at batch 128: 2.5 ms of GPU
-        idle per run, as much as the finishing decode it saved); 16 take ~0.1 ms."""
-        owing = []
-        for req in self.running:
-            detok = req.detokenizer
-            if detok is not None and not req.finished and len(req.output_ids) - detok.num_output() >= min_owed:
-                owing.append(req)
-                if len(owing) == max_reqs:
-                    break
-        if owing:
-            catch_up_text(owing)
-        return bool(owing)
 
     def kv_used_tokens(self) -> int:
         """KV tokens held by requests: neither free nor cached-and-evictable."""
