@@ -287,6 +287,9 @@ def test_offline_both_backends_on_a_tiny_model(cache, tmp_path, capsys):
         assert report["backends"][backend]["median"]["output_tok_s"] > 0
     ratio = report["backends"]["pdserve"]["median"]["output_tok_s"] / report["backends"]["hf"]["median"]["output_tok_s"]
     assert report["pdserve_over_hf_output_tok_s"] == pytest.approx(ratio)
+    pdserve_runs, hf_runs = report["backends"]["pdserve"]["runs"][1:], report["backends"]["hf"]["runs"][1:]
+    paired = sorted(p["output_tok_s"] / h["output_tok_s"] for p, h in zip(pdserve_runs, hf_runs))
+    assert report["pdserve_over_hf_paired_median"] == pytest.approx((paired[0] + paired[1]) / 2)
 
 
 def test_bad_options_exit_2(cache, capsys):
