@@ -218,6 +218,18 @@ def test_decode_stores_the_new_kv_in_the_same_launch(name, dtype):
     assert_close(out, reference_attention(case, scale, window), dtype)  # case now holds the stored pool
 
 
+@pytest.mark.parametrize("name", ["mha", "gqa4-window", "gqa2-window-one-split", "mha-window-many-splits"])
+def test_decode_with_32_key_blocks(monkeypatch, name):
+    """The 32-key blocks that MHA at a large batch runs with (forced here for small cases)."""
+    from pdserve.common.attention import triton_decode
+
+    monkeypatch.setattr(triton_decode, "_split_config", lambda *args: dict(BLOCK_N=32, num_warps=2, num_stages=2))
+    heads, kv_heads, head_dim, page_size, window, splits, seq_lens = DECODE_CASES[name]
+    case = build_case(seq_lens, [1] * len(seq_lens), heads, kv_heads, head_dim, page_size, torch.float16, num_padded=2)
+    scale = head_dim**-0.5
+    assert_close(run_decode(case, scale, window, splits), reference_attention(case, scale, window), torch.float16)
+
+
 def test_decode_window_zero_means_off():
     case = build_case([5, 40], [1, 1], 4, 2, 16, 4, torch.float32)
     assert_close(run_decode(case, 0.25, 0, 2), reference_attention(case, 0.25, None), torch.float32)

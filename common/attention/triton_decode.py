@@ -21,6 +21,8 @@ TRITON_INTERPRET when a @triton.jit function is defined, and the CPU tests set i
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -239,16 +241,25 @@ def _head_block(group_size: int) -> int:
     return max(16, min(64, triton.next_power_of_2(group_size)))
 
 
-def _split_config(block_d: int, group_size: int, store: bool) -> dict:
-    """Stage 1's keys per iteration (BLOCK_N), warps and stages, tuned on an H200 in bf16 at batch
-    128 with ~300-token contexts (devscripts-style sweeps of this kernel, bench/tune_kernels.py):
-    GQA 4 at head_dim 64: 64 keys x 2 stages, 23.7 us a layer (32 x 3: 24.7); MHA storing the
-    step's K/V (GPT-2): 32 keys, 35.8 us (64 keys: 38.0)."""
+def _split_config(block_d: int, group_size: int, programs: int, num_sms: int) -> dict:
+    """Stage 1's keys per iteration (BLOCK_N), warps and stages, tuned on an H200 in bf16 with
+    ~300-token contexts (devscripts-style sweeps of this kernel, bench/tune_kernels.py): 64 keys x
+    2 stages (Llama's GQA 4 at batch 128: 23.4 us a layer; 32 x 3: 24.8), except for MHA with more
+    programs than fit an SM 8 at a time (~114 registers each at 64 keys): there 32-key blocks win
+    (GPT-2 with its K/V store, 12 heads: batch 128 35.8 vs 37.9 us, batch 96 30.2 vs 33.0; batch 80
+    and below 64 keys win, 23.4 vs 28.1 us at 80, 14.5 vs 21.7 at 32)."""
     if block_d > 64:
         return dict(BLOCK_N=64, num_warps=4, num_stages=2)
-    if group_size == 1 and store:
+    if group_size == 1 and programs > 8 * num_sms:
         return dict(BLOCK_N=32, num_warps=2, num_stages=2)
     return dict(BLOCK_N=64, num_warps=2, num_stages=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: any count will do
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def num_kv_splits_for(batch_size: int, num_heads: int, num_kv_heads: int, max_kv_splits: int) -> int:
@@ -359,7 +370,7 @@ def decode_attention(
         STORE_NEW=store,
         WINDOWED=window != NO_WINDOW,
         INTERPRETED=INTERPRETED,
-        **_split_config(block_d, group_size, store),
+        **_split_config(block_d, group_size, grid[0] * grid[1] * grid[2], _num_sms(q.device)),
     )
     if num_kv_splits == 1:
         return
