@@ -132,7 +132,9 @@ class Router:
         self.metrics.e2e.observe(time.monotonic() - started)
         before = len(req.text)
         completion = finalize(req)
-        if on_text is not None and len(completion.text) > before:
+        # The last chunk also carries logprobs of tokens that added no text (an EOS or stop id):
+        # a streamed answer reports the same tokens' logprobs as the whole one.
+        if on_text is not None and (len(completion.text) > before or len(req.output_logprobs) > reported):
             await on_text(completion.text[before:], req.output_logprobs[reported:])
         return completion
 
@@ -321,7 +323,8 @@ def create_app(router: Router) -> FastAPI:
                 queue: asyncio.Queue = asyncio.Queue()
 
                 async def on_text(delta, logprobs):
-                    await queue.put({"text": delta})
+                    if delta:
+                        await queue.put({"text": delta})
 
                 task = asyncio.create_task(router.choice(ids, params, on_text))
                 try:

@@ -115,6 +115,23 @@ def test_logprobs_come_through_the_router(deployment):
     assert len(chat.choices[0].logprobs.content) == 4 and len(chat.choices[0].logprobs.content[0].top_logprobs) == 3
 
 
+def test_streamed_logprobs_include_the_token_that_stopped_it(deployment):
+    """A stop id (like an EOS) adds no text, but its logprob is reported streamed as unstreamed."""
+    model, _, client = deployment
+    free = client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = free.choices[0].model_extra["token_ids"]
+    stop_id = ids[3]
+    kwargs = dict(model=model, prompt="Hello", max_tokens=8, temperature=0, logprobs=1,
+                  extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    whole = client.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "stop" and len(whole.logprobs.token_logprobs) == ids.index(stop_id) + 1
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed == whole.logprobs.token_logprobs
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.text
+
+
 def test_streamed_logprobs_cover_every_token(deployment):
     model, _, client = deployment
     chunks = list(client.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=0, logprobs=1,
