@@ -186,3 +186,64 @@ def test_flush_all_equals_flush_one_at_a_time(tokenizer, clean_up):
     expected = [d.flush() for d in one]
     assert flush_all(together) == expected
     assert [d.text for d in together] == [d.text for d in one]
+
+
+@pytest.fixture(scope="module")
+def metaspace_tokenizer():
+    """SentencePiece-style: a decode drops the space of its first word, so a window needs context."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<unk>"], show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", clean_up_tokenization_spaces=False
+    )
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace"])
+def test_catching_up_in_batches_matches_a_full_decode(tokenizer, metaspace_tokenizer, kind, skip):
+    """Text decoded a batch at a time, whenever some tokens were owed (the engine's idle-time
+    catch-up), then flushed, equals the whole output decoded in one flush: windows cut
+    mid-character, runs of lone bytes and special tokens, and words whose leading space a
+    window-start decode would drop (SentencePiece-style) included."""
+    from pdserve.common.detokenizer import emit_all, flush_all
+
+    tokenizer = tokenizer if kind == "byte_level" else metaspace_tokenizer
+    rng = random.Random(99)
+    vocab = len(tokenizer)
+    byte_tokens = [i for i in range(vocab) if tokenizer.decode([i]) == "\ufffd"] or [2]
+    for _ in range(40):
+        batch, outputs, expected = [], [], []  # expected: the whole output decoded in one flush
+        for _ in range(8):
+            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+            output = []
+            while len(output) < 40:
+                kind = rng.random()
+                if kind < 0.3:
+                    output.append(rng.choice(byte_tokens))
+                elif kind < 0.4:
+                    output.append(rng.choice([0, 1]))
+                elif kind < 0.6:
+                    output.append(rng.randrange(vocab))
+                else:
+                    output += tokenizer.encode(rng.choice(TEXTS)[: rng.randrange(1, 20)], add_special_tokens=False)
+            batch.append(IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip))
+            outputs.append(output)
+            at_once = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip)
+            at_once.tokens += output
+            at_once.flush()
+            expected.append(at_once.text)
+        fed = [0] * len(batch)
+        while any(n < len(o) for n, o in zip(fed, outputs)):
+            for i, d in enumerate(batch):
+                step = rng.randrange(0, 12)
+                d.tokens += outputs[i][fed[i] : fed[i] + step]
+                fed[i] = min(fed[i] + step, len(outputs[i]))
+            for piece in emit_all(batch, final=False):
+                assert not piece.endswith("\ufffd")  # an incomplete character is held back
+        flush_all(batch)
+        assert [d.text for d in batch] == expected
+        if kind == "byte_level":  # no leading-space rule: the context changes nothing
+            assert expected == [tokenizer.decode(output, skip_special_tokens=skip) for output in outputs]
