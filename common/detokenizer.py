@@ -79,9 +79,6 @@ class IncrementalDetokenizer:
         if len(new_text) <= len(prefix_text) or (not final and new_text.endswith(REPLACEMENT_CHAR)):
             return ""
         delta = new_text[len(prefix_text) :]
-        # NOTE: the next window starts at this one's read offset, however far back: cutting it to
-        # a few tokens can leave a prefix of skipped special tokens only, and a SentencePiece
-        # decode then drops the space of the first new word (the catch-up test has such a case).
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         self.text += delta
         return delta
@@ -107,11 +104,6 @@ class IncrementalDetokenizer:
 def flush_all(detokenizers: list[IncrementalDetokenizer]) -> list[str]:
     """flush() of each, with their decodes in one batch per tokenizer (a fast tokenizer decodes a
     batch on several threads): what finishing a whole batch of sequences at once costs."""
-    return emit_all(detokenizers, final=True)
-
-
-def emit_all(detokenizers: list[IncrementalDetokenizer], final: bool) -> list[str]:
-    """emit_ready() (final=False) or flush() (final=True) of each, decoded in one batch per tokenizer."""
     out: list[str] = [""] * len(detokenizers)
     groups: dict[tuple[int, bool], list[int]] = {}
     for i, d in enumerate(detokenizers):
@@ -132,7 +124,7 @@ def emit_all(detokenizers: list[IncrementalDetokenizer], final: bool) -> list[st
         for i, (prefix_at, new_at) in zip(members, slots):
             d = detokenizers[i]
             prefix_text = d._context_text if prefix_at is None else texts[prefix_at]
-            out[i] = d._advance(prefix_text, texts[new_at], final)
+            out[i] = d._advance(prefix_text, texts[new_at], final=True)
     return out
 
 

@@ -251,12 +251,6 @@ class LoopState:
             batch = engine.scheduler.get_next_batch_to_run()
             if batch is None:
                 if self.inflight:
-                    if self.poll is None and not engine.scheduler.has_queued():
-                        # Nothing to launch, nothing queued, nothing can arrive: the device runs
-                        # the last steps alone, and the host decodes the text owed so far
-                        # meanwhile (one batch), leaving a token or two each for the end. Done
-                        # while steps were still being launched, it delayed them as much as it saved.
-                        engine.scheduler.catch_up_text()
                     done += engine.process(*self.inflight.popleft())
                 elif self.poll is None and engine.scheduler.has_work():
                     raise RuntimeError(f"scheduler stalled with work queued: {engine.stats()}")

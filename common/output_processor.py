@@ -11,7 +11,7 @@ min_new_tokens is enforced at sampling time (EOS and stop ids are masked until i
 
 from __future__ import annotations
 
-from pdserve.common.detokenizer import emit_all, find_stop_string, flush_all
+from pdserve.common.detokenizer import find_stop_string, flush_all
 from pdserve.common.types import Completion, FinishReason, Req, TokenLogprob
 
 
@@ -45,17 +45,6 @@ def _append_text(req: Req, delta: str) -> None:
         index, stop = match
         req.text = req.text[: index + len(stop)] if params.include_stop_str_in_output else req.text[:index]
         req.finish_reason, req.matched_stop = FinishReason.STOP, stop
-
-
-def catch_up_text(reqs: list[Req]) -> None:
-    """Decode, in one batch, the text that running requests owe: those that need their text only
-    when they finish (no stop strings, not streamed) and have tokens not detokenized yet. Finishing
-    them then costs a few tokens' decode instead of the whole output's."""
-    for req in reqs:
-        detok = req.detokenizer
-        detok.tokens += req.output_ids[detok.num_output() :]  # unfinished: every token is text
-    for req, text in zip(reqs, emit_all([r.detokenizer for r in reqs], final=False)):
-        _append_text(req, text)
 
 
 def finalize(req: Req) -> Completion:

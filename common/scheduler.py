@@ -30,7 +30,7 @@ import torch
 from pdserve.common.batch import ForwardBatch, ForwardMode
 from pdserve.common.config import EngineConfig
 from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for, slots_for_positions
-from pdserve.common.output_processor import append_token, catch_up_text, finalize, finalize_all
+from pdserve.common.output_processor import append_token, finalize, finalize_all
 from pdserve.common.overlap import h2d, h2d_array
 from pdserve.common.radix_cache import RadixCache
 from pdserve.common.types import Completion, FinishReason, Req, SamplingParams, TokenLogprob
@@ -99,10 +99,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req)
-
-    def has_queued(self) -> bool:
-        """Requests waiting for (more of) a prefill."""
-        return bool(self.waiting or self.chunked_req)
 
     # ---- choosing the next batch ----------------------------------------------------------------
 
@@ -416,14 +412,6 @@ class Scheduler:
             return []
         self.running = [r for r in self.running if not r.finished]
         return finalize_all(done)
-
-    def catch_up_text(self) -> None:
-        """Decode, in one batch, the text every running request owes so far (those whose text is
-        only built at the end), so that finishing them decodes a token or two each."""
-        owing = [r for r in self.running if r.detokenizer is not None and not r.finished
-                 and len(r.output_ids) > r.detokenizer.num_output()]
-        if owing:
-            catch_up_text(owing)
 
     def kv_used_tokens(self) -> int:
         """KV tokens held by requests: neither free nor cached-and-evictable."""

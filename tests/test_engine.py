@@ -186,27 +186,3 @@ def test_mem_fraction_static_is_refused_on_cpu(tiny_models):
 
     with pytest.raises(ValueError, match="sizes GPU memory"):
         Engine(model_path=tiny_models("llama"), device="cpu", mem_fraction_static=0.5)
-
-
-def test_text_decoded_while_the_last_steps_run_equals_text_decoded_at_the_end(make_engine):
-    """Once nothing is left to launch, generate decodes the owed text while the device finishes;
-    the completions are the same as when all of it is decoded when the requests finish."""
-    engine = make_engine("llama", max_running_requests=8)
-    prompts = ["Once upon a time", "The capital of", "1 2 3 4", "x", "A long prompt " * 5]
-    params = [SamplingParams(max_new_tokens=12 + 3 * i, temperature=0, ignore_eos=True) for i in range(4)]
-    params.append(SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True, stop=["zzz-never"]))
-    caught_up = []
-    catch_up = engine.scheduler.catch_up_text
-
-    def counting():
-        caught_up.append(sum(len(r.output_ids) - r.detokenizer.num_output() for r in engine.scheduler.running))
-        catch_up()
-
-    engine.scheduler.catch_up_text = counting
-    while_running = engine.generate(prompts, params)
-    assert caught_up and max(caught_up) > 10  # it ran, with real text owed
-    engine.scheduler.catch_up_text = lambda: None
-    at_the_end = engine.generate(prompts, params)
-    for a, b in zip(while_running, at_the_end):
-        assert (a.output_ids, a.text, a.finish_reason) == (b.output_ids, b.text, b.finish_reason)
-        assert a.text == engine.tokenizer.decode(a.output_ids, skip_special_tokens=True)
