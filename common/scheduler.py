@@ -168,7 +168,7 @@ class Scheduler:
             if not active or len(growing) <= self._available_pages():
                 break
             self._retract_one(active)
-        for req, page in zip(growing, self._alloc_pages(len(growing)) if growing else ()):
+        for req, page in zip(growing, self._alloc_pages(len(growing))):
             req.pages.append(page)
         spans = [(req, req.seq_len - 1, req.seq_len) for req in active]
         return self._build_batch(ForwardMode.DECODE, spans) if spans else None

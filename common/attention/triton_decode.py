@@ -243,7 +243,7 @@ def _head_block(group_size: int) -> int:
 
 def _split_config(block_d: int, group_size: int, programs: int, num_sms: int) -> dict:
     """Stage 1's keys per iteration (BLOCK_N), warps and stages, tuned on an H200 in bf16 with
-    ~300-token contexts (devscripts-style sweeps of this kernel, bench/tune_kernels.py): 64 keys x
+    ~300-token contexts (sweeps of this kernel; bench/tune_kernels.py --attention): 64 keys x
     2 stages (Llama's GQA 4 at batch 128: 23.4 us a layer; 32 x 3: 24.8), except for MHA with more
     programs than fit an SM 8 at a time (~114 registers each at 64 keys): there 32-key blocks win
     (GPT-2 with its K/V store, 12 heads: batch 128 35.8 vs 37.9 us, batch 96 30.2 vs 33.0; batch 80
