@@ -90,6 +90,13 @@ class Tokens(msgspec.Struct, tag=True):
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
 
 
+class StepTokens(msgspec.Struct, tag=True):
+    """Decode: every request's new tokens from one loop step, in one message (one send and one
+    decode per step, however many requests are running)."""
+
+    chunks: list[Tokens]
+
+
 class Finished(msgspec.Struct, tag=True):
     """Decode: the request is over (its last Tokens were sent before this)."""
 
@@ -134,7 +141,7 @@ class Bye(msgspec.Struct, tag=True):
 
 
 ToScheduler = NewRequest | Abort | Drain
-ToFrontend = Ready | Rejected | Destination | Tokens | Finished | PrefillDone | LoadReport | Bye
+ToFrontend = Ready | Rejected | Destination | Tokens | StepTokens | Finished | PrefillDone | LoadReport | Bye
 
 _to_scheduler = msgspec.msgpack.Decoder(ToScheduler)
 _to_frontend = msgspec.msgpack.Decoder(ToFrontend)

@@ -111,6 +111,11 @@ class SchedulerBridge:
                 self.metrics.update(msg)
             elif isinstance(msg, ipc.Bye):
                 self.bye.set()
+            elif isinstance(msg, ipc.StepTokens):
+                for chunk in msg.chunks:
+                    queue = self.queues.get(chunk.rid)
+                    if queue is not None:
+                        queue.put_nowait(chunk)
             elif msg.rid in self.queues:
                 if isinstance(msg, ipc.PrefillDone) and msg.error is None:
                     self.metrics.transfer_seconds.observe(msg.transfer_s)

@@ -50,12 +50,15 @@ class DecodeRole(Role):
         while self.engine.destinations:
             d = self.engine.destinations.popleft()
             send(ipc.Destination(d.rid, d.room, d.page_ids))
+        chunks = []
         for rid, entry in self.active.items():  # stream what each request produced
             req, sent = entry
             if len(req.output_ids) > sent:
                 lps = [(lp.token_id, lp.logprob, lp.top) for lp in req.output_logprobs[sent:]]
-                send(ipc.Tokens(rid, sent, req.output_ids[sent:], lps))
+                chunks.append(ipc.Tokens(rid, sent, req.output_ids[sent:], lps))
                 entry[1] = len(req.output_ids)
+        if chunks:
+            send(ipc.StepTokens(chunks))
         for c in outputs:
             entry = self.active.pop(c.rid, None)
             if entry is not None and len(c.output_ids) > entry[1]:
@@ -101,13 +104,21 @@ class DecodeServicer(CommonRpcs, pb_grpc.DecodeServiceServicer):
         try:
             await self.bridge.send(ipc.NewRequest(rid, list(request.prompt_token_ids), params_from_proto(request.params), request.bootstrap_room))
             deadline = request.deadline_unix_s if request.HasField("deadline_unix_s") else None
+            held = None  # a message taken from the queue while merging token chunks
             while True:
-                timeout = None if deadline is None else max(deadline - time.time(), 0.0)
-                try:
-                    msg = await asyncio.wait_for(queue.get(), timeout)
-                except asyncio.TimeoutError:
-                    yield pb.GenerateResponse(error=pb.Error(code=pb.Error.ABORTED, message="the request's deadline passed"))
-                    return
+                if held is not None:
+                    msg, held = held, None
+                elif not queue.empty():
+                    msg = queue.get_nowait()
+                else:
+                    timeout = None if deadline is None else max(deadline - time.time(), 0.0)
+                    try:
+                        msg = await asyncio.wait_for(queue.get(), timeout)
+                    except asyncio.TimeoutError:
+                        yield pb.GenerateResponse(error=pb.Error(code=pb.Error.ABORTED, message="the request's deadline passed"))
+                        return
+                if isinstance(msg, ipc.Tokens):
+                    msg, held = _merge_queued_tokens(msg, queue)
                 if isinstance(msg, ipc.Destination):
                     yield pb.GenerateResponse(destination=pb.KVDestination(
                         bootstrap_room=msg.room, decode_agent_name=self.ready.agent_name,
@@ -141,3 +152,15 @@ class DecodeServicer(CommonRpcs, pb_grpc.DecodeServiceServicer):
             self.bridge.unsubscribe(rid)
 
 
+def _merge_queued_tokens(first: ipc.Tokens, queue: asyncio.Queue) -> tuple[ipc.Tokens, object]:
+    """`first` with every contiguous token chunk already queued behind it, and the first other
+    message taken (or None). When the stream is slower than the loop, chunks pile up here: one
+    gRPC message then carries several steps' tokens instead of one message per step."""
+    token_ids, logprobs = first.token_ids, first.logprobs
+    while not queue.empty():
+        msg = queue.get_nowait()
+        if not isinstance(msg, ipc.Tokens) or msg.index != first.index + len(token_ids):
+            return ipc.Tokens(first.rid, first.index, token_ids, logprobs), msg
+        token_ids = token_ids + msg.token_ids
+        logprobs = logprobs + msg.logprobs
+    return ipc.Tokens(first.rid, first.index, token_ids, logprobs), None

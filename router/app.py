@@ -108,14 +108,16 @@ class Router:
                         self.metrics.itl.observe((now - last) / len(event.token_ids))
                     last = now
                 logprobs = event.logprobs if params.logprobs is not None else []
+                before = len(req.text)
                 for i, token in enumerate(event.token_ids):
-                    before = len(req.text)
                     append_token(req, token, logprobs[i] if i < len(logprobs) else None, self.eos, self.context_len)
-                    if on_text is not None and len(req.text) > before:
-                        await on_text(req.text[before:], req.output_logprobs[reported:])
-                        reported = len(req.output_logprobs)
                     if req.finished:
                         break
+                # One delta per event: a chunk of several tokens (a stream that fell behind) is
+                # one SSE event, as in vLLM, not one per token.
+                if on_text is not None and len(req.text) > before:
+                    await on_text(req.text[before:], req.output_logprobs[reported:])
+                    reported = len(req.output_logprobs)
                 if req.finished or event.kind == "finish":
                     break
         except UpstreamError as e:
@@ -137,6 +139,27 @@ class Router:
         if on_text is not None and (len(completion.text) > before or len(req.output_logprobs) > reported):
             await on_text(completion.text[before:], req.output_logprobs[reported:])
         return completion
+
+
+_TASK_DONE = object()
+
+
+async def queued_batches(queue: asyncio.Queue, tasks: list[asyncio.Task]):
+    """What `tasks` put on `queue`, as lists of everything queued at once, until every task is done.
+
+    Under load one HTTP write then carries several SSE events; no timer polls an idle stream.
+    """
+    for task in tasks:
+        task.add_done_callback(lambda _: queue.put_nowait(_TASK_DONE))
+    running = len(tasks)
+    while running:
+        items = [await queue.get()]
+        while not queue.empty():
+            items.append(queue.get_nowait())
+        batch = [item for item in items if item is not _TASK_DONE]
+        running -= len(items) - len(batch)
+        if batch:
+            yield batch
 
 
 class ClientGone(Exception):
@@ -284,14 +307,9 @@ def create_app(router: Router) -> FastAPI:
                 yield f"data: {chunk(i, None, None, role=True)}\n\n"
         tasks = [asyncio.create_task(run(i, ids, p)) for i, (ids, p) in enumerate(choices)]
         try:
-            waiter = asyncio.gather(*tasks)
-            while not waiter.done() or not queue.empty():
-                try:
-                    item = await asyncio.wait_for(queue.get(), 0.05)
-                except asyncio.TimeoutError:
-                    continue
-                yield f"data: {item}\n\n"
-            completions = waiter.result()
+            async for items in queued_batches(queue, tasks):
+                yield "".join(f"data: {item}\n\n" for item in items)
+            completions = [task.result() for task in tasks]
             if parsed.include_usage and all(c is not None for c in completions):
                 yield "data: " + json.dumps({"id": prefix + request_id, "object": kind, "created": created,
                                              "model": parsed.model, "choices": [], "usage": usage(parsed, completions)}) + "\n\n"
@@ -328,11 +346,8 @@ def create_app(router: Router) -> FastAPI:
 
                 task = asyncio.create_task(router.choice(ids, params, on_text))
                 try:
-                    while not task.done() or not queue.empty():
-                        try:
-                            yield "data: " + json.dumps(await asyncio.wait_for(queue.get(), 0.05)) + "\n\n"
-                        except asyncio.TimeoutError:
-                            continue
+                    async for items in queued_batches(queue, [task]):
+                        yield "".join(f"data: {json.dumps(item)}\n\n" for item in items)
                     c = task.result()
                     yield "data: " + json.dumps({"output_ids": c.output_ids, "finish_reason": c.finish_reason.value}) + "\n\n"
                     yield "data: [DONE]\n\n"
