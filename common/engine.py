@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import random
 from collections import deque
 from typing import Iterator, Sequence
@@ -26,6 +27,8 @@ from pdserve.common.sampling import SamplingBatchInfo, to_token_logprobs
 from pdserve.common.scheduler import Scheduler
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Completion, Req, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 YOUNG_GC_THRESHOLD = 10_000
 
@@ -65,6 +68,9 @@ class Engine:
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._serial_loop = LoopState(self, overlap=False)
+        if self.runner.device.type == "cuda":
+            seconds = self.runner.warmup(self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 8192)
+            logger.info("prefill kernels warmed up in %.2f s", seconds)
         tune_gc()
 
     def make_scheduler(self) -> Scheduler:

@@ -7,7 +7,9 @@ next-token logits and samples them. It never looks at request state beyond what 
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
+import time
 
 import torch
 
@@ -57,6 +59,49 @@ class ModelRunner:
         # widens race windows). None in production.
         self.before_forward = None
         self.cuda_graphs = self._capture_cuda_graphs()
+
+    @torch.inference_mode()
+    def warmup(self, chunk_tokens: int) -> float:
+        """Run the prefill path (forward and greedy sampling) on dummy batches, so the first requests
+        a server takes do not pay for kernel compilation and allocator growth; returns the seconds.
+
+        Triton compiles a kernel again for each new specialization of its integer arguments (equal
+        to 1, divisible by 16), and the caching allocator grows on the first big batch: on a fresh
+        GPU server the first burst of requests ran at half speed without this. The batches write
+        their KV to slot 0 and read through the pad row, as padded CUDA-graph rows do, so the pools
+        are left as they were.
+        """
+        start = time.perf_counter()
+        longest = min(self.req_to_token_pool.context_len, max(chunk_tokens, 1))
+        shapes = [[1], [7], [16], [5, 27], [64, 64, 48], [min(1024, longest)] * max(1, min(chunk_tokens // 1024, 256))]
+        for lens in shapes:
+            lens = [min(n, longest) for n in lens]
+            batch = self._dummy_extend(lens)
+            logits = self.forward(batch, batch.input_ids)
+            sample(logits, SamplingBatchInfo.plain_greedy(len(lens), self.vocab_size))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+    def _dummy_extend(self, lens: list[int]) -> ForwardBatch:
+        device, pad = self.device, self.req_to_token_pool.pad_row
+        starts = [0, *itertools.accumulate(lens)][:-1]
+        tokens = sum(lens)
+        return ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            reqs=[],
+            input_ids=torch.zeros(tokens, dtype=torch.int64, device=device),
+            positions=torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]).to(device),
+            out_cache_loc=torch.zeros(tokens, dtype=torch.int64, device=device),
+            req_pool_indices=torch.full((len(lens),), pad, dtype=torch.int64, device=device),
+            seq_lens=list(lens),
+            extend_lens=list(lens),
+            extend_starts=starts,
+            req_rows=[pad] * len(lens),
+            last_indices=torch.tensor([s + n - 1 for s, n in zip(starts, lens)], dtype=torch.int64, device=device),
+            samples=[True] * len(lens),
+            has_placeholders=False,
+        )
 
     def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
         c = self.config

@@ -186,3 +186,21 @@ def test_mem_fraction_static_is_refused_on_cpu(tiny_models):
 
     with pytest.raises(ValueError, match="sizes GPU memory"):
         Engine(model_path=tiny_models("llama"), device="cpu", mem_fraction_static=0.5)
+
+
+# The Triton case runs through the interpreter (slow): short prompts, few tokens.
+@pytest.mark.parametrize("arch,backend,chunk,lens,new", [("llama", "torch_native", 2048, (5, 17, 40), 12),
+                                                         ("gpt2", "torch_native", 2048, (5, 17, 40), 12),
+                                                         ("llama", "triton", 32, (5, 17), 4)])
+def test_warmup_leaves_the_pools_and_the_outputs_as_they_were(make_engine, arch, backend, chunk, lens, new):
+    """The server start's dummy prefills (run on CUDA) touch only the reserved slot and pad row."""
+    params = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)
+    prompts = [list(range(3, 3 + n)) for n in lens]
+    reference = [c.output_ids for c in make_engine(arch, attention_backend=backend).generate(prompts, params)]
+    engine = make_engine(arch, attention_backend=backend)
+    kv_pool, rows = engine.runner.kv_pool, engine.runner.req_to_token_pool
+    free_pages, free_rows, table = kv_pool.num_free_pages(), rows.available(), rows.req_to_token.clone()
+    assert engine.runner.warmup(chunk_tokens=chunk) > 0
+    assert (kv_pool.num_free_pages(), rows.available()) == (free_pages, free_rows)
+    assert bool((rows.req_to_token == table).all())
+    assert [c.output_ids for c in engine.generate(prompts, params)] == reference
