@@ -126,13 +126,17 @@ class WorkerRegistry:
         """A request's outcome on `url`: feeds the circuit breaker."""
         w = self.workers[url]
         if ok:
+            if w.failures >= FAILURES_TO_OPEN:
+                log.info("circuit closed for %s", url)
             w.failures, w.open_until = 0, 0.0
             return
         w.failures += 1
         w.errors += 1
         if w.failures >= FAILURES_TO_OPEN:
             w.open_until = time.monotonic() + OPEN_S
-            log.warning("circuit open for %s after %d failures", url, w.failures)
+            # Once per outage: a worker that stays down (or is still starting) fails every check.
+            if w.failures == FAILURES_TO_OPEN:
+                log.warning("circuit open for %s after %d failures", url, w.failures)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(w) for w in list(self.workers.values())))
