@@ -49,9 +49,16 @@ def memory_split(config: EngineConfig, device: str) -> tuple[EngineConfig, Engin
             dataclasses.replace(config, mem_fraction_static=fraction))
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalStack:
+    base_url: str  # the router's
+    prefill: str  # HOST:PORT of the prefill server's gRPC service
+    decode: str  # HOST:PORT of the decode server's
+
+
 @contextmanager
-def local_stack(config: EngineConfig, device: str, max_inflight: int) -> Iterator[str]:
-    """Start the three processes, wait until the router is ready, yield its base URL; stop them at the end."""
+def local_stack(config: EngineConfig, device: str, max_inflight: int) -> Iterator[LocalStack]:
+    """Start the three processes, wait until the router is ready, yield where they listen; stop them at the end."""
     py = sys.executable
     decode_config, prefill_config = memory_split(config, device)
     decode, prefill, router = _free_port(), _free_port(), _free_port()
@@ -73,7 +80,7 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int) -> Iterato
         server("prefill", prefill_config, prefill)
         _wait_until(base, procs, lambda state: state.get("ready") is True, "the local stack")
         print(f"local stack up: router {base}, prefill :{prefill}, decode :{decode}", flush=True)
-        yield base
+        yield LocalStack(base, f"127.0.0.1:{prefill}", f"127.0.0.1:{decode}")
     finally:
         for p in procs:
             if p.poll() is None:

@@ -340,3 +340,17 @@ def test_serve_hf_backend_in_process(cache, capsys):
     check_serve_runs(report, [(100.0, None), (100.0, 2)], 5, 4)
     for r in report["runs"]:  # one chunk per generated token: three gaps per request
         assert r["itl_ms"]["mean"] == pytest.approx(r["tpot_ms"]["mean"])
+
+
+def test_ttft_breakdown_times_each_hop_of_a_local_stack(cache, capsys):
+    from pdserve.bench.ttft_breakdown import HOPS
+    from pdserve.bench.ttft_breakdown import main as ttft_main
+
+    argv = ["--random-weights", "llama/tiny", "--input-len", "8", "--output-len", "3", "--requests", "2", "--warmup", "1",
+            "--device", "cpu", "--max-total-tokens", "4096"]
+    assert ttft_main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = [line.split(":")[0].strip() for line in lines if "median" in line]
+    assert names == ["router TTFT", "router 3 tok", *(h.strip() for h in HOPS)]
+    medians = [float(line.split("median")[1].split("ms")[0]) for line in lines if "median" in line]
+    assert all(m > 0 for m in medians)
