@@ -97,7 +97,10 @@ class Router:
         decode_worker = workers[decode]
         stream = paired_generate(decode_worker.channel, pick_prefill, self.registry.record, prompt_ids, params, deadline)
         decode_worker.inflight += 1
-        started, last, reported = time.monotonic(), None, 0
+        started, last, reported, emitted = time.monotonic(), None, 0, 0
+        # Text a stop string could still claim is held back until the stop is ruled out (vLLM's
+        # stop buffer): a stop found later cuts req.text, and what a stream sent cannot be taken back.
+        hold = max(map(len, params.stop), default=1) - 1
         try:
             async for event in stream:
                 now = time.monotonic()
@@ -108,16 +111,16 @@ class Router:
                         self.metrics.itl.observe((now - last) / len(event.token_ids))
                     last = now
                 logprobs = event.logprobs if params.logprobs is not None else []
-                before = len(req.text)
                 for i, token in enumerate(event.token_ids):
                     append_token(req, token, logprobs[i] if i < len(logprobs) else None, self.eos, self.context_len)
                     if req.finished:
                         break
                 # One delta per event: a chunk of several tokens (a stream that fell behind) is
                 # one SSE event, as in vLLM, not one per token.
-                if on_text is not None and len(req.text) > before:
-                    await on_text(req.text[before:], req.output_logprobs[reported:])
-                    reported = len(req.output_logprobs)
+                final = len(req.text) if req.finished else len(req.text) - hold
+                if on_text is not None and final > emitted:
+                    await on_text(req.text[emitted:final], req.output_logprobs[reported:])
+                    emitted, reported = final, len(req.output_logprobs)
                 if req.finished or event.kind == "finish":
                     break
         except UpstreamError as e:
@@ -132,12 +135,11 @@ class Router:
         if req.finish_reason is None:
             req.finish_reason = FinishReason.LENGTH
         self.metrics.e2e.observe(time.monotonic() - started)
-        before = len(req.text)
         completion = finalize(req)
         # The last chunk also carries logprobs of tokens that added no text (an EOS or stop id):
         # a streamed answer reports the same tokens' logprobs as the whole one.
-        if on_text is not None and (len(completion.text) > before or len(req.output_logprobs) > reported):
-            await on_text(completion.text[before:], req.output_logprobs[reported:])
+        if on_text is not None and (len(completion.text) > emitted or len(req.output_logprobs) > reported):
+            await on_text(completion.text[emitted:], req.output_logprobs[reported:])
         return completion
 
 
