@@ -118,9 +118,13 @@ class ModelRunner:
         c = self.config
         tokens = c.max_total_tokens
         if tokens == 0:
-            by_memory = int(self._kv_budget_bytes()) // bytes_per_token
-            # More than every running request at full context can never be used.
-            tokens = min(by_memory, c.max_running_requests * c.context_length)
+            tokens = int(self._kv_budget_bytes()) // bytes_per_token
+            # --mem-fraction-static gives the KV cache all it measured, as SGLang does: the prefix
+            # cache keeps finished requests' KV in whatever running requests leave. Otherwise (the
+            # CPU default, or no prefix cache) more than every running request at full context
+            # can never be used.
+            if not c.mem_fraction_static or c.disable_radix_cache:
+                tokens = min(tokens, c.max_running_requests * c.context_length)
         pages = pages_for(tokens, c.page_size)
         if pages < pages_for(c.context_length, c.page_size):
             raise ValueError(

@@ -1,5 +1,6 @@
 """Exact tests of the two-level KV memory: rows, pages, slots."""
 
+import pytest
 import torch
 
 from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for, slots_for_positions
@@ -66,3 +67,19 @@ def test_pages_for_and_slots_for_positions():
     # page i holds positions [4i, 4i+4): pages [7, 2] -> positions 0-3 in page 7, 4-7 in page 2
     assert slots_for_positions([7, 2], 0, 6, 4) == [28, 29, 30, 31, 8, 9]
     assert slots_for_positions([7, 2], 3, 5, 4) == [31, 8]
+
+
+@pytest.mark.parametrize("fraction,no_cache,kv_gb,expected_tokens", [
+    (0.85, False, 0.0, 1_000_000),  # the measured budget, all of it: the prefix cache can use it
+    (0.85, True, 0.0, 8 * 512),  # no prefix cache: more than every running request can never be used
+    (0.0, False, 1.0, 8 * 512),  # --kv-cache-memory-gb (the CPU default): capped likewise
+])
+def test_kv_capacity_from_memory(fraction, no_cache, kv_gb, expected_tokens):
+    from types import SimpleNamespace
+
+    from pdserve.common.model_runner import ModelRunner
+
+    config = SimpleNamespace(max_total_tokens=0, mem_fraction_static=fraction, kv_cache_memory_gb=kv_gb,
+                             disable_radix_cache=no_cache, max_running_requests=8, context_length=512, page_size=16)
+    runner = SimpleNamespace(config=config, _kv_budget_bytes=lambda: 1_000_000 * 64.0)
+    assert ModelRunner._kv_pages(runner, bytes_per_token=64) == expected_tokens // 16
