@@ -57,6 +57,9 @@ def add_bench_parser(sub) -> None:
                              description=SERVE_DOC)
     _workload_args(serve)
     serve.add_argument("--base-url", default=None, help="http://HOST:PORT of the server; default: start a local stack.")
+    serve.add_argument("--num-prefill", type=int, default=1, help="Local stack: prefill servers behind the router.")
+    serve.add_argument("--prefill-policy", default="round_robin", choices=("round_robin", "least_load", "cache_aware"),
+                       help="Local stack: the router's --prefill-policy.")
     serve.add_argument("--model", default=None, help="Model name to request; default: the first of GET /v1/models.")
     serve.add_argument("--vocab-size", type=int, default=0,
                        help="Draw prompt ids from [0, V); default: from the checkpoint's tokenizer and config.")
@@ -84,6 +87,9 @@ def _workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=256, help="Prompt tokens per request.")
     parser.add_argument("--output-len", type=int, default=64, help="Output tokens per request (ignore_eos).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the prompts (and of the arrival times).")
+    parser.add_argument("--prefix-groups", type=int, default=0, metavar="G",
+                        help="Prompts share one of G prefixes of --prefix-len tokens (a prefix-cache workload); 0: none.")
+    parser.add_argument("--prefix-len", type=int, default=0, help="Tokens of each shared prefix (< --input-len).")
     parser.add_argument("--output-json", default=None, metavar="FILE", help="Also write the JSON report here.")
 
 
@@ -96,6 +102,10 @@ def check_workload(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if getattr(args, "repeats", 1) < 1:
         raise ValueError("--repeats must be >= 1")
+    if args.prefix_groups < 0 or (args.prefix_groups > 0) != (args.prefix_len > 0):
+        raise ValueError("--prefix-groups and --prefix-len go together, both >= 1")
+    if args.prefix_len >= args.input_len:
+        raise ValueError("--prefix-len must be shorter than --input-len")
 
 
 def _offline(args: argparse.Namespace) -> int:

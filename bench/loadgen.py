@@ -27,6 +27,7 @@ class Chunk:
     stamp: float
     tokens: bool
     usage_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, with the usage
 
 
 class OpenAIBackend:
@@ -50,8 +51,9 @@ class OpenAIBackend:
                 raise RuntimeError(f"server error: {message['error']}")
             choices = message.get("choices") or []
             usage = message.get("usage") or {}
+            details = usage.get("prompt_tokens_details") or {}
             yield Chunk(stamp, tokens=bool(choices and choices[0].get("text")),
-                        usage_tokens=usage.get("completion_tokens"))
+                        usage_tokens=usage.get("completion_tokens"), cached_tokens=details.get("cached_tokens"))
 
 
 async def timed_request(backend, prompt: list[int], output_len: int, timeout_s: float) -> RequestResult:
@@ -80,6 +82,7 @@ async def _read_answer(backend, prompt: list[int], output_len: int, result: Requ
     async for chunk in backend.stream(prompt, output_len):
         if chunk.usage_tokens is not None:
             result.output_tokens = chunk.usage_tokens
+            result.cached_tokens = chunk.cached_tokens
         if not chunk.tokens:
             continue
         if last is None:

@@ -31,6 +31,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     success: bool = False
     error: str = ""
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache, when the server says
 
     @property
     def tpot(self) -> float:
@@ -103,7 +104,12 @@ def summarize(results: list[RequestResult], duration_s: float, slos_ms: dict[str
         "tpot_ms": latency_summary([r.tpot for r in ok if r.output_tokens > 1]),
         "itl_ms": latency_summary(itls),
         "e2el_ms": latency_summary([r.e2e for r in ok]),
+        "total_cached_tokens": None,  # unknown unless every request's usage said
+        "prefix_cache_hit_rate": None,
     }
+    if ok and all(r.cached_tokens is not None for r in ok):
+        summary["total_cached_tokens"] = sum(r.cached_tokens for r in ok)
+        summary["prefix_cache_hit_rate"] = summary["total_cached_tokens"] / input_tokens
     if slos_ms:
         summary["request_goodput"] = sum(1 for r in ok if is_good(r, slos_ms)) / duration_s
     return summary

@@ -28,8 +28,8 @@ def run_offline(args: argparse.Namespace) -> int:
     if args.input_len + args.output_len > config.context_length:
         raise ValueError(f"--input-len + --output-len exceeds the context length {config.context_length}")
     pool = token_pool(config.model_path)
-    prompt_sets = [random_prompts(pool, args.num_prompts, args.input_len, args.seed, run)
-                   for run in range(args.warmup + args.repeats)]
+    prompt_sets = [random_prompts(pool, args.num_prompts, args.input_len, args.seed, run, args.prefix_groups,
+                                  args.prefix_len) for run in range(args.warmup + args.repeats)]
     timers = {}
     try:
         # transformers first: the engine sizes its KV cache from the memory left beside its model.
@@ -152,6 +152,8 @@ def offline_report(args: argparse.Namespace, config, runs: dict[str, list[dict]]
         "random_weights": args.random_weights,
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
+        "prefix_groups": args.prefix_groups,
+        "prefix_len": args.prefix_len,
         "output_len": args.output_len,
         "temperature": args.temperature,
         "warmup": args.warmup,

@@ -33,6 +33,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("give --base-url, or --model-path / --random-weights to start a local stack")
     if not args.vocab_size and not model_path:
         raise ValueError("prompt ids need a vocabulary: give --vocab-size, --model-path or --random-weights")
+    if args.num_prefill < 1:
+        raise ValueError("--num-prefill must be >= 1")
+    if args.base_url and (args.num_prefill != 1 or args.prefill_policy != "round_robin"):
+        raise ValueError("--num-prefill and --prefill-policy shape the local stack; a --base-url server is as it is")
     if any(not rate > 0 for rate in args.request_rate) or any(c < 0 for c in args.max_concurrency):
         raise ValueError("--request-rate must be > 0 (inf: all at once), --max-concurrency >= 0 (0: no limit)")
     pool = list(range(args.vocab_size)) if args.vocab_size else token_pool(model_path)
@@ -47,7 +51,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 from pdserve.bench.stack import local_stack
 
                 max_inflight = max(1024, args.num_prompts)  # the router must not turn our own load away (429)
-                base_url = cleanup.enter_context(local_stack(config, local.device, max_inflight)).base_url
+                stack = local_stack(config, local.device, max_inflight, args.num_prefill, args.prefill_policy)
+                base_url = cleanup.enter_context(stack).base_url
             headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
             model = args.model or asyncio.run(get_json(base_url + "/v1/models", headers))["data"][0]["id"]
             backend = OpenAIBackend(base_url, model, args.api_key)
@@ -65,6 +70,10 @@ def run_serve(args: argparse.Namespace) -> int:
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "num_prefill": args.num_prefill if not args.base_url else None,
+        "prefill_policy": args.prefill_policy if not args.base_url else None,
+        "prefix_groups": args.prefix_groups,
+        "prefix_len": args.prefix_len,
         "goodput_slos_ms": slos,
         "runs": runs,
     }
@@ -91,7 +100,8 @@ async def bench_runs(backend, args: argparse.Namespace, pool: list[int], slos: d
             raise RuntimeError(f"warm-up request failed: {result.error}")
     runs = []
     for index, (rate, concurrency) in enumerate(itertools.product(args.request_rate, args.max_concurrency)):
-        prompts = random_prompts(pool, args.num_prompts, args.input_len, args.seed, index)
+        prompts = random_prompts(pool, args.num_prompts, args.input_len, args.seed, index, args.prefix_groups,
+                                 args.prefix_len)
         results, duration = await run_schedule(backend, prompts, args.output_len, rate, concurrency, args.seed,
                                                args.request_timeout)
         run = {"request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": concurrency or None,
@@ -111,6 +121,9 @@ def print_run(run: dict) -> None:
         f"request throughput: {run['request_throughput']:.2f} req/s   output: {run['output_throughput']:.1f} tok/s   "
         f"total: {run['total_token_throughput']:.1f} tok/s",
     ]
+    if run["total_cached_tokens"] is not None:
+        lines.append(f"prompt tokens from the prefix cache: {run['total_cached_tokens']} "
+                     f"({run['prefix_cache_hit_rate']:.1%} of the input)")
     if run["request_goodput"] is not None:
         lines.append(f"request goodput: {run['request_goodput']:.2f} req/s")
     for key, name in LATENCIES:

@@ -34,19 +34,21 @@ def engine_flags(config: EngineConfig) -> list[str]:
     return flags
 
 
-def memory_split(config: EngineConfig, device: str) -> tuple[EngineConfig, EngineConfig]:
-    """(decode, prefill) configs sharing one GPU.
+def memory_split(config: EngineConfig, device: str, num_prefill: int = 1) -> tuple[EngineConfig, list[EngineConfig]]:
+    """(decode, [prefill, ...]) configs sharing one GPU.
 
     NOTE: --mem-fraction-static is measured device-wide (whatever is in use on the GPU counts), so
-    two servers that each ask for the default 0.85 cannot both start. The decode server starts
-    first with half the fraction, the prefill server once it is up with all of it: together they
-    take the fraction. Explicit sizes (--max-total-tokens, --kv-cache-memory-gb) apply to each as given.
+    two servers that each ask for the default 0.85 cannot both start. The servers start one after
+    another, the decode server first, each with its cumulative share of the fraction (server i of
+    n: fraction × (i + 1) / n): together they take the fraction. Explicit sizes
+    (--max-total-tokens, --kv-cache-memory-gb) apply to each as given.
     """
     if not device.startswith("cuda") or config.max_total_tokens or config.kv_cache_memory_gb:
-        return config, config
+        return config, [config] * num_prefill
     fraction = config.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
-    return (dataclasses.replace(config, mem_fraction_static=round(fraction / 2, 4)),
-            dataclasses.replace(config, mem_fraction_static=fraction))
+    shares = [dataclasses.replace(config, mem_fraction_static=round(fraction * (i + 1) / (num_prefill + 1), 4))
+              for i in range(num_prefill + 1)]
+    return shares[0], shares[1:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +59,15 @@ class LocalStack:
 
 
 @contextmanager
-def local_stack(config: EngineConfig, device: str, max_inflight: int) -> Iterator[LocalStack]:
-    """Start the three processes, wait until the router is ready, yield where they listen; stop them at the end."""
+def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefill: int = 1,
+                prefill_policy: str = "round_robin") -> Iterator[LocalStack]:
+    """Start a router, a decode server and `num_prefill` prefill servers, wait until all are
+    routable, yield where they listen (`prefill`: the first prefill server); stop them at the end."""
     py = sys.executable
-    decode_config, prefill_config = memory_split(config, device)
-    decode, prefill, router = _free_port(), _free_port(), _free_port()
+    decode_config, prefill_configs = memory_split(config, device, num_prefill)
+    one_gpu = decode_config is not prefill_configs[0]  # each server sizes itself after the ones before
+    decode, router = _free_port(), _free_port()
+    prefills = [_free_port() for _ in range(num_prefill)]
     base = f"http://127.0.0.1:{router}"
     procs: list[subprocess.Popen] = []
 
@@ -71,16 +77,22 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int) -> Iterato
 
     try:
         procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", config.model_path,
-                                       "--prefill", f"127.0.0.1:{prefill}", "--decode", f"127.0.0.1:{decode}",
+                                       "--prefill", *(f"127.0.0.1:{p}" for p in prefills),
+                                       "--decode", f"127.0.0.1:{decode}", "--prefill-policy", prefill_policy,
                                        "--served-model-name", config.served_model_name, "--port", str(router),
                                        "--max-inflight", str(max_inflight), "--log-level", "warning"]))
         server("decode", decode_config, decode)
-        if decode_config is not prefill_config:  # one GPU: the prefill server sizes itself after the decode server
+        if one_gpu:
             _wait_until(base, procs, lambda state: bool(state.get("decode")), "the decode server")
-        server("prefill", prefill_config, prefill)
-        _wait_until(base, procs, lambda state: state.get("ready") is True, "the local stack")
-        print(f"local stack up: router {base}, prefill :{prefill}, decode :{decode}", flush=True)
-        yield LocalStack(base, f"127.0.0.1:{prefill}", f"127.0.0.1:{decode}")
+        for i, (cfg, port) in enumerate(zip(prefill_configs, prefills)):
+            server("prefill", cfg, port)
+            if one_gpu:
+                _wait_until(base, procs, lambda state, n=i + 1: len(state.get("prefill") or ()) >= n, f"prefill server {i}")
+        _wait_until(base, procs, lambda state: state.get("ready") is True and len(state["prefill"]) == num_prefill,
+                    "the local stack")
+        print(f"local stack up: router {base}, prefill {' '.join(f':{p}' for p in prefills)}, decode :{decode}",
+              flush=True)
+        yield LocalStack(base, f"127.0.0.1:{prefills[0]}", f"127.0.0.1:{decode}")
     finally:
         for p in procs:
             if p.poll() is None:

@@ -110,6 +110,8 @@ class Router:
                     else:
                         self.metrics.itl.observe((now - last) / len(event.token_ids))
                     last = now
+                if event.cached_tokens is not None:  # the prefix cache is the prefill server's
+                    req.cached_tokens = event.cached_tokens
                 logprobs = event.logprobs if params.logprobs is not None else []
                 for i, token in enumerate(event.token_ids):
                     append_token(req, token, logprobs[i] if i < len(logprobs) else None, self.eos, self.context_len)

@@ -41,6 +41,7 @@ class Event:
     token_ids: list[int]
     index: int = 0
     logprobs: list = field(default_factory=list)  # TokenLogprob per token, when requested
+    cached_tokens: int | None = None  # on the first token: prompt tokens the prefill server had cached
 
 
 def proto_params(p: SamplingParams) -> pb.SamplingParams:
@@ -95,7 +96,7 @@ async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt
         response = await _prefill_with_retries(pick_prefill, report, pb.PrefillRequest(request=req, destination=first.destination))
         sent = 1
         first_lp = [_logprob(response.first_logprob)] if response.HasField("first_logprob") else []
-        yield Event("tokens", [response.first_token_id], 0, first_lp)
+        yield Event("tokens", [response.first_token_id], 0, first_lp, cached_tokens=response.cached_tokens)
         while True:
             msg = await call.read()
             if msg is grpc.aio.EOF:

@@ -19,6 +19,7 @@ from pdserve.bench.loadgen import Chunk, OpenAIBackend, arrival_times, run_sched
 from pdserve.bench.metrics import RequestResult, is_good, parse_goodput, percentile, summarize
 from pdserve.bench.offline import check_completions
 from pdserve.bench.stack import engine_flags, memory_split
+from pdserve.bench.workload import random_prompts
 from pdserve.common.cli import main
 from pdserve.common.config import EngineConfig
 from pdserve.common.types import FinishReason
@@ -81,6 +82,29 @@ def test_tpot_and_goodput_follow_vllm():
     assert summary["ttft_ms"]["p50"] == pytest.approx(75.0)  # of 10, 50, 50, 100, 101, 900
     assert summary["tpot_ms"]["mean"] == pytest.approx((20 + 10 + 9.8 + 50) / 4)  # one-token requests left out
     assert summarize(results, 2.0, {})["request_goodput"] is None
+
+
+def test_prefix_cache_hits_are_summed_when_every_request_reports_them():
+    results = [result(0.01, 0.02, 2, prompt_len=100), result(0.01, 0.02, 2, prompt_len=100)]
+    assert summarize(results, 1.0, {})["prefix_cache_hit_rate"] is None  # the server did not say
+    results[0].cached_tokens, results[1].cached_tokens = 80, 0
+    summary = summarize(results, 1.0, {})
+    assert summary["total_cached_tokens"] == 80 and summary["prefix_cache_hit_rate"] == pytest.approx(0.4)
+
+
+def test_prompts_share_prefixes_by_group_picked_at_random():
+    pool = list(range(1000))
+    plain = random_prompts(pool, 5, 12, seed=3, run=0)
+    assert plain == random_prompts(pool, 5, 12, seed=3, run=0) and all(len(p) == 12 for p in plain)
+    shared = random_prompts(pool, 200, 12, seed=3, run=0, prefix_groups=4, prefix_len=8)
+    assert all(len(p) == 12 for p in shared)
+    prefixes = [tuple(p[:8]) for p in shared]
+    counts = sorted(prefixes.count(x) for x in set(prefixes))
+    assert len(counts) == 4 and counts[0] > 20  # every group used, about 50 each
+    group = {x: i for i, x in enumerate(dict.fromkeys(prefixes))}  # numbered by first appearance
+    assert [group[x] for x in prefixes[:8]] != [i % 4 for i in range(8)]  # not in turn
+    assert len({tuple(p[8:]) for p in shared}) == 200  # suffixes differ
+    assert random_prompts(pool, 200, 12, seed=3, run=1, prefix_groups=4, prefix_len=8)[0][:8] not in [list(x) for x in prefixes]
 
 
 def test_itl_pools_every_gap():
@@ -185,7 +209,7 @@ def test_openai_backend_parses_a_chunked_sse_stream_and_http_errors():
             error = b'{"error": {"message": "bad key"}}'
             return b"HTTP/1.1 401 Unauthorized\r\ncontent-length: %d\r\n\r\n%s" % (len(error), error)
         choice = lambda text, finish=None: json.dumps({"choices": [{"index": 0, "text": text, "finish_reason": finish}]})  # noqa: E731
-        usage = json.dumps({"choices": [], "usage": {"completion_tokens": 3}})
+        usage = json.dumps({"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 1}}})
         return sse_response([choice("a"), choice(""), choice("bc"), choice("", "length"), usage, "[DONE]"])
 
     async def scenario():
@@ -197,6 +221,7 @@ def test_openai_backend_parses_a_chunked_sse_stream_and_http_errors():
 
     good, bad = asyncio.run(scenario())
     assert good.success and good.output_tokens == 3 and len(good.itl) == 1  # two chunks carried text
+    assert good.cached_tokens == 1
     assert not bad.success and "HTTP 401" in bad.error and "bad key" in bad.error
     assert seen[0] == {"model": "m", "prompt": [5, 6], "max_tokens": 3, "temperature": 0.0, "ignore_eos": True,
                        "stream": True, "stream_options": {"include_usage": True}}
@@ -298,15 +323,20 @@ def test_bad_options_exit_2(cache, capsys):
     assert main(["bench", "offline", "--random-weights", "gpt2/medium"]) == 2
     assert main(["bench", "serve", "--backend", "hf", "--base-url", "http://127.0.0.1:9"]) == 2
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--goodput", "ttft"]) == 2
+    for prefix in (["--prefix-groups", "4"], ["--prefix-len", "8"], ["--prefix-groups", "4", "--prefix-len", "256"]):
+        assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--vocab-size", "100", *prefix]) == 2
+        assert "--prefix-len" in capsys.readouterr().err
 
 
 def test_engine_flags_reach_the_local_servers():
     config = EngineConfig(model_path="/m", device="cpu", max_total_tokens=4096, disable_overlap_schedule=True)
     assert engine_flags(config) == ["--model-path", "/m", "--device", "cpu", "--max-total-tokens", "4096",
                                     "--disable-overlap-schedule"]
-    assert memory_split(config, "cpu") == (config, config)
-    decode, prefill = memory_split(EngineConfig(model_path="/m"), "cuda")
+    assert memory_split(config, "cpu") == (config, [config])
+    decode, [prefill] = memory_split(EngineConfig(model_path="/m"), "cuda")
     assert (decode.mem_fraction_static, prefill.mem_fraction_static) == (0.425, 0.85)
+    decode, prefills = memory_split(EngineConfig(model_path="/m"), "cuda", num_prefill=3)
+    assert [c.mem_fraction_static for c in (decode, *prefills)] == [0.2125, 0.425, 0.6375, 0.85]
 
 
 def check_serve_runs(report, runs, requests, output_len):
@@ -320,14 +350,20 @@ def check_serve_runs(report, runs, requests, output_len):
 
 
 def test_serve_against_a_local_stack_it_starts(cache, capsys):
-    argv = ["bench", "serve", "--random-weights", "llama/tiny", "--num-prompts", "6", "--input-len", "8",
+    argv = ["bench", "serve", "--random-weights", "llama/tiny", "--num-prompts", "6", "--input-len", "24",
             "--output-len", "4", "--request-rate", "40", "inf", "--max-concurrency", "0", "2", "--device", "cpu",
-            "--max-total-tokens", "4096", "--disable-overlap-schedule", "--goodput", "ttft:60000", "e2el:60000"]
+            "--max-total-tokens", "4096", "--disable-overlap-schedule", "--goodput", "ttft:60000", "e2el:60000",
+            "--num-prefill", "2", "--prefill-policy", "cache_aware", "--prefix-groups", "2", "--prefix-len", "16",
+            "--page-size", "4"]
     assert main(argv) == 0
     report = report_of(capsys)
     assert report["backend"] == "pdserve" and report["base_url"] is None and report["device"] == "cpu"
     assert report["model"] == report["model_path"]  # the router serves it under its path
+    assert (report["num_prefill"], report["prefill_policy"], report["prefix_groups"]) == (2, "cache_aware", 2)
     check_serve_runs(report, [(40.0, None), (40.0, 2), ("inf", None), ("inf", 2)], 6, 4)
+    for run in report["runs"]:  # the servers report prefix-cache hits in every answer's usage
+        assert 0 <= run["total_cached_tokens"] <= 6 * 16
+    assert sum(run["total_cached_tokens"] for run in report["runs"]) > 0
 
 
 def test_serve_hf_backend_in_process(cache, capsys):

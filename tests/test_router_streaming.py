@@ -26,7 +26,8 @@ def run_choice(router, monkeypatch, token_ids, per_event, params):
     async def fake_paired_generate(channel, pick_prefill, report, prompt_ids, params, deadline):
         for i in range(0, len(token_ids), per_event):
             ids = token_ids[i:i + per_event]
-            yield Event("tokens", ids, i, [TokenLogprob(t, -0.5 - t / 1000, []) for t in ids])
+            yield Event("tokens", ids, i, [TokenLogprob(t, -0.5 - t / 1000, []) for t in ids],
+                        cached_tokens=2 if i == 0 else None)
         yield Event("finish", [])
 
     monkeypatch.setattr(router_app, "paired_generate", fake_paired_generate)
@@ -57,6 +58,7 @@ def test_merged_token_chunks_give_the_same_answer_as_single_tokens(router, monke
     one, one_deltas = run_choice(router, monkeypatch, tokens, 1, params)
     merged, merged_deltas = run_choice(router, monkeypatch, tokens, 16, params)
     assert (merged.text, merged.output_ids, merged.finish_reason) == (one.text, one.output_ids, one.finish_reason)
+    assert merged.cached_tokens == one.cached_tokens == 2  # what the prefill server had cached
     assert [lp.token_id for lp in merged.logprobs] == [lp.token_id for lp in one.logprobs] == one.output_ids
     if stop:
         assert merged.finish_reason.value == "stop" and len(merged.output_ids) < len(tokens)
