@@ -13,6 +13,7 @@ import openai
 import pytest
 import torch
 
+from pdserve.common.tokenizer import load_tokenizer
 from tests.test_servers import free_port
 
 
@@ -85,6 +86,19 @@ def test_n_seeds_and_stop_strings(deployment):
     stop = next(free[i:i + 2] for i in range(2, len(free) - 2) if free[i:i + 2].strip() and "\ufffd" not in free[i:i + 2])
     cut = client.completions.create(model=model, prompt="Once upon", max_tokens=16, temperature=0, stop=[stop])
     assert cut.choices[0].text == free[: free.index(stop)] and cut.choices[0].finish_reason == "stop"
+    # Streamed, with a stop string that spans two tokens, the deltas add up to the same cut text:
+    # the first token's part of the stop string is never sent.
+    ids = client.completions.create(model=model, prompt="Once upon", max_tokens=16, temperature=0,
+                                    extra_body={"return_token_ids": True}).choices[0].model_extra["token_ids"]
+    tokenizer = load_tokenizer(model)
+    ends = [len(tokenizer.decode(ids[:k])) for k in range(1, len(ids))]  # where each token's text ends
+    spanning = [free[b - 1:b + 1] for b in ends if 0 < b < len(free) - 1 and free[b - 1:b + 1].strip()
+                and "\ufffd" not in free[b - 1:b + 1] and free.index(free[b - 1:b + 1]) == b - 1]
+    assert spanning, "no stop string spans two tokens of this answer"
+    cut = client.completions.create(model=model, prompt="Once upon", max_tokens=16, temperature=0, stop=[spanning[0]])
+    chunks = list(client.completions.create(model=model, prompt="Once upon", max_tokens=16, temperature=0,
+                                            stop=[spanning[0]], stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut.choices[0].text == free[: free.index(spanning[0])]
 
 
 def test_bad_requests_get_openai_errors(deployment):
