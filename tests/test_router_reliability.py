@@ -4,6 +4,7 @@ prefill killed under load (the retry path), and a client that disconnects mid-st
 import asyncio
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -117,6 +118,21 @@ def test_a_client_disconnect_mid_stream_frees_kv_on_both_sides(cluster):
     response = urllib.request.urlopen(request, timeout=60)
     assert response.readline().startswith(b"data: ")  # streaming has started
     response.close()  # the client goes away
+    asyncio.run(wait_idle(decode, *prefills))
+
+
+def test_a_client_gone_before_a_whole_answer_gets_499_and_frees_kv(cluster):
+    model, url, decode, prefills = cluster
+    body = json.dumps({"model": model, "prompt": "abc", "max_tokens": 400, "temperature": 0, "ignore_eos": True})
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        time.sleep(0.5)  # the answer is being computed
+    deadline = time.monotonic() + 30
+    while 'status="499"' not in urllib.request.urlopen(url + "/metrics", timeout=10).read().decode():
+        assert time.monotonic() < deadline, "the router never noticed the client leave"
+        time.sleep(0.1)
     asyncio.run(wait_idle(decode, *prefills))
 
 
