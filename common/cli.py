@@ -2,7 +2,7 @@
 
     pdserve make-tiny-model DIR --arch llama [--seed N]
     pdserve run-batch -i IN.jsonl -o OUT.jsonl --model-path DIR [engine flags]
-    pdserve up [--model-path DIR] [--num-prefill N] [--num-decode M] [--device ...] [--port ...]
+    pdserve up [--model-path DIR] [--num-prefill N] [--num-decode M] [--device ...] [--port ...] [--prefill-policy P]
     pdserve bench offline|serve ...  (see `pdserve bench offline --help`, bench/cli.py)
 
 Heavy imports (torch, transformers) happen inside the sub-commands, so `--help` is instant.
@@ -50,7 +50,8 @@ def _run_batch(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from pdserve.router.up import up
 
-    return up(args.model_path, args.num_prefill, args.num_decode, args.device, args.port, args.host)
+    return up(args.model_path, args.num_prefill, args.num_decode, args.device, args.port, args.host,
+              args.prefill_policy, args.decode_policy)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--device", default="auto", help="cpu, cuda or auto.")
     local.add_argument("--host", default="127.0.0.1", help="Router HTTP address.")
     local.add_argument("--port", type=int, default=8000, help="Router HTTP port.")
+    local.add_argument("--prefill-policy", default="round_robin", choices=("round_robin", "least_load", "cache_aware"),
+                       help="How the router picks a prefill server (cache_aware: by prompt prefix).")
+    local.add_argument("--decode-policy", default="round_robin", choices=("round_robin", "least_load"),
+                       help="How the router picks a decode server.")
     local.set_defaults(func=_up)
 
     batch = sub.add_parser(

@@ -71,7 +71,8 @@ def _on_one_gpu(device: str) -> bool:
     return torch.cuda.is_available()
 
 
-def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, port: int, host: str) -> int:
+def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, port: int, host: str,
+       prefill_policy: str = "round_robin", decode_policy: str = "round_robin") -> int:
     if model_path is None:
         from pdserve.common.tiny_model import make_tiny_model
 
@@ -94,7 +95,8 @@ def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, p
                 if gpu:
                     _wait_serving(urls[-1], procs)
         procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", model_path, "--prefill", *prefill,
-                                       "--decode", *decode, "--host", host, "--port", str(port), "--log-level", "warning"]))
+                                       "--decode", *decode, "--prefill-policy", prefill_policy, "--decode-policy",
+                                       decode_policy, "--host", host, "--port", str(port), "--log-level", "warning"]))
         base = f"http://{host}:{port}"
         _wait_ready(base + "/readiness", procs)
         print(f"pdserve is up: {base}  (model {model_path}; prefill {' '.join(prefill)}; decode {' '.join(decode)})")

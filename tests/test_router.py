@@ -22,7 +22,8 @@ def deployment(tiny_models):
     model = tiny_models("qwen3")
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.common.cli", "up", "--model-path", model, "--device", "cpu",
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--port", str(port), "--prefill-policy", "cache_aware"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180
     lines = []
     while time.monotonic() < deadline:
