@@ -35,8 +35,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("prompt ids need a vocabulary: give --vocab-size, --model-path or --random-weights")
     if args.num_prefill < 1:
         raise ValueError("--num-prefill must be >= 1")
-    if args.base_url and (args.num_prefill != 1 or args.prefill_policy != "round_robin"):
-        raise ValueError("--num-prefill and --prefill-policy shape the local stack; a --base-url server is as it is")
+    if (args.base_url or args.backend == "hf") and (args.num_prefill != 1 or args.prefill_policy != "round_robin"):
+        raise ValueError("--num-prefill and --prefill-policy shape the local stack; a --base-url server or "
+                         "--backend hf has none")
     if any(not rate > 0 for rate in args.request_rate) or any(c < 0 for c in args.max_concurrency):
         raise ValueError("--request-rate must be > 0 (inf: all at once), --max-concurrency >= 0 (0: no limit)")
     pool = list(range(args.vocab_size)) if args.vocab_size else token_pool(model_path)

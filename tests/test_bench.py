@@ -325,6 +325,8 @@ def test_bad_options_exit_2(cache, capsys):
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--goodput", "ttft"]) == 2
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--vocab-size", "100", "--num-prefill", "2"]) == 2
     assert "local stack" in capsys.readouterr().err
+    assert main(["bench", "serve", "--backend", "hf", "--random-weights", "llama/tiny", "--prefill-policy", "cache_aware"]) == 2
+    assert "local stack" in capsys.readouterr().err
     for prefix in (["--prefix-groups", "4"], ["--prefix-len", "8"], ["--prefix-groups", "4", "--prefix-len", "256"]):
         assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--vocab-size", "100", *prefix]) == 2
         assert "--prefix-len" in capsys.readouterr().err
