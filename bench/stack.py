@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from pdserve.common.config import DEFAULT_MEM_FRACTION_STATIC, EngineConfig
-from pdserve.router.up import READY_TIMEOUT_S, _free_port
+from pdserve.router.up import READY_TIMEOUT_S, _free_port, gpu_shares
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
@@ -35,19 +35,15 @@ def engine_flags(config: EngineConfig) -> list[str]:
 
 
 def memory_split(config: EngineConfig, device: str, num_prefill: int = 1) -> tuple[EngineConfig, list[EngineConfig]]:
-    """(decode, [prefill, ...]) configs sharing one GPU.
-
-    NOTE: --mem-fraction-static is measured device-wide (whatever is in use on the GPU counts), so
-    two servers that each ask for the default 0.85 cannot both start. The servers start one after
-    another, the decode server first, each with its cumulative share of the fraction (server i of
-    n: fraction × (i + 1) / n): together they take the fraction. Explicit sizes
-    (--max-total-tokens, --kv-cache-memory-gb) apply to each as given.
+    """(decode, [prefill, ...]) configs sharing one GPU: started one after another, the decode
+    server first, each with its cumulative share of --mem-fraction-static (router/up.py's
+    gpu_shares, as `pdserve up` does). Explicit sizes (--max-total-tokens, --kv-cache-memory-gb)
+    apply to each as given.
     """
     if not device.startswith("cuda") or config.max_total_tokens or config.kv_cache_memory_gb:
         return config, [config] * num_prefill
     fraction = config.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
-    shares = [dataclasses.replace(config, mem_fraction_static=round(fraction * (i + 1) / (num_prefill + 1), 4))
-              for i in range(num_prefill + 1)]
+    shares = [dataclasses.replace(config, mem_fraction_static=f) for f in gpu_shares(num_prefill + 1, fraction)]
     return shares[0], shares[1:]
 
 

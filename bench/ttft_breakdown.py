@@ -33,17 +33,15 @@ RPC_TIMEOUT_S = 60.0
 
 
 async def through_router(base_url: str, model: str, prompts: list[list[int]], output_len: int) -> list[tuple[float, float]]:
-    """(TTFT, end to end) in seconds per prompt, one request at a time."""
-    from pdserve.bench.http_client import post_events
+    """(TTFT, end to end) in seconds per prompt, one request at a time, as `bench serve` times them."""
+    from pdserve.bench.loadgen import OpenAIBackend, timed_request
 
-    out = []
+    backend, out = OpenAIBackend(base_url, model), []
     for prompt in prompts:
-        payload = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-                   "ignore_eos": True, "stream": True}
-        start, first = time.perf_counter(), None
-        async for stamp, _ in post_events(base_url + "/v1/completions", payload, {}):
-            first = stamp if first is None else first
-        out.append((first - start, time.perf_counter() - start))
+        result = await timed_request(backend, prompt, output_len, RPC_TIMEOUT_S)
+        if not result.success:
+            raise RuntimeError(f"a request through the router failed: {result.error}")
+        out.append((result.ttft, result.e2e))
     return out
 
 
@@ -99,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from pdserve.bench.stack import local_stack
 
-    with local_stack(config, config.resolve().device, max_inflight=1024) as stack:
-        model = config.resolve().served_model_name
-        routed = asyncio.run(through_router(stack.base_url, model, prompts[:n], args.output_len))
+    resolved = config.resolve()
+    with local_stack(config, resolved.device, max_inflight=1024) as stack:
+        routed = asyncio.run(through_router(stack.base_url, resolved.served_model_name, prompts[:n], args.output_len))
         hops = asyncio.run(by_hand(stack.prefill, stack.decode, prompts[n:], args.output_len))
     routed, hops = routed[args.warmup:], hops[args.warmup:]
 

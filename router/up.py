@@ -15,7 +15,18 @@ import tempfile
 import time
 import urllib.request
 
+from pdserve.common.config import DEFAULT_MEM_FRACTION_STATIC
+
 READY_TIMEOUT_S = 300
+
+
+def gpu_shares(num_servers: int, fraction: float = DEFAULT_MEM_FRACTION_STATIC) -> list[float]:
+    """--mem-fraction-static for each of `num_servers` servers started one after another on one GPU.
+
+    NOTE: the fraction is measured device-wide (whatever is in use counts), so server i of n asks
+    for fraction × (i + 1) / n: the earlier servers' share is already in use when it measures.
+    """
+    return [round(fraction * (i + 1) / num_servers, 4) for i in range(num_servers)]
 
 
 def _free_port() -> int:
@@ -81,14 +92,14 @@ def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, p
     common = ["--model-path", model_path, "--device", device, "--log-level", "warning"]
     procs, prefill, decode = [], [], []
     try:
-        # NOTE: servers sharing one GPU each size their KV cache from the memory they measure
-        # free, so they start one at a time, server i taking up to (i + 1) / n of the usual 0.85.
+        # Servers sharing one GPU each size their KV cache from the memory they measure free, so
+        # they start one at a time (gpu_shares).
         gpu = _on_one_gpu(device)
-        total = num_decode + num_prefill
+        shares = gpu_shares(num_decode + num_prefill)
         for role, count, urls in (("decode", num_decode, decode), ("prefill", num_prefill, prefill)):
             for _ in range(count):
                 p = _free_port()
-                share = ["--mem-fraction-static", f"{0.85 * (len(procs) + 1) / total:.4f}"] if gpu else []
+                share = ["--mem-fraction-static", str(shares[len(procs)])] if gpu else []
                 procs.append(subprocess.Popen([py, "-m", f"pdserve.{role}.cli", *common, *share, "--port", str(p),
                                                "--metrics-port", str(_free_port())]))
                 urls.append(f"127.0.0.1:{p}")
