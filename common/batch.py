@@ -37,8 +37,9 @@ class ForwardBatch:
     samples: list[bool]  # False for a mid-prompt chunk: its sampled token is discarded
     has_placeholders: bool  # some input id is a FutureMap placeholder (< 0)
     seq_lens_dev: torch.Tensor | None = None  # [B] int64: seq_lens on the device
-    # Decode only: the [6, B] int64 upload the device fields are rows of (input_ids, positions,
-    # out_cache_loc, req_pool_indices, seq_lens, last_indices), for the CUDA-graph runner's one copy.
+    # The upload the device fields are rows of, for a CUDA-graph runner's one copy. Decode: [6, B]
+    # int64 (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, last_indices);
+    # extend: [3, T] int64 (input_ids, positions, out_cache_loc).
     packed: torch.Tensor | None = None
     seq: int = 0  # launch order, set by the loop (for traces and tests)
 

@@ -60,8 +60,13 @@ class EngineConfig:
     attention_backend: str = _opt(
         "auto", "torch_native (the reference; CPU and CUDA) or triton (paged kernels; CUDA); auto: triton on CUDA."
     )
-    disable_cuda_graph: bool = _opt(False, "CUDA: run decode eagerly instead of replaying captured CUDA graphs.")
+    disable_cuda_graph: bool = _opt(False, "CUDA: run decode and prefill eagerly instead of replaying captured CUDA graphs.")
     cuda_graph_max_bs: int = _opt(0, "CUDA: largest decode batch captured in a graph (padded up to the next captured size); 0: --max-running-requests, at most 256.")
+    prefill_cuda_graph_max_tokens: int = _opt(
+        2048,
+        "CUDA: prefill batches of at most this many tokens (and 16 requests) replay a captured graph, padded "
+        "up to the next captured token count (at most a quarter more); 0 runs every prefill eagerly.",
+    )
     random_seed: int = _opt(-1, "Seed for the per-request seeds the engine draws; -1: from the OS.")
 
     def resolve(self) -> "EngineConfig":
@@ -114,6 +119,8 @@ class EngineConfig:
             raise ValueError("--attention-backend triton needs a CUDA device (or TRITON_INTERPRET=1); on CPU use torch_native")
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"--cuda-graph-max-bs must be >= 0, got {self.cuda_graph_max_bs}")
+        if self.prefill_cuda_graph_max_tokens < 0:
+            raise ValueError(f"--prefill-cuda-graph-max-tokens must be >= 0, got {self.prefill_cuda_graph_max_tokens}")
         return dataclasses.replace(
             self,
             attention_backend=attention_backend,

@@ -31,6 +31,21 @@ from pdserve.common.batch import ForwardBatch, ForwardMode
 logger = logging.getLogger(__name__)
 
 
+def capture_graph(stream, pool, run) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Capture `run()` (which returns the output tensor) on `stream` into `pool`.
+
+    Run twice first, outside capture: compiles the kernels and settles the allocator.
+    """
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        out = run()
+    return graph, out
+
+
 def capture_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every 8 to 64, every 16 to 256 (and max_bs itself)."""
     sizes = [1, 2, 4] + list(range(8, 64, 8)) + list(range(64, 257, 16))
@@ -95,14 +110,7 @@ class CudaGraphRunner:
         stream = self.runner.streams.forward_stream
         free_before = torch.cuda.mem_get_info(self.runner.device)[0]
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool blocks
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile the kernels and settle the allocator outside capture
-                    self._run_model(bs)
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                self.logits[bs] = self._run_model(bs)
-            self.graphs[bs] = graph
+            self.graphs[bs], self.logits[bs] = capture_graph(stream, self.pool, lambda: self._run_model(bs))
         torch.cuda.synchronize(self.runner.device)
         used = (free_before - torch.cuda.mem_get_info(self.runner.device)[0]) / 2**20
         logger.info("captured decode CUDA graphs for batch sizes %s (%.0f MiB)", self.sizes, used)

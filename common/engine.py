@@ -50,6 +50,8 @@ def tune_gc() -> None:
 
 
 class Engine:
+    runs_prefill = True  # False where KV only arrives from elsewhere (a decode server): no prefill graphs
+
     def __init__(self, config: EngineConfig | None = None, **overrides):
         if config is None:
             config = EngineConfig(**overrides)
@@ -58,7 +60,7 @@ class Engine:
         self.config = config.resolve()
         self.tokenizer = load_tokenizer(self.config.model_path)
         self.eos_token_ids = eos_token_ids(self.config.model_path, self.tokenizer)
-        self.runner = ModelRunner(self.config)
+        self.runner = ModelRunner(self.config, prefill_graphs=self.runs_prefill)
         self.scheduler = self.make_scheduler()
         self.streams = self.runner.streams
         self.war_barrier = True  # debug switch for the race test only: never turn off in serving

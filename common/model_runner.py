@@ -17,6 +17,7 @@ from pdserve.common.attention import create_backend
 from pdserve.common.batch import ForwardBatch, ForwardMode
 from pdserve.common.config import EngineConfig
 from pdserve.common.cuda_graph import CudaGraphRunner
+from pdserve.common.prefill_graph import PrefillGraphRunner
 from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.models.loader import load_model
 from pdserve.common.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs
@@ -29,7 +30,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, prefill_graphs: bool = True):
         self.config = config
         self.device = torch.device(config.device)
         self.memory_report: dict | None = None  # what --mem-fraction-static measured, on CUDA
@@ -59,6 +60,7 @@ class ModelRunner:
         # widens race windows). None in production.
         self.before_forward = None
         self.cuda_graphs = self._capture_cuda_graphs()
+        self.prefill_graphs = self._capture_prefill_graphs() if prefill_graphs else None
 
     @torch.inference_mode()
     def warmup(self, chunk_tokens: int) -> float:
@@ -113,6 +115,18 @@ class ModelRunner:
             return None
         max_bs = min(c.cuda_graph_max_bs or 256, c.max_running_requests)
         return CudaGraphRunner(self, max_bs)
+
+    def _capture_prefill_graphs(self) -> PrefillGraphRunner | None:
+        c = self.config
+        if self.cuda_graphs is None:  # not on CUDA, graphs turned off, or a backend that can't be captured
+            return None
+        longest = min(c.prefill_cuda_graph_max_tokens, c.max_prefill_tokens, self.req_to_token_pool.context_len)
+        if c.chunked_prefill_size > 0:
+            longest = min(longest, c.chunked_prefill_size)
+        longest -= longest % 16
+        if longest < 16:
+            return None
+        return PrefillGraphRunner(self, longest, pool=self.cuda_graphs.pool)
 
     def _kv_pages(self, bytes_per_token: int) -> int:
         c = self.config
@@ -179,6 +193,8 @@ class ModelRunner:
                 self.before_forward(batch)
             if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
                 logits = self.cuda_graphs.replay(batch)  # resolves placeholders inside the graph
+            elif self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+                logits = self.prefill_graphs.replay(batch)
             else:
                 input_ids = self.future_map.resolve(batch.input_ids) if batch.has_placeholders else batch.input_ids
                 logits = self.forward(batch, input_ids)

@@ -331,6 +331,7 @@ class Scheduler:
             samples=samples,
             has_placeholders=False,  # a prefill feeds only tokens the host knows
             seq_lens_dev=packed[4 * t + 2 * b :],
+            packed=packed[: 3 * t].view(3, t),
         )
 
     def _build_decode_batch(self, reqs: list[Req]) -> ForwardBatch:

@@ -38,6 +38,7 @@ class KVDestination:
 
 
 class DecodeEngine(Engine):
+    runs_prefill = False
     def __init__(self, config: EngineConfig, agent_name: str, kv_transfer_timeout: float = 30.0):
         self._agent_name, self._kv_transfer_timeout = agent_name, kv_transfer_timeout
         super().__init__(config)

@@ -68,3 +68,41 @@ def test_cuda_graph_capture_sizes_cover_every_batch_up_to_the_max():
         for n in range(1, max_bs + 1):
             padded = next(s for s in sizes if s >= n)
             assert padded - n < max(16, n)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_padded_prefill_graph_forward_matches_transformers(make_engine, tiny_models, arch):
+    """The prefill-graph runner's padded forward, run eagerly (capture needs a GPU): tokens padded
+    up to the captured count and unused request slots, over chunks and cached prefixes, on the
+    fused model path: the same greedy tokens as transformers."""
+    from pdserve.common.prefill_graph import PrefillGraphRunner
+
+    prompts = make_prompts(5, seed=11)
+    expected = hf_greedy(tiny_models(arch), prompts, 4)
+    engine = make_engine(arch, attention_backend="triton", page_size=4, chunked_prefill_size=32, max_total_tokens=4096)
+    engine.runner.model.fuse()
+    graphs = PrefillGraphRunner(engine.runner, max_tokens=32, max_reqs=3, capture=False)
+    engine.runner.prefill_graphs = graphs
+    padded = []
+    replay = graphs.replay
+    graphs.replay = lambda batch: (padded.append((batch.num_tokens, batch.batch_size)), replay(batch))[1]
+    params = SamplingParams(max_new_tokens=4, temperature=0)
+    assert [c.output_ids for c in engine.generate(prompts, params)] == expected
+    again = engine.generate(prompts, params)  # prefix hits: extends start past a cached prefix
+    assert [c.output_ids for c in again] == expected
+    assert sum(c.cached_tokens for c in again) > 0
+    assert graphs.replays == len(padded) > 0
+    assert any(n % 16 for n, _ in padded)  # token padding happened
+    assert any(b < 3 for _, b in padded)  # unused request slots
+
+
+def test_prefill_graph_sizes_pad_by_at_most_a_quarter():
+    from pdserve.common.prefill_graph import prefill_capture_sizes
+
+    for max_tokens in (16, 48, 128, 992, 2048, 8192):
+        sizes = prefill_capture_sizes(max_tokens)
+        assert sizes == sorted(set(sizes)) and sizes[0] == 16 and sizes[-1] == max_tokens
+        assert all(s % 16 == 0 for s in sizes)
+        for n in range(1, max_tokens + 1):
+            padded = next(s for s in sizes if s >= n)
+            assert padded - n < max(16, n / 4 + 1)

@@ -3,8 +3,8 @@
 Per forward, `init_forward` uploads the little metadata the kernels need (one pinned H2D copy);
 every layer then runs one store launch and one attention call (decode: one launch, the attention
 kernel stores the step's K and V itself); the fused Llama path stores in its rotary launch instead
-(`rope_and_store`). Decode can instead be bound to a CUDA graph's static
-buffers with `bind_decode`, which is what the graph runner does before capture.
+(`rope_and_store`). Decode and extend can instead be bound to a CUDA graph's
+static buffers with `bind_decode` / `bind_extend`, which is what the graph runners do before capture.
 
 The kernel modules are imported here, never by attention/__init__: Triton reads TRITON_INTERPRET
 when a kernel is defined, and the CPU tests set it first.
@@ -71,6 +71,11 @@ class TritonBackend(AttentionBackend):
     def bind_decode(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Decode over caller-owned device buffers (a CUDA graph's static inputs)."""
         self.meta = DecodeMeta(req_pool_indices, seq_lens, self.kv_splits(req_pool_indices.numel()))
+
+    def bind_extend(self, req_pool_indices, seq_lens, extend_lens, extend_starts, max_extend_len: int) -> None:
+        """Extend over caller-owned device buffers (a prefill graph's static inputs, int32 lengths);
+        the attention grid covers `max_extend_len` query tokens per request."""
+        self.meta = ExtendMeta(req_pool_indices, seq_lens, extend_lens, extend_starts, max_extend_len)
 
     def rope_and_store(self, q, k, v, positions, inv_freq, layer_id, batch: ForwardBatch) -> None:
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
