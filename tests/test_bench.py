@@ -394,3 +394,16 @@ def test_ttft_breakdown_times_each_hop_of_a_local_stack(cache, capsys):
     assert names == ["router TTFT", "router 3 tok", *(h.strip() for h in HOPS)]
     medians = [float(line.split("median")[1].split("ms")[0]) for line in lines if "median" in line]
     assert all(m > 0 for m in medians)
+
+
+def test_prefill_latency_times_one_prompt_at_a_time(cache, capsys):
+    from pdserve.bench.prefill_latency import main as latency_main
+
+    argv = ["--random-weights", "llama/tiny", "--input-lens", "8", "5000", "--requests", "2", "--warmup", "1",
+            "--device", "cpu", "--max-total-tokens", "8192"]
+    assert latency_main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (report["device"], report["path"], report["graph_replays"]) == ("cpu", "eager prefill", 0)
+    context = 1024  # llama/tiny's max_position_embeddings: a longer length is cut to fit one token of output
+    assert [r["input_len"] for r in report["rows"]] == [8, context - 1]
+    assert all(0 < r["min_ms"] <= r["median_ms"] for r in report["rows"])
