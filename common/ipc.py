@@ -35,7 +35,8 @@ class Params(msgspec.Struct, frozen=True):
 
 
 class NewRequest(msgspec.Struct, tag=True):
-    """A request for this server. Prefill requests also carry their KV destination."""
+    """A request for this server. Prefill requests also carry their KV destination, or none
+    (empty peer_metadata) when it follows in a SetDestination."""
 
     rid: str
     prompt_ids: list[int]
@@ -43,6 +44,14 @@ class NewRequest(msgspec.Struct, tag=True):
     room: int
     peer_metadata: bytes = b""
     page_ids: list[int] = []
+
+
+class SetDestination(msgspec.Struct, tag=True):
+    """The KV destination of a prefill request that arrived without one."""
+
+    rid: str
+    peer_metadata: bytes
+    page_ids: list[int]
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -140,7 +149,7 @@ class Bye(msgspec.Struct, tag=True):
     """The scheduler drained and is exiting."""
 
 
-ToScheduler = NewRequest | Abort | Drain
+ToScheduler = NewRequest | SetDestination | Abort | Drain
 ToFrontend = Ready | Rejected | Destination | Tokens | StepTokens | Finished | PrefillDone | LoadReport | Bye
 
 _to_scheduler = msgspec.msgpack.Decoder(ToScheduler)

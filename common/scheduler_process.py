@@ -42,6 +42,9 @@ class Role:
 
     def on_request(self, msg: ipc.NewRequest, send) -> None: ...
 
+    def on_destination(self, msg: ipc.SetDestination, send) -> None:
+        send(ipc.Rejected(msg.rid, "this server takes no KV destinations", code="INVALID_REQUEST"))
+
     def on_abort(self, rid: str, send) -> None: ...
 
     def on_outputs(self, outputs: list, send) -> None: ...
@@ -101,6 +104,8 @@ def _serve(role: Role, inbox, send) -> None:
                         send(ipc.Rejected(msg.rid, "the server is draining", code="OVERLOADED"))
                     else:
                         role.on_request(msg, send)
+                elif isinstance(msg, ipc.SetDestination):
+                    role.on_destination(msg, send)
                 elif isinstance(msg, ipc.Abort):
                     role.on_abort(msg.rid, send)
                 elif isinstance(msg, ipc.Drain):

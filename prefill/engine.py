@@ -2,6 +2,7 @@
 
     engine = PrefillEngine(config, agent_name="prefill-0")
     engine.add_prefill_request(prompt_ids, params, room, decode_metadata, page_ids)
+    engine.set_destination(rid, decode_metadata, page_ids)    # when the request came without one
     for result in engine.event_loop_overlap_disagg_prefill(): ...   # a PrefillResult per request
 
 The loops are the colocated ones (LoopState) with one addition at the top of every iteration:
@@ -45,16 +46,24 @@ class PrefillEngine(Engine):
         page_ids: list[int],
         rid: str | None = None,
     ) -> str:
-        """Queue a prompt whose KV goes to the decode server described by `decode_metadata`.
+        """Queue a prompt whose KV goes to the decode server described by `decode_metadata`
+        (empty: not known yet, `set_destination` follows; the prefill starts anyway).
 
         The peer's metadata is cached by the agent (adding the same peer again is free); an
         incompatible KV layout raises ValueError, as does a request that can never run here.
         """
         req = self.make_req(prompt_ids, params, rid)
         req.room = room
-        peer = self.agent.add_peer(decode_metadata)
-        self.scheduler.add_prefill_request(req, Destination(peer, list(page_ids)))
+        destination = None
+        if decode_metadata:
+            destination = Destination(self.agent.add_peer(decode_metadata), list(page_ids))
+        self.scheduler.add_prefill_request(req, destination)
         return req.rid
+
+    def set_destination(self, rid: str, decode_metadata: bytes, page_ids: list[int]) -> None:
+        """The destination of a request queued without one; ValueError for a bad one."""
+        peer = self.agent.add_peer(decode_metadata)
+        self.scheduler.set_destination(rid, Destination(peer, list(page_ids)), time.monotonic())
 
     def poll(self) -> list[PrefillResult]:
         return self.scheduler.poll_transfers(time.monotonic())

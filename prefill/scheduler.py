@@ -1,7 +1,10 @@
 """The prefill role's scheduler: prefill, sample the first token, WRITE the KV to the decode server.
 
-A request arrives with its destination (the decode server's agent, its pages, the room). It is
-scheduled like any colocated prefill — radix-cache prefix reuse, chunking — but never decodes.
+A request arrives with its destination (the decode server's agent, its pages, the room), or
+gets it later (`set_destination`: the router asks the decode server for pages and starts the
+prefill at the same time). It is scheduled like any colocated prefill — radix-cache prefix reuse,
+chunking — but never decodes. A request whose prefill is done before its destination is known is
+parked, holding its pages, until the destination arrives (or the KV transfer timeout passes).
 When its last chunk's result is processed (so the forward that wrote its KV has completed: the
 result's copy_done event is recorded after it), the KV pages covering its prompt are written into
 the destination pages over the transfer agent, with a notification carrying the room and the
@@ -51,6 +54,16 @@ class _Transfer:
     deadline: float
 
 
+@dataclass
+class _Parked:
+    """Prefilled, waiting for its destination; the first token is ready to send."""
+
+    req: Req
+    token: int
+    logprob: TokenLogprob | None
+    deadline: float
+
+
 class PrefillScheduler(Scheduler):
     decodes = False
 
@@ -60,18 +73,40 @@ class PrefillScheduler(Scheduler):
         self.kv_transfer_timeout = kv_transfer_timeout
         self.destinations: dict[str, Destination] = {}  # rid -> destination
         self.transfers: list[_Transfer] = []
+        self.parked: dict[str, _Parked] = {}  # rid -> prefilled, destination not known yet
+        self.live: dict[str, Req] = {}  # every request from its arrival until its result
         self.done: list[PrefillResult] = []  # results not yet collected
 
-    def add_prefill_request(self, req: Req, destination: Destination) -> None:
+    def add_prefill_request(self, req: Req, destination: Destination | None) -> None:
+        """Queue a request; without a destination, `set_destination` must follow."""
         self.check_request(req.prompt_ids, req.params)
+        if destination is not None:
+            self._check_destination(req, destination)
+            self.destinations[req.rid] = destination
+        self.live[req.rid] = req
+        self.waiting.append(req)
+
+    def set_destination(self, rid: str, destination: Destination, now: float) -> None:
+        """The destination of a request queued without one; starts its transfer if it is parked.
+        Raises ValueError (and changes nothing) for pages too few for its prompt; ignores an
+        unknown request (aborted or finished meanwhile)."""
+        req = self.live.get(rid)
+        if req is None or req.finished or rid in self.destinations:
+            return
+        self._check_destination(req, destination)
+        self.destinations[rid] = destination
+        parked = self.parked.pop(rid, None)
+        if parked is not None:
+            self._start_transfer(req, parked.token, parked.logprob, now)
+
+    def _check_destination(self, req: Req, destination: Destination) -> None:
         need = pages_for(len(req.prompt_ids), self.page_size)
         if len(destination.page_ids) < need:
             raise ValueError(f"the destination has {len(destination.page_ids)} pages; the prompt needs {need}")
-        self.destinations[req.rid] = destination
-        self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.transfers) or super().has_work()
+        # Parked requests keep the loop polling: their deadlines are checked in poll_transfers.
+        return bool(self.transfers or self.parked) or super().has_work()
 
     def process_batch_result(self, batch, next_token_ids: list[int], logprobs: list[TokenLogprob | None]):
         """Each finished prompt starts its KV WRITE; nothing finishes here (see poll_transfers)."""
@@ -82,10 +117,17 @@ class PrefillScheduler(Scheduler):
             if req.discard:  # aborted after launch
                 req.discard -= 1
                 continue
+            if req.finish_reason is FinishReason.ABORT:  # aborted while its last chunk ran: answered then
+                self._finish(req)
+                continue
             req.output_ids.append(token)
             if lp is not None:
                 req.output_logprobs.append(lp)
-            self._start_transfer(req, token, lp, time.monotonic())
+            now = time.monotonic()
+            if req.rid in self.destinations:
+                self._start_transfer(req, token, lp, now)
+            else:  # the decode server has not answered yet
+                self.parked[req.rid] = _Parked(req, token, lp, now + self.kv_transfer_timeout)
         return []
 
     def _start_transfer(self, req: Req, token: int, lp: TokenLogprob | None, now: float) -> None:
@@ -100,7 +142,10 @@ class PrefillScheduler(Scheduler):
         self.transfers.append(_Transfer(req, handle, now, now + self.kv_transfer_timeout))
 
     def poll_transfers(self, now: float) -> list[PrefillResult]:
-        """Finish the transfers the agent reports done, failed or late; never blocks."""
+        """Finish the transfers the agent reports done, failed or late, and the parked requests
+        whose destination never came; never blocks."""
+        for rid in [rid for rid, p in self.parked.items() if now > p.deadline]:
+            self._finish(self.parked.pop(rid).req, error=f"no KV destination came within {self.kv_transfer_timeout:g}s")
         still = []
         for t in self.transfers:
             state = self.agent.poll(t.handle)
@@ -129,7 +174,8 @@ class PrefillScheduler(Scheduler):
             self._cache_and_release(req)
         else:
             self._free_kv(req)
-        del self.destinations[req.rid]
+        self.destinations.pop(req.rid, None)
+        self.live.pop(req.rid, None)
         if aborted:
             return
         ok = error is None
@@ -154,11 +200,22 @@ class PrefillScheduler(Scheduler):
             if t.req.rid == rid and not t.req.finished:
                 t.req.finish_reason = FinishReason.ABORT
                 return PrefillResult(rid, t.req.room, None, None, len(t.req.prompt_ids), t.req.cached_tokens, error="aborted")
+        parked = self.parked.pop(rid, None)
+        if parked is not None:  # nothing reads its pages: freed now
+            parked.req.finish_reason = FinishReason.ABORT
+            self._finish(parked.req)
+            return PrefillResult(rid, parked.req.room, None, None, len(parked.req.prompt_ids), parked.req.cached_tokens, error="aborted")
         completion = super().abort(rid)
         if completion is None:
-            return None
+            req = self.live.get(rid)
+            if req is None or req.finished:
+                return None
+            # Its last chunk is running: freed when its result arrives (process_batch_result).
+            req.finish_reason = FinishReason.ABORT
+            return PrefillResult(rid, req.room, None, None, len(req.prompt_ids), req.cached_tokens, error="aborted")
         self.destinations.pop(rid, None)
+        self.live.pop(rid, None)
         return PrefillResult(rid, 0, None, None, len(completion.prompt_ids), completion.cached_tokens, error="aborted")
 
     def is_idle(self) -> bool:
-        return not self.transfers and not self.destinations and super().is_idle()
+        return not (self.transfers or self.parked or self.destinations or self.live) and super().is_idle()

@@ -2,7 +2,8 @@
 
 Prefill(request, destination) answers once the request's KV and first token are at the decode
 server named in the destination (or with an error): first token, its logprob, cached tokens,
-timings. The decode server's agent metadata travels in the destination and is cached per peer
+timings. PrefillStreamed takes the request first and the destination in a later message: the
+prefill runs while the router waits for the decode server's pages, and only the transfer waits. The decode server's agent metadata travels in the destination and is cached per peer
 by the agent.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+
+import grpc
 
 from pdserve.common import ipc
 from pdserve.common.config import EngineConfig
@@ -40,6 +43,14 @@ class PrefillRole(Role):
             return
         self.arrived[msg.rid] = time.monotonic()
 
+    def on_destination(self, msg: ipc.SetDestination, send) -> None:
+        try:
+            self.engine.set_destination(msg.rid, msg.peer_metadata, msg.page_ids)
+        except ValueError as e:  # the request cannot be served: dropped, and answered as refused
+            self.engine.scheduler.abort(msg.rid)
+            self.arrived.pop(msg.rid, None)
+            send(ipc.Rejected(msg.rid, str(e)))
+
     def on_abort(self, rid: str, send) -> None:
         result = self.engine.scheduler.abort(rid)
         if result is not None:
@@ -60,7 +71,7 @@ class PrefillRole(Role):
     def load(self) -> ipc.LoadReport:
         s = self.engine.scheduler
         return ipc.LoadReport(
-            running=len(s.transfers) + (1 if s.chunked_req else 0),
+            running=len(s.transfers) + len(s.parked) + (1 if s.chunked_req else 0),
             waiting=len(s.waiting),
             kv_used_tokens=s.kv_used_tokens(),
             kv_total_tokens=self.engine.runner.kv_pool.capacity_tokens,
@@ -78,6 +89,20 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
     role = pb.ServerInfo.PREFILL
 
     async def Prefill(self, request: pb.PrefillRequest, context):
+        return await self._prefill(request, None)
+
+    async def PrefillStreamed(self, request_iterator, context):
+        """The request first, its destination in a later message (or in the first)."""
+        messages = request_iterator.__aiter__()
+        try:
+            first = await anext(messages)
+        except StopAsyncIteration:
+            return pb.PrefillResponse(error=pb.Error(code=pb.Error.INVALID_REQUEST, message="no request was sent"))
+        return await self._prefill(first, None if first.HasField("destination") else messages)
+
+    async def _prefill(self, request: pb.PrefillRequest, later) -> pb.PrefillResponse:
+        """Run one prefill; `later`, when given, yields the message carrying the destination
+        (forwarded to the scheduler as it arrives, while the prefill runs)."""
         if self.draining:
             return pb.PrefillResponse(error=pb.Error(code=pb.Error.OVERLOADED, message="the server is draining"))
         req, dest = request.request, request.destination
@@ -87,10 +112,13 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
         except ValueError as e:
             return pb.PrefillResponse(error=pb.Error(code=pb.Error.INVALID_REQUEST, message=str(e)))
         done = False
+        forward = None
         try:
             await self.bridge.send(ipc.NewRequest(
                 rid, list(req.prompt_token_ids), params_from_proto(req.params), req.bootstrap_room,
                 peer_metadata=dest.decode_agent_metadata, page_ids=list(dest.page_ids)))
+            if later is not None:
+                forward = asyncio.create_task(self._forward_destination(rid, later, queue))
             timeout = None
             if req.HasField("deadline_unix_s"):
                 timeout = max(req.deadline_unix_s - time.time(), 0.0)
@@ -112,6 +140,22 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
                 response.first_logprob.CopyFrom(logprob_to_proto(msg.first_logprob))
             return response
         finally:
+            if forward is not None:
+                forward.cancel()
             if not done:  # cancelled by the client or past its deadline
                 await self.bridge.send(ipc.Abort(rid))
             self.bridge.unsubscribe(rid)
+
+    async def _forward_destination(self, rid: str, later, queue: asyncio.Queue) -> None:
+        """Pass the first destination the client streams to the scheduler; a stream that ends
+        without one fails the request (nothing else would end it before the transfer timeout)."""
+        try:
+            async for message in later:
+                if message.HasField("destination"):
+                    dest = message.destination
+                    await self.bridge.send(ipc.SetDestination(rid, dest.decode_agent_metadata, list(dest.page_ids)))
+                    return
+        except grpc.aio.AioRpcError:
+            return  # the call itself ended (cancelled): the main path answers and aborts
+        await self.bridge.send(ipc.Abort(rid))
+        queue.put_nowait(ipc.Rejected(rid, "the stream ended without a KV destination"))

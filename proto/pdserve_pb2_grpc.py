@@ -292,6 +292,11 @@ class PrefillServiceStub:
                 request_serializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillStreamed = channel.stream_unary(
+                '/pdserve.v1.PrefillService/PrefillStreamed',
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.PrefillService/Abort',
                 request_serializer=pdserve_dot_proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
@@ -320,6 +325,16 @@ class PrefillServiceServicer:
 
     def Prefill(self, request, context):
         """Prefill one request and transfer its KV; returns once the transfer is done.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillStreamed(self, request_iterator, context):
+        """Prefill before the destination is known: the first message carries the request (and the
+        destination, if known), a later one the destination alone. The prefill starts at the first
+        message; the KV transfer waits for the destination (as long as the KV transfer timeout).
+        Answers as Prefill does.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -358,6 +373,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillStreamed': grpc.stream_unary_rpc_method_handler(
+                    servicer.PrefillStreamed,
                     request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_pdserve__pb2.PrefillResponse.SerializeToString,
             ),
@@ -408,6 +428,33 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/Prefill',
+            pdserve_dot_proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStreamed(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/pdserve.v1.PrefillService/PrefillStreamed',
             pdserve_dot_proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
             pdserve_dot_proto_dot_pdserve__pb2.PrefillResponse.FromString,
             options,

@@ -11,6 +11,7 @@ would in the colocated engine.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import secrets
 from dataclasses import dataclass, field, replace
@@ -79,9 +80,11 @@ async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt
     consumer cancels both RPCs (the servers free the request's KV).
 
     `pick_prefill(tried_urls)` returns (url, channel) of a prefill server not tried yet, or None;
-    `report(url, ok)` feeds the circuit breakers. A prefill that fails or times out is retried on
-    another prefill server with the same destination: the seed is fixed, so every attempt
-    samples the same first token, and the decode server takes the first transfer that lands.
+    `report(url, ok)` feeds the circuit breakers. The first prefill attempt starts at once, with
+    the decode server's request (PrefillStreamed): the prompt is computed while the decode server
+    reserves pages, and the destination follows on the same call. A prefill that fails or times
+    out is retried on another prefill server with the destination: the seed is fixed, so every
+    attempt samples the same first token, and the decode server takes the first transfer that lands.
     """
     rid = secrets.token_hex(12)
     req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids, params=proto_params(params),
@@ -89,11 +92,18 @@ async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt
     if deadline_unix_s is not None:
         req.deadline_unix_s = deadline_unix_s  # both servers give up (and free the KV) past it
     call = pb_grpc.DecodeServiceStub(decode).Generate(req, timeout=RPC_TIMEOUT_S)
+    early = None
     try:
+        target = pick_prefill([])
+        if target is not None:
+            url, channel = target
+            early = (url, channel, pb_grpc.PrefillServiceStub(channel).PrefillStreamed(timeout=PREFILL_TIMEOUT_S))
+            await _write_quietly(early[2], pb.PrefillRequest(request=req))
         first = await call.read()
         if first is grpc.aio.EOF or first.WhichOneof("response") != "destination":
             raise _error(first)
-        response = await _prefill_with_retries(pick_prefill, report, pb.PrefillRequest(request=req, destination=first.destination))
+        response = await _prefill_with_retries(
+            pick_prefill, report, pb.PrefillRequest(request=req, destination=first.destination), early)
         sent = 1
         first_lp = [_logprob(response.first_logprob)] if response.HasField("first_logprob") else []
         yield Event("tokens", [response.first_token_id], 0, first_lp, cached_tokens=response.cached_tokens)
@@ -118,20 +128,52 @@ async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt
         raise UpstreamError(f"decode server unavailable: {e.code().name}: {e.details()}", 503, decode_failed=True) from e
     finally:
         call.cancel()
+        if early is not None:
+            early[2].cancel()  # a no-op once it answered
 
 
-async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest) -> pb.PrefillResponse:
+async def _write_quietly(call, message: pb.PrefillRequest) -> None:
+    """Send on a PrefillStreamed call; a call that already ended is reported when its answer is read."""
+    try:
+        await call.write(message)
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        pass
+
+
+async def _answer_of(call, destination: pb.KVDestination) -> pb.PrefillResponse:
+    """Send the destination on an early PrefillStreamed call and read its answer."""
+    await _write_quietly(call, pb.PrefillRequest(destination=destination))
+    try:
+        await call.done_writing()
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        pass
+    return await call
+
+
+async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest, early=None) -> pb.PrefillResponse:
+    """`early`: (url, channel, PrefillStreamed call) of a first attempt already running, or None."""
     tried: list[str] = []
     last = "no prefill server is available"
-    for _ in range(MAX_PREFILL_ATTEMPTS):
-        target = pick_prefill(tried)
-        if target is None:
-            break
-        url, channel = target
+    pending = [early] if early is not None else []  # attempts to make before picking another server
+    while len(tried) < MAX_PREFILL_ATTEMPTS:
+        if pending:
+            url, channel, streamed = pending.pop()
+        else:
+            target = pick_prefill(tried)
+            if target is None:
+                break
+            (url, channel), streamed = target, None
         tried.append(url)
         try:
-            response = await pb_grpc.PrefillServiceStub(channel).Prefill(request, timeout=PREFILL_TIMEOUT_S)
+            if streamed is not None:
+                response = await _answer_of(streamed, request.destination)
+            else:
+                response = await pb_grpc.PrefillServiceStub(channel).Prefill(request, timeout=PREFILL_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
+            if streamed is not None and e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                tried.pop()  # a prefill server older than PrefillStreamed: the same server, the plain way
+                pending.append((url, channel, None))
+                continue
             report(url, False)
             last = f"prefill {url}: {e.code().name}: {e.details()}"
             continue

@@ -140,3 +140,62 @@ def test_an_abort_while_the_write_is_in_flight_keeps_pages_until_it_lands(tiny_m
         p_loop.step()
         d_loop.step()
     assert decode.is_idle() and prefill.is_idle() and decode.stats()["kv_used_tokens"] == 0
+
+
+def test_prefill_runs_before_its_destination_is_known(tiny_models):
+    """PrefillStreamed's order: prefill gets the request first and computes it while decode
+    reserves pages; the finished prompt waits (parked, pages held) until its destination comes,
+    then transfers. Aborting a parked request frees its pages; a destination too small is
+    refused; a destination for a request that is gone is ignored. Greedy tokens unchanged."""
+    path = tiny_models("llama")
+    prompts = make_prompts(4, seed=3)
+    expected = hf_greedy(path, prompts, 6)
+    prefill, decode = engines(path)
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    rng = random.Random(1)
+    rooms = [rng.getrandbits(63) for _ in prompts]
+    for i, (ids, room) in enumerate(zip(prompts, rooms)):
+        prefill.add_prefill_request(ids, params, room, b"", [], rid=f"r{i}")
+    p_loop, d_loop = prefill.loop_state(), decode.loop_state()
+    deadline = time.monotonic() + 60
+    while len(prefill.scheduler.parked) < len(prompts):
+        assert time.monotonic() < deadline
+        assert not list(p_loop.step())  # nothing finishes without a destination
+    assert not prefill.scheduler.transfers and prefill.scheduler.kv_used_tokens() > 0
+
+    assert prefill.scheduler.abort("r3").error == "aborted"  # parked: freed at once
+    assert "r3" not in prefill.scheduler.parked
+    for i, (ids, room) in enumerate(zip(prompts[:3], rooms)):
+        decode.add_decode_request(ids, params, room=room, rid=f"r{i}")
+    while len(decode.destinations) < 3:
+        assert time.monotonic() < deadline
+        list(d_loop.step())
+    dests = {d.rid: d for d in decode.destinations}
+    decode.destinations.clear()
+    with pytest.raises(ValueError, match="pages"):
+        prefill.set_destination("r0", dests["r0"].agent_metadata, dests["r0"].page_ids[:-1])
+    prefill.set_destination("r3", dests["r0"].agent_metadata, dests["r0"].page_ids)  # gone: ignored
+    for rid, d in dests.items():
+        prefill.set_destination(rid, d.agent_metadata, d.page_ids)
+    completions, results = {}, {}
+    while d_loop.busy() or p_loop.busy():
+        assert time.monotonic() < deadline
+        for c in d_loop.step():
+            completions[c.rid] = c
+        for r in p_loop.step():
+            results[r.rid] = r
+    assert [completions[f"r{i}"].output_ids for i in range(3)] == expected[:3]
+    assert all(results[f"r{i}"].error is None for i in range(3)) and "r3" not in results
+    assert prefill.is_idle() and decode.is_idle()
+
+
+def test_a_destination_that_never_comes_times_out_on_prefill(tiny_models):
+    prefill, _ = engines(tiny_models("gpt2"), timeout=0.3)
+    prefill.add_prefill_request([0, 5, 6, 7], SamplingParams(max_new_tokens=4), 7, b"", [], rid="lonely")
+    loop, results = prefill.loop_state(), []
+    deadline = time.monotonic() + 30
+    while not results:
+        assert time.monotonic() < deadline
+        results += loop.step()
+    assert results[0].rid == "lonely" and "no KV destination" in results[0].error
+    assert prefill.is_idle() and prefill.scheduler.kv_used_tokens() == 0

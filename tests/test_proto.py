@@ -349,13 +349,16 @@ def test_services_shape():
     assert set(services) == {"DecodeService", "PrefillService"}
     common = {"Abort", "GetLoad", "GetServerInfo", "GetAgentMetadata"}
     assert set(services["DecodeService"].methods_by_name) == common | {"Generate"}
-    assert set(services["PrefillService"].methods_by_name) == common | {"Prefill"}
+    assert set(services["PrefillService"].methods_by_name) == common | {"Prefill", "PrefillStreamed"}
     generate_rpc = services["DecodeService"].methods_by_name["Generate"]
     assert generate_rpc.server_streaming and not generate_rpc.client_streaming
     assert generate_rpc.output_type.name == "GenerateResponse"
+    streamed = services["PrefillService"].methods_by_name["PrefillStreamed"]
+    assert streamed.client_streaming and not streamed.server_streaming
+    assert (streamed.input_type.name, streamed.output_type.name) == ("PrefillRequest", "PrefillResponse")
     for svc in services.values():
         for m in svc.methods:
-            if m.name != "Generate":
+            if m.name not in ("Generate", "PrefillStreamed"):
                 assert not m.server_streaming and not m.client_streaming, m.full_name
 
 

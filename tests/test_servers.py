@@ -208,9 +208,19 @@ def test_aborts_at_every_stage_free_kv_on_both_sides(servers):
             pb.PrefillRequest(request=req, destination=first.destination), timeout=60)
         return [], msg, pre
 
+    async def streamed_without_a_destination(call, first, pch, req):
+        streamed = pb_grpc.PrefillServiceStub(pch).PrefillStreamed(timeout=60)
+        await streamed.write(pb.PrefillRequest(request=req))
+        await streamed.done_writing()
+        answer = await streamed
+        assert answer.HasField("error") and "without a KV destination" in answer.error.message
+        call.cancel()
+        return [], None, answer
+
     async def main():
         long_prompt = prompts(1, seed=9, low=200, high=201)[0]
         await asyncio.gather(
+            generate(decode, prefill, prompts(1, seed=4)[0], params(40), "ab-st2", after_destination=streamed_without_a_destination),
             generate(decode, prefill, prompts(1, seed=5)[0], params(40), "ab-kv", after_destination=cancel_while_waiting_for_kv),
             generate(decode, prefill, long_prompt, params(40), "ab-pre", after_destination=cancel_prefill_midway),
             generate(decode, prefill, prompts(1, seed=6)[0], params(40), "ab-rpc", after_destination=abort_rpc_then_prefill),
@@ -224,6 +234,28 @@ def test_aborts_at_every_stage_free_kv_on_both_sides(servers):
         done = await asyncio.gather(*tasks, return_exceptions=True)
         assert sum(isinstance(d, tuple) for d in done) >= 8
         await wait_idle(decode, prefill)
+
+    asyncio.run(main())
+
+
+def test_a_prefill_cancelled_before_its_destination_frees_its_kv_at_once(servers):
+    """PrefillStreamed: the prompt is prefilled and parked, holding pages, until the destination
+    comes; a client that cancels first frees them now, not after the KV transfer timeout."""
+    model, decode, prefill = servers
+
+    async def main():
+        async with grpc.aio.insecure_channel(prefill.address) as pch:
+            req = pb.GenerateRequest(request_id="st-cancel", prompt_token_ids=prompts(1, seed=3)[0], params=params(8),
+                                     bootstrap_room=random.getrandbits(63))
+            streamed = pb_grpc.PrefillServiceStub(pch).PrefillStreamed(timeout=60)
+            await streamed.write(pb.PrefillRequest(request=req))
+            deadline = time.monotonic() + 30
+            while (await load(prefill)).running_requests == 0:  # prefilled and parked
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            assert (await load(prefill)).kv_used_tokens > 0
+            streamed.cancel()
+            await wait_idle(prefill, timeout=KV_TIMEOUT / 2)
 
     asyncio.run(main())
 

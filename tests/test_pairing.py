@@ -1,0 +1,134 @@
+"""The router's pairing protocol (router/pairing.py) against fake servers over real gRPC.
+
+The first prefill attempt starts with the decode server's request, before the decode server has
+answered with its pages (PrefillStreamed), and gets the destination on the same call; a prefill
+server without PrefillStreamed is asked again the plain way, without counting as a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from pdserve.common.types import SamplingParams
+from pdserve.proto import pdserve_pb2 as pb
+from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.pairing import UpstreamError, paired_generate
+
+TIMEOUT_S = 10.0
+LAYOUT = pb.KVLayout(page_size=16, num_layers=2, kv_heads=4, head_dim=64, dtype="bfloat16", num_pages=1024)
+
+
+class FakeDecode(pb_grpc.DecodeServiceServicer):
+    """Answers its destination only once `release` is set (by default at once); then two tokens."""
+
+    def __init__(self, release: asyncio.Event | None = None, reject: bool = False):
+        self.release, self.reject = release, reject
+
+    async def Generate(self, request, context):
+        if self.release is not None:
+            await asyncio.wait_for(self.release.wait(), TIMEOUT_S)
+        if self.reject:
+            yield pb.GenerateResponse(error=pb.Error(code=pb.Error.OVERLOADED, message="full"))
+            return
+        yield pb.GenerateResponse(destination=pb.KVDestination(
+            bootstrap_room=request.bootstrap_room, decode_agent_name="decode-0", decode_agent_metadata=b"meta",
+            page_ids=[3, 4], layout=LAYOUT))
+        yield pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=[8, 9], index=1))
+        yield pb.GenerateResponse(finish=pb.FinishInfo(reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(completion_tokens=3)))
+
+
+class PlainPrefill(pb_grpc.PrefillServiceServicer):
+    """A prefill server from before PrefillStreamed: the unary Prefill only."""
+
+    def __init__(self):
+        self.calls: list[pb.PrefillRequest] = []
+
+    async def Prefill(self, request, context):
+        self.calls.append(request)
+        return pb.PrefillResponse(first_token_id=7, prompt_tokens=len(request.request.prompt_token_ids))
+
+
+class StreamedPrefill(PlainPrefill):
+    """Records the messages; sets `got_request` on the first, `ended` when the client's side ends
+    (it sent all it had, or cancelled: a cancelled call's messages just end, as the real
+    server's _forward_destination relies on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.got_request = asyncio.Event()
+        self.ended = asyncio.Event()
+        self.messages: list[pb.PrefillRequest] = []
+
+    async def PrefillStreamed(self, request_iterator, context):
+        async for message in request_iterator:
+            self.messages.append(message)
+            self.got_request.set()
+        self.ended.set()
+        return pb.PrefillResponse(first_token_id=7, prompt_tokens=len(self.messages[0].request.prompt_token_ids))
+
+
+async def run(decode: FakeDecode, prefill: PlainPrefill, until: asyncio.Event | None = None):
+    server = grpc.aio.server()
+    pb_grpc.add_DecodeServiceServicer_to_server(decode, server)
+    pb_grpc.add_PrefillServiceServicer_to_server(prefill, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    reports = []
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            def pick_prefill(tried):
+                return None if tried else ("prefill-0", channel)
+
+            stream = paired_generate(channel, pick_prefill, lambda url, ok: reports.append((url, ok)), [1, 2, 3],
+                                     SamplingParams(max_new_tokens=3, seed=5))
+            events = []
+            try:
+                async for event in stream:
+                    events.append(event)
+            except UpstreamError as e:
+                events.append(e)
+            if until is not None:  # what the fake server sees after the router is done
+                await asyncio.wait_for(until.wait(), TIMEOUT_S)
+            return events, reports
+    finally:
+        await server.stop(None)
+
+
+def test_prefill_starts_before_the_decode_server_answers():
+    async def main():
+        prefill = StreamedPrefill()
+        # The decode server answers only once prefill has the request: a router that waited
+        # for the destination before calling prefill would time out here.
+        events, reports = await run(FakeDecode(release=prefill.got_request), prefill)
+        return prefill, events, reports
+
+    prefill, events, reports = asyncio.run(asyncio.wait_for(main(), 3 * TIMEOUT_S))
+    assert [(e.kind, e.token_ids) for e in events] == [("tokens", [7]), ("tokens", [8, 9]), ("finish", [])]
+    first, second = prefill.messages
+    assert first.request.prompt_token_ids == [1, 2, 3] and not first.HasField("destination")
+    assert list(second.destination.page_ids) == [3, 4] and not second.HasField("request")
+    assert second.destination.bootstrap_room == first.request.bootstrap_room
+    assert reports == [("prefill-0", True)] and prefill.calls == []
+
+
+def test_a_prefill_server_without_prefill_streamed_is_asked_the_plain_way():
+    prefill = PlainPrefill()
+    events, reports = asyncio.run(asyncio.wait_for(run(FakeDecode(), prefill), 3 * TIMEOUT_S))
+    assert [(e.kind, e.token_ids) for e in events] == [("tokens", [7]), ("tokens", [8, 9]), ("finish", [])]
+    [call] = prefill.calls
+    assert call.request.prompt_token_ids == [1, 2, 3] and list(call.destination.page_ids) == [3, 4]
+    assert reports == [("prefill-0", True)]  # not counted against its circuit
+
+
+def test_a_decode_refusal_cancels_the_early_prefill():
+    async def main():
+        prefill = StreamedPrefill()
+        events, _ = await run(FakeDecode(release=prefill.got_request, reject=True), prefill, until=prefill.ended)
+        return prefill, events
+
+    prefill, events = asyncio.run(asyncio.wait_for(main(), 3 * TIMEOUT_S))
+    [error] = events
+    assert isinstance(error, UpstreamError) and error.status == 503
+    assert prefill.ended.is_set() and len(prefill.messages) == 1  # the request, never a destination
