@@ -50,7 +50,9 @@ def tune_gc() -> None:
 
 
 class Engine:
-    runs_prefill = True  # False where KV only arrives from elsewhere (a decode server): no prefill graphs
+    # False on a decode server: its KV arrives over NIXL (only a retracted request is prefilled
+    # again there, eagerly), so it captures no prefill graphs.
+    runs_prefill = True
 
     def __init__(self, config: EngineConfig | None = None, **overrides):
         if config is None:
