@@ -82,9 +82,10 @@ async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt
     `pick_prefill(tried_urls)` returns (url, channel) of a prefill server not tried yet, or None;
     `report(url, ok)` feeds the circuit breakers. The first prefill attempt starts at once, with
     the decode server's request (PrefillStreamed): the prompt is computed while the decode server
-    reserves pages, and the destination follows on the same call. A prefill that fails or times
-    out is retried on another prefill server with the destination: the seed is fixed, so every
-    attempt samples the same first token, and the decode server takes the first transfer that lands.
+    reserves pages, and the destination follows on the same call; if that call fails, the same
+    server is asked again with the unary Prefill. A prefill that fails or times out is retried on
+    another prefill server with the destination: the seed is fixed, so every attempt samples the
+    same first token, and the decode server takes the first transfer that lands.
     """
     rid = secrets.token_hex(12)
     req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids, params=proto_params(params),
@@ -170,20 +171,23 @@ async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest
             else:
                 response = await pb_grpc.PrefillServiceStub(channel).Prefill(request, timeout=PREFILL_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
-            if streamed is not None and e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                tried.pop()  # a prefill server older than PrefillStreamed: the same server, the plain way
-                pending.append((url, channel, None))
-                continue
-            report(url, False)
-            last = f"prefill {url}: {e.code().name}: {e.details()}"
+            response, failure = None, f"{e.code().name}: {e.details()}"
+        else:
+            if not response.HasField("error"):
+                report(url, True)
+                return response
+            if response.error.code == pb.Error.INVALID_REQUEST:
+                raise UpstreamError(response.error.message, 400)
+            failure = response.error.message
+        if streamed is not None:
+            # The early attempt may fail for reasons that are not the prefill server's: no
+            # PrefillStreamed (an older server), or a decode server slower to reserve pages than
+            # the prefill's wait for them. Ask the same server again the plain way; that counts.
+            tried.pop()
+            pending.append((url, channel, None))
             continue
-        if not response.HasField("error"):
-            report(url, True)
-            return response
-        if response.error.code == pb.Error.INVALID_REQUEST:
-            raise UpstreamError(response.error.message, 400)
         report(url, False)
-        last = f"prefill {url}: {response.error.message}"
+        last = f"prefill {url}: {failure}"
     raise UpstreamError(f"prefill failed after {len(tried)} attempt(s): {last}", 503)
 
 

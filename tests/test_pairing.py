@@ -1,8 +1,9 @@
 """The router's pairing protocol (router/pairing.py) against fake servers over real gRPC.
 
 The first prefill attempt starts with the decode server's request, before the decode server has
-answered with its pages (PrefillStreamed), and gets the destination on the same call; a prefill
-server without PrefillStreamed is asked again the plain way, without counting as a failure.
+answered with its pages (PrefillStreamed), and gets the destination on the same call; when that
+call fails (a server without PrefillStreamed, or a prefill that stopped waiting for its pages),
+the same server is asked again the plain way, and only that attempt counts for its circuit.
 """
 
 from __future__ import annotations
@@ -120,6 +121,29 @@ def test_a_prefill_server_without_prefill_streamed_is_asked_the_plain_way():
     [call] = prefill.calls
     assert call.request.prompt_token_ids == [1, 2, 3] and list(call.destination.page_ids) == [3, 4]
     assert reports == [("prefill-0", True)]  # not counted against its circuit
+
+
+class ImpatientPrefill(StreamedPrefill):
+    """Gives up on the destination before it comes, as a prefill server whose decode server is
+    slower to reserve pages than --kv-transfer-timeout."""
+
+    async def PrefillStreamed(self, request_iterator, context):
+        async for message in request_iterator:
+            self.messages.append(message)
+            self.got_request.set()
+            return pb.PrefillResponse(error=pb.Error(code=pb.Error.KV_TRANSFER_FAILED, message="no KV destination came"))
+
+
+def test_an_early_prefill_that_gave_up_is_asked_again_the_plain_way():
+    async def main():
+        prefill = ImpatientPrefill()
+        events, reports = await run(FakeDecode(release=prefill.got_request), prefill)
+        return prefill, events, reports
+
+    prefill, events, reports = asyncio.run(asyncio.wait_for(main(), 3 * TIMEOUT_S))
+    assert [(e.kind, e.token_ids) for e in events] == [("tokens", [7]), ("tokens", [8, 9]), ("finish", [])]
+    assert len(prefill.messages) == 1 and len(prefill.calls) == 1
+    assert reports == [("prefill-0", True)]
 
 
 def test_a_decode_refusal_cancels_the_early_prefill():
