@@ -106,3 +106,30 @@ def test_prefill_graph_sizes_pad_by_at_most_a_quarter():
         for n in range(1, max_tokens + 1):
             padded = next(s for s in sizes if s >= n)
             assert padded - n < max(16, n / 4 + 1)
+
+
+def test_prefill_graphs_take_only_small_extend_batches(make_engine):
+    """can_run: extend batches within the captured token count and request slots, with their
+    upload rows; decode batches, bigger batches and batches without an upload run eagerly."""
+    from pdserve.common.batch import ForwardMode
+    from pdserve.common.prefill_graph import PrefillGraphRunner
+
+    engine = make_engine("llama", attention_backend="triton", max_total_tokens=4096)
+    graphs = PrefillGraphRunner(engine.runner, max_tokens=48, max_reqs=2, capture=False)
+    assert graphs.sizes == [16, 32, 48]
+
+    def batch(lens, mode=ForwardMode.EXTEND):
+        reqs = [engine.make_req(list(range(5, 5 + n)), SamplingParams()) for n in lens]
+        for req in reqs:
+            engine.scheduler.add_request(req)
+        built = engine.scheduler.get_next_batch_to_run()
+        for req in reqs:
+            engine.abort(req.rid)
+        return built
+
+    small = batch([20, 28])
+    assert small.mode is ForwardMode.EXTEND and small.packed.shape == (3, 48) and graphs.can_run(small)
+    assert not graphs.can_run(batch([20, 29]))  # 49 tokens
+    assert not graphs.can_run(batch([4, 4, 4]))  # 3 requests
+    eager = engine.runner._dummy_extend([8])  # no upload rows (the warm-up's batches)
+    assert eager.packed is None and not graphs.can_run(eager)
