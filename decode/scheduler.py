@@ -49,6 +49,8 @@ class DecodeScheduler(Scheduler):
         Admission keeps, as for colocated requests, room for every admitted request's next
         num_reserved_decode_tokens tokens; a request that does not fit blocks those behind it.
         """
+        if not self.prealloc:  # the common case, every loop iteration: no O(running) scan
+            return []
         admitted = []
         holders = self.running + list(self.transferring.values())
         available = self._available_pages() - self._reserved_pages(holders)
