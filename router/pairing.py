@@ -155,10 +155,10 @@ async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest
     """`early`: (url, channel, PrefillStreamed call) of a first attempt already running, or None."""
     tried: list[str] = []
     last = "no prefill server is available"
-    pending = [early] if early is not None else []  # attempts to make before picking another server
+    retry_here = early  # (url, channel, PrefillStreamed call or None): the next attempt, if set
     while len(tried) < MAX_PREFILL_ATTEMPTS:
-        if pending:
-            url, channel, streamed = pending.pop()
+        if retry_here is not None:
+            (url, channel, streamed), retry_here = retry_here, None
         else:
             target = pick_prefill(tried)
             if target is None:
@@ -171,7 +171,7 @@ async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest
             else:
                 response = await pb_grpc.PrefillServiceStub(channel).Prefill(request, timeout=PREFILL_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
-            response, failure = None, f"{e.code().name}: {e.details()}"
+            failure = f"{e.code().name}: {e.details()}"
         else:
             if not response.HasField("error"):
                 report(url, True)
@@ -184,7 +184,7 @@ async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest
             # PrefillStreamed (an older server), or a decode server slower to reserve pages than
             # the prefill's wait for them. Ask the same server again the plain way; that counts.
             tried.pop()
-            pending.append((url, channel, None))
+            retry_here = (url, channel, None)
             continue
         report(url, False)
         last = f"prefill {url}: {failure}"

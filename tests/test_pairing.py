@@ -97,15 +97,18 @@ async def run(decode: FakeDecode, prefill: PlainPrefill, until: asyncio.Event | 
         await server.stop(None)
 
 
-def test_prefill_starts_before_the_decode_server_answers():
-    async def main():
-        prefill = StreamedPrefill()
-        # The decode server answers only once prefill has the request: a router that waited
-        # for the destination before calling prefill would time out here.
-        events, reports = await run(FakeDecode(release=prefill.got_request), prefill)
-        return prefill, events, reports
+def pair(prefill: PlainPrefill, decode: FakeDecode | None = None, until: asyncio.Event | None = None):
+    """One paired request, in a fresh event loop; by default the decode server answers only once
+    the prefill server has the request (a router that waited for the destination before calling
+    prefill would time out)."""
+    if decode is None:
+        decode = FakeDecode(release=prefill.got_request)
+    return asyncio.run(asyncio.wait_for(run(decode, prefill, until), 3 * TIMEOUT_S))
 
-    prefill, events, reports = asyncio.run(asyncio.wait_for(main(), 3 * TIMEOUT_S))
+
+def test_prefill_starts_before_the_decode_server_answers():
+    prefill = StreamedPrefill()
+    events, reports = pair(prefill)
     assert [(e.kind, e.token_ids) for e in events] == [("tokens", [7]), ("tokens", [8, 9]), ("finish", [])]
     first, second = prefill.messages
     assert first.request.prompt_token_ids == [1, 2, 3] and not first.HasField("destination")
@@ -116,7 +119,7 @@ def test_prefill_starts_before_the_decode_server_answers():
 
 def test_a_prefill_server_without_prefill_streamed_is_asked_the_plain_way():
     prefill = PlainPrefill()
-    events, reports = asyncio.run(asyncio.wait_for(run(FakeDecode(), prefill), 3 * TIMEOUT_S))
+    events, reports = pair(prefill, FakeDecode())
     assert [(e.kind, e.token_ids) for e in events] == [("tokens", [7]), ("tokens", [8, 9]), ("finish", [])]
     [call] = prefill.calls
     assert call.request.prompt_token_ids == [1, 2, 3] and list(call.destination.page_ids) == [3, 4]
@@ -135,24 +138,16 @@ class ImpatientPrefill(StreamedPrefill):
 
 
 def test_an_early_prefill_that_gave_up_is_asked_again_the_plain_way():
-    async def main():
-        prefill = ImpatientPrefill()
-        events, reports = await run(FakeDecode(release=prefill.got_request), prefill)
-        return prefill, events, reports
-
-    prefill, events, reports = asyncio.run(asyncio.wait_for(main(), 3 * TIMEOUT_S))
+    prefill = ImpatientPrefill()
+    events, reports = pair(prefill)
     assert [(e.kind, e.token_ids) for e in events] == [("tokens", [7]), ("tokens", [8, 9]), ("finish", [])]
     assert len(prefill.messages) == 1 and len(prefill.calls) == 1
     assert reports == [("prefill-0", True)]
 
 
 def test_a_decode_refusal_cancels_the_early_prefill():
-    async def main():
-        prefill = StreamedPrefill()
-        events, _ = await run(FakeDecode(release=prefill.got_request, reject=True), prefill, until=prefill.ended)
-        return prefill, events
-
-    prefill, events = asyncio.run(asyncio.wait_for(main(), 3 * TIMEOUT_S))
+    prefill = StreamedPrefill()
+    events, _ = pair(prefill, FakeDecode(release=prefill.got_request, reject=True), until=prefill.ended)
     [error] = events
     assert isinstance(error, UpstreamError) and error.status == 503
     assert prefill.ended.is_set() and len(prefill.messages) == 1  # the request, never a destination
