@@ -16,7 +16,8 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from pdserve.common.config import DEFAULT_MEM_FRACTION_STATIC, EngineConfig
-from pdserve.router.up import READY_TIMEOUT_S, _free_port, gpu_shares
+from pdserve.common.ports import free_port
+from pdserve.router.up import READY_TIMEOUT_S, gpu_shares
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
@@ -62,8 +63,8 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefil
     py = sys.executable
     decode_config, prefill_configs = memory_split(config, device, num_prefill)
     one_gpu = decode_config is not prefill_configs[0]  # each server sizes itself after the ones before
-    decode, router = _free_port(), _free_port()
-    prefills = [_free_port() for _ in range(num_prefill)]
+    decode, router = free_port(), free_port()
+    prefills = [free_port() for _ in range(num_prefill)]
     base = f"http://127.0.0.1:{router}"
     procs: list[subprocess.Popen] = []
 

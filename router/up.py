@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ import time
 import urllib.request
 
 from pdserve.common.config import DEFAULT_MEM_FRACTION_STATIC
+from pdserve.common.ports import free_port
 
 READY_TIMEOUT_S = 300
 
@@ -27,12 +27,6 @@ def gpu_shares(num_servers: int, fraction: float = DEFAULT_MEM_FRACTION_STATIC) 
     for fraction × (i + 1) / n: the earlier servers' share is already in use when it measures.
     """
     return [round(fraction * (i + 1) / num_servers, 4) for i in range(num_servers)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_ready(url: str, procs: list[subprocess.Popen]) -> None:
@@ -98,10 +92,10 @@ def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, p
         shares = gpu_shares(num_decode + num_prefill)
         for role, count, urls in (("decode", num_decode, decode), ("prefill", num_prefill, prefill)):
             for _ in range(count):
-                p = _free_port()
+                p = free_port()
                 share = ["--mem-fraction-static", str(shares[len(procs)])] if gpu else []
                 procs.append(subprocess.Popen([py, "-m", f"pdserve.{role}.cli", *common, *share, "--port", str(p),
-                                               "--metrics-port", str(_free_port())]))
+                                               "--metrics-port", str(free_port())]))
                 urls.append(f"127.0.0.1:{p}")
                 if gpu:
                     _wait_serving(urls[-1], procs)

@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ import pytest
 
 import kubernetes_validate  # the test extra: kubernetes-validate (schemas bundled)
 import yaml
+
+from pdserve.common.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERLAYS = ROOT / "deploy" / "k8s" / "overlays"
@@ -81,12 +82,6 @@ def test_overlay_validates(overlay):
 
 # --- cpu-demo as local processes ---------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _expand(s: str, env: dict[str, str]) -> str:
     # Kubernetes $(VAR) expansion: defined vars are replaced, $$ escapes, unknown ones stay.
     def sub(m):
@@ -143,7 +138,7 @@ def test_cpu_demo_runs_locally(tmp_path):
     # Container ports -> free loopback ports; Service names -> localhost; /models -> tmp.
     container_ports = {str(p["containerPort"]) for d in deployments.values()
                        for c in d["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
-    ports = {p: str(_free_port()) for p in sorted(container_ports)}
+    ports = {p: str(free_port()) for p in sorted(container_ports)}
     models = tmp_path / "models"
     models.mkdir()
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pdserve.common.tokenizer import load_tokenizer
-from tests.test_servers import free_port
+from pdserve.common.ports import free_port
 
 
 @pytest.fixture(scope="module")

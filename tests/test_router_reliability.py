@@ -14,7 +14,8 @@ import urllib.request
 import openai
 import pytest
 
-from tests.test_servers import Server, free_port, wait_idle
+from pdserve.common.ports import free_port
+from tests.test_servers import Server, wait_idle
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.common.ports import free_port
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from tests.test_disagg_engines import hf_greedy
 
 KV_TIMEOUT = 6.0  # long enough for a loaded 2-core CI box; the timeout tests wait this long
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
