@@ -44,6 +44,7 @@ class NewRequest(msgspec.Struct, tag=True):
     room: int
     peer_metadata: bytes = b""
     page_ids: list[int] = []
+    expires_unix_s: float = 0.0  # the destination's expiry; 0: none
 
 
 class SetDestination(msgspec.Struct, tag=True):
@@ -52,6 +53,7 @@ class SetDestination(msgspec.Struct, tag=True):
     rid: str
     peer_metadata: bytes
     page_ids: list[int]
+    expires_unix_s: float = 0.0
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -83,11 +85,13 @@ class Rejected(msgspec.Struct, tag=True):
 
 
 class Destination(msgspec.Struct, tag=True):
-    """Decode: pages for the request's prompt are held; the prefill server may WRITE them."""
+    """Decode: pages for the request's prompt are held; the prefill server may WRITE them
+    until `expires_unix_s` (less its margin, see KVDestination in the proto)."""
 
     rid: str
     room: int
     page_ids: list[int]
+    expires_unix_s: float
 
 
 class Tokens(msgspec.Struct, tag=True):

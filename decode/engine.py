@@ -35,6 +35,7 @@ class KVDestination:
     agent_metadata: bytes
     page_ids: list[int]
     layout: KVLayout
+    expires_unix_s: float  # this server frees the pages then: no WRITE may land later
 
 
 class DecodeEngine(Engine):
@@ -66,9 +67,9 @@ class DecodeEngine(Engine):
         metadata = None
         for req in self.scheduler.pop_preallocated(now):
             metadata = metadata or self.agent.metadata()
-            self.destinations.append(
-                KVDestination(req.rid, req.room, self.agent.name, metadata, list(req.pages), self.agent.layout)
-            )
+            expires_unix_s = time.time() + (req.deadline - now)  # wall clock: it crosses machines
+            self.destinations.append(KVDestination(
+                req.rid, req.room, self.agent.name, metadata, list(req.pages), self.agent.layout, expires_unix_s))
         done = []
         for _peer, message in self.agent.get_notifs():
             try:

@@ -49,7 +49,7 @@ class DecodeRole(Role):
     def on_outputs(self, outputs: list[Completion], send) -> None:
         while self.engine.destinations:
             d = self.engine.destinations.popleft()
-            send(ipc.Destination(d.rid, d.room, d.page_ids))
+            send(ipc.Destination(d.rid, d.room, d.page_ids, d.expires_unix_s))
         chunks = []
         for rid, entry in self.active.items():  # stream what each request produced
             req, sent = entry
@@ -123,7 +123,7 @@ class DecodeServicer(CommonRpcs, pb_grpc.DecodeServiceServicer):
                     yield pb.GenerateResponse(destination=pb.KVDestination(
                         bootstrap_room=msg.room, decode_agent_name=self.ready.agent_name,
                         decode_agent_metadata=self.ready.agent_metadata, page_ids=msg.page_ids,
-                        layout=layout_to_proto(self.ready.layout)))
+                        layout=layout_to_proto(self.ready.layout), expires_unix_s=msg.expires_unix_s))
                 elif isinstance(msg, ipc.Tokens):
                     lps = [pb.TokenLogprob(token_id=t, logprob=v, top=[pb.TopLogprob(token_id=a, logprob=b) for a, b in top])
                            for t, v, top in msg.logprobs]

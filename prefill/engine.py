@@ -11,6 +11,7 @@ poll the KV transfers in flight, never blocking.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Iterator, Sequence
 
@@ -45,9 +46,11 @@ class PrefillEngine(Engine):
         decode_metadata: bytes,
         page_ids: list[int],
         rid: str | None = None,
+        expires_unix_s: float = 0.0,
     ) -> str:
         """Queue a prompt whose KV goes to the decode server described by `decode_metadata`
-        (empty: not known yet, `set_destination` follows; the prefill starts anyway).
+        (empty: not known yet, `set_destination` follows; the prefill starts anyway), into pages
+        it holds until `expires_unix_s` (0: no limit).
 
         The peer's metadata is cached by the agent (adding the same peer again is free); an
         incompatible KV layout raises ValueError, as does a request that can never run here.
@@ -56,14 +59,14 @@ class PrefillEngine(Engine):
         req.room = room
         destination = None
         if decode_metadata:
-            destination = Destination(self.agent.add_peer(decode_metadata), list(page_ids))
+            destination = Destination(self.agent.add_peer(decode_metadata), list(page_ids), _expiry(expires_unix_s))
         self.scheduler.add_prefill_request(req, destination)
         return req.rid
 
-    def set_destination(self, rid: str, decode_metadata: bytes, page_ids: list[int]) -> None:
+    def set_destination(self, rid: str, decode_metadata: bytes, page_ids: list[int], expires_unix_s: float = 0.0) -> None:
         """The destination of a request queued without one; ValueError for a bad one."""
         peer = self.agent.add_peer(decode_metadata)
-        self.scheduler.set_destination(rid, Destination(peer, list(page_ids)), time.monotonic())
+        self.scheduler.set_destination(rid, Destination(peer, list(page_ids), _expiry(expires_unix_s)), time.monotonic())
 
     def poll(self) -> list[PrefillResult]:
         return self.scheduler.poll_transfers(time.monotonic())
@@ -83,3 +86,10 @@ class PrefillEngine(Engine):
     def _run(self, loop: LoopState) -> Iterator[PrefillResult]:
         while loop.busy():
             yield from loop.step()
+
+
+def _expiry(expires_unix_s: float) -> float:
+    """A destination's wall-clock expiry on this process's monotonic clock (inf: none)."""
+    if not expires_unix_s:
+        return math.inf
+    return time.monotonic() + (expires_unix_s - time.time())

@@ -10,17 +10,25 @@ result's copy_done event is recorded after it), the KV pages covering its prompt
 the destination pages over the transfer agent, with a notification carrying the room and the
 first token. The request keeps its pages until the agent reports the WRITE done (or failed, or
 past its deadline); then its KV is cached (or freed) and its result reported.
+
+A destination expires (KVDestination.expires_unix_s): the decode server frees its pages then and
+gives them to other requests. No WRITE starts within KV_WRITE_MARGIN_S of the expiry, none runs
+past half of it, and a request still queued or prefilling when the margin begins fails at once
+(its prefill would be wasted work: the decode server is about to give up on it).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 import time
 from dataclasses import dataclass
 
 from pdserve.common.kv_pool import pages_for
 from pdserve.common.kv_transfer import TransferState, encode_notif
 from pdserve.common.scheduler import Scheduler
-from pdserve.common.types import FinishReason, Req, TokenLogprob
+from pdserve.common.types import KV_WRITE_MARGIN_S, FinishReason, Req, TokenLogprob
 
 
 @dataclass
@@ -29,6 +37,13 @@ class Destination:
 
     peer: str
     page_ids: list[int]
+    expires: float = math.inf  # time.monotonic() at which the decode server frees the pages
+    writing: bool = False  # its WRITE started
+
+    @property
+    def write_by(self) -> float:
+        """The last moment a WRITE may start."""
+        return self.expires - KV_WRITE_MARGIN_S
 
 
 @dataclass
@@ -44,6 +59,7 @@ class PrefillResult:
     transfer_bytes: int = 0
     transfer_s: float = 0.0  # from the WRITE's start to its completion
     error: str | None = None  # None: the KV and the first token are at the decode server
+    error_code: str | None = None  # an Error.Code name; None: ABORTED or KV_TRANSFER_FAILED by `error`
 
 
 @dataclass
@@ -75,6 +91,8 @@ class PrefillScheduler(Scheduler):
         self.transfers: list[_Transfer] = []
         self.parked: dict[str, _Parked] = {}  # rid -> prefilled, destination not known yet
         self.live: dict[str, Req] = {}  # every request from its arrival until its result
+        self.expiring: list[tuple[float, int, str, Destination]] = []  # heap of (write_by, seq, rid, dest)
+        self._seq = itertools.count()
         self.done: list[PrefillResult] = []  # results not yet collected
 
     def add_prefill_request(self, req: Req, destination: Destination | None) -> None:
@@ -82,7 +100,7 @@ class PrefillScheduler(Scheduler):
         self.check_request(req.prompt_ids, req.params)
         if destination is not None:
             self._check_destination(req, destination)
-            self.destinations[req.rid] = destination
+            self._set(req.rid, destination)
         self.live[req.rid] = req
         self.waiting.append(req)
 
@@ -94,10 +112,15 @@ class PrefillScheduler(Scheduler):
         if req is None or req.finished or rid in self.destinations:
             return
         self._check_destination(req, destination)
-        self.destinations[rid] = destination
+        self._set(rid, destination)
         parked = self.parked.pop(rid, None)
         if parked is not None:
             self._start_transfer(req, parked.token, parked.logprob, now)
+
+    def _set(self, rid: str, destination: Destination) -> None:
+        self.destinations[rid] = destination
+        if destination.expires < math.inf:
+            heapq.heappush(self.expiring, (destination.write_by, next(self._seq), rid, destination))
 
     def _check_destination(self, req: Req, destination: Destination) -> None:
         need = pages_for(len(req.prompt_ids), self.page_size)
@@ -132,6 +155,9 @@ class PrefillScheduler(Scheduler):
 
     def _start_transfer(self, req: Req, token: int, lp: TokenLogprob | None, now: float) -> None:
         dest = self.destinations[req.rid]
+        if now > dest.write_by:
+            self._finish(req, error=_expired(dest, now), error_code="KV_TRANSFER_TIMEOUT")
+            return
         n = pages_for(len(req.prompt_ids), self.page_size)
         top = {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} if lp is not None else None
         try:
@@ -139,13 +165,17 @@ class PrefillScheduler(Scheduler):
         except Exception as e:  # noqa: BLE001 - any agent failure fails this request, not the server
             self._finish(req, error=f"KV transfer to {dest.peer} could not start: {e}")
             return
-        self.transfers.append(_Transfer(req, handle, now, now + self.kv_transfer_timeout))
+        dest.writing = True
+        # A WRITE still running past half the margin is given up: the pages are about to be reused.
+        deadline = min(now + self.kv_transfer_timeout, dest.expires - KV_WRITE_MARGIN_S / 2)
+        self.transfers.append(_Transfer(req, handle, now, deadline))
 
     def poll_transfers(self, now: float) -> list[PrefillResult]:
         """Finish the transfers the agent reports done, failed or late, and the parked requests
         whose destination never came; never blocks."""
         for rid in [rid for rid, p in self.parked.items() if now > p.deadline]:
             self._finish(self.parked.pop(rid).req, error=f"no KV destination came within {self.kv_transfer_timeout:g}s")
+        self._fail_expired(now)
         still = []
         for t in self.transfers:
             state = self.agent.poll(t.handle)
@@ -159,13 +189,28 @@ class PrefillScheduler(Scheduler):
                 peer = self.destinations[t.req.rid].peer
                 self.agent.remove_peer(peer)  # its cached metadata may be stale (a restarted server)
                 self._finish(t.req, error=f"KV transfer to {peer} failed")
+            elif t.deadline < t.started + self.kv_transfer_timeout:
+                self._finish(t.req, error=_expired(self.destinations[t.req.rid], now), error_code="KV_TRANSFER_TIMEOUT")
             else:
-                self._finish(t.req, error=f"KV transfer timed out after {self.kv_transfer_timeout:g}s")
+                self._finish(t.req, error=f"KV transfer timed out after {self.kv_transfer_timeout:g}s",
+                             error_code="KV_TRANSFER_TIMEOUT")
         self.transfers = still
         done, self.done = self.done, []
         return done
 
-    def _finish(self, req: Req, transfer_bytes: int = 0, error: str | None = None, transfer_s: float = 0.0) -> None:
+    def _fail_expired(self, now: float) -> None:
+        """Fail the requests, queued or prefilling, whose destination can no longer be written."""
+        while self.expiring and self.expiring[0][0] < now:
+            _, _, rid, dest = heapq.heappop(self.expiring)
+            if self.destinations.get(rid) is not dest or dest.writing:
+                continue  # finished meanwhile, or its transfer keeps its own deadline
+            result = self.abort(rid)  # frees it wherever it is, as a client's cancel would
+            if result is not None:
+                result.error, result.error_code = _expired(dest, now), "KV_TRANSFER_TIMEOUT"
+                self.done.append(result)
+
+    def _finish(self, req: Req, transfer_bytes: int = 0, error: str | None = None, transfer_s: float = 0.0,
+                error_code: str | None = None) -> None:
         """Cache (on success) or free the request's KV and record its result (an aborted request
         was answered when it was aborted)."""
         aborted = req.finish_reason is FinishReason.ABORT
@@ -190,6 +235,7 @@ class PrefillScheduler(Scheduler):
                 transfer_bytes=transfer_bytes,
                 transfer_s=transfer_s,
                 error=error,
+                error_code=error_code,
             )
         )
 
@@ -219,3 +265,10 @@ class PrefillScheduler(Scheduler):
 
     def is_idle(self) -> bool:
         return not (self.transfers or self.parked or self.destinations or self.live) and super().is_idle()
+
+
+def _expired(dest: Destination, now: float) -> str:
+    left = dest.expires - now
+    when = f"ends in {left:.2f}s" if left > 0 else f"ended {-left:.2f}s ago"
+    return (f"the decode server's KV reservation at {dest.peer} {when}, inside the {KV_WRITE_MARGIN_S:g}s "
+            "write margin: the prefill took longer than the decode server's --kv-transfer-timeout")

@@ -36,7 +36,8 @@ class PrefillRole(Role):
     def on_request(self, msg: ipc.NewRequest, send) -> None:
         try:
             self.engine.add_prefill_request(
-                msg.prompt_ids, sampling_params(msg.params), msg.room, msg.peer_metadata, msg.page_ids, rid=msg.rid
+                msg.prompt_ids, sampling_params(msg.params), msg.room, msg.peer_metadata, msg.page_ids, rid=msg.rid,
+                expires_unix_s=msg.expires_unix_s,
             )
         except ValueError as e:
             send(ipc.Rejected(msg.rid, str(e)))
@@ -45,7 +46,7 @@ class PrefillRole(Role):
 
     def on_destination(self, msg: ipc.SetDestination, send) -> None:
         try:
-            self.engine.set_destination(msg.rid, msg.peer_metadata, msg.page_ids)
+            self.engine.set_destination(msg.rid, msg.peer_metadata, msg.page_ids, msg.expires_unix_s)
         except ValueError as e:  # the request cannot be served: dropped, and answered as refused
             self.engine.scheduler.abort(msg.rid)
             self.arrived.pop(msg.rid, None)
@@ -61,7 +62,7 @@ class PrefillRole(Role):
         for r in outputs:
             arrived = self.arrived.pop(r.rid, now)
             lp = r.first_logprob
-            code = None if r.error is None else ("ABORTED" if r.error == "aborted" else "KV_TRANSFER_FAILED")
+            code = None if r.error is None else r.error_code or ("ABORTED" if r.error == "aborted" else "KV_TRANSFER_FAILED")
             send(ipc.PrefillDone(
                 r.rid, r.first_token, (lp.token_id, lp.logprob, lp.top) if lp is not None else None,
                 r.prompt_tokens, r.cached_tokens, queue_s=0.0, prefill_s=now - arrived - r.transfer_s,
@@ -116,7 +117,7 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
         try:
             await self.bridge.send(ipc.NewRequest(
                 rid, list(req.prompt_token_ids), params_from_proto(req.params), req.bootstrap_room,
-                peer_metadata=dest.decode_agent_metadata, page_ids=list(dest.page_ids)))
+                peer_metadata=dest.decode_agent_metadata, page_ids=list(dest.page_ids), expires_unix_s=dest.expires_unix_s))
             if later is not None:
                 forward = asyncio.create_task(self._forward_destination(rid, later, queue))
             timeout = None
@@ -153,7 +154,7 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
             async for message in later:
                 if message.HasField("destination"):
                     dest = message.destination
-                    await self.bridge.send(ipc.SetDestination(rid, dest.decode_agent_metadata, list(dest.page_ids)))
+                    await self.bridge.send(ipc.SetDestination(rid, dest.decode_agent_metadata, list(dest.page_ids), dest.expires_unix_s))
                     return
         except grpc.aio.AioRpcError:
             return  # the call itself ended (cancelled): the main path answers and aborts

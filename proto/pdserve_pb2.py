@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/proto/pdserve.proto\x12\npdserve.v1\"\x8e\x03\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x01\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xb5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x62ootstrap_room\x18\x04 \x01(\x04\x12\x1c\n\x0f\x64\x65\x61\x64line_unix_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_deadline_unix_s\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xce\x01\n\x05\x45rror\x12$\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.Error.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8d\x01\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fINVALID_REQUEST\x10\x01\x12\x0e\n\nOVERLOADED\x10\x02\x12\x17\n\x13KV_TRANSFER_TIMEOUT\x10\x03\x12\x16\n\x12KV_TRANSFER_FAILED\x10\x04\x12\x0c\n\x08INTERNAL\x10\x05\x12\x0b\n\x07\x41\x42ORTED\x10\x06\"w\n\x08KVLayout\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x10\n\x08kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\tnum_pages\x18\x06 \x01(\r\"\xad\x01\n\rKVDestination\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x19\n\x11\x64\x65\x63ode_agent_name\x18\x02 \x01(\t\x12\x1d\n\x15\x64\x65\x63ode_agent_metadata\x18\x03 \x01(\x0c\x12\x10\n\x08page_ids\x18\x04 \x03(\r\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x12\n\nprefix_len\x18\x06 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x87\x01\n\x04Load\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_used_tokens\x18\x03 \x01(\x04\x12\x17\n\x0fkv_total_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12inflight_transfers\x18\x05 \x01(\r\"\x16\n\x14GetServerInfoRequest\"\xd4\x02\n\nServerInfo\x12)\n\x04role\x18\x01 \x01(\x0e\x32\x1b.pdserve.v1.ServerInfo.Role\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x19\n\x11served_model_name\x18\x03 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x04 \x01(\t\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\r\x12\x1c\n\x14max_running_requests\x18\x07 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x08 \x01(\x04\x12\x18\n\x10transfer_backend\x18\t \x01(\t\x12\x0f\n\x07version\x18\n \x01(\t\"5\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREFILL\x10\x01\x12\n\n\x06\x44\x45\x43ODE\x10\x02\",\n\x17GetAgentMetadataRequest\x12\x11\n\trequester\x18\x01 \x01(\t\"[\n\rAgentMetadata\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\"Z\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\x03 \x01(\r\"\x8c\x01\n\nFinishInfo\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x12\n\x08token_id\x18\x02 \x01(\rH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.UsageB\x0e\n\x0cmatched_stop\"\xc8\x01\n\x10GenerateResponse\x12\x30\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVDestinationH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x12(\n\x06\x66inish\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.FinishInfoH\x00\x12\"\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.ErrorH\x00\x42\n\n\x08response\"n\n\x0ePrefillRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.GenerateRequest\x12.\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\"Y\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\"\xd0\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12$\n\x07timings\x18\x05 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12 \n\x05\x65rror\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Error*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xee\x02\n\rDecodeService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x37\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x10.pdserve.v1.Load\x12I\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a\x16.pdserve.v1.ServerInfo\x12R\n\x10GetAgentMetadata\x12#.pdserve.v1.GetAgentMetadataRequest\x1a\x19.pdserve.v1.AgentMetadata2\xb8\x03\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12L\n\x0fPrefillStreamed\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse(\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x37\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x10.pdserve.v1.Load\x12I\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a\x16.pdserve.v1.ServerInfo\x12R\n\x10GetAgentMetadata\x12#.pdserve.v1.GetAgentMetadataRequest\x1a\x19.pdserve.v1.AgentMetadatab\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/proto/pdserve.proto\x12\npdserve.v1\"\x8e\x03\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x01\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xb5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x62ootstrap_room\x18\x04 \x01(\x04\x12\x1c\n\x0f\x64\x65\x61\x64line_unix_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_deadline_unix_s\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xce\x01\n\x05\x45rror\x12$\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.Error.Code\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x8d\x01\n\x04\x43ode\x12\x14\n\x10\x43ODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fINVALID_REQUEST\x10\x01\x12\x0e\n\nOVERLOADED\x10\x02\x12\x17\n\x13KV_TRANSFER_TIMEOUT\x10\x03\x12\x16\n\x12KV_TRANSFER_FAILED\x10\x04\x12\x0c\n\x08INTERNAL\x10\x05\x12\x0b\n\x07\x41\x42ORTED\x10\x06\"w\n\x08KVLayout\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x10\n\x08kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\tnum_pages\x18\x06 \x01(\r\"\xdd\x01\n\rKVDestination\x12\x16\n\x0e\x62ootstrap_room\x18\x01 \x01(\x04\x12\x19\n\x11\x64\x65\x63ode_agent_name\x18\x02 \x01(\t\x12\x1d\n\x15\x64\x65\x63ode_agent_metadata\x18\x03 \x01(\x0c\x12\x10\n\x08page_ids\x18\x04 \x03(\r\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x12\n\nprefix_len\x18\x06 \x01(\r\x12\x1b\n\x0e\x65xpires_unix_s\x18\x07 \x01(\x01H\x00\x88\x01\x01\x42\x11\n\x0f_expires_unix_s\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x87\x01\n\x04Load\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x16\n\x0ekv_used_tokens\x18\x03 \x01(\x04\x12\x17\n\x0fkv_total_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12inflight_transfers\x18\x05 \x01(\r\"\x16\n\x14GetServerInfoRequest\"\xd4\x02\n\nServerInfo\x12)\n\x04role\x18\x01 \x01(\x0e\x32\x1b.pdserve.v1.ServerInfo.Role\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x19\n\x11served_model_name\x18\x03 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x04 \x01(\t\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\r\x12\x1c\n\x14max_running_requests\x18\x07 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x08 \x01(\x04\x12\x18\n\x10transfer_backend\x18\t \x01(\t\x12\x0f\n\x07version\x18\n \x01(\t\"5\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0b\n\x07PREFILL\x10\x01\x12\n\n\x06\x44\x45\x43ODE\x10\x02\",\n\x17GetAgentMetadataRequest\x12\x11\n\trequester\x18\x01 \x01(\t\"[\n\rAgentMetadata\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\"Z\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\x03 \x01(\r\"\x8c\x01\n\nFinishInfo\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x12\n\x08token_id\x18\x02 \x01(\rH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.UsageB\x0e\n\x0cmatched_stop\"\xc8\x01\n\x10GenerateResponse\x12\x30\n\x0b\x64\x65stination\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVDestinationH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x12(\n\x06\x66inish\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.FinishInfoH\x00\x12\"\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.ErrorH\x00\x42\n\n\x08response\"n\n\x0ePrefillRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.GenerateRequest\x12.\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\"Y\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\"\xd0\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12$\n\x07timings\x18\x05 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12 \n\x05\x65rror\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Error*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xee\x02\n\rDecodeService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x37\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x10.pdserve.v1.Load\x12I\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a\x16.pdserve.v1.ServerInfo\x12R\n\x10GetAgentMetadata\x12#.pdserve.v1.GetAgentMetadataRequest\x1a\x19.pdserve.v1.AgentMetadata2\xb8\x03\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12L\n\x0fPrefillStreamed\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse(\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12\x37\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x10.pdserve.v1.Load\x12I\n\rGetServerInfo\x12 .pdserve.v1.GetServerInfoRequest\x1a\x16.pdserve.v1.ServerInfo\x12R\n\x10GetAgentMetadata\x12#.pdserve.v1.GetAgentMetadataRequest\x1a\x19.pdserve.v1.AgentMetadatab\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.proto.pdserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2936
-  _globals['_FINISHREASON']._serialized_end=3081
+  _globals['_FINISHREASON']._serialized_start=2984
+  _globals['_FINISHREASON']._serialized_end=3129
   _globals['_SAMPLINGPARAMS']._serialized_start=44
   _globals['_SAMPLINGPARAMS']._serialized_end=442
   _globals['_GENERATEREQUEST']._serialized_start=445
@@ -50,39 +50,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=1056
   _globals['_KVLAYOUT']._serialized_end=1175
   _globals['_KVDESTINATION']._serialized_start=1178
-  _globals['_KVDESTINATION']._serialized_end=1351
-  _globals['_ABORTREQUEST']._serialized_start=1353
-  _globals['_ABORTREQUEST']._serialized_end=1387
-  _globals['_ABORTRESPONSE']._serialized_start=1389
-  _globals['_ABORTRESPONSE']._serialized_end=1419
-  _globals['_GETLOADREQUEST']._serialized_start=1421
-  _globals['_GETLOADREQUEST']._serialized_end=1437
-  _globals['_LOAD']._serialized_start=1440
-  _globals['_LOAD']._serialized_end=1575
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1577
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1599
-  _globals['_SERVERINFO']._serialized_start=1602
-  _globals['_SERVERINFO']._serialized_end=1942
-  _globals['_SERVERINFO_ROLE']._serialized_start=1889
-  _globals['_SERVERINFO_ROLE']._serialized_end=1942
-  _globals['_GETAGENTMETADATAREQUEST']._serialized_start=1944
-  _globals['_GETAGENTMETADATAREQUEST']._serialized_end=1988
-  _globals['_AGENTMETADATA']._serialized_start=1990
-  _globals['_AGENTMETADATA']._serialized_end=2081
-  _globals['_TOKENCHUNK']._serialized_start=2083
-  _globals['_TOKENCHUNK']._serialized_end=2173
-  _globals['_FINISHINFO']._serialized_start=2176
-  _globals['_FINISHINFO']._serialized_end=2316
-  _globals['_GENERATERESPONSE']._serialized_start=2319
-  _globals['_GENERATERESPONSE']._serialized_end=2519
-  _globals['_PREFILLREQUEST']._serialized_start=2521
-  _globals['_PREFILLREQUEST']._serialized_end=2631
-  _globals['_TIMINGS']._serialized_start=2633
-  _globals['_TIMINGS']._serialized_end=2722
-  _globals['_PREFILLRESPONSE']._serialized_start=2725
-  _globals['_PREFILLRESPONSE']._serialized_end=2933
-  _globals['_DECODESERVICE']._serialized_start=3084
-  _globals['_DECODESERVICE']._serialized_end=3450
-  _globals['_PREFILLSERVICE']._serialized_start=3453
-  _globals['_PREFILLSERVICE']._serialized_end=3893
+  _globals['_KVDESTINATION']._serialized_end=1399
+  _globals['_ABORTREQUEST']._serialized_start=1401
+  _globals['_ABORTREQUEST']._serialized_end=1435
+  _globals['_ABORTRESPONSE']._serialized_start=1437
+  _globals['_ABORTRESPONSE']._serialized_end=1467
+  _globals['_GETLOADREQUEST']._serialized_start=1469
+  _globals['_GETLOADREQUEST']._serialized_end=1485
+  _globals['_LOAD']._serialized_start=1488
+  _globals['_LOAD']._serialized_end=1623
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1625
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1647
+  _globals['_SERVERINFO']._serialized_start=1650
+  _globals['_SERVERINFO']._serialized_end=1990
+  _globals['_SERVERINFO_ROLE']._serialized_start=1937
+  _globals['_SERVERINFO_ROLE']._serialized_end=1990
+  _globals['_GETAGENTMETADATAREQUEST']._serialized_start=1992
+  _globals['_GETAGENTMETADATAREQUEST']._serialized_end=2036
+  _globals['_AGENTMETADATA']._serialized_start=2038
+  _globals['_AGENTMETADATA']._serialized_end=2129
+  _globals['_TOKENCHUNK']._serialized_start=2131
+  _globals['_TOKENCHUNK']._serialized_end=2221
+  _globals['_FINISHINFO']._serialized_start=2224
+  _globals['_FINISHINFO']._serialized_end=2364
+  _globals['_GENERATERESPONSE']._serialized_start=2367
+  _globals['_GENERATERESPONSE']._serialized_end=2567
+  _globals['_PREFILLREQUEST']._serialized_start=2569
+  _globals['_PREFILLREQUEST']._serialized_end=2679
+  _globals['_TIMINGS']._serialized_start=2681
+  _globals['_TIMINGS']._serialized_end=2770
+  _globals['_PREFILLRESPONSE']._serialized_start=2773
+  _globals['_PREFILLRESPONSE']._serialized_end=2981
+  _globals['_DECODESERVICE']._serialized_start=3132
+  _globals['_DECODESERVICE']._serialized_end=3498
+  _globals['_PREFILLSERVICE']._serialized_start=3501
+  _globals['_PREFILLSERVICE']._serialized_end=3941
 # @@protoc_insertion_point(module_scope)

@@ -139,20 +139,22 @@ class KVLayout(_message.Message):
     def __init__(self, page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., num_pages: _Optional[int] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("bootstrap_room", "decode_agent_name", "decode_agent_metadata", "page_ids", "layout", "prefix_len")
+    __slots__ = ("bootstrap_room", "decode_agent_name", "decode_agent_metadata", "page_ids", "layout", "prefix_len", "expires_unix_s")
     BOOTSTRAP_ROOM_FIELD_NUMBER: _ClassVar[int]
     DECODE_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     DECODE_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     bootstrap_room: int
     decode_agent_name: str
     decode_agent_metadata: bytes
     page_ids: _containers.RepeatedScalarFieldContainer[int]
     layout: KVLayout
     prefix_len: int
-    def __init__(self, bootstrap_room: _Optional[int] = ..., decode_agent_name: _Optional[str] = ..., decode_agent_metadata: _Optional[bytes] = ..., page_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., prefix_len: _Optional[int] = ...) -> None: ...
+    expires_unix_s: float
+    def __init__(self, bootstrap_room: _Optional[int] = ..., decode_agent_name: _Optional[str] = ..., decode_agent_metadata: _Optional[bytes] = ..., page_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., prefix_len: _Optional[int] = ..., expires_unix_s: _Optional[float] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

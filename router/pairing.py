@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import random
 import secrets
+import time
 from dataclasses import dataclass, field, replace
 
 import grpc
 
-from pdserve.common.types import SamplingParams, TokenLogprob
+from pdserve.common.types import KV_WRITE_MARGIN_S, SamplingParams, TokenLogprob
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
@@ -156,7 +157,12 @@ async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest
     tried: list[str] = []
     last = "no prefill server is available"
     retry_here = early  # (url, channel, PrefillStreamed call or None): the next attempt, if set
+    dest, attempts = request.destination, 0
     while len(tried) < MAX_PREFILL_ATTEMPTS:
+        if attempts and dest.HasField("expires_unix_s") and time.time() > dest.expires_unix_s - KV_WRITE_MARGIN_S:
+            # No prefill server would write into pages the decode server is about to take back.
+            last = f"{last} (not retried: the decode server's KV reservation is about to expire)"
+            break
         if retry_here is not None:
             (url, channel, streamed), retry_here = retry_here, None
         else:
@@ -165,6 +171,7 @@ async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest
                 break
             (url, channel), streamed = target, None
         tried.append(url)
+        attempts += 1
         try:
             if streamed is not None:
                 response = await _answer_of(streamed, request.destination)
@@ -179,6 +186,7 @@ async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest
             if response.error.code == pb.Error.INVALID_REQUEST:
                 raise UpstreamError(response.error.message, 400)
             failure = response.error.message
+        last = f"prefill {url}: {failure}"
         if streamed is not None:
             # The early attempt may fail for reasons that are not the prefill server's: no
             # PrefillStreamed (an older server), or a decode server slower to reserve pages than
@@ -187,8 +195,7 @@ async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest
             retry_here = (url, channel, None)
             continue
         report(url, False)
-        last = f"prefill {url}: {failure}"
-    raise UpstreamError(f"prefill failed after {len(tried)} attempt(s): {last}", 503)
+    raise UpstreamError(f"prefill failed after {attempts} attempt(s): {last}", 503)
 
 
 def _status(code) -> int:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.types import FinishReason, SamplingParams
+from pdserve.common.types import KV_WRITE_MARGIN_S, FinishReason, SamplingParams
+from pdserve.common.kv_transfer import TransferState
 from pdserve.decode.engine import DecodeEngine
 from pdserve.prefill.engine import PrefillEngine
 
@@ -46,7 +47,8 @@ def drive(prefill, decode, prompts, params, before_step=None, limit_s=120.0):
             completions[c.rid] = c
         while decode.destinations:
             d = decode.destinations.popleft()
-            prefill.add_prefill_request(by_rid[d.rid], params[int(d.rid[1:])], d.room, d.agent_metadata, d.page_ids, rid=d.rid)
+            prefill.add_prefill_request(by_rid[d.rid], params[int(d.rid[1:])], d.room, d.agent_metadata, d.page_ids,
+                                        rid=d.rid, expires_unix_s=d.expires_unix_s)
         for r in p_loop.step():
             results[r.rid] = r
     return completions, results
@@ -187,6 +189,78 @@ def test_prefill_runs_before_its_destination_is_known(tiny_models):
     assert [completions[f"r{i}"].output_ids for i in range(3)] == expected[:3]
     assert all(results[f"r{i}"].error is None for i in range(3)) and "r3" not in results
     assert prefill.is_idle() and decode.is_idle()
+
+
+def run_prefill(prefill, loop=None, limit_s=60.0):
+    loop, results = loop or prefill.loop_state(), []
+    deadline = time.monotonic() + limit_s
+    while loop.busy():
+        assert time.monotonic() < deadline
+        results += loop.step()
+    return results
+
+
+def test_no_write_starts_into_a_destination_about_to_expire(tiny_models, monkeypatch):
+    """The decode server frees its reserved pages, and gives them to other requests, when its
+    --kv-transfer-timeout passes: the destination says when. Within KV_WRITE_MARGIN_S of that, a
+    prefill server starts no WRITE: a parked request fails when such a destination comes, a queued
+    one fails before it is computed. Either way its KV is freed and the failure says why."""
+    prefill, decode = engines(tiny_models("llama"))
+    writes = []
+    write_pages = prefill.agent.write_pages
+    monkeypatch.setattr(prefill.agent, "write_pages", lambda *a: writes.append(a[0]) or write_pages(*a))
+    params = SamplingParams(max_new_tokens=4, temperature=0)
+    before = time.time()
+    decode.add_decode_request([0, 7, 8, 9], params, room=5, rid="d")
+    decode.poll()
+    [dest] = decode.destinations
+    assert before + 30 <= dest.expires_unix_s <= time.time() + 30
+
+    prefill.add_prefill_request([0, 7, 8, 9], params, 5, b"", [], rid="parked")
+    loop = prefill.loop_state()
+    while "parked" not in prefill.scheduler.parked:
+        assert not list(loop.step())
+    prefill.set_destination("parked", dest.agent_metadata, dest.page_ids, time.time() + KV_WRITE_MARGIN_S / 2)
+    chunks = prefill.scheduler.stats["prefill_chunks"]
+    prefill.add_prefill_request([0, 7, 8, 9, 10], params, 6, dest.agent_metadata, dest.page_ids, rid="queued",
+                                expires_unix_s=time.time() + KV_WRITE_MARGIN_S / 2)
+    results = {r.rid: r for r in run_prefill(prefill, loop)}
+    assert set(results) == {"parked", "queued"} and writes == []
+    for r in results.values():
+        assert r.error_code == "KV_TRANSFER_TIMEOUT" and "reservation" in r.error and "margin" in r.error
+    assert prefill.scheduler.stats["prefill_chunks"] == chunks, "the queued prompt was computed for nothing"
+    assert prefill.is_idle() and prefill.scheduler.kv_used_tokens() == 0
+
+    # With time left, the same destination is written.
+    prefill.add_prefill_request([0, 7, 8, 9], params, 5, dest.agent_metadata, dest.page_ids, rid="d",
+                                expires_unix_s=dest.expires_unix_s)
+    [ok] = run_prefill(prefill)
+    assert ok.error is None and len(writes) == 1
+
+
+def test_a_write_still_running_near_the_expiry_is_given_up(tiny_models, monkeypatch):
+    """A WRITE running past half the margin is released and its request failed: the decode server
+    is about to give its pages to another request."""
+    prefill, decode = engines(tiny_models("gpt2"), timeout=3600.0)
+    params = SamplingParams(max_new_tokens=4, temperature=0)
+    decode.add_decode_request([0, 7, 8, 9], params, room=5, rid="w")
+    decode.poll()
+    [dest] = decode.destinations
+    monkeypatch.setattr(prefill.agent, "poll", lambda handle: TransferState.IN_PROGRESS)  # a stuck WRITE
+    expires_unix_s = time.time() + 60
+    prefill.add_prefill_request([0, 7, 8, 9], params, 5, dest.agent_metadata, dest.page_ids, rid="w",
+                                expires_unix_s=expires_unix_s)
+    loop, deadline = prefill.loop_state(), time.monotonic() + 60
+    while not prefill.scheduler.transfers:
+        assert time.monotonic() < deadline
+        assert not list(loop.step())
+    [t] = prefill.scheduler.transfers
+    expires = time.monotonic() + (expires_unix_s - time.time())
+    assert abs(t.deadline - (expires - KV_WRITE_MARGIN_S / 2)) < 0.5  # not the transfer timeout, an hour
+    assert prefill.scheduler.poll_transfers(t.deadline - 0.1) == []
+    [r] = prefill.scheduler.poll_transfers(t.deadline + 0.1)
+    assert r.rid == "w" and r.error_code == "KV_TRANSFER_TIMEOUT" and "reservation" in r.error
+    assert not prefill.scheduler.transfers and prefill.scheduler.kv_used_tokens() == 0
 
 
 def test_a_destination_that_never_comes_times_out_on_prefill(tiny_models):

@@ -9,6 +9,7 @@ the same server is asked again the plain way, and only that attempt counts for i
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 
@@ -24,8 +25,8 @@ LAYOUT = pb.KVLayout(page_size=16, num_layers=2, kv_heads=4, head_dim=64, dtype=
 class FakeDecode(pb_grpc.DecodeServiceServicer):
     """Answers its destination only once `release` is set (by default at once); then two tokens."""
 
-    def __init__(self, release: asyncio.Event | None = None, reject: bool = False):
-        self.release, self.reject = release, reject
+    def __init__(self, release: asyncio.Event | None = None, reject: bool = False, expires_in_s: float = 30.0):
+        self.release, self.reject, self.expires_in_s = release, reject, expires_in_s
 
     async def Generate(self, request, context):
         if self.release is not None:
@@ -35,7 +36,7 @@ class FakeDecode(pb_grpc.DecodeServiceServicer):
             return
         yield pb.GenerateResponse(destination=pb.KVDestination(
             bootstrap_room=request.bootstrap_room, decode_agent_name="decode-0", decode_agent_metadata=b"meta",
-            page_ids=[3, 4], layout=LAYOUT))
+            page_ids=[3, 4], layout=LAYOUT, expires_unix_s=time.time() + self.expires_in_s))
         yield pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=[8, 9], index=1))
         yield pb.GenerateResponse(finish=pb.FinishInfo(reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(completion_tokens=3)))
 
@@ -70,7 +71,7 @@ class StreamedPrefill(PlainPrefill):
         return pb.PrefillResponse(first_token_id=7, prompt_tokens=len(self.messages[0].request.prompt_token_ids))
 
 
-async def run(decode: FakeDecode, prefill: PlainPrefill, until: asyncio.Event | None = None):
+async def run(decode: FakeDecode, prefill: PlainPrefill, until: asyncio.Event | None = None, servers: int = 1):
     server = grpc.aio.server()
     pb_grpc.add_DecodeServiceServicer_to_server(decode, server)
     pb_grpc.add_PrefillServiceServicer_to_server(prefill, server)
@@ -79,8 +80,8 @@ async def run(decode: FakeDecode, prefill: PlainPrefill, until: asyncio.Event | 
     reports = []
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            def pick_prefill(tried):
-                return None if tried else ("prefill-0", channel)
+            def pick_prefill(tried):  # `servers` prefill servers, all of them `prefill`
+                return None if len(tried) >= servers else (f"prefill-{len(tried)}", channel)
 
             stream = paired_generate(channel, pick_prefill, lambda url, ok: reports.append((url, ok)), [1, 2, 3],
                                      SamplingParams(max_new_tokens=3, seed=5))
@@ -97,13 +98,13 @@ async def run(decode: FakeDecode, prefill: PlainPrefill, until: asyncio.Event | 
         await server.stop(None)
 
 
-def pair(prefill: PlainPrefill, decode: FakeDecode | None = None, until: asyncio.Event | None = None):
+def pair(prefill: PlainPrefill, decode: FakeDecode | None = None, until: asyncio.Event | None = None, servers: int = 1):
     """One paired request, in a fresh event loop; by default the decode server answers only once
     the prefill server has the request (a router that waited for the destination before calling
     prefill would time out)."""
     if decode is None:
         decode = FakeDecode(release=prefill.got_request)
-    return asyncio.run(asyncio.wait_for(run(decode, prefill, until), 3 * TIMEOUT_S))
+    return asyncio.run(asyncio.wait_for(run(decode, prefill, until, servers), 3 * TIMEOUT_S))
 
 
 def test_prefill_starts_before_the_decode_server_answers():
@@ -151,3 +152,34 @@ def test_a_decode_refusal_cancels_the_early_prefill():
     [error] = events
     assert isinstance(error, UpstreamError) and error.status == 503
     assert prefill.ended.is_set() and len(prefill.messages) == 1  # the request, never a destination
+
+
+class LatePrefill(StreamedPrefill):
+    """Fails every attempt as a prefill server does that finished too late for its destination."""
+
+    error = pb.Error(code=pb.Error.KV_TRANSFER_TIMEOUT, message="the decode server's KV reservation ended")
+
+    async def PrefillStreamed(self, request_iterator, context):
+        async for message in request_iterator:
+            self.messages.append(message)
+            self.got_request.set()
+        return pb.PrefillResponse(error=self.error)
+
+    async def Prefill(self, request, context):
+        self.calls.append(request)
+        return pb.PrefillResponse(error=self.error)
+
+
+def test_no_prefill_is_retried_into_a_reservation_about_to_expire():
+    # Control: with time left, a failed prefill is asked again the plain way, then on the others.
+    prefill = LatePrefill()
+    [error], reports = pair(prefill, servers=3)
+    assert isinstance(error, UpstreamError) and "4 attempt(s)" in str(error)
+    assert len(prefill.messages) == 2 and len(prefill.calls) == 3
+
+    # Inside the write margin no prefill server would write; another attempt only wastes one.
+    prefill = LatePrefill()
+    [error], reports = pair(prefill, FakeDecode(release=prefill.got_request, expires_in_s=1.0), servers=3)
+    assert isinstance(error, UpstreamError) and error.status == 503
+    assert "not retried" in str(error) and "reservation ended" in str(error)
+    assert len(prefill.messages) == 2 and prefill.calls == [] and reports == []

@@ -95,6 +95,8 @@ async def generate(decode, prefill, prompt, sampling, rid, after_destination=Non
         first = await call.read()
         if first.WhichOneof("response") != "destination":
             return [], first, None
+        # The decode server frees the pages past this: the prefill server must not write later.
+        assert time.time() < first.destination.expires_unix_s <= time.time() + KV_TIMEOUT
         if after_destination is not None:
             return await after_destination(call, first, pch, req)
         pre = await pb_grpc.PrefillServiceStub(pch).Prefill(
