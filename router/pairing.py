@@ -94,7 +94,7 @@ async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt
     if deadline_unix_s is not None:
         req.deadline_unix_s = deadline_unix_s  # both servers give up (and free the KV) past it
     call = pb_grpc.DecodeServiceStub(decode).Generate(req, timeout=RPC_TIMEOUT_S)
-    early = None
+    early, next_read = None, None
     try:
         target = pick_prefill([])
         if target is not None:
@@ -104,13 +104,18 @@ async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt
         first = await call.read()
         if first is grpc.aio.EOF or first.WhichOneof("response") != "destination":
             raise _error(first)
-        response = await _prefill_with_retries(
-            pick_prefill, report, pb.PrefillRequest(request=req, destination=first.destination), early)
+        next_read = asyncio.ensure_future(call.read())
+        response = await _prefill_while_decode_waits(
+            next_read, _prefill_with_retries(pick_prefill, report, pb.PrefillRequest(request=req, destination=first.destination), early))
         sent = 1
         first_lp = [_logprob(response.first_logprob)] if response.HasField("first_logprob") else []
         yield Event("tokens", [response.first_token_id], 0, first_lp, cached_tokens=response.cached_tokens)
+        pending = next_read  # the decode stream's read started while the prefill ran
         while True:
-            msg = await call.read()
+            if pending is not None:
+                msg, pending = await pending, None
+            else:
+                msg = await call.read()
             if msg is grpc.aio.EOF:
                 raise UpstreamError("the decode stream ended without a finish", decode_failed=True)
             kind = msg.WhichOneof("response")
@@ -129,9 +134,34 @@ async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt
     except grpc.aio.AioRpcError as e:  # the decode call itself broke (prefill errors are caught per attempt)
         raise UpstreamError(f"decode server unavailable: {e.code().name}: {e.details()}", 503, decode_failed=True) from e
     finally:
+        if next_read is not None:
+            next_read.cancel()
+            if next_read.done() and not next_read.cancelled():
+                next_read.exception()  # seen: the decode call broke after we stopped reading it
         call.cancel()
         if early is not None:
             early[2].cancel()  # a no-op once it answered
+
+
+async def _prefill_while_decode_waits(decode_read: asyncio.Future, attempts) -> pb.PrefillResponse:
+    """Run the prefill `attempts` while watching the decode stream. Its next message is normally
+    the first token chunk, which can come before the prefill's answer (kept in `decode_read` for
+    the caller). If instead the decode server fails, ends the stream or gives up (its KV transfer
+    timeout), the prefill is cancelled — it frees its KV — and the decode server's failure raised:
+    a prefill would only WRITE into a dead or freed reservation, fail, and be retried elsewhere,
+    with the prefill servers' circuits blamed for it."""
+    prefill = asyncio.ensure_future(attempts)
+    try:
+        done, _ = await asyncio.wait({prefill, decode_read}, return_when=asyncio.FIRST_COMPLETED)
+        if prefill not in done:
+            msg = decode_read.result()  # raises AioRpcError if the decode call broke
+            if msg is grpc.aio.EOF:
+                raise UpstreamError("the decode stream ended before the prefill answered", decode_failed=True)
+            if msg.WhichOneof("response") != "tokens":
+                raise _error(msg)
+        return await prefill
+    finally:
+        prefill.cancel()  # a no-op once it answered
 
 
 async def _write_quietly(call, message: pb.PrefillRequest) -> None:

@@ -183,3 +183,89 @@ def test_no_prefill_is_retried_into_a_reservation_about_to_expire():
     assert isinstance(error, UpstreamError) and error.status == 503
     assert "not retried" in str(error) and "reservation ended" in str(error)
     assert len(prefill.messages) == 2 and prefill.calls == [] and reports == []
+
+
+class HangingPrefill(StreamedPrefill):
+    """Takes the destination, then never answers: `cancelled` is set when the router gives up."""
+
+    def __init__(self):
+        super().__init__()
+        self.got_destination = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    async def PrefillStreamed(self, request_iterator, context):
+        try:
+            async for message in request_iterator:
+                self.messages.append(message)
+                self.got_request.set()
+                if message.HasField("destination"):
+                    self.got_destination.set()
+                    await asyncio.sleep(3 * TIMEOUT_S)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    Prefill = None  # no second attempt should come
+
+
+class FailingDecode(FakeDecode):
+    """Sends its destination, then fails once the prefill has it: the call breaks, or an error."""
+
+    def __init__(self, prefill: HangingPrefill, broken: bool):
+        super().__init__()
+        self.prefill, self.broken = prefill, broken
+
+    async def Generate(self, request, context):
+        yield pb.GenerateResponse(destination=pb.KVDestination(
+            bootstrap_room=request.bootstrap_room, decode_agent_metadata=b"meta", page_ids=[3], layout=LAYOUT,
+            expires_unix_s=time.time() + 30))
+        await asyncio.wait_for(self.prefill.got_destination.wait(), TIMEOUT_S)
+        if self.broken:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode server went away")
+        yield pb.GenerateResponse(error=pb.Error(code=pb.Error.KV_TRANSFER_TIMEOUT, message="KV transfer timed out"))
+
+
+def test_a_decode_failure_during_the_prefill_cancels_it_and_blames_the_decode_server():
+    # Waiting for the prefill's answer first would WRITE into a dead reservation, fail, retry on
+    # other prefill servers and open their circuits; the client would wait for all of that.
+    for broken in (True, False):
+        prefill = HangingPrefill()
+        [error], reports = pair(prefill, FailingDecode(prefill, broken), until=prefill.cancelled, servers=3)
+        assert isinstance(error, UpstreamError)
+        if broken:
+            assert error.decode_failed and error.status == 503 and "went away" in str(error)
+        else:
+            assert error.status == 502 and "KV transfer timed out" in str(error)
+        assert prefill.cancelled.is_set() and reports == []  # no prefill server blamed
+
+
+class LateAnswerPrefill(StreamedPrefill):
+    """Answers only once the decode server has streamed every token: the decode stream's first
+    chunk reaches the router before the prefill's answer (the KV can land before it)."""
+
+    def __init__(self, decode_done: asyncio.Event):
+        super().__init__()
+        self.decode_done = decode_done
+
+    async def PrefillStreamed(self, request_iterator, context):
+        response = await super().PrefillStreamed(request_iterator, context)
+        await asyncio.wait_for(self.decode_done.wait(), TIMEOUT_S)
+        return response
+
+
+class EagerDecode(FakeDecode):
+    def __init__(self, release: asyncio.Event, done: asyncio.Event):
+        super().__init__(release)
+        self.done = done
+
+    async def Generate(self, request, context):
+        async for message in super().Generate(request, context):
+            yield message
+        self.done.set()
+
+
+def test_decode_tokens_that_come_before_the_prefill_answer_are_kept_in_order():
+    decode_done = asyncio.Event()
+    prefill = LateAnswerPrefill(decode_done)
+    events, _ = pair(prefill, EagerDecode(prefill.got_request, decode_done))
+    assert [(e.kind, e.token_ids, e.index) for e in events] == [("tokens", [7], 0), ("tokens", [8, 9], 1), ("finish", [], 0)]
