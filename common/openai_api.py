@@ -37,7 +37,7 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 
 
 class OpenAIError(Exception):
-    """A client error, carried to the response in OpenAI's error format."""
+    """An error for the client, carried to the response in OpenAI's error format."""
 
     def __init__(self, message: str, status_code: int = 400, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -45,7 +45,9 @@ class OpenAIError(Exception):
         self.status_code = status_code
         self.param = param
         self.code = code
-        self.type = "invalid_request_error"  # OpenAI uses it for 404 model_not_found too
+        # As OpenAI's API: its own failures (5xx) are "server_error"; the client's, 404
+        # model_not_found and 401 included, "invalid_request_error".
+        self.type = "server_error" if status_code >= 500 else "invalid_request_error"
 
     def to_body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -209,6 +209,13 @@ def test_error_bodies_have_openai_shape(tokenizer):
     }
 
 
+def test_server_side_failures_are_typed_server_error():
+    # A client telling its own mistakes from the server's (to retry) reads `type`, as with OpenAI.
+    assert OpenAIError("no healthy prefill or decode server", status_code=503).to_body()["error"]["type"] == "server_error"
+    assert OpenAIError("prefill failed", status_code=502).to_body()["error"]["type"] == "server_error"
+    assert OpenAIError("bad key", status_code=401).to_body()["error"]["type"] == "invalid_request_error"
+
+
 def test_context_length_message_is_openais(tokenizer):
     prompt_len = len(tokenizer("hello world")["input_ids"])
     with pytest.raises(OpenAIError) as info:
