@@ -86,7 +86,7 @@ class Rejected(msgspec.Struct, tag=True):
 
 class Destination(msgspec.Struct, tag=True):
     """Decode: pages for the request's prompt are held; the prefill server may WRITE them
-    until `expires_unix_s` (less its margin, see KVDestination in the proto)."""
+    until `expires_unix_s` (see KVDestination in the proto)."""
 
     rid: str
     room: int

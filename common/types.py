@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
 
-# A KV destination expires when the decode server stops waiting for its WRITE and frees (and
-# reuses) its pages. A prefill server starts no WRITE later than this before the expiry and gives
-# up on one still running half of it before, so that no WRITE can land in pages that another
-# request owns by then. It also covers clock skew: the expiry is wall-clock time, set by another
-# machine. The router does not retry a prefill past this point either.
-KV_WRITE_MARGIN_S = 2.0
+# A KV destination expires when the decode server stops waiting for its WRITE (it answers the
+# client with a timeout then). A prefill server starts no WRITE after the expiry, and gives up on
+# one still running half this grace after it; the decode server frees the pages (for other
+# requests) only this grace after it. So no WRITE lands in pages another request owns, even with
+# clocks up to ~1 s apart: the expiry is wall-clock time, set by another machine.
+KV_WRITE_GRACE_S = 2.0
 
 
 class FinishReason(str, enum.Enum):

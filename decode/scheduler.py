@@ -4,8 +4,11 @@ Queues, in the order a request passes through them (DESIGN.md "Life of a request
     prealloc      waiting for a row and pages for its prompt (+ reserved decode tokens)
     transferring  pages handed out as a KV destination; waiting, under a deadline, for the
                   prefill server's WRITE and its notification (keyed by the request's room).
-                  An aborted request stays here, answered but holding its pages, until the
-                  notification or the deadline says no WRITE can land in them any more.
+                  A request aborted or past its deadline stays here, answered but holding
+                  its pages, until the notification, or KV_WRITE_GRACE_S after the deadline,
+                  says no WRITE can land in them any more (prefill servers start none after
+                  the deadline, which the destination carries, and give up on one at half
+                  the grace).
     running       the KV and the first token arrived: it decodes like any colocated request,
                   joining the batch without a forward pass of its own
     waiting       only requests retracted under KV pressure: they are prefilled again locally
@@ -21,7 +24,7 @@ from pdserve.common.kv_pool import pages_for, slots_for_positions
 from pdserve.common.output_processor import append_token, finalize
 from pdserve.common.overlap import h2d
 from pdserve.common.scheduler import Scheduler
-from pdserve.common.types import Completion, FinishReason, Req, TokenLogprob
+from pdserve.common.types import KV_WRITE_GRACE_S, Completion, FinishReason, Req, TokenLogprob
 
 import torch
 
@@ -95,16 +98,18 @@ class DecodeScheduler(Scheduler):
         return None
 
     def expire_transfers(self, now: float) -> list[Completion]:
-        """Requests whose KV did not arrive in time: abort with an error and free their pages."""
-        expired = [req for req in self.transferring.values() if now > req.deadline]
+        """Requests whose KV did not arrive in time: answered with an error at their deadline,
+        their pages freed KV_WRITE_GRACE_S later (a WRITE started just before the deadline may
+        still be landing)."""
         timed_out = []
-        for req in expired:
-            del self.transferring[req.room]
-            self._free_kv(req)
+        for req in [req for req in self.transferring.values() if now > req.deadline]:
             if not req.finished:  # (an aborted one was already answered)
                 req.finish_reason = FinishReason.ABORT
                 req.error = f"KV transfer timed out after {self.kv_transfer_timeout:g}s (room {req.room})"
                 timed_out.append(finalize(req))
+            if now > req.deadline + KV_WRITE_GRACE_S:
+                del self.transferring[req.room]
+                self._free_kv(req)
         return timed_out
 
     def abort(self, rid: str) -> Completion | None:
@@ -116,8 +121,8 @@ class DecodeScheduler(Scheduler):
         for req in self.transferring.values():
             if req.rid == rid and not req.finished:
                 # NOTE: the prefill server may still WRITE into these pages: they stay with the
-                # request until its notification arrives or its deadline passes, so a late WRITE
-                # can never land in a new owner's KV. The client is answered now.
+                # request until its notification arrives or its deadline and grace pass, so a
+                # late WRITE can never land in a new owner's KV. The client is answered now.
                 req.finish_reason = FinishReason.ABORT
                 return finalize(req)
         return super().abort(rid)

@@ -11,10 +11,10 @@ the destination pages over the transfer agent, with a notification carrying the 
 first token. The request keeps its pages until the agent reports the WRITE done (or failed, or
 past its deadline); then its KV is cached (or freed) and its result reported.
 
-A destination expires (KVDestination.expires_unix_s): the decode server frees its pages then and
-gives them to other requests. No WRITE starts within KV_WRITE_MARGIN_S of the expiry, none runs
-past half of it, and a request still queued or prefilling when the margin begins fails at once
-(its prefill would be wasted work: the decode server is about to give up on it).
+A destination expires (KVDestination.expires_unix_s): the decode server fails the request then,
+and KV_WRITE_GRACE_S later gives its pages to other requests. No WRITE starts after the expiry,
+none runs past half the grace, and a request still queued or prefilling at the expiry fails at
+once (its prefill would be wasted work: the decode server has given up on it).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pdserve.common.kv_pool import pages_for
 from pdserve.common.kv_transfer import TransferState, encode_notif
 from pdserve.common.scheduler import Scheduler
-from pdserve.common.types import KV_WRITE_MARGIN_S, FinishReason, Req, TokenLogprob
+from pdserve.common.types import KV_WRITE_GRACE_S, FinishReason, Req, TokenLogprob
 
 
 @dataclass
@@ -37,13 +37,8 @@ class Destination:
 
     peer: str
     page_ids: list[int]
-    expires: float = math.inf  # time.monotonic() at which the decode server frees the pages
+    expires: float = math.inf  # time.monotonic() past which no WRITE may start
     writing: bool = False  # its WRITE started
-
-    @property
-    def write_by(self) -> float:
-        """The last moment a WRITE may start."""
-        return self.expires - KV_WRITE_MARGIN_S
 
 
 @dataclass
@@ -91,7 +86,7 @@ class PrefillScheduler(Scheduler):
         self.transfers: list[_Transfer] = []
         self.parked: dict[str, _Parked] = {}  # rid -> prefilled, destination not known yet
         self.live: dict[str, Req] = {}  # every request from its arrival until its result
-        self.expiring: list[tuple[float, int, str, Destination]] = []  # heap of (write_by, seq, rid, dest)
+        self.expiring: list[tuple[float, int, str, Destination]] = []  # heap of (expires, seq, rid, dest)
         self._seq = itertools.count()
         self.done: list[PrefillResult] = []  # results not yet collected
 
@@ -120,7 +115,7 @@ class PrefillScheduler(Scheduler):
     def _set(self, rid: str, destination: Destination) -> None:
         self.destinations[rid] = destination
         if destination.expires < math.inf:
-            heapq.heappush(self.expiring, (destination.write_by, next(self._seq), rid, destination))
+            heapq.heappush(self.expiring, (destination.expires, next(self._seq), rid, destination))
 
     def _check_destination(self, req: Req, destination: Destination) -> None:
         need = pages_for(len(req.prompt_ids), self.page_size)
@@ -155,7 +150,7 @@ class PrefillScheduler(Scheduler):
 
     def _start_transfer(self, req: Req, token: int, lp: TokenLogprob | None, now: float) -> None:
         dest = self.destinations[req.rid]
-        if now > dest.write_by:
+        if now > dest.expires:
             self._finish(req, error=_expired(dest, now), error_code="KV_TRANSFER_TIMEOUT")
             return
         n = pages_for(len(req.prompt_ids), self.page_size)
@@ -166,8 +161,9 @@ class PrefillScheduler(Scheduler):
             self._finish(req, error=f"KV transfer to {dest.peer} could not start: {e}")
             return
         dest.writing = True
-        # A WRITE still running past half the margin is given up: the pages are about to be reused.
-        deadline = min(now + self.kv_transfer_timeout, dest.expires - KV_WRITE_MARGIN_S / 2)
+        # A WRITE still running half the grace past the expiry is given up: the pages are about
+        # to go to another request.
+        deadline = min(now + self.kv_transfer_timeout, dest.expires + KV_WRITE_GRACE_S / 2)
         self.transfers.append(_Transfer(req, handle, now, deadline))
 
     def poll_transfers(self, now: float) -> list[PrefillResult]:
@@ -268,7 +264,5 @@ class PrefillScheduler(Scheduler):
 
 
 def _expired(dest: Destination, now: float) -> str:
-    left = dest.expires - now
-    when = f"ends in {left:.2f}s" if left > 0 else f"ended {-left:.2f}s ago"
-    return (f"the decode server's KV reservation at {dest.peer} {when}, inside the {KV_WRITE_MARGIN_S:g}s "
-            "write margin: the prefill took longer than the decode server's --kv-transfer-timeout")
+    return (f"the decode server's KV reservation at {dest.peer} ended {now - dest.expires:.2f}s ago: the "
+            "prefill took longer than the decode server's --kv-transfer-timeout")

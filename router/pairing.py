@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from pdserve.common.types import KV_WRITE_MARGIN_S, SamplingParams, TokenLogprob
+from pdserve.common.types import SamplingParams, TokenLogprob
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
@@ -189,9 +189,9 @@ async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest
     retry_here = early  # (url, channel, PrefillStreamed call or None): the next attempt, if set
     dest, attempts = request.destination, 0
     while len(tried) < MAX_PREFILL_ATTEMPTS:
-        if attempts and dest.HasField("expires_unix_s") and time.time() > dest.expires_unix_s - KV_WRITE_MARGIN_S:
-            # No prefill server would write into pages the decode server is about to take back.
-            last = f"{last} (not retried: the decode server's KV reservation is about to expire)"
+        if attempts and dest.HasField("expires_unix_s") and time.time() > dest.expires_unix_s:
+            # No prefill server writes into a reservation the decode server has given up.
+            last = f"{last} (not retried: the decode server's KV reservation has expired)"
             break
         if retry_here is not None:
             (url, channel, streamed), retry_here = retry_here, None

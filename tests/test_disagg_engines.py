@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.types import KV_WRITE_MARGIN_S, FinishReason, SamplingParams
+from pdserve.common.types import KV_WRITE_GRACE_S, FinishReason, SamplingParams
 from pdserve.common.kv_transfer import TransferState
 from pdserve.decode.engine import DecodeEngine
 from pdserve.prefill.engine import PrefillEngine
@@ -200,11 +200,11 @@ def run_prefill(prefill, loop=None, limit_s=60.0):
     return results
 
 
-def test_no_write_starts_into_a_destination_about_to_expire(tiny_models, monkeypatch):
-    """The decode server frees its reserved pages, and gives them to other requests, when its
-    --kv-transfer-timeout passes: the destination says when. Within KV_WRITE_MARGIN_S of that, a
-    prefill server starts no WRITE: a parked request fails when such a destination comes, a queued
-    one fails before it is computed. Either way its KV is freed and the failure says why."""
+def test_no_write_starts_into_an_expired_destination(tiny_models, monkeypatch):
+    """The decode server gives up on a request when its --kv-transfer-timeout passes (the
+    destination says when) and soon after gives its pages to other requests. Past that, a prefill
+    server starts no WRITE: a parked request fails when such a destination comes, a queued one
+    fails before it is computed. Either way its KV is freed and the failure says why."""
     prefill, decode = engines(tiny_models("llama"))
     writes = []
     write_pages = prefill.agent.write_pages
@@ -220,14 +220,14 @@ def test_no_write_starts_into_a_destination_about_to_expire(tiny_models, monkeyp
     loop = prefill.loop_state()
     while "parked" not in prefill.scheduler.parked:
         assert not list(loop.step())
-    prefill.set_destination("parked", dest.agent_metadata, dest.page_ids, time.time() + KV_WRITE_MARGIN_S / 2)
+    prefill.set_destination("parked", dest.agent_metadata, dest.page_ids, time.time() - 0.01)
     chunks = prefill.scheduler.stats["prefill_chunks"]
     prefill.add_prefill_request([0, 7, 8, 9, 10], params, 6, dest.agent_metadata, dest.page_ids, rid="queued",
-                                expires_unix_s=time.time() + KV_WRITE_MARGIN_S / 2)
+                                expires_unix_s=time.time() - 0.01)
     results = {r.rid: r for r in run_prefill(prefill, loop)}
     assert set(results) == {"parked", "queued"} and writes == []
     for r in results.values():
-        assert r.error_code == "KV_TRANSFER_TIMEOUT" and "reservation" in r.error and "margin" in r.error
+        assert r.error_code == "KV_TRANSFER_TIMEOUT" and "reservation" in r.error and "ended" in r.error
     assert prefill.scheduler.stats["prefill_chunks"] == chunks, "the queued prompt was computed for nothing"
     assert prefill.is_idle() and prefill.scheduler.kv_used_tokens() == 0
 
@@ -239,8 +239,8 @@ def test_no_write_starts_into_a_destination_about_to_expire(tiny_models, monkeyp
 
 
 def test_a_write_still_running_near_the_expiry_is_given_up(tiny_models, monkeypatch):
-    """A WRITE running past half the margin is released and its request failed: the decode server
-    is about to give its pages to another request."""
+    """A WRITE still running half the grace past the expiry is released and its request failed:
+    the decode server is about to give its pages to another request."""
     prefill, decode = engines(tiny_models("gpt2"), timeout=3600.0)
     params = SamplingParams(max_new_tokens=4, temperature=0)
     decode.add_decode_request([0, 7, 8, 9], params, room=5, rid="w")
@@ -256,11 +256,27 @@ def test_a_write_still_running_near_the_expiry_is_given_up(tiny_models, monkeypa
         assert not list(loop.step())
     [t] = prefill.scheduler.transfers
     expires = time.monotonic() + (expires_unix_s - time.time())
-    assert abs(t.deadline - (expires - KV_WRITE_MARGIN_S / 2)) < 0.5  # not the transfer timeout, an hour
+    assert abs(t.deadline - (expires + KV_WRITE_GRACE_S / 2)) < 0.5  # not the transfer timeout, an hour
     assert prefill.scheduler.poll_transfers(t.deadline - 0.1) == []
     [r] = prefill.scheduler.poll_transfers(t.deadline + 0.1)
     assert r.rid == "w" and r.error_code == "KV_TRANSFER_TIMEOUT" and "reservation" in r.error
     assert not prefill.scheduler.transfers and prefill.scheduler.kv_used_tokens() == 0
+
+
+def test_an_expired_transfer_is_answered_at_once_and_its_pages_freed_after_the_grace(tiny_models):
+    """At its deadline the request fails; its pages stay held for KV_WRITE_GRACE_S (a WRITE that a
+    prefill server started just before the expiry may still be landing), then are freed."""
+    _, decode = engines(tiny_models("llama"), timeout=10.0)
+    decode.add_decode_request([0, 5, 6, 7], SamplingParams(max_new_tokens=4), room=9, rid="late")
+    decode.poll()
+    deadline = decode.scheduler.transferring[9].deadline
+    assert decode.scheduler.expire_transfers(deadline - 0.01) == []
+    [c] = decode.scheduler.expire_transfers(deadline + 0.01)
+    assert c.rid == "late" and c.finish_reason is FinishReason.ABORT and "timed out after 10s" in c.error
+    assert decode.scheduler.expire_transfers(deadline + KV_WRITE_GRACE_S - 0.01) == []  # answered once
+    assert decode.stats()["kv_used_tokens"] > 0, "freed while a WRITE may still land"
+    assert decode.scheduler.expire_transfers(deadline + KV_WRITE_GRACE_S + 0.01) == []
+    assert decode.stats()["kv_used_tokens"] == 0 and decode.is_idle()
 
 
 def test_a_destination_that_never_comes_times_out_on_prefill(tiny_models):

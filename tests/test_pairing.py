@@ -170,16 +170,16 @@ class LatePrefill(StreamedPrefill):
         return pb.PrefillResponse(error=self.error)
 
 
-def test_no_prefill_is_retried_into_a_reservation_about_to_expire():
+def test_no_prefill_is_retried_into_an_expired_reservation():
     # Control: with time left, a failed prefill is asked again the plain way, then on the others.
     prefill = LatePrefill()
     [error], reports = pair(prefill, servers=3)
     assert isinstance(error, UpstreamError) and "4 attempt(s)" in str(error)
     assert len(prefill.messages) == 2 and len(prefill.calls) == 3
 
-    # Inside the write margin no prefill server would write; another attempt only wastes one.
+    # Past the expiry no prefill server would write; another attempt only wastes one.
     prefill = LatePrefill()
-    [error], reports = pair(prefill, FakeDecode(release=prefill.got_request, expires_in_s=1.0), servers=3)
+    [error], reports = pair(prefill, FakeDecode(release=prefill.got_request, expires_in_s=-1.0), servers=3)
     assert isinstance(error, UpstreamError) and error.status == 503
     assert "not retried" in str(error) and "reservation ended" in str(error)
     assert len(prefill.messages) == 2 and prefill.calls == [] and reports == []

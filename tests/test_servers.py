@@ -23,7 +23,10 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from tests.test_disagg_engines import hf_greedy
 
-KV_TIMEOUT = 6.0  # long enough for a loaded 2-core CI box; the timeout tests wait this long
+# Long enough for a loaded 2-core CI box (6 s once timed out a request of test_router_reliability's
+# 200-stream burst: three servers, each with a NIXL thread polling, plus router and client, on two
+# cores); the timeout tests wait this long.
+KV_TIMEOUT = 10.0
 
 
 class Server:
