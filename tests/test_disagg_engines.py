@@ -191,12 +191,16 @@ def test_prefill_runs_before_its_destination_is_known(tiny_models):
     assert prefill.is_idle() and decode.is_idle()
 
 
-def run_prefill(prefill, loop=None, limit_s=60.0):
+def run_prefill(prefill, loop=None, decode=None, limit_s=60.0):
+    """Step the prefill loop until idle; `decode`'s agent is polled too, as its server's loop
+    would (a DRAM agent has no progress thread: UCX's wire-up needs both ends polled)."""
     loop, results = loop or prefill.loop_state(), []
     deadline = time.monotonic() + limit_s
     while loop.busy():
         assert time.monotonic() < deadline
         results += loop.step()
+        if decode is not None:
+            decode.poll()
     return results
 
 
@@ -234,7 +238,7 @@ def test_no_write_starts_into_an_expired_destination(tiny_models, monkeypatch):
     # With time left, the same destination is written.
     prefill.add_prefill_request([0, 7, 8, 9], params, 5, dest.agent_metadata, dest.page_ids, rid="d",
                                 expires_unix_s=dest.expires_unix_s)
-    [ok] = run_prefill(prefill)
+    [ok] = run_prefill(prefill, decode=decode)
     assert ok.error is None and len(writes) == 1
 
 

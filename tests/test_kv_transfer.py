@@ -365,12 +365,14 @@ def restart_process(conn) -> None:
         source.add_peer(restarted.metadata())
         handle = source.write_pages("decode", [2], [5], b"again")
         deadline = time.monotonic() + TIMEOUT_S
-        while (state := source.poll(handle)) is TransferState.IN_PROGRESS and time.monotonic() < deadline:
+        state, notifs = TransferState.IN_PROGRESS, []
+        # Both ends polled in turn, as the servers' loops do: a DRAM agent has no progress thread,
+        # and UCX's wire-up needs the target to progress too.
+        while (state is TransferState.IN_PROGRESS or not notifs) and time.monotonic() < deadline:
+            if state is TransferState.IN_PROGRESS:
+                state = source.poll(handle)
+            notifs += restarted.get_notifs()
             time.sleep(0.0005)
-        notifs = []
-        while not notifs and time.monotonic() < deadline:
-            notifs = restarted.get_notifs()
-            time.sleep(0.001)
         source.release(handle)
         landed = restarted_pool.k_buffers[0][5 * 4 : 6 * 4].eq(1.0).all().item()
         untouched = restarted_pool.k_buffers[0][: 5 * 4].eq(0).all().item()

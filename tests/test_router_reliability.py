@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from pdserve.common.ports import free_port
-from tests.test_servers import Server, wait_idle
+from tests.test_servers import Server, load, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -124,12 +124,15 @@ def test_a_client_disconnect_mid_stream_frees_kv_on_both_sides(cluster):
 
 def test_a_client_gone_before_a_whole_answer_gets_499_and_frees_kv(cluster):
     model, url, decode, prefills = cluster
-    body = json.dumps({"model": model, "prompt": "abc", "max_tokens": 400, "temperature": 0, "ignore_eos": True})
+    body = json.dumps({"model": model, "prompt": "abc", "max_tokens": 1000, "temperature": 0, "ignore_eos": True})
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as conn:
         conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
-        time.sleep(0.5)  # the answer is being computed
+        deadline = time.monotonic() + 30
+        while not asyncio.run(load(decode)).running_requests:  # until the answer is being computed
+            assert time.monotonic() < deadline, "the request never reached the decode server"
+            time.sleep(0.01)
     deadline = time.monotonic() + 30
     while 'status="499"' not in urllib.request.urlopen(url + "/metrics", timeout=10).read().decode():
         assert time.monotonic() < deadline, "the router never noticed the client leave"

@@ -288,10 +288,17 @@ def test_a_prefill_killed_mid_request_leaves_decode_healthy(servers, tiny_models
 
     async def kill_during_prefill(call, first, pch, req):
         async with grpc.aio.insecure_channel(doomed.address) as ch:
-            pending = asyncio.ensure_future(pb_grpc.PrefillServiceStub(ch).Prefill(
-                pb.PrefillRequest(request=req, destination=first.destination), timeout=30))
-            await asyncio.sleep(0.05)
-            os.kill(doomed.proc.pid, signal.SIGKILL)
+            # The request first, the destination held back: the doomed server prefills it and
+            # keeps it (KV computed, call open). A timed kill raced a prefill that can finish in
+            # well under 50 ms on CPU.
+            pending = pb_grpc.PrefillServiceStub(ch).PrefillStreamed(timeout=30)
+            await pending.write(pb.PrefillRequest(request=req))
+            deadline = time.monotonic() + 30
+            while (await load(doomed)).running_requests == 0:
+                assert time.monotonic() < deadline, "the doomed server never took the request"
+                await asyncio.sleep(0.01)
+            await pending.write(pb.PrefillRequest(destination=first.destination))
+            os.kill(doomed.proc.pid, signal.SIGKILL)  # before, during or after its WRITE
             with pytest.raises(grpc.aio.AioRpcError):
                 await pending
         last = None
@@ -319,7 +326,9 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny_models):
         prefill.wait_ready()
 
         async def main():
-            started = [asyncio.create_task(generate(decode, prefill, p, params(40, ignore_eos=True), f"drain-{i}"))
+            # Long enough to still be decoding when the late request comes (40 tokens once were
+            # all done within the 0.3 s below, and the drained server was gone).
+            started = [asyncio.create_task(generate(decode, prefill, p, params(400, ignore_eos=True), f"drain-{i}"))
                        for i, p in enumerate(prompts(4, seed=12))]
             for _ in range(200):  # until decoding is under way
                 if (await load(decode)).running_requests:
@@ -331,7 +340,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny_models):
             return await asyncio.gather(*started), refused
 
         results, refused = asyncio.run(main())
-        assert all(len(tokens) == 40 and end.finish.reason == pb.FINISH_REASON_LENGTH for tokens, end, _ in results)
+        assert all(len(tokens) == 400 and end.finish.reason == pb.FINISH_REASON_LENGTH for tokens, end, _ in results)
         assert refused.WhichOneof("response") == "error" and refused.error.code == pb.Error.OVERLOADED
         assert decode.proc.wait(60) == 0
     finally:

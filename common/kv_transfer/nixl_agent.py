@@ -56,7 +56,14 @@ class NixlKVAgent(KVTransferAgent):
         self._k_addrs = tuple(b.data_ptr() for b in kv_pool.k_buffers)
         self._v_addrs = tuple(b.data_ptr() for b in kv_pool.v_buffers)
 
-        self._agent: nixl_agent | None = nixl_agent(name, nixl_agent_config(backends=[backend]))
+        # NOTE: NIXL's progress thread busy-polls UCX: a whole core per agent, idle or not. GPU
+        # agents keep it (transfers progress while the loop launches kernels; its cost on a GPU
+        # node was not measured without it). DRAM agents (CPU servers: tests, laptops) run
+        # without it: UCX then progresses only when this agent is polled, so whoever waits for a
+        # transfer must poll both ends (the servers' loops do, every iteration, while any
+        # transfer or reservation is open).
+        config = nixl_agent_config(enable_prog_thread=device.type == "cuda", backends=[backend])
+        self._agent: nixl_agent | None = nixl_agent(name, config)
         if backend not in self._agent.backends:
             # nixl_agent only logs a warning for a missing plugin; registration would then fail obscurely.
             raise KVTransferError(
