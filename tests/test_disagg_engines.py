@@ -54,14 +54,15 @@ def drive(prefill, decode, prompts, params, before_step=None, limit_s=120.0):
     return completions, results
 
 
-def hf_greedy(path, prompts, max_new):
+def hf_greedy(path, prompts, max_new, device="cpu"):
+    """transformers' fp32 greedy continuations, one prompt at a time: the reference."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).to(device).eval()
     out = []
     for ids in prompts:
         with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, pad_token_id=2)
+            gen = hf.generate(torch.tensor([ids], device=device), max_new_tokens=max_new, do_sample=False, pad_token_id=2)
         out.append(gen[0, len(ids):].tolist())
     return out
 

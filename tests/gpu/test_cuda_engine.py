@@ -10,6 +10,7 @@ import torch
 from pdserve.common.engine import Engine
 from pdserve.common.tiny_model import ARCHS
 from pdserve.common.types import SamplingParams
+from tests.test_disagg_engines import hf_greedy
 
 
 def prompts(n, vocab=512, seed=0):
@@ -22,17 +23,10 @@ def prompts(n, vocab=512, seed=0):
 def test_greedy_on_cuda_agrees_with_transformers(arch, backend, tiny_models):
     """fp32 must be token-identical; bf16 is not exact: its agreement rates are reported.
     The triton backend replays decode from CUDA graphs (the default on CUDA)."""
-    from transformers import AutoModelForCausalLM
-
     path = tiny_models(arch)
     cases = prompts(24)
-    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).cuda().eval()
     params = SamplingParams(max_new_tokens=16, temperature=0)
-    expected = []
-    for ids in cases:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=16, do_sample=False, pad_token_id=2)
-        expected.append(out[0, len(ids):].tolist())
+    expected = hf_greedy(path, cases, 16, device="cuda")
     engine = Engine(model_path=path, device="cuda", dtype="float32", max_total_tokens=16384, attention_backend=backend)
     assert (engine.runner.cuda_graphs is not None) == (backend == "triton")
     got = [c.output_ids for c in engine.generate(cases, params)]
@@ -185,16 +179,9 @@ def test_prefill_cuda_graphs_agree_with_transformers(arch, tiny_models):
     """Prefills replayed from padded graphs: one prompt at a time, five at once, in 32-token
     chunks and over cached prefixes; fp32 tokens identical to transformers' and to the eager
     prefill's."""
-    from transformers import AutoModelForCausalLM
-
     path = tiny_models(arch)
     cases = prompts(12, seed=5)
-    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).cuda().eval()
-    expected = []
-    for ids in cases:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=6, do_sample=False, pad_token_id=2)
-        expected.append(out[0, len(ids):].tolist())
+    expected = hf_greedy(path, cases, 6, device="cuda")
     params = SamplingParams(max_new_tokens=6, temperature=0)
     kw = dict(model_path=path, device="cuda", dtype="float32", max_total_tokens=16384, attention_backend="triton")
     for chunk in (8192, 32):

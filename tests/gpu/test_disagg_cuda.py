@@ -11,9 +11,9 @@ import random
 import statistics
 import time
 
-import torch
 
 from pdserve.common.types import SamplingParams
+from tests.test_disagg_engines import hf_greedy
 
 TIMEOUT_S = 300
 
@@ -100,17 +100,10 @@ def run_disaggregated(model, dtype, prompts, params):
 
 
 def test_disaggregated_greedy_on_gpu_matches_transformers(tiny_models):
-    from transformers import AutoModelForCausalLM
-
     model = tiny_models("qwen3")
     rng = random.Random(1)
     prompts = [[0] + [rng.randrange(5, 512) for _ in range(rng.randrange(1, 90))] for _ in range(16)]
-    hf = AutoModelForCausalLM.from_pretrained(model, attn_implementation="eager", dtype=torch.float32).cuda().eval()
-    expected = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=12, do_sample=False, pad_token_id=2)
-        expected.append(out[0, len(ids):].tolist())
+    expected = hf_greedy(model, prompts, 12, device="cuda")
     got, _ = run_disaggregated(model, "float32", prompts, SamplingParams(max_new_tokens=12, temperature=0))
     assert got == expected
 
