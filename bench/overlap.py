@@ -25,7 +25,7 @@ def decode_itl(engine, prompts, params) -> tuple[float, float, float]:
     """(median decode step interval ms, output tokens/s, median host scheduling + result
     processing ms per step: the work the overlap can hide) of one generate call."""
     stamps, host_ms = [], []
-    process = engine.process
+    process = engine.process_batch_result
     schedule, handle = engine.scheduler.get_next_batch_to_run, engine.scheduler.process_batch_result
 
     def timed(batch, result):
@@ -42,12 +42,12 @@ def decode_itl(engine, prompts, params) -> tuple[float, float, float]:
 
         return wrapped
 
-    engine.process = timed
+    engine.process_batch_result = timed
     engine.scheduler.get_next_batch_to_run, engine.scheduler.process_batch_result = timed_host(schedule), timed_host(handle)
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    engine.process = process
+    engine.process_batch_result = process
     engine.scheduler.get_next_batch_to_run, engine.scheduler.process_batch_result = schedule, handle
     decode = [t for mode, t in stamps if mode == "decode"]
     gaps = [b - a for a, b in zip(decode, decode[1:])]

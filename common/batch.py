@@ -1,14 +1,19 @@
-"""What one forward pass runs: `ForwardBatch` (device tensors plus the host-side lengths).
+"""What one forward pass runs, on both sides of vLLM's seam.
 
-The scheduler builds it from the requests it picked (it owns the KV bookkeeping); the model runner
-and the attention backend only read it. Tokens of all requests are laid out flat, request after
-request, with no padding: request i owns tokens [extend_starts[i], extend_starts[i] + extend_lens[i]).
+    ScheduleBatch   the scheduler's decision, plain host data: which requests, which positions,
+                    which req_to_token rows to fill first. The scheduler never touches the device.
+    ForwardBatch    device tensors plus the host-side lengths, built from a ScheduleBatch by the
+                    BatchBuilder (common/batch_builder.py) on the schedule stream; the model
+                    runner and the attention backend only read it.
+
+Tokens of all requests are laid out flat, request after request, with no padding: request i owns
+tokens [extend_starts[i], extend_starts[i] + extend_lens[i]).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +23,35 @@ from pdserve.common.types import Req
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill: each request adds one or more tokens after its cached prefix
     DECODE = "decode"  # each request adds exactly one token
+
+
+@dataclass
+class RowWrite:
+    """req_to_token[row, start : start + len(slots)] = slots: the KV a request has before its first
+    forward here (a prefix-cache hit, or pages a decode server reserved for a transfer)."""
+
+    row: int
+    start: int
+    slots: list[int]
+
+
+@dataclass
+class ScheduleBatch:
+    """One forward as the scheduler decided it. Request i computes positions [starts[i], ends[i])."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    starts: list[int]
+    ends: list[int]
+    samples: list[bool]  # False for a mid-prompt chunk: its sampled token is discarded
+    # Rows to fill before this forward, in the order they were decided (a row freed and handed out
+    # again is written again later in the list, so the last write wins).
+    row_writes: list[RowWrite] = field(default_factory=list)
+    seq: int = 0  # launch order, set when launched (for traces and tests)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
 
 
 @dataclass
@@ -41,7 +75,7 @@ class ForwardBatch:
     # int64 (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, last_indices);
     # extend: [3, T] int64 (input_ids, positions, out_cache_loc).
     packed: torch.Tensor | None = None
-    seq: int = 0  # launch order, set by the loop (for traces and tests)
+    seq: int = 0  # its ScheduleBatch's launch order (for traces and tests)
 
     @property
     def batch_size(self) -> int:

@@ -139,17 +139,25 @@ def read_hf_config(model_path: str) -> dict:
 
 
 def add_cli_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> None:
-    """One `--flag` per dataclass field, typed and documented from the field itself."""
+    """One `--flag` per dataclass field, typed and documented from the field itself.
+
+    A tuple field takes one or more strings; metadata beyond `help` (nargs, metavar, required)
+    goes to argparse as is."""
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
+        kw = {k: v for k, v in f.metadata.items() if k != "help"}
         if isinstance(f.default, bool):
-            parser.add_argument(flag, dest=f.name, action="store_true", help=f.metadata["help"])
+            parser.add_argument(flag, dest=f.name, action="store_true", help=f.metadata["help"], **kw)
+        elif isinstance(f.default, tuple):
+            kw.setdefault("nargs", "+")
+            parser.add_argument(flag, dest=f.name, type=str, default=f.default, help=f.metadata["help"], **kw)
         else:
-            parser.add_argument(flag, dest=f.name, type=type(f.default), default=f.default, help=f.metadata["help"])
+            parser.add_argument(flag, dest=f.name, type=type(f.default), default=f.default, help=f.metadata["help"], **kw)
 
 
 def from_cli_args(args: argparse.Namespace, cls: type = EngineConfig) -> Any:
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
 @dataclass(frozen=True)

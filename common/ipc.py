@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.common.errors import ErrorCode
+from pdserve.common.types import SamplingParams
+
 # ---- frontend -> scheduler --------------------------------------------------------------------
 
 
@@ -32,6 +35,11 @@ class Params(msgspec.Struct, frozen=True):
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+
+
+def sampling_params(p: Params) -> SamplingParams:
+    """Validated SamplingParams (ValueError with a message for the client)."""
+    return SamplingParams(**{f: getattr(p, f) for f in p.__struct_fields__})
 
 
 class NewRequest(msgspec.Struct, tag=True):
@@ -81,7 +89,7 @@ class Rejected(msgspec.Struct, tag=True):
 
     rid: str
     message: str
-    code: str = "INVALID_REQUEST"
+    code: ErrorCode = ErrorCode.INVALID_REQUEST
 
 
 class Destination(msgspec.Struct, tag=True):
@@ -121,7 +129,7 @@ class Finished(msgspec.Struct, tag=True):
     matched_token: int | None = None
     matched_text: str | None = None
     error: str | None = None
-    error_code: str | None = None
+    error_code: ErrorCode | None = None
 
 
 class PrefillDone(msgspec.Struct, tag=True):
@@ -132,12 +140,12 @@ class PrefillDone(msgspec.Struct, tag=True):
     first_logprob: tuple[int, float, list[tuple[int, float]]] | None
     prompt_tokens: int
     cached_tokens: int
-    queue_s: float
-    prefill_s: float
+    queue_s: float  # from its arrival to its first prefill batch
+    prefill_s: float  # from its first prefill batch to the end of its transfer, the transfer excluded
     transfer_s: float
     transfer_bytes: int
     error: str | None = None
-    error_code: str | None = None
+    error_code: ErrorCode | None = None
 
 
 class LoadReport(msgspec.Struct, tag=True):
@@ -146,7 +154,6 @@ class LoadReport(msgspec.Struct, tag=True):
     kv_used_tokens: int
     kv_total_tokens: int
     inflight_transfers: int
-    transfer_failures: int = 0
 
 
 class Bye(msgspec.Struct, tag=True):

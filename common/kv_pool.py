@@ -3,14 +3,14 @@
     ReqToTokenPool.req_to_token  [max_reqs, context_len] int32, on the device
         row r, column p  = the KV slot holding position p of the request that owns row r
     PagedKVPool.k_buffers[l], v_buffers[l]  [num_pages * page_size, kv_heads, head_dim]
-        slot s lives in page s // page_size; pages are the unit of allocation (and later of
-        prefix caching and NIXL transfer)
+        slot s lives in page s // page_size; pages are the unit of allocation, of prefix caching
+        and of NIXL transfer
 
 Page 0 is never handed out: its slots are the dummy write target for padded positions (CUDA-graph
-padding later), so a padded write can never land in a live request's KV.
+padding), so a padded write can never land in a live request's KV.
 
 Allocation is host-side bookkeeping only (free lists); the device tensors are written by the
-forward pass and by the scheduler's req_to_token writes.
+forward pass (KV) and by the batch builder (req_to_token), both in stream order.
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ class ReqToTokenPool:
         assert 0 <= row < self.size, row
         self._free_rows.append(row)
 
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        """req_to_token[row, start:start+len(slots)] = slots (a device write, no host sync)."""
-        self.req_to_token[row, start : start + slots.numel()] = slots
+    def write_slots(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], positions[i]] = slots[i]: the one device write to this table, made
+        by the batch builder on the schedule stream (no host sync)."""
+        self.req_to_token[rows, positions] = slots.to(torch.int32)
 
 
 class PagedKVPool:

@@ -80,6 +80,7 @@ def finalize_all(reqs: list[Req]) -> list[Completion]:
             logprobs=req.output_logprobs if req.params.logprobs is not None else None,
             cached_tokens=req.cached_tokens,
             error=req.error,
+            error_code=req.error_code,
         )
         for req in reqs
     ]

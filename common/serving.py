@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from pdserve.common import ipc
+from pdserve.common.errors import ErrorCode
 from pdserve.proto import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class SchedulerBridge:
                 if isinstance(msg, ipc.PrefillDone) and msg.error is None:
                     self.metrics.transfer_seconds.observe(msg.transfer_s)
                     self.metrics.transfer_bytes.inc(msg.transfer_bytes)
-                elif isinstance(msg, ipc.PrefillDone | ipc.Finished) and msg.error_code and "TRANSFER" in msg.error_code:
+                elif isinstance(msg, ipc.PrefillDone | ipc.Finished) and msg.error_code and msg.error_code.is_transfer_failure:
                     self.metrics.transfer_failures.inc()
                 self.queues[msg.rid].put_nowait(msg)
 
@@ -133,7 +134,7 @@ class SchedulerBridge:
         if self.ready is not None and not self.ready.done():
             self.ready.set_exception(RuntimeError(f"scheduler exited with code {self.process.exitcode} before ready"))
         for rid, queue in self.queues.items():
-            queue.put_nowait(ipc.Rejected(rid, "the scheduler process exited", code="INTERNAL"))
+            queue.put_nowait(ipc.Rejected(rid, "the scheduler process exited", code=ErrorCode.INTERNAL))
         self.bye.set()
 
     async def close(self) -> None:
@@ -230,11 +231,9 @@ def logprob_to_proto(lp) -> pb.TokenLogprob | None:
     return pb.TokenLogprob(token_id=token_id, logprob=logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
 
 
-ERROR_CODES = {name: getattr(pb.Error, name) for name in pb.Error.Code.keys()}
-
-
-def error_to_proto(code: str | None, message: str) -> pb.Error:
-    return pb.Error(code=ERROR_CODES.get(code or "INTERNAL", pb.Error.INTERNAL), message=message)
+def error_to_proto(code: ErrorCode | None, message: str) -> pb.Error:
+    """The proto's Error; the enums share their names (tests/test_proto.py)."""
+    return pb.Error(code=pb.Error.Code.Value((code or ErrorCode.INTERNAL).value), message=message)
 
 
 async def serve(servicer_factory, add_servicer, bridge: SchedulerBridge, host: str, port: int, metrics_port: int,

@@ -12,6 +12,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from pdserve.common.errors import ErrorCode
+
 MAX_TOP_LOGPROBS = 20
 
 # A KV destination expires when the decode server stops waiting for its WRITE (it answers the
@@ -122,6 +124,7 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why an aborted sequence failed (None: cancelled, or not aborted)
+    error_code: ErrorCode | None = None  # set with `error`
 
 
 class Req:
@@ -160,8 +163,11 @@ class Req:
         self.room = 0
         self.deadline = 0.0
         self.error: str | None = None
+        self.error_code: ErrorCode | None = None
         self.kv_len = 0
         self.cached_tokens = 0
+        self.arrived = 0.0  # time.monotonic() when it was queued
+        self.admitted = 0.0  # time.monotonic() when its first prefill batch was scheduled
         self.detokenizer = None  # set by the engine: an IncrementalDetokenizer
         # Detokenize each token as it arrives (the router streams text). Otherwise text is only
         # built per token when stop strings need it, and in one decode at the end when not.
@@ -176,10 +182,6 @@ class Req:
     def num_sampled(self) -> int:
         """Output tokens sampled so far, seen or pending: the step of the next sample."""
         return len(self.output_ids) + self.pending
-
-    def last_token(self) -> int:
-        """The next decode input: a real id, or a FutureMap placeholder (< 0) while pending."""
-        return -self.future_idx if self.pending else (self.output_ids or self.prompt_ids)[-1]
 
     @property
     def finished(self) -> bool:

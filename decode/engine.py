@@ -1,13 +1,14 @@
-"""The decode server's engine: the colocated engine with the decode scheduler and a KV agent.
+"""The decode server's engine: the engine core with the decode scheduler and a KV agent.
 
     engine = DecodeEngine(config, agent_name="decode-0")
     engine.add_decode_request(prompt_ids, params, room)
     ... engine.destinations: a KV destination per admitted request, for the prefill server ...
-    for completion in engine.event_loop_overlap_disagg_decode(): ...
+    for completions in event_loop_overlap_disagg_decode(engine): ...   (decode/loop.py)
 
-Every iteration first polls, never blocking: admit preallocations (their destinations are
-published), take the KV notifications that arrived (those requests join the running batch), and
-expire transfers past --kv-transfer-timeout.
+The steps its loops call besides the shared ones (common/engine_core.py): `pop_preallocated`
+admits queued requests (their pages are held and their destinations published) and
+`pop_transferred` takes the KV notifications that arrived (those requests join the running batch)
+and expires transfers past --kv-transfer-timeout.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+from pdserve.common import ipc
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine import Engine, LoopState
+from pdserve.common.engine_core import EngineCore
+from pdserve.common.errors import ErrorCode
 from pdserve.common.kv_transfer import KVLayout, decode_notif
 from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
 from pdserve.common.types import Completion, SamplingParams, TokenLogprob
@@ -38,31 +41,36 @@ class KVDestination:
     expires_unix_s: float  # this server frees the pages then: no WRITE may land later
 
 
-class DecodeEngine(Engine):
-    runs_prefill = False
+class DecodeEngine(EngineCore):
     def __init__(self, config: EngineConfig, agent_name: str, kv_transfer_timeout: float = 30.0):
-        self._agent_name, self._kv_transfer_timeout = agent_name, kv_transfer_timeout
-        super().__init__(config)
+        self._agent_name, self.kv_transfer_timeout = agent_name, kv_transfer_timeout
+        # KV arrives over NIXL (only a retracted request is prefilled again here, eagerly): no
+        # prefill graphs.
+        super().__init__(config, prefill_graphs=False)
         self.destinations: deque[KVDestination] = deque()
+        self.streaming: dict[str, list] = {}  # rid -> [req, output tokens sent], with a channel
         self.ignored_notifs = 0
 
     def make_scheduler(self) -> DecodeScheduler:
         self.agent = NixlKVAgent(self._agent_name, self.runner.kv_pool)
-        return DecodeScheduler(
-            self.config,
-            self.runner.req_to_token_pool,
-            self.runner.kv_pool,
-            self.eos_token_ids,
-            kv_transfer_timeout=self._kv_transfer_timeout,
-        )
+        return DecodeScheduler(self.config, self.runner.req_to_token_pool, self.runner.kv_pool, self.eos_token_ids,
+                               kv_transfer_timeout=self.kv_transfer_timeout)
 
     def add_decode_request(self, prompt_ids: Sequence[int], params: SamplingParams, room: int, rid: str | None = None) -> str:
-        req = self.make_req(prompt_ids, params, rid)
+        """Queue a request whose KV a prefill server will write; ValueError when it cannot run here.
+        Its text is built only where stop strings need it: the router detokenizes the stream."""
+        return self._add(prompt_ids, params, room, rid).rid
+
+    def _add(self, prompt_ids: Sequence[int], params: SamplingParams, room: int, rid: str | None):
+        req = self.make_req(prompt_ids, params, rid, detokenize=bool(params.stop))
         req.room = room
         self.scheduler.add_request(req)
-        return req.rid
+        return req
 
-    def poll(self) -> list[Completion]:
+    # ---- the decode steps of the loop ----------------------------------------------------------
+
+    def pop_preallocated(self) -> None:
+        """Admit queued requests into pages; publish each one's KV destination."""
         now = time.monotonic()
         metadata = None
         for req in self.scheduler.pop_preallocated(now):
@@ -70,7 +78,9 @@ class DecodeEngine(Engine):
             expires_unix_s = time.time() + (req.deadline - now)  # wall clock: it crosses machines
             self.destinations.append(KVDestination(
                 req.rid, req.room, self.agent.name, metadata, list(req.pages), self.agent.layout, expires_unix_s))
-        done = []
+
+    def pop_transferred(self) -> None:
+        """Requests whose KV landed join the running batch; those past their deadline fail."""
         for _peer, message in self.agent.get_notifs():
             try:
                 notif = decode_notif(message)
@@ -81,20 +91,74 @@ class DecodeEngine(Engine):
             logprob = TokenLogprob(lp["token_id"], lp["logprob"], [tuple(t) for t in lp["top"]]) if lp else None
             completion = self.scheduler.on_kv_arrived(notif["room"], notif["first_token"], logprob)
             if completion is not None:
-                done.append(completion)
-        return done + self.scheduler.expire_transfers(now)
+                self.outputs.append(completion)
+        self.outputs += self.scheduler.expire_transfers(time.monotonic())
 
-    def event_loop_overlap_disagg_decode(self) -> Iterator[Completion]:
-        """Overlapped loop until nothing is queued, transferring or running."""
-        yield from self._run(LoopState(self, overlap=True, poll=self.poll))
+    def event_loop(self) -> Iterator[list[Completion]]:
+        from pdserve.decode.loop import event_loop_normal_disagg_decode, event_loop_overlap_disagg_decode
 
-    def event_loop_normal_disagg_decode(self) -> Iterator[Completion]:
-        """The serial twin (--disable-overlap-schedule)."""
-        yield from self._run(LoopState(self, overlap=False, poll=self.poll))
+        overlap = not self.config.disable_overlap_schedule
+        return event_loop_overlap_disagg_decode(self) if overlap else event_loop_normal_disagg_decode(self)
 
-    def loop_state(self) -> LoopState:
-        return LoopState(self, overlap=not self.config.disable_overlap_schedule, poll=self.poll)
+    # ---- the server's messages -----------------------------------------------------------------
 
-    def _run(self, loop: LoopState) -> Iterator[Completion]:
-        while loop.busy():
-            yield from loop.step()
+    def process_input_requests(self, msgs: list) -> None:
+        for msg in msgs:
+            if isinstance(msg, ipc.NewRequest):
+                try:
+                    req = self._add(msg.prompt_ids, ipc.sampling_params(msg.params), msg.room, msg.rid)
+                except ValueError as e:
+                    self.channel.send(ipc.Rejected(msg.rid, str(e)))
+                    continue
+                self.streaming[msg.rid] = [req, 0]
+            elif isinstance(msg, ipc.Abort):
+                completion = self.abort(msg.rid)
+                if completion is not None:
+                    self.outputs.append(completion)
+            elif isinstance(msg, ipc.SetDestination):
+                self.channel.send(ipc.Rejected(msg.rid, "a decode server takes no KV destinations"))
+
+    def send_outputs(self) -> list[Completion]:
+        """Destinations, every request's new tokens (one message per step), then the finished."""
+        done = self.take_outputs()
+        if self.channel is None:
+            return done
+        send = self.channel.send
+        while self.destinations:
+            d = self.destinations.popleft()
+            send(ipc.Destination(d.rid, d.room, d.page_ids, d.expires_unix_s))
+        chunks = []
+        for rid, entry in self.streaming.items():
+            req, sent = entry
+            if len(req.output_ids) > sent:
+                lps = [(lp.token_id, lp.logprob, lp.top) for lp in req.output_logprobs[sent:]]
+                chunks.append(ipc.Tokens(rid, sent, req.output_ids[sent:], lps))
+                entry[1] = len(req.output_ids)
+        if chunks:
+            send(ipc.StepTokens(chunks))
+        for c in done:
+            entry = self.streaming.pop(c.rid, None)
+            if entry is not None and len(c.output_ids) > entry[1]:
+                send(ipc.Tokens(c.rid, entry[1], c.output_ids[entry[1]:]))
+            send(ipc.Finished(
+                c.rid, c.finish_reason.value, len(c.prompt_ids), len(c.output_ids), c.cached_tokens,
+                matched_token=c.matched_stop if isinstance(c.matched_stop, int) else None,
+                matched_text=c.matched_stop if isinstance(c.matched_stop, str) else None,
+                error=c.error, error_code=c.error_code,
+            ))
+        return done
+
+    def load(self) -> ipc.LoadReport:
+        s = self.scheduler
+        return ipc.LoadReport(
+            running=len(s.running),
+            waiting=len(s.waiting) + len(s.prealloc) + len(s.transferring),
+            kv_used_tokens=s.kv_used_tokens(),
+            kv_total_tokens=self.runner.kv_pool.capacity_tokens,
+            inflight_transfers=len(s.transferring),
+        )
+
+    def ready(self) -> ipc.Ready:
+        from pdserve.common.serving import ready_message
+
+        return ready_message(self)

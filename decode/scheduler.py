@@ -13,26 +13,27 @@ Queues, in the order a request passes through them (DESIGN.md "Life of a request
                   joining the batch without a forward pass of its own
     waiting       only requests retracted under KV pressure: they are prefilled again locally
 
-The decode server keeps no prefix cache: its pages are filled by other servers' transfers.
+The decode server keeps no prefix cache: its pages are filled by other servers' transfers. Host
+only, like the colocated scheduler it extends: a preallocated request's row is queued as a
+RowWrite, and the batch builder writes it on the schedule stream before the request's first step.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from pdserve.common.kv_pool import pages_for, slots_for_positions
+from pdserve.common.config import EngineConfig
+from pdserve.common.errors import ErrorCode
+from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool
 from pdserve.common.output_processor import append_token, finalize
-from pdserve.common.overlap import h2d
 from pdserve.common.scheduler import Scheduler
 from pdserve.common.types import KV_WRITE_GRACE_S, Completion, FinishReason, Req, TokenLogprob
 
-import torch
-
 
 class DecodeScheduler(Scheduler):
-    def __init__(self, *args, kv_transfer_timeout: float, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.tree_cache = None
+    def __init__(self, config: EngineConfig, req_to_token_pool: ReqToTokenPool, kv_pool: PagedKVPool,
+                 eos_token_ids: tuple[int, ...], kv_transfer_timeout: float):
+        super().__init__(config, req_to_token_pool, kv_pool, eos_token_ids, prefix_cache=False)
         self.kv_transfer_timeout = kv_transfer_timeout
         self.prealloc: deque[Req] = deque()
         self.transferring: dict[int, Req] = {}  # room -> request
@@ -56,22 +57,18 @@ class DecodeScheduler(Scheduler):
             return []
         admitted = []
         holders = self.running + list(self.transferring.values())
-        available = self._available_pages() - self._reserved_pages(holders)
+        available = self.kv.available_pages() - self.kv.reserved_pages(holders)
         while self.prealloc:
             req = self.prealloc[0]
             if len(holders) + len(admitted) + 1 > self.config.max_running_requests:
                 break
-            if self.req_to_token_pool.available() == 0:
+            if self.kv.rows_available() == 0:
                 break
-            need = self._decode_reserve_pages(req, req.seq_len)
+            need = self.kv.reserve_pages(req)
             if need > available:
                 break
             self.prealloc.popleft()
-            row = self.req_to_token_pool.alloc()
-            req.req_pool_idx, req.pages = row, self._alloc_pages(pages_for(len(req.prompt_ids), self.page_size))
-            slots = slots_for_positions(req.pages, 0, len(req.prompt_ids), self.page_size)
-            self.req_to_token_pool.write(row, 0, h2d(slots, torch.int32, self.device))
-            req.kv_len = len(req.prompt_ids)  # written by the prefill server, not by a forward here
+            self.kv.admit_for_transfer(req, len(req.prompt_ids))  # its KV comes from the prefill server
             req.deadline = now + self.kv_transfer_timeout
             self.transferring[req.room] = req
             admitted.append(req)
@@ -88,11 +85,11 @@ class DecodeScheduler(Scheduler):
         if req is None:
             return None
         if req.finished:  # aborted while its WRITE was in flight: now the pages are quiet
-            self._free_kv(req)
+            self.kv.free(req)
             return None
         append_token(req, first_token, logprob, self.eos_token_ids, self.config.context_length)
         if req.finished:
-            self._free_kv(req)
+            self.kv.free(req)
             return finalize(req)
         self.running.append(req)
         return None
@@ -106,10 +103,11 @@ class DecodeScheduler(Scheduler):
             if not req.finished:  # (an aborted one was already answered)
                 req.finish_reason = FinishReason.ABORT
                 req.error = f"KV transfer timed out after {self.kv_transfer_timeout:g}s (room {req.room})"
+                req.error_code = ErrorCode.KV_TRANSFER_TIMEOUT
                 timed_out.append(finalize(req))
             if now > req.deadline + KV_WRITE_GRACE_S:
                 del self.transferring[req.room]
-                self._free_kv(req)
+                self.kv.free(req)
         return timed_out
 
     def abort(self, rid: str) -> Completion | None:

@@ -12,10 +12,8 @@ import secrets
 import time
 
 from pdserve.common import ipc
-from pdserve.common.config import EngineConfig
-from pdserve.common.scheduler_process import Role, sampling_params
-from pdserve.common.serving import CommonRpcs, error_to_proto, layout_to_proto, params_from_proto, ready_message
-from pdserve.common.types import Completion, FinishReason
+from pdserve.common.scheduler_process import run_scheduler
+from pdserve.common.serving import CommonRpcs, error_to_proto, layout_to_proto, params_from_proto
 from pdserve.decode.engine import DecodeEngine
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
@@ -23,68 +21,9 @@ from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
 
-class DecodeRole(Role):
-    def __init__(self, config: EngineConfig, agent_name: str, kv_transfer_timeout: float):
-        self.engine = DecodeEngine(config, agent_name, kv_transfer_timeout)
-        self.active: dict[str, list] = {}  # rid -> [req, tokens sent]
-
-    def ready(self) -> ipc.Ready:
-        return ready_message(self.engine)
-
-    def on_request(self, msg: ipc.NewRequest, send) -> None:
-        try:
-            req = self.engine.make_req(msg.prompt_ids, sampling_params(msg.params), msg.rid)
-            req.room = msg.room
-            self.engine.scheduler.add_request(req)
-        except ValueError as e:
-            send(ipc.Rejected(msg.rid, str(e)))
-            return
-        self.active[msg.rid] = [req, 0]
-
-    def on_abort(self, rid: str, send) -> None:
-        completion = self.engine.abort(rid)
-        if completion is not None:
-            self.on_outputs([completion], send)
-
-    def on_outputs(self, outputs: list[Completion], send) -> None:
-        while self.engine.destinations:
-            d = self.engine.destinations.popleft()
-            send(ipc.Destination(d.rid, d.room, d.page_ids, d.expires_unix_s))
-        chunks = []
-        for rid, entry in self.active.items():  # stream what each request produced
-            req, sent = entry
-            if len(req.output_ids) > sent:
-                lps = [(lp.token_id, lp.logprob, lp.top) for lp in req.output_logprobs[sent:]]
-                chunks.append(ipc.Tokens(rid, sent, req.output_ids[sent:], lps))
-                entry[1] = len(req.output_ids)
-        if chunks:
-            send(ipc.StepTokens(chunks))
-        for c in outputs:
-            entry = self.active.pop(c.rid, None)
-            if entry is not None and len(c.output_ids) > entry[1]:
-                send(ipc.Tokens(c.rid, entry[1], c.output_ids[entry[1]:]))
-            send(ipc.Finished(
-                c.rid, c.finish_reason.value, len(c.prompt_ids), len(c.output_ids), c.cached_tokens,
-                matched_token=c.matched_stop if isinstance(c.matched_stop, int) else None,
-                matched_text=c.matched_stop if isinstance(c.matched_stop, str) else None,
-                error=c.error, error_code="KV_TRANSFER_TIMEOUT" if c.error and "timed out" in c.error else None,
-            ))
-
-    def load(self) -> ipc.LoadReport:
-        s = self.engine.scheduler
-        return ipc.LoadReport(
-            running=len(s.running),
-            waiting=len(s.waiting) + len(s.prealloc) + len(s.transferring),
-            kv_used_tokens=s.kv_used_tokens(),
-            kv_total_tokens=self.engine.runner.kv_pool.capacity_tokens,
-            inflight_transfers=len(s.transferring),
-        )
-
-
 def run_decode_scheduler(config, agent_name, kv_transfer_timeout, log_level, to_scheduler, to_frontend):
-    from pdserve.common.scheduler_process import run_scheduler
-
-    run_scheduler(lambda: DecodeRole(config, agent_name, kv_transfer_timeout), to_scheduler, to_frontend, log_level)
+    """The scheduler process's entry point: a DecodeEngine running its event loop."""
+    run_scheduler(lambda: DecodeEngine(config, agent_name, kv_transfer_timeout), to_scheduler, to_frontend, log_level)
 
 
 class DecodeServicer(CommonRpcs, pb_grpc.DecodeServiceServicer):

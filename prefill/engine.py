@@ -1,12 +1,12 @@
-"""The prefill server's engine: the colocated engine with the prefill scheduler and a KV agent.
+"""The prefill server's engine: the engine core with the prefill scheduler and a KV agent.
 
     engine = PrefillEngine(config, agent_name="prefill-0")
     engine.add_prefill_request(prompt_ids, params, room, decode_metadata, page_ids)
     engine.set_destination(rid, decode_metadata, page_ids)    # when the request came without one
-    for result in engine.event_loop_overlap_disagg_prefill(): ...   # a PrefillResult per request
+    for results in event_loop_overlap_disagg_prefill(engine): ...   (prefill/loop.py; PrefillResults)
 
-The loops are the colocated ones (LoopState) with one addition at the top of every iteration:
-poll the KV transfers in flight, never blocking.
+The step its loops call besides the shared ones (common/engine_core.py): `process_inflight_queue`
+polls the KV WRITEs in flight, never blocking, and reports the requests whose transfer ended.
 """
 
 from __future__ import annotations
@@ -15,28 +15,23 @@ import math
 import time
 from typing import Iterator, Sequence
 
+from pdserve.common import ipc
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine import Engine, LoopState
+from pdserve.common.engine_core import EngineCore
 from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
 from pdserve.common.types import SamplingParams
 from pdserve.prefill.scheduler import Destination, PrefillResult, PrefillScheduler
 
 
-class PrefillEngine(Engine):
+class PrefillEngine(EngineCore):
     def __init__(self, config: EngineConfig, agent_name: str, kv_transfer_timeout: float = 30.0):
-        self._agent_name, self._kv_transfer_timeout = agent_name, kv_transfer_timeout
+        self._agent_name, self.kv_transfer_timeout = agent_name, kv_transfer_timeout
         super().__init__(config)
 
     def make_scheduler(self) -> PrefillScheduler:
         self.agent = NixlKVAgent(self._agent_name, self.runner.kv_pool)
-        return PrefillScheduler(
-            self.config,
-            self.runner.req_to_token_pool,
-            self.runner.kv_pool,
-            self.eos_token_ids,
-            agent=self.agent,
-            kv_transfer_timeout=self._kv_transfer_timeout,
-        )
+        return PrefillScheduler(self.config, self.runner.req_to_token_pool, self.runner.kv_pool, agent=self.agent,
+                                kv_transfer_timeout=self.kv_transfer_timeout)
 
     def add_prefill_request(
         self,
@@ -55,8 +50,9 @@ class PrefillEngine(Engine):
         The peer's metadata is cached by the agent (adding the same peer again is free); an
         incompatible KV layout raises ValueError, as does a request that can never run here.
         """
-        req = self.make_req(prompt_ids, params, rid)
+        req = self.make_req(prompt_ids, params, rid, detokenize=False)  # it samples one token, sends no text
         req.room = room
+        req.arrived = time.monotonic()
         destination = None
         if decode_metadata:
             destination = Destination(self.agent.add_peer(decode_metadata), list(page_ids), _expiry(expires_unix_s))
@@ -68,24 +64,65 @@ class PrefillEngine(Engine):
         peer = self.agent.add_peer(decode_metadata)
         self.scheduler.set_destination(rid, Destination(peer, list(page_ids), _expiry(expires_unix_s)), time.monotonic())
 
-    def poll(self) -> list[PrefillResult]:
-        return self.scheduler.poll_transfers(time.monotonic())
+    def process_inflight_queue(self) -> None:
+        """The transfers that ended (done, failed or late), and the parked requests whose
+        destination never came, become results."""
+        self.outputs += self.scheduler.poll_transfers(time.monotonic())
 
-    def event_loop_overlap_disagg_prefill(self) -> Iterator[PrefillResult]:
-        """Overlapped loop until every queued prompt's transfer has ended."""
-        yield from self._run(LoopState(self, overlap=True, poll=self.poll))
+    def event_loop(self) -> Iterator[list[PrefillResult]]:
+        from pdserve.prefill.loop import event_loop_normal_disagg_prefill, event_loop_overlap_disagg_prefill
 
-    def event_loop_normal_disagg_prefill(self) -> Iterator[PrefillResult]:
-        """The serial twin (--disable-overlap-schedule)."""
-        yield from self._run(LoopState(self, overlap=False, poll=self.poll))
+        overlap = not self.config.disable_overlap_schedule
+        return event_loop_overlap_disagg_prefill(self) if overlap else event_loop_normal_disagg_prefill(self)
 
-    def loop_state(self) -> LoopState:
-        """One loop of the configured kind, for a server that interleaves iterations with I/O."""
-        return LoopState(self, overlap=not self.config.disable_overlap_schedule, poll=self.poll)
+    # ---- the server's messages -----------------------------------------------------------------
 
-    def _run(self, loop: LoopState) -> Iterator[PrefillResult]:
-        while loop.busy():
-            yield from loop.step()
+    def process_input_requests(self, msgs: list) -> None:
+        for msg in msgs:
+            if isinstance(msg, ipc.NewRequest):
+                try:
+                    self.add_prefill_request(msg.prompt_ids, ipc.sampling_params(msg.params), msg.room, msg.peer_metadata,
+                                             msg.page_ids, rid=msg.rid, expires_unix_s=msg.expires_unix_s)
+                except ValueError as e:
+                    self.channel.send(ipc.Rejected(msg.rid, str(e)))
+            elif isinstance(msg, ipc.SetDestination):
+                try:
+                    self.set_destination(msg.rid, msg.peer_metadata, msg.page_ids, msg.expires_unix_s)
+                except ValueError as e:  # the request cannot be served: dropped, and answered as refused
+                    self.scheduler.abort(msg.rid)
+                    self.channel.send(ipc.Rejected(msg.rid, str(e)))
+            elif isinstance(msg, ipc.Abort):
+                result = self.scheduler.abort(msg.rid)
+                if result is not None:
+                    self.outputs.append(result)
+
+    def send_outputs(self) -> list[PrefillResult]:
+        done = self.take_outputs()
+        if self.channel is None:
+            return done
+        for r in done:
+            lp = r.first_logprob
+            self.channel.send(ipc.PrefillDone(
+                r.rid, r.first_token, (lp.token_id, lp.logprob, lp.top) if lp is not None else None,
+                r.prompt_tokens, r.cached_tokens, queue_s=r.queue_s, prefill_s=r.prefill_s,
+                transfer_s=r.transfer_s, transfer_bytes=r.transfer_bytes, error=r.error, error_code=r.error_code,
+            ))
+        return done
+
+    def load(self) -> ipc.LoadReport:
+        s = self.scheduler
+        return ipc.LoadReport(
+            running=len(s.transfers) + len(s.parked) + (1 if s.chunked_req else 0),
+            waiting=len(s.waiting),
+            kv_used_tokens=s.kv_used_tokens(),
+            kv_total_tokens=self.runner.kv_pool.capacity_tokens,
+            inflight_transfers=len(s.transfers),
+        )
+
+    def ready(self) -> ipc.Ready:
+        from pdserve.common.serving import ready_message
+
+        return ready_message(self)
 
 
 def _expiry(expires_unix_s: float) -> float:

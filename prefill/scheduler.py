@@ -25,10 +25,15 @@ import math
 import time
 from dataclasses import dataclass
 
-from pdserve.common.kv_pool import pages_for
+from pdserve.common.batch import ForwardMode, ScheduleBatch
+from pdserve.common.config import EngineConfig
+from pdserve.common.errors import ErrorCode
+from pdserve.common.kv_manager import KVManager
+from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.kv_transfer import TransferState, encode_notif
-from pdserve.common.scheduler import Scheduler
-from pdserve.common.types import KV_WRITE_GRACE_S, FinishReason, Req, TokenLogprob
+from pdserve.common.prefill_manager import PrefillManager
+from pdserve.common.scheduler import check_fits, make_batch, on_launched
+from pdserve.common.types import KV_WRITE_GRACE_S, FinishReason, Req, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -54,7 +59,9 @@ class PrefillResult:
     transfer_bytes: int = 0
     transfer_s: float = 0.0  # from the WRITE's start to its completion
     error: str | None = None  # None: the KV and the first token are at the decode server
-    error_code: str | None = None  # an Error.Code name; None: ABORTED or KV_TRANSFER_FAILED by `error`
+    error_code: ErrorCode | None = None  # set with `error`
+    queue_s: float = 0.0  # from its arrival to its first prefill batch
+    prefill_s: float = 0.0  # from its first prefill batch to its end, the transfer excluded
 
 
 @dataclass
@@ -75,11 +82,15 @@ class _Parked:
     deadline: float
 
 
-class PrefillScheduler(Scheduler):
-    decodes = False
+class PrefillScheduler:
+    """Prefill-only admission (no request decodes here, so none reserves decode room) plus the
+    destinations, the parked requests and the transfers in flight."""
 
-    def __init__(self, *args, agent, kv_transfer_timeout: float, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: EngineConfig, req_to_token_pool: ReqToTokenPool, kv_pool: PagedKVPool, agent,
+                 kv_transfer_timeout: float):
+        self.config = config
+        self.kv = KVManager(req_to_token_pool, kv_pool, not config.disable_radix_cache, reserve_decode_tokens=0)
+        self.prefill = PrefillManager(config, self.kv)
         self.agent = agent
         self.kv_transfer_timeout = kv_transfer_timeout
         self.destinations: dict[str, Destination] = {}  # rid -> destination
@@ -90,6 +101,21 @@ class PrefillScheduler(Scheduler):
         self._seq = itertools.count()
         self.done: list[PrefillResult] = []  # results not yet collected
 
+    @property
+    def waiting(self):
+        return self.prefill.waiting
+
+    @property
+    def chunked_req(self) -> Req | None:
+        return self.prefill.chunked_req
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.prefill.stats
+
+    def check_request(self, prompt_ids, params: SamplingParams) -> None:
+        check_fits(self.config, self.kv.kv_pool, prompt_ids, params)
+
     def add_prefill_request(self, req: Req, destination: Destination | None) -> None:
         """Queue a request; without a destination, `set_destination` must follow."""
         self.check_request(req.prompt_ids, req.params)
@@ -97,7 +123,18 @@ class PrefillScheduler(Scheduler):
             self._check_destination(req, destination)
             self._set(req.rid, destination)
         self.live[req.rid] = req
-        self.waiting.append(req)
+        self.prefill.waiting.append(req)
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        self._fail_expired(time.monotonic())  # never compute a prompt whose KV can no longer be written
+        spans, _ = self.prefill.schedule([])  # a finished prompt waits for its result, then transfers
+        return make_batch(ForwardMode.EXTEND, spans, self.kv) if spans else None
+
+    def on_launched(self, batch: ScheduleBatch, future_slots: list[int]) -> None:
+        on_launched(batch, future_slots)
+
+    def kv_used_tokens(self) -> int:
+        return self.kv.used_tokens()
 
     def set_destination(self, rid: str, destination: Destination, now: float) -> None:
         """The destination of a request queued without one; starts its transfer if it is parked.
@@ -118,13 +155,13 @@ class PrefillScheduler(Scheduler):
             heapq.heappush(self.expiring, (destination.expires, next(self._seq), rid, destination))
 
     def _check_destination(self, req: Req, destination: Destination) -> None:
-        need = pages_for(len(req.prompt_ids), self.page_size)
+        need = pages_for(len(req.prompt_ids), self.kv.page_size)
         if len(destination.page_ids) < need:
             raise ValueError(f"the destination has {len(destination.page_ids)} pages; the prompt needs {need}")
 
     def has_work(self) -> bool:
         # Parked requests keep the loop polling: their deadlines are checked in poll_transfers.
-        return bool(self.transfers or self.parked) or super().has_work()
+        return bool(self.transfers or self.parked) or self.prefill.has_work()
 
     def process_batch_result(self, batch, next_token_ids: list[int], logprobs: list[TokenLogprob | None]):
         """Each finished prompt starts its KV WRITE; nothing finishes here (see poll_transfers)."""
@@ -151,14 +188,14 @@ class PrefillScheduler(Scheduler):
     def _start_transfer(self, req: Req, token: int, lp: TokenLogprob | None, now: float) -> None:
         dest = self.destinations[req.rid]
         if now > dest.expires:
-            self._finish(req, error=_expired(dest, now), error_code="KV_TRANSFER_TIMEOUT")
+            self._finish(req, error=_expired(dest, now), error_code=ErrorCode.KV_TRANSFER_TIMEOUT)
             return
-        n = pages_for(len(req.prompt_ids), self.page_size)
+        n = pages_for(len(req.prompt_ids), self.kv.page_size)
         top = {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} if lp is not None else None
         try:
             handle = self.agent.write_pages(dest.peer, req.pages[:n], dest.page_ids[:n], encode_notif(req.room, token, top))
         except Exception as e:  # noqa: BLE001 - any agent failure fails this request, not the server
-            self._finish(req, error=f"KV transfer to {dest.peer} could not start: {e}")
+            self._finish(req, error=f"KV transfer to {dest.peer} could not start: {e}", error_code=ErrorCode.KV_TRANSFER_FAILED)
             return
         dest.writing = True
         # A WRITE still running half the grace past the expiry is given up: the pages are about
@@ -170,7 +207,8 @@ class PrefillScheduler(Scheduler):
         """Finish the transfers the agent reports done, failed or late, and the parked requests
         whose destination never came; never blocks."""
         for rid in [rid for rid, p in self.parked.items() if now > p.deadline]:
-            self._finish(self.parked.pop(rid).req, error=f"no KV destination came within {self.kv_transfer_timeout:g}s")
+            self._finish(self.parked.pop(rid).req, error=f"no KV destination came within {self.kv_transfer_timeout:g}s",
+                         error_code=ErrorCode.KV_TRANSFER_TIMEOUT)
         self._fail_expired(now)
         still = []
         for t in self.transfers:
@@ -184,12 +222,12 @@ class PrefillScheduler(Scheduler):
             elif state is TransferState.FAILED:
                 peer = self.destinations[t.req.rid].peer
                 self.agent.remove_peer(peer)  # its cached metadata may be stale (a restarted server)
-                self._finish(t.req, error=f"KV transfer to {peer} failed")
+                self._finish(t.req, error=f"KV transfer to {peer} failed", error_code=ErrorCode.KV_TRANSFER_FAILED)
             elif t.deadline < t.started + self.kv_transfer_timeout:
-                self._finish(t.req, error=_expired(self.destinations[t.req.rid], now), error_code="KV_TRANSFER_TIMEOUT")
+                self._finish(t.req, error=_expired(self.destinations[t.req.rid], now), error_code=ErrorCode.KV_TRANSFER_TIMEOUT)
             else:
                 self._finish(t.req, error=f"KV transfer timed out after {self.kv_transfer_timeout:g}s",
-                             error_code="KV_TRANSFER_TIMEOUT")
+                             error_code=ErrorCode.KV_TRANSFER_TIMEOUT)
         self.transfers = still
         done, self.done = self.done, []
         return done
@@ -202,19 +240,19 @@ class PrefillScheduler(Scheduler):
                 continue  # finished meanwhile, or its transfer keeps its own deadline
             result = self.abort(rid)  # frees it wherever it is, as a client's cancel would
             if result is not None:
-                result.error, result.error_code = _expired(dest, now), "KV_TRANSFER_TIMEOUT"
+                result.error, result.error_code = _expired(dest, now), ErrorCode.KV_TRANSFER_TIMEOUT
                 self.done.append(result)
 
     def _finish(self, req: Req, transfer_bytes: int = 0, error: str | None = None, transfer_s: float = 0.0,
-                error_code: str | None = None) -> None:
+                error_code: ErrorCode | None = None) -> None:
         """Cache (on success) or free the request's KV and record its result (an aborted request
         was answered when it was aborted)."""
         aborted = req.finish_reason is FinishReason.ABORT
         if error is None and not aborted:
             req.kv_len = len(req.prompt_ids)  # the prompt's KV; the first token's is the decode's job
-            self._cache_and_release(req)
+            self.kv.cache_and_release(req)
         else:
-            self._free_kv(req)
+            self.kv.free(req)
         self.destinations.pop(req.rid, None)
         self.live.pop(req.rid, None)
         if aborted:
@@ -232,35 +270,29 @@ class PrefillScheduler(Scheduler):
                 transfer_s=transfer_s,
                 error=error,
                 error_code=error_code,
+                queue_s=max(req.admitted - req.arrived, 0.0) if req.admitted else 0.0,
+                prefill_s=max(time.monotonic() - req.admitted - transfer_s, 0.0) if req.admitted else 0.0,
             )
         )
 
-    def abort(self, rid: str):
+    def abort(self, rid: str) -> PrefillResult | None:
         """Queued or prefilling: freed now. Transferring: answered now, freed when the WRITE ends
-        (the agent may still be reading its pages)."""
-        for t in self.transfers:
-            if t.req.rid == rid and not t.req.finished:
-                t.req.finish_reason = FinishReason.ABORT
-                return PrefillResult(rid, t.req.room, None, None, len(t.req.prompt_ids), t.req.cached_tokens, error="aborted")
+        (the agent may still be reading its pages). Its last chunk running: freed when its result
+        arrives (process_batch_result)."""
+        req = self.live.get(rid)
+        if req is None or req.finished:
+            return None
+        req.finish_reason = FinishReason.ABORT
         parked = self.parked.pop(rid, None)
-        if parked is not None:  # nothing reads its pages: freed now
-            parked.req.finish_reason = FinishReason.ABORT
-            self._finish(parked.req)
-            return PrefillResult(rid, parked.req.room, None, None, len(parked.req.prompt_ids), parked.req.cached_tokens, error="aborted")
-        completion = super().abort(rid)
-        if completion is None:
-            req = self.live.get(rid)
-            if req is None or req.finished:
-                return None
-            # Its last chunk is running: freed when its result arrives (process_batch_result).
-            req.finish_reason = FinishReason.ABORT
-            return PrefillResult(rid, req.room, None, None, len(req.prompt_ids), req.cached_tokens, error="aborted")
-        self.destinations.pop(rid, None)
-        self.live.pop(rid, None)
-        return PrefillResult(rid, 0, None, None, len(completion.prompt_ids), completion.cached_tokens, error="aborted")
+        if parked is not None or self.prefill.remove(rid) is not None:  # nothing reads its pages
+            req.discard = req.pending
+            self._finish(req)
+        return PrefillResult(rid, req.room, None, None, len(req.prompt_ids), req.cached_tokens, error="aborted",
+                             error_code=ErrorCode.ABORTED)
 
     def is_idle(self) -> bool:
-        return not (self.transfers or self.parked or self.destinations or self.live) and super().is_idle()
+        return not (self.transfers or self.parked or self.destinations or self.live or self.prefill.has_work()) \
+            and self.kv.is_idle()
 
 
 def _expired(dest: Destination, now: float) -> str:

@@ -16,74 +16,16 @@ import time
 import grpc
 
 from pdserve.common import ipc
-from pdserve.common.config import EngineConfig
-from pdserve.common.scheduler_process import Role, sampling_params
-from pdserve.common.serving import CommonRpcs, error_to_proto, logprob_to_proto, params_from_proto, ready_message
+from pdserve.common.scheduler_process import run_scheduler
+from pdserve.common.serving import CommonRpcs, error_to_proto, logprob_to_proto, params_from_proto
 from pdserve.prefill.engine import PrefillEngine
-from pdserve.prefill.scheduler import PrefillResult
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
 
-class PrefillRole(Role):
-    def __init__(self, config: EngineConfig, agent_name: str, kv_transfer_timeout: float):
-        self.engine = PrefillEngine(config, agent_name, kv_transfer_timeout)
-        self.arrived: dict[str, float] = {}  # rid -> arrival time, for timings
-
-    def ready(self) -> ipc.Ready:
-        return ready_message(self.engine)
-
-    def on_request(self, msg: ipc.NewRequest, send) -> None:
-        try:
-            self.engine.add_prefill_request(
-                msg.prompt_ids, sampling_params(msg.params), msg.room, msg.peer_metadata, msg.page_ids, rid=msg.rid,
-                expires_unix_s=msg.expires_unix_s,
-            )
-        except ValueError as e:
-            send(ipc.Rejected(msg.rid, str(e)))
-            return
-        self.arrived[msg.rid] = time.monotonic()
-
-    def on_destination(self, msg: ipc.SetDestination, send) -> None:
-        try:
-            self.engine.set_destination(msg.rid, msg.peer_metadata, msg.page_ids, msg.expires_unix_s)
-        except ValueError as e:  # the request cannot be served: dropped, and answered as refused
-            self.engine.scheduler.abort(msg.rid)
-            self.arrived.pop(msg.rid, None)
-            send(ipc.Rejected(msg.rid, str(e)))
-
-    def on_abort(self, rid: str, send) -> None:
-        result = self.engine.scheduler.abort(rid)
-        if result is not None:
-            self.on_outputs([result], send)
-
-    def on_outputs(self, outputs: list[PrefillResult], send) -> None:
-        now = time.monotonic()
-        for r in outputs:
-            arrived = self.arrived.pop(r.rid, now)
-            lp = r.first_logprob
-            code = None if r.error is None else r.error_code or ("ABORTED" if r.error == "aborted" else "KV_TRANSFER_FAILED")
-            send(ipc.PrefillDone(
-                r.rid, r.first_token, (lp.token_id, lp.logprob, lp.top) if lp is not None else None,
-                r.prompt_tokens, r.cached_tokens, queue_s=0.0, prefill_s=now - arrived - r.transfer_s,
-                transfer_s=r.transfer_s, transfer_bytes=r.transfer_bytes, error=r.error, error_code=code,
-            ))
-
-    def load(self) -> ipc.LoadReport:
-        s = self.engine.scheduler
-        return ipc.LoadReport(
-            running=len(s.transfers) + len(s.parked) + (1 if s.chunked_req else 0),
-            waiting=len(s.waiting),
-            kv_used_tokens=s.kv_used_tokens(),
-            kv_total_tokens=self.engine.runner.kv_pool.capacity_tokens,
-            inflight_transfers=len(s.transfers),
-        )
-
-
 def run_prefill_scheduler(config, agent_name, kv_transfer_timeout, log_level, to_scheduler, to_frontend):
-    from pdserve.common.scheduler_process import run_scheduler
-
-    run_scheduler(lambda: PrefillRole(config, agent_name, kv_transfer_timeout), to_scheduler, to_frontend, log_level)
+    """The scheduler process's entry point: a PrefillEngine running its event loop."""
+    run_scheduler(lambda: PrefillEngine(config, agent_name, kv_transfer_timeout), to_scheduler, to_frontend, log_level)
 
 
 class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):

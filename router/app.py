@@ -13,7 +13,6 @@ import json
 from contextlib import asynccontextmanager
 import secrets
 import time
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,24 +25,10 @@ from pdserve.common.openai_format import chat_logprobs, completion_logprobs, for
 from pdserve.common.output_processor import append_token, finalize
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Completion, FinishReason, Req
+from pdserve.router.config import RouterConfig
 from pdserve.router.pairing import UpstreamError, fix_seed, paired_generate
 from pdserve.router.policies import make_policy
 from pdserve.router.workers import WorkerRegistry, resolve_dns
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    model_path: str
-    prefill: tuple[str, ...]
-    decode: tuple[str, ...]
-    served_model_name: str = ""
-    api_key: str = ""
-    prefill_policy: str = "round_robin"
-    decode_policy: str = "round_robin"
-    max_inflight: int = 1024  # requests in flight before new ones get 429
-    request_timeout_s: float = 600.0  # a request's deadline, passed to both servers
-    prefill_dns: tuple[str, ...] = ()  # NAME:PORT resolved periodically (headless Services)
-    decode_dns: tuple[str, ...] = ()
 
 
 class Router:
@@ -54,8 +39,7 @@ class Router:
         self.eos = eos_token_ids(config.model_path, self.tokenizer)
         hf = read_hf_config(config.model_path)
         self.context_len = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 2048)
-        self.registry = WorkerRegistry(config.prefill, config.decode, config.prefill_dns, config.decode_dns,
-                                       resolve=resolve or resolve_dns,
+        self.registry = WorkerRegistry(config, resolve=resolve or resolve_dns,
                                        on_removed=lambda role, url: self.policies[role].on_removed(url))
         self.metrics = RouterMetrics(self.registry)
         self.inflight = 0
@@ -93,9 +77,8 @@ class Router:
             url = self.pick("prefill", prompt_ids, exclude=tried)
             return None if url is None else (url, workers[url].channel)
 
-        deadline = time.time() + self.config.request_timeout_s
         decode_worker = workers[decode]
-        stream = paired_generate(decode_worker.channel, pick_prefill, self.registry.record, prompt_ids, params, deadline)
+        stream = paired_generate(decode_worker.channel, pick_prefill, self.registry.record, prompt_ids, params, self.config)
         decode_worker.inflight += 1
         started, last, reported, emitted = time.monotonic(), None, 0, 0
         # Text a stop string could still claim is held back until the stop is ruled out (vLLM's

@@ -22,8 +22,7 @@ import grpc
 from pdserve.common.types import SamplingParams, TokenLogprob
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
-
-RPC_TIMEOUT_S = 600.0
+from pdserve.router.config import RouterConfig
 
 
 class UpstreamError(Exception):
@@ -66,8 +65,10 @@ def fix_seed(p: SamplingParams) -> SamplingParams:
     return p if p.seed is not None else replace(p, seed=random.getrandbits(63))
 
 
-MAX_PREFILL_ATTEMPTS = 3
-PREFILL_TIMEOUT_S = 120.0
+def rpc_timeout(limit_s: float, deadline_unix_s: float) -> float:
+    """Seconds an RPC may take: `limit_s` (0: no limit of its own), never past the request's deadline."""
+    left = deadline_unix_s - time.time()
+    return min(limit_s, left) if limit_s > 0 else left
 
 
 def _logprob(lp: pb.TokenLogprob) -> TokenLogprob:
@@ -75,7 +76,7 @@ def _logprob(lp: pb.TokenLogprob) -> TokenLogprob:
 
 
 async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt_ids: list[int], params: SamplingParams,
-                          deadline_unix_s: float | None = None):
+                          config: RouterConfig):
     """Yields Event("tokens", ids, index) as they arrive (the first token as soon as prefill
     answers), then Event("finish"). Raises UpstreamError on a worker error. Cancelling the
     consumer cancels both RPCs (the servers free the request's KV).
@@ -87,26 +88,31 @@ async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt
     server is asked again with the unary Prefill. A prefill that fails or times out is retried on
     another prefill server with the destination: the seed is fixed, so every attempt samples the
     same first token, and the decode server takes the first transfer that lands.
+
+    `config` gives the request's deadline (--request-timeout), the RPCs' timeouts within it and the
+    number of prefill attempts.
     """
     rid = secrets.token_hex(12)
+    # Both servers give up (and free the KV) past the deadline; no RPC of ours outlives it.
+    deadline = time.time() + config.request_timeout
     req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids, params=proto_params(params),
-                             bootstrap_room=random.getrandbits(63))
-    if deadline_unix_s is not None:
-        req.deadline_unix_s = deadline_unix_s  # both servers give up (and free the KV) past it
-    call = pb_grpc.DecodeServiceStub(decode).Generate(req, timeout=RPC_TIMEOUT_S)
+                             bootstrap_room=random.getrandbits(63), deadline_unix_s=deadline)
+    call = pb_grpc.DecodeServiceStub(decode).Generate(req, timeout=rpc_timeout(config.decode_timeout, deadline))
     early, next_read = None, None
     try:
         target = pick_prefill([])
         if target is not None:
             url, channel = target
-            early = (url, channel, pb_grpc.PrefillServiceStub(channel).PrefillStreamed(timeout=PREFILL_TIMEOUT_S))
+            timeout = rpc_timeout(config.prefill_timeout, deadline)
+            early = (url, channel, pb_grpc.PrefillServiceStub(channel).PrefillStreamed(timeout=timeout))
             await _write_quietly(early[2], pb.PrefillRequest(request=req))
         first = await call.read()
         if first is grpc.aio.EOF or first.WhichOneof("response") != "destination":
             raise _error(first)
         next_read = asyncio.ensure_future(call.read())
         response = await _prefill_while_decode_waits(
-            next_read, _prefill_with_retries(pick_prefill, report, pb.PrefillRequest(request=req, destination=first.destination), early))
+            next_read, _prefill_with_retries(pick_prefill, report, pb.PrefillRequest(request=req, destination=first.destination),
+                                             config, early))
         sent = 1
         first_lp = [_logprob(response.first_logprob)] if response.HasField("first_logprob") else []
         yield Event("tokens", [response.first_token_id], 0, first_lp, cached_tokens=response.cached_tokens)
@@ -182,16 +188,25 @@ async def _answer_of(call, destination: pb.KVDestination) -> pb.PrefillResponse:
     return await call
 
 
-async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest, early=None) -> pb.PrefillResponse:
-    """`early`: (url, channel, PrefillStreamed call) of a first attempt already running, or None."""
+async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest, config: RouterConfig,
+                                early=None) -> pb.PrefillResponse:
+    """At most `config.max_prefill_attempts` prefill servers, each attempt within
+    `config.prefill_timeout` and the request's deadline.
+
+    `early`: (url, channel, PrefillStreamed call) of a first attempt already running, or None."""
     tried: list[str] = []
     last = "no prefill server is available"
     retry_here = early  # (url, channel, PrefillStreamed call or None): the next attempt, if set
     dest, attempts = request.destination, 0
-    while len(tried) < MAX_PREFILL_ATTEMPTS:
+    while len(tried) < config.max_prefill_attempts:
         if attempts and dest.HasField("expires_unix_s") and time.time() > dest.expires_unix_s:
             # No prefill server writes into a reservation the decode server has given up.
             last = f"{last} (not retried: the decode server's KV reservation has expired)"
+            break
+        timeout = rpc_timeout(config.prefill_timeout, request.request.deadline_unix_s)
+        if timeout <= 0:
+            # Both servers have given up on the request: an attempt could only fail, and be blamed.
+            last = f"{last} (not retried: the request's deadline has passed)" if attempts else "the request's deadline has passed"
             break
         if retry_here is not None:
             (url, channel, streamed), retry_here = retry_here, None
@@ -206,7 +221,7 @@ async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest
             if streamed is not None:
                 response = await _answer_of(streamed, request.destination)
             else:
-                response = await pb_grpc.PrefillServiceStub(channel).Prefill(request, timeout=PREFILL_TIMEOUT_S)
+                response = await pb_grpc.PrefillServiceStub(channel).Prefill(request, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             failure = f"{e.code().name}: {e.details()}"
         else:

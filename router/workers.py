@@ -1,13 +1,14 @@
 """The router's view of its workers: discovery, health checks, load, a circuit breaker each.
 
 Workers are given statically (HOST:PORT) or discovered: NAME:PORT is resolved every
-`RESOLVE_INTERVAL_S` (a Kubernetes headless Service answers with one A record per ready pod), new
+`dns_interval` (a Kubernetes headless Service answers with one A record per ready pod), new
 addresses are added — routable only once a health check says SERVING — and vanished ones removed.
 
-Every `CHECK_INTERVAL_S` each worker is asked `grpc.health.v1/Check` and `GetLoad`. A worker is
+Every `health_check_interval` each worker is asked `grpc.health.v1/Check` and `GetLoad`. A worker is
 routable when its last check said SERVING and its circuit is not open. The circuit opens after
-`FAILURES_TO_OPEN` consecutive failed requests or checks, stays open for `OPEN_S`, then lets
-requests through again (half-open); the next success closes it, the next failure reopens it.
+`circuit_failures` consecutive failed requests or checks, stays open for `circuit_open_time`, then
+lets requests through again (half-open); the next success closes it, the next failure reopens it.
+(The names are RouterConfig's fields.)
 """
 
 from __future__ import annotations
@@ -23,14 +24,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.config import RouterConfig, name_port
 from pdserve.router.policies import WorkerView
 
 log = logging.getLogger(__name__)
-
-CHECK_INTERVAL_S = 1.0
-RESOLVE_INTERVAL_S = 2.0
-FAILURES_TO_OPEN = 3
-OPEN_S = 5.0
 
 
 @dataclass
@@ -62,10 +59,10 @@ def resolve_dns(name: str, port: int) -> set[str]:
 
 
 class WorkerRegistry:
-    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...], prefill_dns: tuple[str, ...] = (),
-                 decode_dns: tuple[str, ...] = (), resolve=resolve_dns, on_removed=None):
-        self.urls = {"prefill": prefill, "decode": decode}
-        self.dns = {"prefill": [_name_port(d) for d in prefill_dns], "decode": [_name_port(d) for d in decode_dns]}
+    def __init__(self, config: RouterConfig, resolve=resolve_dns, on_removed=None):
+        self.config = config
+        self.urls = {"prefill": config.prefill, "decode": config.decode}
+        self.dns = {"prefill": [name_port(d) for d in config.prefill_dns], "decode": [name_port(d) for d in config.decode_dns]}
         self.resolve = resolve
         self.on_removed = on_removed or (lambda role, url: None)
         self.workers: dict[str, Worker] = {}
@@ -111,7 +108,7 @@ class WorkerRegistry:
 
     async def _discover_forever(self) -> None:
         while True:
-            await asyncio.sleep(RESOLVE_INTERVAL_S)
+            await asyncio.sleep(self.config.dns_interval)
             await self.discover()
             await self.check_all()
 
@@ -124,18 +121,18 @@ class WorkerRegistry:
 
     def record(self, url: str, ok: bool) -> None:
         """A request's outcome on `url`: feeds the circuit breaker."""
-        w = self.workers[url]
+        w, limit = self.workers[url], self.config.circuit_failures
         if ok:
-            if w.failures >= FAILURES_TO_OPEN:
+            if w.failures >= limit:
                 log.info("circuit closed for %s", url)
             w.failures, w.open_until = 0, 0.0
             return
         w.failures += 1
         w.errors += 1
-        if w.failures >= FAILURES_TO_OPEN:
-            w.open_until = time.monotonic() + OPEN_S
+        if w.failures >= limit:
+            w.open_until = time.monotonic() + self.config.circuit_open_time
             # Once per outage: a worker that stays down (or is still starting) fails every check.
-            if w.failures == FAILURES_TO_OPEN:
+            if w.failures == limit:
                 log.warning("circuit open for %s after %d failures", url, w.failures)
 
     async def check_all(self) -> None:
@@ -143,14 +140,15 @@ class WorkerRegistry:
 
     async def _check_forever(self) -> None:
         while True:
-            await asyncio.sleep(CHECK_INTERVAL_S)
+            await asyncio.sleep(self.config.health_check_interval)
             await self.check_all()
 
     async def _check(self, w: Worker) -> None:
+        timeout = self.config.health_check_timeout
         try:
-            reply = await health_pb2_grpc.HealthStub(w.channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            reply = await health_pb2_grpc.HealthStub(w.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             stub = pb_grpc.DecodeServiceStub(w.channel) if w.role == "decode" else pb_grpc.PrefillServiceStub(w.channel)
-            load = await stub.GetLoad(pb.GetLoadRequest(), timeout=2)
+            load = await stub.GetLoad(pb.GetLoadRequest(), timeout=timeout)
         except grpc.aio.AioRpcError:
             if w.serving:
                 log.warning("%s %s failed its health check", w.role, w.url)
@@ -159,10 +157,3 @@ class WorkerRegistry:
             return
         w.serving = reply.status == health_pb2.HealthCheckResponse.SERVING
         w.load = load.running_requests + load.waiting_requests
-
-
-def _name_port(spec: str) -> tuple[str, int]:
-    name, sep, port = spec.rpartition(":")
-    if not sep or not name or not port.isdigit():
-        raise ValueError(f"expected NAME:PORT, got {spec!r}")
-    return name, int(port)

@@ -29,13 +29,33 @@ def engines(path, overlap=True, decode_kw=None, prefill_kw=None, timeout=30.0):
     return prefill, decode
 
 
+class Stepper:
+    """One engine's event loop, an iteration at a time (as its scheduler process runs it, with the
+    two engines interleaved here)."""
+
+    def __init__(self, engine):
+        self.engine, self.loop = engine, engine.event_loop()
+
+    def step(self) -> list:
+        return next(self.loop)
+
+    def busy(self) -> bool:
+        return self.engine.busy()
+
+
+def poll(decode) -> None:
+    """The decode steps of one loop iteration: publish destinations, take arrived KV."""
+    decode.pop_preallocated()
+    decode.pop_transferred()
+
+
 def drive(prefill, decode, prompts, params, before_step=None, limit_s=120.0):
     """Run requests through decode -> prefill -> decode; returns (completions, prefill results)."""
     rng = random.Random(0)
     for i, (ids, p) in enumerate(zip(prompts, params)):
         decode.add_decode_request(ids, p, room=rng.getrandbits(63), rid=f"r{i}")
     by_rid = dict(zip((f"r{i}" for i in range(len(prompts))), prompts))
-    p_loop, d_loop = prefill.loop_state(), decode.loop_state()
+    p_loop, d_loop = Stepper(prefill), Stepper(decode)
     completions, results, step = {}, {}, 0
     deadline = time.monotonic() + limit_s
     while d_loop.busy() or p_loop.busy() or decode.destinations:
@@ -100,7 +120,7 @@ def test_kv_that_never_arrives_times_out_and_frees_pages(tiny_models):
     path = tiny_models("gpt2")
     _, decode = engines(path, timeout=0.3)
     decode.add_decode_request([0, 5, 6, 7], SamplingParams(max_new_tokens=4), room=42, rid="lost")
-    loop = decode.loop_state()
+    loop = Stepper(decode)
     done = []
     deadline = time.monotonic() + 10
     while loop.busy():
@@ -130,7 +150,7 @@ def test_an_abort_while_the_write_is_in_flight_keeps_pages_until_it_lands(tiny_m
     path = tiny_models("llama")
     prefill, decode = engines(path)
     decode.add_decode_request([0, 7, 8, 9, 10], SamplingParams(max_new_tokens=4), room=7, rid="x")
-    d_loop, p_loop = decode.loop_state(), prefill.loop_state()
+    d_loop, p_loop = Stepper(decode), Stepper(prefill)
     d_loop.step()
     [dest] = decode.destinations
     aborted = decode.abort("x")
@@ -159,7 +179,7 @@ def test_prefill_runs_before_its_destination_is_known(tiny_models):
     rooms = [rng.getrandbits(63) for _ in prompts]
     for i, (ids, room) in enumerate(zip(prompts, rooms)):
         prefill.add_prefill_request(ids, params, room, b"", [], rid=f"r{i}")
-    p_loop, d_loop = prefill.loop_state(), decode.loop_state()
+    p_loop, d_loop = Stepper(prefill), Stepper(decode)
     deadline = time.monotonic() + 60
     while len(prefill.scheduler.parked) < len(prompts):
         assert time.monotonic() < deadline
@@ -195,13 +215,13 @@ def test_prefill_runs_before_its_destination_is_known(tiny_models):
 def run_prefill(prefill, loop=None, decode=None, limit_s=60.0):
     """Step the prefill loop until idle; `decode`'s agent is polled too, as its server's loop
     would (a DRAM agent has no progress thread: UCX's wire-up needs both ends polled)."""
-    loop, results = loop or prefill.loop_state(), []
+    loop, results = loop or Stepper(prefill), []
     deadline = time.monotonic() + limit_s
     while loop.busy():
         assert time.monotonic() < deadline
         results += loop.step()
         if decode is not None:
-            decode.poll()
+            poll(decode)
     return results
 
 
@@ -217,12 +237,12 @@ def test_no_write_starts_into_an_expired_destination(tiny_models, monkeypatch):
     params = SamplingParams(max_new_tokens=4, temperature=0)
     before = time.time()
     decode.add_decode_request([0, 7, 8, 9], params, room=5, rid="d")
-    decode.poll()
+    poll(decode)
     [dest] = decode.destinations
     assert before + 30 <= dest.expires_unix_s <= time.time() + 30
 
     prefill.add_prefill_request([0, 7, 8, 9], params, 5, b"", [], rid="parked")
-    loop = prefill.loop_state()
+    loop = Stepper(prefill)
     while "parked" not in prefill.scheduler.parked:
         assert not list(loop.step())
     prefill.set_destination("parked", dest.agent_metadata, dest.page_ids, time.time() - 0.01)
@@ -249,13 +269,13 @@ def test_a_write_still_running_near_the_expiry_is_given_up(tiny_models, monkeypa
     prefill, decode = engines(tiny_models("gpt2"), timeout=3600.0)
     params = SamplingParams(max_new_tokens=4, temperature=0)
     decode.add_decode_request([0, 7, 8, 9], params, room=5, rid="w")
-    decode.poll()
+    poll(decode)
     [dest] = decode.destinations
     monkeypatch.setattr(prefill.agent, "poll", lambda handle: TransferState.IN_PROGRESS)  # a stuck WRITE
     expires_unix_s = time.time() + 60
     prefill.add_prefill_request([0, 7, 8, 9], params, 5, dest.agent_metadata, dest.page_ids, rid="w",
                                 expires_unix_s=expires_unix_s)
-    loop, deadline = prefill.loop_state(), time.monotonic() + 60
+    loop, deadline = Stepper(prefill), time.monotonic() + 60
     while not prefill.scheduler.transfers:
         assert time.monotonic() < deadline
         assert not list(loop.step())
@@ -273,7 +293,7 @@ def test_an_expired_transfer_is_answered_at_once_and_its_pages_freed_after_the_g
     prefill server started just before the expiry may still be landing), then are freed."""
     _, decode = engines(tiny_models("llama"), timeout=10.0)
     decode.add_decode_request([0, 5, 6, 7], SamplingParams(max_new_tokens=4), room=9, rid="late")
-    decode.poll()
+    poll(decode)
     deadline = decode.scheduler.transferring[9].deadline
     assert decode.scheduler.expire_transfers(deadline - 0.01) == []
     [c] = decode.scheduler.expire_transfers(deadline + 0.01)
@@ -287,7 +307,7 @@ def test_an_expired_transfer_is_answered_at_once_and_its_pages_freed_after_the_g
 def test_a_destination_that_never_comes_times_out_on_prefill(tiny_models):
     prefill, _ = engines(tiny_models("gpt2"), timeout=0.3)
     prefill.add_prefill_request([0, 5, 6, 7], SamplingParams(max_new_tokens=4), 7, b"", [], rid="lonely")
-    loop, results = prefill.loop_state(), []
+    loop, results = Stepper(prefill), []
     deadline = time.monotonic() + 30
     while not results:
         assert time.monotonic() < deadline
@@ -307,7 +327,7 @@ def test_admission_with_nothing_queued_scans_no_running_request(tiny_models, mon
     def walked(reqs):
         raise AssertionError("scanned the holders with nothing queued")
 
-    monkeypatch.setattr(decode.scheduler, "_reserved_pages", walked)
+    monkeypatch.setattr(decode.scheduler.kv, "reserved_pages", walked)
     assert decode.scheduler.pop_preallocated(time.monotonic()) == []
     monkeypatch.undo()
     for i in range(3):

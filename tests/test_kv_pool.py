@@ -18,7 +18,7 @@ def test_req_to_token_rows_are_handed_out_in_order_and_reused_fifo():
 
 def test_req_to_token_write_touches_only_its_row_and_columns():
     pool = ReqToTokenPool(size=2, context_len=6, device="cpu")
-    pool.write(1, 2, torch.tensor([7, 8, 9], dtype=torch.int32))
+    pool.write_slots(torch.tensor([1, 1, 1]), torch.tensor([2, 3, 4]), torch.tensor([7, 8, 9]))
     # The last row is the padding row of CUDA-graph batches: never handed out, always zeros.
     assert pool.req_to_token.tolist() == [[0] * 6, [0, 0, 7, 8, 9, 0], [0] * 6]
     assert pool.pad_row == 2 and sorted([pool.alloc(), pool.alloc()]) == [0, 1] and pool.alloc() is None

@@ -16,6 +16,7 @@ import grpc
 from pdserve.common.types import SamplingParams
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.config import RouterConfig
 from pdserve.router.pairing import UpstreamError, paired_generate
 
 TIMEOUT_S = 10.0
@@ -84,7 +85,7 @@ async def run(decode: FakeDecode, prefill: PlainPrefill, until: asyncio.Event | 
                 return None if len(tried) >= servers else (f"prefill-{len(tried)}", channel)
 
             stream = paired_generate(channel, pick_prefill, lambda url, ok: reports.append((url, ok)), [1, 2, 3],
-                                     SamplingParams(max_new_tokens=3, seed=5))
+                                     SamplingParams(max_new_tokens=3, seed=5), RouterConfig())
             events = []
             try:
                 async for event in stream:

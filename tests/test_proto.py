@@ -423,3 +423,15 @@ def test_every_element_commented(tmp_path):
             if (6, i, 2, j) not in commented:
                 missing.append(f"{s.name}.{rpc.name}")
     assert not missing, f"uncommented in pdserve.proto: {missing}"
+
+
+def test_error_codes_are_the_protos():
+    """The engine's ErrorCode and the proto's Error.Code name the same codes: a code crosses the
+    ipc channel, the gRPC answer and the router by name."""
+    from pdserve.common.errors import ErrorCode
+    from pdserve.common.serving import error_to_proto
+
+    assert {c.value for c in ErrorCode} == set(pb.Error.Code.keys()) - {"CODE_UNSPECIFIED"}
+    for code in ErrorCode:
+        assert pb.Error.Code.Name(error_to_proto(code, "x").code) == code.value
+    assert error_to_proto(None, "x").code == pb.Error.INTERNAL

@@ -192,9 +192,11 @@ def test_saturation_gets_429_with_retry_after(cluster):
 
 
 def test_circuit_breaker_opens_after_failures_and_closes_on_success():
-    from pdserve.router.workers import FAILURES_TO_OPEN, Worker, WorkerRegistry
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.workers import Worker, WorkerRegistry
 
-    registry = WorkerRegistry(("p:1",), ("d:1",))
+    registry = WorkerRegistry(RouterConfig(prefill=("p:1",), decode=("d:1",)))
+    FAILURES_TO_OPEN = registry.config.circuit_failures
     registry.workers = {"p:1": Worker("p:1", "prefill", None, serving=True), "d:1": Worker("d:1", "decode", None, serving=True)}
     for _ in range(FAILURES_TO_OPEN - 1):
         registry.record("p:1", ok=False)
@@ -227,7 +229,6 @@ def test_dns_discovery_adds_and_removes_workers_while_serving(tiny_models):
     and requests keep succeeding. Two prefill servers share one port on two loopback addresses."""
     from fastapi.testclient import TestClient
 
-    from pdserve.router import workers as workers_mod
     from pdserve.router.app import Router, RouterConfig, create_app
 
     model = tiny_models("llama")
@@ -241,12 +242,10 @@ def test_dns_discovery_adds_and_removes_workers_while_serving(tiny_models):
     def fake_dns(name, p):
         return set(answers) if (name, p) == ("pdserve-prefill.test", port) else set()
 
-    old_interval = workers_mod.RESOLVE_INTERVAL_S
-    workers_mod.RESOLVE_INTERVAL_S = 0.3
     try:
         for s in (decode, prefill_a, prefill_b):
             s.wait_ready()
-        config = RouterConfig(model, (), (decode.address,), prefill_dns=(f"pdserve-prefill.test:{port}",))
+        config = RouterConfig(model, (), (decode.address,), prefill_dns=(f"pdserve-prefill.test:{port}",), dns_interval=0.3)
         with TestClient(create_app(Router(config, resolve=fake_dns))) as http:
             def ask(n=4):
                 for i in range(n):
@@ -268,7 +267,6 @@ def test_dns_discovery_adds_and_removes_workers_while_serving(tiny_models):
             wait_for([prefill_b.address])
             ask()
     finally:
-        workers_mod.RESOLVE_INTERVAL_S = old_interval
         for s in (decode, prefill_a, prefill_b):
             s.stop()
 
@@ -277,8 +275,8 @@ def test_a_dead_decode_server_opens_its_circuit(tiny_models):
     from fastapi.testclient import TestClient
 
     from pdserve.router.app import Router, RouterConfig, create_app
-    from pdserve.router.workers import FAILURES_TO_OPEN
 
+    FAILURES_TO_OPEN = RouterConfig().circuit_failures
     model = tiny_models("llama")
     decode, prefill = Server("decode", model), Server("prefill", model)
     try:

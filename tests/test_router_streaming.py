@@ -23,7 +23,7 @@ from pdserve.router.pairing import Event
 def run_choice(router, monkeypatch, token_ids, per_event, params):
     """choice() over a fake decode stream of `token_ids` in events of `per_event` tokens."""
 
-    async def fake_paired_generate(channel, pick_prefill, report, prompt_ids, params, deadline):
+    async def fake_paired_generate(channel, pick_prefill, report, prompt_ids, params, config):
         for i in range(0, len(token_ids), per_event):
             ids = token_ids[i:i + per_event]
             yield Event("tokens", ids, i, [TokenLogprob(t, -0.5 - t / 1000, []) for t in ids],

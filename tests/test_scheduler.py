@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdserve.common.batch import ForwardMode
+from pdserve.common.batch_builder import BatchBuilder
 from pdserve.common.config import EngineConfig
 from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool
 from pdserve.common.scheduler import Scheduler
@@ -31,7 +32,22 @@ def make_scheduler(num_pages=10, page_size=4, rows=4, context=32, max_running=4,
     )
     r2t = ReqToTokenPool(rows, context, "cpu")
     kv = PagedKVPool(num_pages, page_size, num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
-    return Scheduler(config, r2t, kv, eos_token_ids=(EOS,))
+    return Built(Scheduler(config, r2t, kv, eos_token_ids=(EOS,)), BatchBuilder(r2t, page_size))
+
+
+class Built:
+    """The scheduler, with each batch it picks built into device tensors by the batch builder, as
+    the engine does: the tests check the layout the model would see."""
+
+    def __init__(self, scheduler, builder):
+        self.scheduler, self.builder = scheduler, builder
+
+    def get_next_batch_to_run(self):
+        batch = self.scheduler.get_next_batch_to_run()
+        return None if batch is None else self.builder.build(batch)
+
+    def __getattr__(self, name):
+        return getattr(self.scheduler, name)
 
 
 def req(rid, prompt_len, max_new=4, **kw):

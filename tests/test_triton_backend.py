@@ -122,7 +122,7 @@ def test_prefill_graphs_take_only_small_extend_batches(make_engine):
         reqs = [engine.make_req(list(range(5, 5 + n)), SamplingParams()) for n in lens]
         for req in reqs:
             engine.scheduler.add_request(req)
-        built = engine.scheduler.get_next_batch_to_run()
+        built = engine.builder.build(engine.scheduler.get_next_batch_to_run())
         for req in reqs:
             engine.abort(req.rid)
         return built

@@ -312,7 +312,7 @@ def _backend_parity(mode, seq_lens, extend_lens):
         rows.append(req_pool.alloc())
         pages = kv_pool.alloc_pages(-(-seq_len // page_size))
         slots = torch.tensor(slots_for_positions(pages, 0, seq_len, page_size), dtype=torch.int32, device=DEVICE)
-        req_pool.write(rows[-1], 0, slots)
+        req_pool.req_to_token[rows[-1], : slots.numel()] = slots
         new_slots += slots_for_positions(pages, seq_len - ext, seq_len, page_size)
     num_tokens = sum(extend_lens)
     starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]

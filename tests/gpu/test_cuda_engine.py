@@ -71,7 +71,7 @@ def strict(fn):
 
 def test_steady_state_scheduling_never_syncs(tiny_models):
     """Scheduling, launching and result processing run under sync_debug_mode("error"); only
-    `copy_done.synchronize()` (in Engine.process, between those) waits for the device."""
+    `copy_done.synchronize()` (in EngineCore.process_batch_result, between those) waits for the device."""
     engine = Engine(model_path=tiny_models("llama"), device="cuda", max_total_tokens=8192, page_size=4,
                     chunked_prefill_size=16)
     cases = prompts(16, seed=2)
@@ -79,7 +79,7 @@ def test_steady_state_scheduling_never_syncs(tiny_models):
     engine.generate(cases, params)  # warm-up: pinned-memory pools, kernels
     engine.scheduler.get_next_batch_to_run = strict(engine.scheduler.get_next_batch_to_run)
     engine.scheduler.process_batch_result = strict(engine.scheduler.process_batch_result)
-    engine.launch = strict(engine.launch)
+    engine.run_batch = strict(engine.run_batch)
     outs = engine.generate(cases, params)
     assert all(len(o.output_ids) > 0 for o in outs) and engine.is_idle()
 
@@ -103,7 +103,7 @@ def test_timeline_host_work_for_n_plus_1_overlaps_device_work_for_n(tiny_models)
     engine.runner.forward = slow_forward
     host = {}  # batch seq -> (host start, host end) of scheduling + launch
     busy_at_launch = []
-    schedule, launch = engine.scheduler.get_next_batch_to_run, engine.launch
+    schedule, launch = engine.scheduler.get_next_batch_to_run, engine.run_batch
     state = {"t": 0.0, "last": None}
 
     def timed_schedule():
@@ -118,7 +118,7 @@ def test_timeline_host_work_for_n_plus_1_overlaps_device_work_for_n(tiny_models)
         state["last"] = result
         return result
 
-    engine.scheduler.get_next_batch_to_run, engine.launch = timed_schedule, timed_launch
+    engine.scheduler.get_next_batch_to_run, engine.run_batch = timed_schedule, timed_launch
     torch.cuda.synchronize()
     t0_event = torch.cuda.Event(enable_timing=True)
     t0_event.record()

@@ -30,10 +30,10 @@ def worker(role: str, model: str, dtype: str, conn) -> None:
         from pdserve.prefill.engine import PrefillEngine
 
         engine = PrefillEngine(config, "prefill-gpu")
-    loop = engine.loop_state()
+    loop = engine.event_loop()
     conn.send(("ready", engine.agent.metadata()))
     while True:
-        if conn.poll(0 if loop.busy() else 0.005):
+        if conn.poll(0 if engine.busy() else 0.005):
             msg = conn.recv()
             if msg[0] == "stop":
                 conn.send(("idle", engine.is_idle()))
@@ -44,7 +44,7 @@ def worker(role: str, model: str, dtype: str, conn) -> None:
             else:
                 _, rid, prompt, params, room, metadata, pages = msg
                 engine.add_prefill_request(prompt, params, room, metadata, pages, rid=rid)
-        out = loop.step() if loop.busy() else []
+        out = next(loop)
         if role == "decode":
             while engine.destinations:
                 d = engine.destinations.popleft()

@@ -22,7 +22,7 @@ NUM_REQS, ROWS, MAX_NEW = 24, 4, 24
 def record_all_samples(engine):
     """(rid, step) -> token for every sampled token, including those the loop discards."""
     sampled, steps_of = {}, {}
-    launch, process = engine.launch, engine.scheduler.process_batch_result
+    launch, process = engine.run_batch, engine.scheduler.process_batch_result
 
     def recording_launch(batch):
         steps = [(r.rid, r.num_sampled) if s else None for r, s in zip(batch.reqs, batch.samples)]
@@ -36,14 +36,15 @@ def record_all_samples(engine):
                 sampled[step] = token
         return process(batch, next_ids, logprobs)
 
-    engine.launch, engine.scheduler.process_batch_result = recording_launch, recording_process
+    engine.run_batch, engine.scheduler.process_batch_result = recording_launch, recording_process
     return sampled
 
 
 def run(path, prompts, params, barrier, sleep_cycles):
     engine = Engine(model_path=path, device="cuda", dtype="float32", max_running_requests=ROWS,
                     max_total_tokens=8192, page_size=4)
-    engine.war_barrier = barrier
+    if not barrier:  # the loop's schedule_stream.wait_stream(forward_stream) does nothing
+        engine.streams.schedule_stream.wait_stream = lambda stream: None
     engine.runner.before_forward = lambda batch: torch.cuda._sleep(sleep_cycles)
     sampled = record_all_samples(engine)
     outs = engine.generate(prompts, params)

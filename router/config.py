@@ -1,0 +1,79 @@
+"""The router's configuration: one frozen dataclass, its `pdserve-router` flags generated from the
+fields (common/config.py's `add_cli_args`). Every timeout and interval the router uses is here.
+
+Importing this module must not import torch, grpc or the HTTP stack (the CLI parses flags first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.common.config import _opt
+from pdserve.router.policies import make_policy
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # what both logging and uvicorn take
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything `pdserve-router` takes. Flags are `--field-name`; durations are in seconds."""
+
+    model_path: str = _opt("", "Checkpoint directory: the tokenizer, chat template and limits come from it.", required=True)
+    prefill: tuple[str, ...] = _opt((), "Prefill servers (gRPC).", metavar="HOST:PORT")
+    decode: tuple[str, ...] = _opt((), "Decode servers (gRPC).", metavar="HOST:PORT")
+    prefill_dns: tuple[str, ...] = _opt(
+        (), "Discover prefill servers: NAME (e.g. a headless Service) is resolved every --dns-interval seconds; "
+            "addresses are added (once healthy) and removed as they come and go.", metavar="NAME:PORT")
+    decode_dns: tuple[str, ...] = _opt((), "Discover decode servers, likewise.", metavar="NAME:PORT")
+    served_model_name: str = _opt("", "Model name clients use; default: --model-path as given.")
+    api_key: str = _opt("", "Require 'Authorization: Bearer KEY' on the API.")
+    prefill_policy: str = _opt("round_robin", "round_robin, least_load or cache_aware.")
+    decode_policy: str = _opt("round_robin", "round_robin or least_load.")
+    max_inflight: int = _opt(1024, "Requests in flight before new ones get 429 + Retry-After.")
+    request_timeout: float = _opt(600.0, "Seconds a request may take (its deadline on both servers).")
+    prefill_timeout: float = _opt(
+        0.0, "Seconds one prefill attempt may take before it is retried elsewhere; 0: the request's deadline "
+             "(never past it).")
+    decode_timeout: float = _opt(0.0, "Seconds the decode call may take; 0: the request's deadline (never past it).")
+    max_prefill_attempts: int = _opt(3, "Prefill servers a request is tried on before it fails.")
+    health_check_interval: float = _opt(1.0, "Seconds between two health checks (gRPC health + GetLoad) of a worker.")
+    health_check_timeout: float = _opt(2.0, "Seconds each health-check RPC may take.")
+    dns_interval: float = _opt(2.0, "Seconds between two resolutions of the --prefill-dns / --decode-dns names.")
+    circuit_failures: int = _opt(3, "Consecutive failed requests or health checks that open a worker's circuit.")
+    circuit_open_time: float = _opt(5.0, "Seconds an open circuit keeps its worker out of routing (then half-open).")
+    host: str = _opt("127.0.0.1", "HTTP listen address.")
+    port: int = _opt(8000, "HTTP port.")
+    log_level: str = _opt("info", "Logging level.")
+
+    def check(self) -> None:
+        """Raise ValueError, naming the flag, for the first value the router cannot run with."""
+        if not self.model_path:
+            raise ValueError("--model-path is required")
+        if not (self.prefill or self.prefill_dns) or not (self.decode or self.decode_dns):
+            raise ValueError("give prefill servers (--prefill or --prefill-dns) and decode servers (--decode or --decode-dns)")
+        for spec in self.prefill_dns + self.decode_dns:
+            name_port(spec)
+        for role, name in (("prefill", self.prefill_policy), ("decode", self.decode_policy)):
+            try:
+                make_policy(name, role)
+            except ValueError as e:
+                raise ValueError(f"--{role}-policy: {e}") from None
+        for name in ("max_inflight", "max_prefill_attempts", "circuit_failures"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("request_timeout", "health_check_interval", "health_check_timeout", "dns_interval", "circuit_open_time"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        for name in ("prefill_timeout", "decode_timeout"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: the request's deadline), got {getattr(self, name)}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be debug, info, warning, error or critical, got {self.log_level!r}")
+
+
+def name_port(spec: str) -> tuple[str, int]:
+    """NAME:PORT -> (NAME, PORT); ValueError otherwise."""
+    name, sep, port = spec.rpartition(":")
+    if not sep or not name or not port.isdigit():
+        raise ValueError(f"expected NAME:PORT, got {spec!r}")
+    return name, int(port)

@@ -1,0 +1,116 @@
+"""`pdserve-router`'s flags come from RouterConfig's fields, and every timeout is one of them.
+
+The prefill attempt's timeout used to be a module constant (120 s) that silently capped a longer
+--request-timeout; now it follows the request's deadline unless --prefill-timeout says otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import pytest
+
+from pdserve.common.config import from_cli_args
+from pdserve.common.types import SamplingParams
+from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.cli import build_parser, main
+from pdserve.router.config import RouterConfig
+from pdserve.router.pairing import paired_generate
+from tests.test_pairing import TIMEOUT_S, FakeDecode, StreamedPrefill
+
+FLAGS = ["--model-path", "--prefill", "--decode", "--prefill-dns", "--decode-dns", "--served-model-name", "--api-key",
+         "--prefill-policy", "--decode-policy", "--max-inflight", "--request-timeout", "--prefill-timeout",
+         "--decode-timeout", "--max-prefill-attempts", "--health-check-interval", "--health-check-timeout",
+         "--dns-interval", "--circuit-failures", "--circuit-open-time", "--host", "--port", "--log-level"]
+SERVERS = ["--prefill", "p:1", "p:2", "--decode", "d:1"]
+
+
+def test_the_parser_has_a_flag_per_field_with_its_default():
+    actions = {a.option_strings[0]: a for a in build_parser()._actions if a.option_strings[0] != "-h"}
+    assert list(actions) == FLAGS
+    for f in dataclasses.fields(RouterConfig):
+        action = actions["--" + f.name.replace("_", "-")]
+        assert action.dest == f.name and action.default == f.default and action.help == f.metadata["help"]
+    assert [flag for flag, a in actions.items() if a.nargs == "+"] == ["--prefill", "--decode", "--prefill-dns", "--decode-dns"]
+    assert [flag for flag, a in actions.items() if a.required] == ["--model-path"]
+    defaults = RouterConfig()
+    assert (defaults.prefill_policy, defaults.decode_policy, defaults.max_inflight, defaults.request_timeout) == \
+        ("round_robin", "round_robin", 1024, 600.0)
+    assert (defaults.host, defaults.port, defaults.log_level) == ("127.0.0.1", 8000, "info")
+
+
+def test_a_command_line_gives_a_frozen_config():
+    argv = ["--model-path", "/m", *SERVERS, "--decode-dns", "dec.svc:50051", "--prefill-policy", "cache_aware",
+            "--max-inflight", "8", "--request-timeout", "30", "--max-prefill-attempts", "2", "--port", "9000"]
+    config = from_cli_args(build_parser().parse_args(argv), RouterConfig)
+    assert config == RouterConfig("/m", ("p:1", "p:2"), ("d:1",), decode_dns=("dec.svc:50051",), prefill_policy="cache_aware",
+                                  max_inflight=8, request_timeout=30.0, max_prefill_attempts=2, port=9000)
+    config.check()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.port = 1
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--max-inflight", "0"], "--max-inflight must be >= 1"),
+    (["--request-timeout", "0"], "--request-timeout must be > 0"),
+    (["--prefill-timeout", "-1"], "--prefill-timeout must be >= 0"),
+    (["--health-check-interval", "0"], "--health-check-interval must be > 0"),
+    (["--max-prefill-attempts", "0"], "--max-prefill-attempts must be >= 1"),
+    (["--decode-policy", "cache_aware"], "--decode-policy: policy 'cache_aware' is for prefill workers only"),
+    (["--prefill-policy", "fastest"], "--prefill-policy: unknown policy 'fastest'"),
+    (["--prefill-dns", "no-port"], "expected NAME:PORT, got 'no-port'"),
+    (["--log-level", "loud"], "--log-level must be"),
+])
+def test_a_bad_value_exits_2_with_a_message(capsys, extra, message):
+    assert main(["--model-path", "/m", *SERVERS, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+
+
+def test_no_prefill_or_no_decode_source_exits_2(capsys):
+    assert main(["--model-path", "/m", "--prefill", "p:1"]) == 2
+    assert "decode servers (--decode or --decode-dns)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # argparse's own: --model-path is required
+        main(SERVERS)
+    assert e.value.code == 2
+
+
+class TimedPrefill(StreamedPrefill):
+    """Records how long the router gave the prefill call (its gRPC deadline)."""
+
+    async def PrefillStreamed(self, request_iterator, context):
+        self.time_remaining = context.time_remaining()
+        return await super().PrefillStreamed(request_iterator, context)
+
+
+def prefill_time_given(*argv: str) -> float:
+    """Seconds the first prefill attempt of one paired request may take, under these flags."""
+    config = from_cli_args(build_parser().parse_args(["--model-path", "/m", *SERVERS, *argv]), RouterConfig)
+    prefill = TimedPrefill()
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        pb_grpc.add_DecodeServiceServicer_to_server(FakeDecode(release=prefill.got_request), server)
+        pb_grpc.add_PrefillServiceServicer_to_server(prefill, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stream = paired_generate(channel, lambda tried: None if tried else ("prefill-0", channel),
+                                         lambda url, ok: None, [1, 2, 3], SamplingParams(max_new_tokens=3, seed=5), config)
+                assert [e.kind async for e in stream] == ["tokens", "tokens", "finish"]
+        finally:
+            await server.stop(None)
+
+    asyncio.run(asyncio.wait_for(run(), 3 * TIMEOUT_S))
+    return prefill.time_remaining
+
+
+def test_the_prefill_timeout_follows_the_request_timeout():
+    assert RouterConfig().prefill_timeout == 0  # 0: the request's deadline
+    # NOTE: gRPC sends the timeout rounded (up) to a coarser unit: the server may see a bit more.
+    assert prefill_time_given("--request-timeout", "600") == pytest.approx(600, abs=5)  # not capped at 120 s
+    assert prefill_time_given("--request-timeout", "600", "--prefill-timeout", "30") == pytest.approx(30, abs=5)
+    assert prefill_time_given("--request-timeout", "10", "--prefill-timeout", "30") == pytest.approx(10, abs=3)  # the deadline
