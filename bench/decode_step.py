@@ -102,7 +102,7 @@ def profile_decode(timer: StepTimer, prompts, params) -> None:
 
 def main() -> None:
     from pdserve.bench.random_weights import add_model_args, model_path_from_args
-    from pdserve.common.engine import Engine
+    from pdserve.common.engine.engine import Engine
     from pdserve.common.types import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

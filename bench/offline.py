@@ -57,7 +57,7 @@ class EngineTimer:
     """`timer(prompts)`: seconds for the engine to generate them all (checked afterwards)."""
 
     def __init__(self, args: argparse.Namespace, config) -> None:
-        from pdserve.common.engine import Engine
+        from pdserve.common.engine.engine import Engine
         from pdserve.common.types import SamplingParams
 
         self.engine = Engine(config)

@@ -77,7 +77,7 @@ def sleep_cycles_per_ms() -> float:
 def main() -> None:
     from pdserve.bench.random_weights import random_weight_checkpoint
     from pdserve.bench.shapes import resolve_shape
-    from pdserve.common.engine import Engine
+    from pdserve.common.engine.engine import Engine
     from pdserve.common.types import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -26,7 +26,7 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     from pdserve.bench.random_weights import add_model_args, model_path_from_args
     from pdserve.common.config import EngineConfig, add_cli_args, from_cli_args
-    from pdserve.common.engine import Engine
+    from pdserve.common.engine.engine import Engine
     from pdserve.common.types import SamplingParams
 
     parser = argparse.ArgumentParser(prog="python3 -m pdserve.bench.prefill_latency", description=__doc__,

@@ -24,7 +24,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from pdserve.bench.random_weights import add_model_args, model_path_from_args
-    from pdserve.common.engine import Engine
+    from pdserve.common.engine.engine import Engine
     from pdserve.common.types import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

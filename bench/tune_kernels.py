@@ -48,7 +48,7 @@ def decode_case(bs: int, ctx: int, heads: int, d: int = 64, page: int = 16, devi
 
 
 def attention_sweep(name: str, heads: int, kv_heads: int, bs: int = 128, ctx: int = 302, layers: int = 16) -> None:
-    from pdserve.common.attention import triton_decode as td
+    from pdserve.common.engine.attention import triton_decode as td
 
     d = 64
     slots, r2t, rows, seq_lens, q, out = decode_case(bs, ctx, heads, d)
@@ -82,7 +82,7 @@ def layout_sweep(bs: int = 128, ctx: int = 300) -> None:
     """Decode attention over a token-major pool [slots, heads, dim] (pdserve's) against a
     head-major one [heads, slots, dim] (passed as a strided view), same kernel and config: how much
     the 128-byte head slices a whole token row apart cost in bandwidth."""
-    from pdserve.common.attention import triton_decode as td
+    from pdserve.common.engine.attention import triton_decode as td
 
     d = 64
     for name, heads, kv_heads, layers in (("GPT-2", 12, 12, 12), ("Llama-1B", 32, 8, 16)):
@@ -106,8 +106,8 @@ def layout_sweep(bs: int = 128, ctx: int = 300) -> None:
 
 
 def small_ops() -> None:
-    from pdserve.common.attention.triton_store import rope_store_kv, store_kv
-    from pdserve.common.models import triton_ops as ops
+    from pdserve.common.engine.attention.triton_store import rope_store_kv, store_kv
+    from pdserve.common.engine.models import triton_ops as ops
 
     t, hidden, inter, heads, kv_heads, d = 128, 2048, 8192, 32, 8, 64
     x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)

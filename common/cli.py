@@ -6,6 +6,9 @@
     pdserve bench offline|serve ...  (see `pdserve bench offline --help`, bench/cli.py)
 
 Heavy imports (torch, transformers) happen inside the sub-commands, so `--help` is instant.
+`make-tiny-model` and `run-batch` are the engine's own; the others come from the packages that own
+them (router/up.py, bench/cli.py), registered as entry points of the group `pdserve.commands`
+(pyproject.toml), so this module never imports a role.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ import argparse
 import logging
 import os
 import sys
+from importlib.metadata import entry_points
 
 from pdserve.common.config import EngineConfig, add_cli_args, from_cli_args
+
+COMMANDS = "pdserve.commands"  # entry-point group: callables that add sub-commands to `pdserve`
 
 
 def _make_tiny_model(args: argparse.Namespace) -> int:
@@ -27,8 +33,8 @@ def _make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _run_batch(args: argparse.Namespace) -> int:
-    from pdserve.common.engine import Engine
-    from pdserve.common.run_batch import run_batch
+    from pdserve.common.engine.engine import Engine
+    from pdserve.common.openai.run_batch import run_batch
 
     if not os.path.isfile(args.input):
         print(f"error: input file {args.input!r} does not exist", file=sys.stderr)
@@ -47,13 +53,6 @@ def _run_batch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _up(args: argparse.Namespace) -> int:
-    from pdserve.router.up import up
-
-    return up(args.model_path, args.num_prefill, args.num_decode, args.device, args.port, args.host,
-              args.prefill_policy, args.decode_policy)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.common.tiny_model import ARCHS
 
@@ -67,19 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0, help="Weight seed; same seed, same bytes.")
     tiny.set_defaults(func=_make_tiny_model)
 
-    local = sub.add_parser("up", help="Start a local router + prefill + decode deployment (Ctrl-C stops it).")
-    local.add_argument("--model-path", default=None, help="Checkpoint directory; default: a tiny llama made on the fly.")
-    local.add_argument("--num-prefill", type=int, default=1, help="Prefill servers to start.")
-    local.add_argument("--num-decode", type=int, default=1, help="Decode servers to start.")
-    local.add_argument("--device", default="auto", help="cpu, cuda or auto.")
-    local.add_argument("--host", default="127.0.0.1", help="Router HTTP address.")
-    local.add_argument("--port", type=int, default=8000, help="Router HTTP port.")
-    local.add_argument("--prefill-policy", default="round_robin", choices=("round_robin", "least_load", "cache_aware"),
-                       help="How the router picks a prefill server (cache_aware: by prompt prefix).")
-    local.add_argument("--decode-policy", default="round_robin", choices=("round_robin", "least_load"),
-                       help="How the router picks a decode server.")
-    local.set_defaults(func=_up)
-
     batch = sub.add_parser(
         "run-batch",
         help="Run an OpenAI Batch file (/v1/completions, /v1/chat/completions) through the engine.",
@@ -89,9 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(batch, EngineConfig)
     batch.set_defaults(func=_run_batch)
 
-    from pdserve.bench.cli import add_bench_parser
-
-    add_bench_parser(sub)
+    for command in sorted(entry_points(group=COMMANDS), key=lambda ep: ep.name):
+        command.load()(sub)  # adds its sub-parser(s), each with set_defaults(func=...)
     return parser
 
 

@@ -1,1 +1,1 @@
-"""Decode server: prealloc/transfer queues, event_loop_overlap_disagg_decode, gRPC service, CLI (issue 5)."""
+"""Decode server: its engine, its event loops (loop.py), its scheduler (prealloc and transfer queues), the gRPC service and the CLI."""

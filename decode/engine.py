@@ -5,7 +5,7 @@
     ... engine.destinations: a KV destination per admitted request, for the prefill server ...
     for completions in event_loop_overlap_disagg_decode(engine): ...   (decode/loop.py)
 
-The steps its loops call besides the shared ones (common/engine_core.py): `pop_preallocated`
+The steps its loops call besides the shared ones (common/engine/core.py): `pop_preallocated`
 admits queued requests (their pages are held and their destinations published) and
 `pop_transferred` takes the KV notifications that arrived (those requests join the running batch)
 and expires transfers past --kv-transfer-timeout.
@@ -18,9 +18,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from pdserve.common import ipc
+from pdserve.common.serving import ipc
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine_core import EngineCore
+from pdserve.common.engine.core import EngineCore
 from pdserve.common.errors import ErrorCode
 from pdserve.common.kv_transfer import KVLayout, decode_notif
 from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
@@ -159,6 +159,6 @@ class DecodeEngine(EngineCore):
         )
 
     def ready(self) -> ipc.Ready:
-        from pdserve.common.serving import ready_message
+        from pdserve.common.serving.frontend import ready_message
 
         return ready_message(self)

@@ -24,9 +24,9 @@ from collections import deque
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.errors import ErrorCode
-from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool
-from pdserve.common.output_processor import append_token, finalize
-from pdserve.common.scheduler import Scheduler
+from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool
+from pdserve.common.scheduling.output_processor import append_token, finalize
+from pdserve.common.scheduling.scheduler import Scheduler
 from pdserve.common.types import KV_WRITE_GRACE_S, Completion, FinishReason, Req, TokenLogprob
 
 

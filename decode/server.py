@@ -11,10 +11,10 @@ import asyncio
 import secrets
 import time
 
-from pdserve.common import ipc
-from pdserve.common.scheduler_process import run_scheduler
-from pdserve.common.serving import CommonRpcs, error_to_proto, layout_to_proto, params_from_proto
-from pdserve.decode.engine import DecodeEngine
+from pdserve.common.serving import ipc
+from pdserve.common.serving.scheduler_process import run_scheduler
+from pdserve.common.serving.server_cli import RoleLauncher
+from pdserve.common.serving.frontend import CommonRpcs, error_to_proto, layout_to_proto, params_from_proto
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
@@ -22,7 +22,10 @@ FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abo
 
 
 def run_decode_scheduler(config, agent_name, kv_transfer_timeout, log_level, to_scheduler, to_frontend):
-    """The scheduler process's entry point: a DecodeEngine running its event loop."""
+    """The scheduler process's entry point: a DecodeEngine running its event loop. (The engine, and
+    torch with it, is imported only here: the frontend process never loads them.)"""
+    from pdserve.decode.engine import DecodeEngine
+
     run_scheduler(lambda: DecodeEngine(config, agent_name, kv_transfer_timeout), to_scheduler, to_frontend, log_level)
 
 
@@ -103,3 +106,6 @@ def _merge_queued_tokens(first: ipc.Tokens, queue: asyncio.Queue) -> tuple[ipc.T
         token_ids = token_ids + msg.token_ids
         logprobs = logprobs + msg.logprobs
     return ipc.Tokens(first.rid, first.index, token_ids, logprobs), None
+
+
+LAUNCHER = RoleLauncher("decode", DecodeServicer, pb_grpc.add_DecodeServiceServicer_to_server, "pdserve.v1.DecodeService", run_decode_scheduler)

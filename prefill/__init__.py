@@ -1,1 +1,1 @@
-"""Prefill server: bootstrap/inflight queues, event_loop_overlap_disagg_prefill, gRPC service, CLI (issue 5)."""
+"""Prefill server: its engine, its event loops (loop.py), its scheduler (transfers, parked requests), the gRPC service and the CLI."""

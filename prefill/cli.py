@@ -2,11 +2,13 @@
 
 import sys
 
-from pdserve.common.server_cli import main as _main
+from pdserve.common.serving.server_cli import main as serve_role
 
 
-def main() -> int:
-    return _main("prefill")
+def main(argv: list[str] | None = None) -> int:
+    from pdserve.prefill.server import LAUNCHER  # grpc and the servicer load after argument parsing errors, not before
+
+    return serve_role(LAUNCHER, argv)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
     engine.set_destination(rid, decode_metadata, page_ids)    # when the request came without one
     for results in event_loop_overlap_disagg_prefill(engine): ...   (prefill/loop.py; PrefillResults)
 
-The step its loops call besides the shared ones (common/engine_core.py): `process_inflight_queue`
+The step its loops call besides the shared ones (common/engine/core.py): `process_inflight_queue`
 polls the KV WRITEs in flight, never blocking, and reports the requests whose transfer ended.
 """
 
@@ -15,9 +15,9 @@ import math
 import time
 from typing import Iterator, Sequence
 
-from pdserve.common import ipc
+from pdserve.common.serving import ipc
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine_core import EngineCore
+from pdserve.common.engine.core import EngineCore
 from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
 from pdserve.common.types import SamplingParams
 from pdserve.prefill.scheduler import Destination, PrefillResult, PrefillScheduler
@@ -120,7 +120,7 @@ class PrefillEngine(EngineCore):
         )
 
     def ready(self) -> ipc.Ready:
-        from pdserve.common.serving import ready_message
+        from pdserve.common.serving.frontend import ready_message
 
         return ready_message(self)
 

@@ -25,14 +25,14 @@ import math
 import time
 from dataclasses import dataclass
 
-from pdserve.common.batch import ForwardMode, ScheduleBatch
+from pdserve.common.engine.batch import ForwardMode, ScheduleBatch
 from pdserve.common.config import EngineConfig
 from pdserve.common.errors import ErrorCode
-from pdserve.common.kv_manager import KVManager
-from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
+from pdserve.common.scheduling.kv_manager import KVManager
+from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.kv_transfer import TransferState, encode_notif
-from pdserve.common.prefill_manager import PrefillManager
-from pdserve.common.scheduler import check_fits, make_batch, on_launched
+from pdserve.common.scheduling.prefill_manager import PrefillManager
+from pdserve.common.scheduling.scheduler import check_fits, make_batch, on_launched
 from pdserve.common.types import KV_WRITE_GRACE_S, FinishReason, Req, SamplingParams, TokenLogprob
 
 

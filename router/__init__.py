@@ -1,1 +1,1 @@
-"""OpenAI-compatible HTTP front end that pairs prefill and decode servers (issue 6)."""
+"""OpenAI-compatible HTTP front end that pairs prefill and decode servers, and `pdserve up`."""

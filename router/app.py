@@ -1,8 +1,8 @@
 """The router's HTTP API (OpenAI-compatible): validate, tokenize, pair a prefill and a decode
 worker per choice, stream or collect the tokens, answer in OpenAI's shapes.
 
-Bodies are validated by common/openai_api.py (the same rules as run-batch) and answered by
-common/openai_format.py; streaming follows OpenAI's SSE chunks, `stream_options.include_usage`
+Bodies are validated by common/openai/api.py (the same rules as run-batch) and answered by
+common/openai/format.py; streaming follows OpenAI's SSE chunks, `stream_options.include_usage`
 and `data: [DONE]`.
 """
 
@@ -20,9 +20,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from pdserve.common.config import read_hf_config
 from pdserve.common.detokenizer import IncrementalDetokenizer
-from pdserve.common.openai_api import OpenAIError, ParsedRequest, parse_chat_request, parse_completion_request
-from pdserve.common.openai_format import chat_logprobs, completion_logprobs, format_response, token_text_of, usage
-from pdserve.common.output_processor import append_token, finalize
+from pdserve.common.openai.api import OpenAIError, ParsedRequest, parse_completion_request
+from pdserve.common.openai.chat import parse_chat_request
+from pdserve.common.openai.format import chat_logprobs, completion_logprobs, format_response, token_text_of, usage
+from pdserve.common.scheduling.output_processor import append_token, finalize
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Completion, FinishReason, Req
 from pdserve.router.config import RouterConfig

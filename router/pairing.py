@@ -5,7 +5,7 @@
     decode stream                       the rest of the tokens, then the finish (or an error)
 
 Tokens come back as ids; the router turns them into text with the same output rules the engine
-uses (common/output_processor.py), so stop strings, EOS and lengths end a choice exactly as they
+uses (common/scheduling/output_processor.py), so stop strings, EOS and lengths end a choice exactly as they
 would in the colocated engine.
 """
 

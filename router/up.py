@@ -125,3 +125,24 @@ Ctrl-C stops everything.""", flush=True)
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def add_parser(sub) -> None:
+    """`pdserve up` on the `pdserve` command's sub-parsers (entry point group pdserve.commands)."""
+    local = sub.add_parser("up", help="Start a local router + prefill + decode deployment (Ctrl-C stops it).")
+    local.add_argument("--model-path", default=None, help="Checkpoint directory; default: a tiny llama made on the fly.")
+    local.add_argument("--num-prefill", type=int, default=1, help="Prefill servers to start.")
+    local.add_argument("--num-decode", type=int, default=1, help="Decode servers to start.")
+    local.add_argument("--device", default="auto", help="cpu, cuda or auto.")
+    local.add_argument("--host", default="127.0.0.1", help="Router HTTP address.")
+    local.add_argument("--port", type=int, default=8000, help="Router HTTP port.")
+    local.add_argument("--prefill-policy", default="round_robin", choices=("round_robin", "least_load", "cache_aware"),
+                       help="How the router picks a prefill server (cache_aware: by prompt prefix).")
+    local.add_argument("--decode-policy", default="round_robin", choices=("round_robin", "least_load"),
+                       help="How the router picks a decode server.")
+    local.set_defaults(func=_up)
+
+
+def _up(args) -> int:
+    return up(args.model_path, args.num_prefill, args.num_decode, args.device, args.port, args.host,
+              args.prefill_policy, args.decode_policy)

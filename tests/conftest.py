@@ -40,7 +40,7 @@ def tiny_models(tmp_path_factory):
 @pytest.fixture
 def make_engine(tiny_models):
     """Engine factory; every engine it made must be idle (all KV rows and pages free) at teardown."""
-    from pdserve.common.engine import Engine
+    from pdserve.common.engine.engine import Engine
 
     engines = []
 

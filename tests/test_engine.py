@@ -182,7 +182,7 @@ def test_run_batch_cli_reports_bad_arguments_clearly(tiny_models, tmp_path):
 
 
 def test_mem_fraction_static_is_refused_on_cpu(tiny_models):
-    from pdserve.common.engine import Engine
+    from pdserve.common.engine.engine import Engine
 
     with pytest.raises(ValueError, match="sizes GPU memory"):
         Engine(model_path=tiny_models("llama"), device="cpu", mem_fraction_static=0.5)

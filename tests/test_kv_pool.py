@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, pages_for, slots_for_positions
+from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for, slots_for_positions
 
 
 def test_req_to_token_rows_are_handed_out_in_order_and_reused_fifo():
@@ -77,7 +77,7 @@ def test_pages_for_and_slots_for_positions():
 def test_kv_capacity_from_memory(fraction, no_cache, kv_gb, expected_tokens):
     from types import SimpleNamespace
 
-    from pdserve.common.model_runner import ModelRunner
+    from pdserve.common.engine.model_runner import ModelRunner
 
     config = SimpleNamespace(max_total_tokens=0, mem_fraction_static=fraction, kv_cache_memory_gb=kv_gb,
                              disable_radix_cache=no_cache, max_running_requests=8, context_length=512, page_size=16)

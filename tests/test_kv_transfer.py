@@ -12,7 +12,7 @@ import traceback
 import pytest
 import torch
 
-from pdserve.common.kv_pool import PagedKVPool
+from pdserve.common.engine.kv_pool import PagedKVPool
 from pdserve.common.kv_transfer import KVLayout, decode_notif, encode_notif, new_room
 from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, run_descriptors
 from pdserve.common.kv_transfer.pool_metadata import PoolMetadata, decode_pool_metadata, encode_pool_metadata

@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from pdserve.common.openai_api import (
+from pdserve.common.openai.chat import parse_chat_request
+from pdserve.common.openai.api import (
     OpenAIError,
     choice_seed,
-    parse_chat_request,
     parse_completion_request,
 )
-from pdserve.common.openai_format import (
+from pdserve.common.openai.format import (
     MIN_LOGPROB,
     format_chat_response,
     format_completion_response,
@@ -443,7 +443,7 @@ def test_completion_count_must_match_choices(tokenizer):
 
 def test_openai_modules_do_not_import_torch():
     code = (
-        "import sys, pdserve.common.openai_api, pdserve.common.openai_format, pdserve.common.run_batch; "
+        "import sys, pdserve.common.openai.api, pdserve.common.openai.format, pdserve.common.openai.run_batch; "
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from pdserve.common.overlap import FutureMap
+from pdserve.common.engine.overlap import FutureMap
 from pdserve.common.types import FinishReason, SamplingParams
 
 

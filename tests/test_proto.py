@@ -429,7 +429,7 @@ def test_error_codes_are_the_protos():
     """The engine's ErrorCode and the proto's Error.Code name the same codes: a code crosses the
     ipc channel, the gRPC answer and the router by name."""
     from pdserve.common.errors import ErrorCode
-    from pdserve.common.serving import error_to_proto
+    from pdserve.common.serving.frontend import error_to_proto
 
     assert {c.value for c in ErrorCode} == set(pb.Error.Code.keys()) - {"CODE_UNSPECIFIED"}
     for code in ErrorCode:

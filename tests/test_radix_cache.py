@@ -4,8 +4,8 @@ import random
 
 import torch
 
-from pdserve.common.kv_pool import PagedKVPool
-from pdserve.common.radix_cache import RadixCache
+from pdserve.common.engine.kv_pool import PagedKVPool
+from pdserve.common.scheduling.radix_cache import RadixCache
 
 
 def make_cache(num_pages=16, page_size=2):

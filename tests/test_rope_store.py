@@ -4,9 +4,9 @@ store_kv: bitwise the same q, k and pool (the interpreter on CPU; compiled on a 
 import pytest
 import torch
 
-from pdserve.common.attention.triton_store import rope_store_kv, store_kv
-from pdserve.common.models import triton_ops
-from pdserve.common.models.layers import rope_inv_freq
+from pdserve.common.engine.attention.triton_store import rope_store_kv, store_kv
+from pdserve.common.engine.models import triton_ops
+from pdserve.common.engine.models.layers import rope_inv_freq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter mishandles bf16; compiled kernels on a GPU are checked in it too.

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.common.types import SamplingParams, TokenLogprob
 from pdserve.decode.server import _merge_queued_tokens
-from pdserve.common import ipc
+from pdserve.common.serving import ipc
 from pdserve.router import app as router_app
 from pdserve.router.app import Router, RouterConfig
 from pdserve.router.pairing import Event

@@ -5,7 +5,7 @@ import json
 import pytest
 from tests.test_openai_api import build_tokenizer, fake_completions
 
-from pdserve.common.run_batch import run_batch
+from pdserve.common.openai.run_batch import run_batch
 
 MODEL = "tiny"
 

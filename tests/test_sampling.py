@@ -7,7 +7,7 @@ import zlib
 import pytest
 import torch
 
-from pdserve.common.sampling import (
+from pdserve.common.engine.sampling import (
     SamplingBatchInfo,
     _mix32,
     exponential_noise,

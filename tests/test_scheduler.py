@@ -7,11 +7,11 @@ No model runs here: the tests play the model by feeding chosen tokens to process
 import pytest
 import torch
 
-from pdserve.common.batch import ForwardMode
-from pdserve.common.batch_builder import BatchBuilder
+from pdserve.common.engine.batch import ForwardMode
+from pdserve.common.engine.batch_builder import BatchBuilder
 from pdserve.common.config import EngineConfig
-from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool
-from pdserve.common.scheduler import Scheduler
+from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool
+from pdserve.common.scheduling.scheduler import Scheduler
 from pdserve.common.types import FinishReason, Req, SamplingParams
 
 EOS = 99

@@ -172,7 +172,7 @@ def test_64_concurrent_requests_complete_with_nothing_lost(servers):
                                       for i, p in enumerate(cases)))
 
     results = asyncio.run(main())
-    from pdserve.common.engine import Engine
+    from pdserve.common.engine.engine import Engine
     from pdserve.common.types import SamplingParams
 
     local = Engine(model_path=model, device="cpu", max_total_tokens=8192).generate(

@@ -33,7 +33,7 @@ def test_fused_model_path_greedy_matches_transformers(make_engine, tiny_models, 
     """The CUDA fast path's model (merged projections, Triton RMSNorm / rotary / silu_mul /
     gelu kernels) with the Triton backend, through the interpreter: same greedy tokens.
     Llama-family layers rotate and store K/V in one launch (rope_store_kv), never store_kv."""
-    from pdserve.common.attention import triton_backend
+    from pdserve.common.engine.attention import triton_backend
 
     calls = Counter()
 
@@ -59,7 +59,7 @@ def test_fused_model_path_greedy_matches_transformers(make_engine, tiny_models, 
 
 
 def test_cuda_graph_capture_sizes_cover_every_batch_up_to_the_max():
-    from pdserve.common.cuda_graph import capture_sizes
+    from pdserve.common.engine.cuda_graph import capture_sizes
 
     for max_bs in (1, 3, 8, 37, 128, 200, 256):
         sizes = capture_sizes(max_bs)
@@ -75,7 +75,7 @@ def test_padded_prefill_graph_forward_matches_transformers(make_engine, tiny_mod
     """The prefill-graph runner's padded forward, run eagerly (capture needs a GPU): tokens padded
     up to the captured count and unused request slots, over chunks and cached prefixes, on the
     fused model path: the same greedy tokens as transformers."""
-    from pdserve.common.prefill_graph import PrefillGraphRunner
+    from pdserve.common.engine.prefill_graph import PrefillGraphRunner
 
     prompts = make_prompts(5, seed=11)
     expected = hf_greedy(tiny_models(arch), prompts, 4)
@@ -97,7 +97,7 @@ def test_padded_prefill_graph_forward_matches_transformers(make_engine, tiny_mod
 
 
 def test_prefill_graph_sizes_pad_by_at_most_a_quarter():
-    from pdserve.common.prefill_graph import prefill_capture_sizes
+    from pdserve.common.engine.prefill_graph import prefill_capture_sizes
 
     for max_tokens in (16, 48, 128, 992, 2048, 8192):
         sizes = prefill_capture_sizes(max_tokens)
@@ -111,8 +111,8 @@ def test_prefill_graph_sizes_pad_by_at_most_a_quarter():
 def test_prefill_graphs_take_only_small_extend_batches(make_engine):
     """can_run: extend batches within the captured token count and request slots, with their
     upload rows; decode batches, bigger batches and batches without an upload run eagerly."""
-    from pdserve.common.batch import ForwardMode
-    from pdserve.common.prefill_graph import PrefillGraphRunner
+    from pdserve.common.engine.batch import ForwardMode
+    from pdserve.common.engine.prefill_graph import PrefillGraphRunner
 
     engine = make_engine("llama", attention_backend="triton", max_total_tokens=4096)
     graphs = PrefillGraphRunner(engine.runner, max_tokens=48, max_reqs=2, capture=False)

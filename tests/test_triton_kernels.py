@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pdserve.common.attention.triton_decode import DecodeWorkspace, decode_attention, num_kv_splits_for
-from pdserve.common.attention.triton_extend import extend_attention
-from pdserve.common.attention.triton_store import store_kv
+from pdserve.common.engine.attention.triton_decode import DecodeWorkspace, decode_attention, num_kv_splits_for
+from pdserve.common.engine.attention.triton_extend import extend_attention
+from pdserve.common.engine.attention.triton_store import store_kv
 
 # NOTE: with CUDA present the kernels are compiled, not interpreted, and take only CUDA tensors.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -221,7 +221,7 @@ def test_decode_stores_the_new_kv_in_the_same_launch(name, dtype):
 @pytest.mark.parametrize("name", ["mha", "gqa4-window", "gqa2-window-one-split", "mha-window-many-splits"])
 def test_decode_with_32_key_blocks(monkeypatch, name):
     """The 32-key blocks that MHA at a large batch runs with (forced here for small cases)."""
-    from pdserve.common.attention import triton_decode
+    from pdserve.common.engine.attention import triton_decode
 
     monkeypatch.setattr(triton_decode, "_split_config", lambda *args: dict(BLOCK_N=32, num_warps=2, num_stages=2))
     heads, kv_heads, head_dim, page_size, window, splits, seq_lens = DECODE_CASES[name]
@@ -297,9 +297,9 @@ def test_store_kv_zero_tokens_is_a_no_op():
 
 def _backend_parity(mode, seq_lens, extend_lens):
     """store_kv + the kernel vs TorchNativeBackend.forward, through the real pools and batch."""
-    from pdserve.common.attention.torch_native import TorchNativeBackend
-    from pdserve.common.batch import ForwardBatch
-    from pdserve.common.kv_pool import PagedKVPool, ReqToTokenPool, slots_for_positions
+    from pdserve.common.engine.attention.torch_native import TorchNativeBackend
+    from pdserve.common.engine.batch import ForwardBatch
+    from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, slots_for_positions
 
     page_size, heads, kv_heads, head_dim, scale, window = 4, 4, 2, 16, 0.25, 11
     kv_pool = PagedKVPool(32, page_size, 1, kv_heads, head_dim, torch.float32, DEVICE)
@@ -358,13 +358,13 @@ def _backend_parity(mode, seq_lens, extend_lens):
 
 
 def test_extend_matches_torch_native_backend():
-    from pdserve.common.batch import ForwardMode
+    from pdserve.common.engine.batch import ForwardMode
 
     _backend_parity(ForwardMode.EXTEND, seq_lens=[9, 30, 4], extend_lens=[9, 12, 1])
 
 
 def test_decode_matches_torch_native_backend():
-    from pdserve.common.batch import ForwardMode
+    from pdserve.common.engine.batch import ForwardMode
 
     _backend_parity(ForwardMode.DECODE, seq_lens=[9, 30, 4], extend_lens=[1, 1, 1])
 

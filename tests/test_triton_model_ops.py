@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from pdserve.common.models import triton_ops
-from pdserve.common.models.layers import RMSNorm, RotaryEmbedding, gelu_tanh
+from pdserve.common.engine.models import triton_ops
+from pdserve.common.engine.models.layers import RMSNorm, RotaryEmbedding, gelu_tanh
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -102,7 +102,7 @@ def test_layernorm_with_and_without_residual(dtype, n):
 def test_gpt2_fused_mlp_matches_eager(dtype):
     """The fused GPT-2 MLP (half precision: c_fc + gelu_new as one GEMM with a GELU epilogue;
     fp32: the two-step path) against the eager HF-arithmetic MLP."""
-    from pdserve.common.models.gpt2 import GPT2MLP
+    from pdserve.common.engine.models.gpt2 import GPT2MLP
 
     class Arch:
         hidden, inner = 64, 256

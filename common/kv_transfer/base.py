@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.common.kv_pool import PagedKVPool
+from pdserve.common.engine.kv_pool import PagedKVPool
 
 
 class KVTransferError(RuntimeError):

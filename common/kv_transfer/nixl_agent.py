@@ -12,7 +12,7 @@ import logging
 import nixl._bindings as nixl_bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
-from pdserve.common.kv_pool import PagedKVPool
+from pdserve.common.engine.kv_pool import PagedKVPool
 from pdserve.common.kv_transfer.base import KVLayout, KVTransferAgent, KVTransferError, TransferHandle, TransferState
 from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, run_descriptors
 from pdserve.common.kv_transfer.pool_metadata import PoolMetadata, decode_pool_metadata, encode_pool_metadata

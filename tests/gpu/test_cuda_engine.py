@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from pdserve.common.engine import Engine
+from pdserve.common.engine.engine import Engine
 from pdserve.common.tiny_model import ARCHS
 from pdserve.common.types import SamplingParams
 from tests.test_disagg_engines import hf_greedy

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine import Engine
+from pdserve.common.engine.engine import Engine
 from pdserve.common.kv_transfer import encode_notif
 from pdserve.common.types import SamplingParams
 from pdserve.decode.engine import DecodeEngine

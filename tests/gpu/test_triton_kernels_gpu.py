@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from pdserve.common.attention.triton_decode import DecodeWorkspace, decode_attention
-from pdserve.common.attention.triton_store import store_kv
+from pdserve.common.engine.attention.triton_decode import DecodeWorkspace, decode_attention
+from pdserve.common.engine.attention.triton_store import store_kv
 from tests.test_triton_kernels import (
     DECODE_CASES,
     EXTEND_CASES,

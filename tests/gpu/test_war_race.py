@@ -13,7 +13,7 @@ import random
 
 import torch
 
-from pdserve.common.engine import Engine
+from pdserve.common.engine.engine import Engine
 from pdserve.common.types import SamplingParams
 
 NUM_REQS, ROWS, MAX_NEW = 24, 4, 24

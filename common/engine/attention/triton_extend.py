@@ -1,0 +1,251 @@
+"""Triton kernel: prefill (extend) attention over a cached prefix, reading all KV from the pool.
+
+Grid (query heads, query blocks, requests): a program takes BLOCK_M consecutive new queries of
+one request and one head, and walks that request's keys through req_to_token from the start of
+the block's sliding window to the causal bound of its last query. The new tokens' K and V are
+already in the pool (the backend stores them first), so prefix and new keys are one walk; only
+the key blocks at the causal diagonal and the window's edge pay for masks. Heads of one request
+and KV group are adjacent in the grid, so their shared K/V stays in L2.
+
+NOTE: import this module lazily (never from common/engine/attention/__init__.py): Triton reads
+TRITON_INTERPRET when a @triton.jit function is defined, and the CPU tests set it in conftest.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_block(
+    q_tile, q_pos, m_i, l_i, acc, block_start, end, window, row_slots, k_buf, v_buf,
+    kv_head_offset, stride_buf_s, qk_scale, offs_d,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over keys [block_start, min(block_start + BLOCK_N, end)): one gather of
+    slots, then [BLOCK_N, BLOCK_D] of K and of V. MASKED: apply the bound, causal and window
+    masks; without it the block must be whole and visible to every query."""
+    offs_n = block_start + tl.arange(0, BLOCK_N)
+    mask_d = offs_d < HEAD_DIM
+    if MASKED:
+        mask_n = offs_n < end
+        slots = tl.load(row_slots + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+    else:
+        slots = tl.load(row_slots + offs_n).to(tl.int64)
+        kv_mask = mask_d[None, :]
+    kv_offsets = slots[:, None] * stride_buf_s + kv_head_offset + offs_d[None, :]
+    k_tile = tl.load(k_buf + kv_offsets, mask=kv_mask, other=0.0).to(q_tile.dtype)  # [BLOCK_N, BLOCK_D]
+    scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        distance = q_pos[:, None] - offs_n[None, :]
+        visible = mask_n[None, :] & (distance >= 0)
+        if USE_WINDOW:
+            visible = visible & (distance < window)
+        scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
+
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v_tile = tl.load(v_buf + kv_offsets, mask=kv_mask, other=0.0).to(q_tile.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_range(
+    q_tile, q_pos, m_i, l_i, acc, start, end, window, row_slots, k_buf, v_buf,
+    kv_head_offset, stride_buf_s, qk_scale, offs_d,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """_attend_block over keys [start, end), BLOCK_N at a time."""
+    if INTERPRETED:
+        # NOTE: Triton 3.6's interpreter int()s range() bounds, which numpy >= 2.4 refuses for its
+        # 1-element scalars (triton#9171); it walks the same blocks with a while loop instead.
+        block_start = start
+        while block_start < end:
+            m_i, l_i, acc = _attend_block(
+                q_tile, q_pos, m_i, l_i, acc, block_start, end, window, row_slots, k_buf, v_buf,
+                kv_head_offset, stride_buf_s, qk_scale, offs_d, BLOCK_N, HEAD_DIM, MASKED, USE_WINDOW, DOT_PRECISION,
+            )
+            block_start += BLOCK_N
+    else:
+        for block_start in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_block(
+                q_tile, q_pos, m_i, l_i, acc, block_start, end, window, row_slots, k_buf, v_buf,
+                kv_head_offset, stride_buf_s, qk_scale, offs_d, BLOCK_N, HEAD_DIM, MASKED, USE_WINDOW, DOT_PRECISION,
+            )
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _extend_kernel(
+    q,
+    k_buf,
+    v_buf,
+    out,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    extend_lens,
+    extend_starts,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_buf_s,
+    stride_buf_h,
+    stride_r2t,
+    qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
+    window,
+    group_size,
+    HEAD_DIM: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    head = tl.program_id(0)
+    q_block = tl.program_id(1)
+    req = tl.program_id(2)
+
+    extend_len = tl.load(extend_lens + req)
+    # The grid is sized by the longest extend; shorter requests' extra blocks have nothing to do.
+    if q_block * BLOCK_M >= extend_len:
+        return
+    seq_len = tl.load(seq_lens + req)
+    extend_start = tl.load(extend_starts + req).to(tl.int64)
+    row = tl.load(req_pool_indices + req).to(tl.int64)
+    prefix_len = seq_len - extend_len
+
+    offs_m = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < extend_len
+    q_pos = prefix_len + offs_m
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_qd = mask_m[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q_rows = extend_start + offs_m
+    q_ptrs = q + q_rows[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :]
+    q_tile = tl.load(q_ptrs, mask=mask_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
+
+    # The block's queries sit at [first_q, last_q]; it reads keys [lo, hi), in three ranges:
+    #   [lo, full_lo)       outside the window of some queries          masked (window only)
+    #   [full_lo, full_hi)  whole key blocks every query sees            no masks (most of the work)
+    #   [full_hi, hi)       across the causal diagonal (and the rest)    masked
+    first_q = prefix_len + q_block * BLOCK_M
+    hi = tl.minimum(seq_len, first_q + BLOCK_M)
+    lo = 0
+    full_lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(first_q - window + 1, 0)
+        full_lo = tl.minimum(tl.maximum(hi - window, lo), hi)  # the last query's window start
+    full_hi = full_lo + tl.maximum(first_q + 1 - full_lo, 0) // BLOCK_N * BLOCK_N
+
+    # A finite floor instead of -inf: a row whose keys in a block are all masked (before its
+    # window opens) keeps exp2(m_old - m_new) at 1 and p at 0, never nan.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    row_slots = req_to_token + row * stride_r2t
+    kv_head_offset = (head // group_size).to(tl.int64) * stride_buf_h
+    if USE_WINDOW:
+        m_i, l_i, acc = _attend_range(
+            q_tile, q_pos, m_i, l_i, acc, lo, full_lo, window, row_slots, k_buf, v_buf, kv_head_offset,
+            stride_buf_s, qk_scale, offs_d, BLOCK_N, HEAD_DIM, True, USE_WINDOW, DOT_PRECISION, INTERPRETED,
+        )
+    m_i, l_i, acc = _attend_range(
+        q_tile, q_pos, m_i, l_i, acc, full_lo, full_hi, window, row_slots, k_buf, v_buf, kv_head_offset,
+        stride_buf_s, qk_scale, offs_d, BLOCK_N, HEAD_DIM, False, USE_WINDOW, DOT_PRECISION, INTERPRETED,
+    )
+    m_i, l_i, acc = _attend_range(
+        q_tile, q_pos, m_i, l_i, acc, full_hi, hi, window, row_slots, k_buf, v_buf, kv_head_offset,
+        stride_buf_s, qk_scale, offs_d, BLOCK_N, HEAD_DIM, True, USE_WINDOW, DOT_PRECISION, INTERPRETED,
+    )
+
+    # Every valid row saw at least its own key (l_i > 0); the guard is for the masked-off rows.
+    out_tile = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = out + q_rows[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :]
+    tl.store(o_ptrs, out_tile.to(out.dtype.element_ty), mask=mask_qd)
+
+
+# True when TRITON_INTERPRET was set as the kernels were defined (the CPU tests).
+INTERPRETED = not isinstance(_extend_kernel, triton.runtime.JITFunction)
+
+
+def _launch_config(head_dim: int) -> dict:
+    """Block sizes and warps per head dim (tuned on an H200, bf16, prompts of 256)."""
+    if head_dim <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)
+
+
+def extend_attention(
+    q,
+    k_buf,
+    v_buf,
+    out,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    extend_lens,
+    extend_starts,
+    max_extend_len: int,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """Prefill over a cached prefix. q, out: [T, H, D] flat, request after request: request i owns
+    rows [extend_starts[i], extend_starts[i] + extend_lens[i]); its KV (prefix + the new tokens,
+    already stored in the pool) is positions [0, seq_lens[i]) read through
+    req_to_token[req_pool_indices[i]]. Its j-th new query is at position seq_lens[i] - extend_lens[i] + j
+    and is causal and, with sliding_window w (None or 0 = off), sees only keys with q_pos - k_pos < w.
+    seq_lens, extend_lens, extend_starts: [B] int32 on the device; max_extend_len: host int (grid).
+    Output in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    batch = seq_lens.shape[0]
+    num_kv_heads = k_buf.shape[1]
+    if num_tokens == 0 or batch == 0 or max_extend_len == 0:
+        return
+    assert out.shape == q.shape and k_buf.shape[2] == head_dim and v_buf.shape == k_buf.shape
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert q.stride(2) == out.stride(2) == k_buf.stride(2) == 1 and v_buf.stride() == k_buf.stride()
+    assert req_to_token.stride(1) == 1
+
+    config = _launch_config(head_dim)
+    grid = (num_heads, triton.cdiv(max_extend_len, config["BLOCK_M"]), batch)
+    _extend_kernel[grid](
+        q,
+        k_buf,
+        v_buf,
+        out,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_lens,
+        extend_starts,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        req_to_token.stride(0),
+        scale * LOG2E,
+        sliding_window or 0,
+        num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        USE_WINDOW=bool(sliding_window),
+        # tl.dot needs K >= 16 on the GPU; masks cover the padding (and non-powers of two like 80).
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 must not drop to tf32
+        INTERPRETED=INTERPRETED,
+        **config,
+    )

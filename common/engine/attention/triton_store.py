@@ -1,0 +1,147 @@
+"""Triton kernels: write this forward's new K and V into the paged pool, both in one launch.
+
+    store_kv(k_buf, v_buf, loc, k, v)       K and V into the pool at `loc`
+    rope_store_kv(q, k, v, positions, inv_freq, k_buf, v_buf, loc)
+                                            neox rotary on q and k in place, then the store above;
+                                            bitwise rope_ + store_kv, in one launch (fused Llama path)
+
+NOTE: import this module lazily (never from common/engine/attention/__init__.py): Triton reads
+TRITON_INTERPRET when a @triton.jit function is defined, and the CPU tests set it in conftest.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.common.engine.models.triton_ops import _rope_token_q, _rotate_store
+
+# A program copies BLOCK_H heads x BLOCK_D dims of one token's K and V; about 4k elements is a
+# few 16-byte vectors per thread and keeps wide models (64 KV heads x 128) from spilling.
+_MAX_TILE = 4096
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_buf,
+    v_buf,
+    loc,
+    k,
+    v,
+    stride_buf_s,
+    stride_buf_h,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
+    num_kv_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head_block = tl.program_id(1)
+    # int64: slot * stride overflows int32 on pools past 2^31 elements.
+    slot = tl.load(loc + token).to(tl.int64)
+
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < num_kv_heads)[:, None] & (offs_d < head_dim)[None, :]
+    dst = slot * stride_buf_s + offs_h[:, None] * stride_buf_h + offs_d[None, :]
+
+    k_row = tl.load(k + token.to(tl.int64) * stride_k_t + offs_h[:, None] * stride_k_h + offs_d[None, :], mask=mask)
+    tl.store(k_buf + dst, k_row.to(k_buf.dtype.element_ty), mask=mask)
+    v_row = tl.load(v + token.to(tl.int64) * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :], mask=mask)
+    tl.store(v_buf + dst, v_row.to(v_buf.dtype.element_ty), mask=mask)
+
+
+def store_kv(k_buf, v_buf, loc, k, v) -> None:
+    """k_buf, v_buf: [S, KVH, D] (pool dtype); loc: [T] int64 slot per token; k, v: [T, KVH, D] any
+    float dtype, cast to the pool dtype. One launch writes both K and V. T may be 0 (then do nothing).
+
+    k and v may be strided views (e.g. slices of a fused qkv projection) as long as the last dim is
+    contiguous. Slots in `loc` must be distinct, except that padded tokens may all write slot 0.
+    """
+    num_tokens = loc.shape[0]
+    if num_tokens == 0:
+        return
+    _, num_kv_heads, head_dim = k_buf.shape
+    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim), (k.shape, v.shape, k_buf.shape)
+    assert v_buf.shape == k_buf.shape and v_buf.stride() == k_buf.stride()
+    assert k_buf.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, _MAX_TILE // block_d))
+    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    _store_kv_kernel[grid](
+        k_buf,
+        v_buf,
+        loc,
+        k,
+        v,
+        k_buf.stride(0),
+        k_buf.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        num_kv_heads,
+        head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=4 if block_h * block_d >= 1024 else 1,
+    )
+
+
+@triton.jit
+def _rope_store_kv_kernel(
+    q, k, v, positions, inv_freq, k_buf, v_buf, loc,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_buf_s, stride_buf_h,
+    num_q_heads, num_kv_heads, half,
+    BLOCK_HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+):
+    # One program per token: rope_'s math (the same helpers), then store_kv's writes.
+    token = tl.program_id(0).to(tl.int64)
+    offs, mask_d, cos, sin = _rope_token_q(
+        q, positions, inv_freq, token, stride_qt, stride_qh, num_q_heads, half, BLOCK_HALF, BLOCK_QH
+    )
+
+    kv_heads = tl.arange(0, BLOCK_KH)
+    kv_mask = (kv_heads < num_kv_heads)[:, None] & mask_d[None, :]
+    # k too is rotated in place, so after this call k holds what rope_ would have left there.
+    k1, k2 = _rotate_store(k + token * stride_kt + kv_heads[:, None] * stride_kh + offs[None, :], cos, sin, half, kv_mask)
+    # int64: slot * stride overflows int32 on pools past 2^31 elements.
+    slot = tl.load(loc + token).to(tl.int64)
+    dst = slot * stride_buf_s + kv_heads[:, None] * stride_buf_h + offs[None, :]
+    tl.store(k_buf + dst, k1.to(k_buf.dtype.element_ty), mask=kv_mask)
+    tl.store(k_buf + dst + half, k2.to(k_buf.dtype.element_ty), mask=kv_mask)
+    v_ptr = v + token * stride_vt + kv_heads[:, None] * stride_vh + offs[None, :]
+    tl.store(v_buf + dst, tl.load(v_ptr, mask=kv_mask).to(v_buf.dtype.element_ty), mask=kv_mask)
+    tl.store(v_buf + dst + half, tl.load(v_ptr + half, mask=kv_mask).to(v_buf.dtype.element_ty), mask=kv_mask)
+
+
+def rope_store_kv(q, k, v, positions, inv_freq, k_buf, v_buf, loc) -> None:
+    """`rope_(q, k, positions, inv_freq)` then `store_kv(k_buf, v_buf, loc, k, v)` in one launch,
+    with the same results bit for bit: q [T, H, D] and k [T, KVH, D] are rotated in place (neox,
+    inv_freq [D/2] float32, no partial rotary), and the rotated k and v written at `loc`.
+
+    Same rules as those two: strided views (of a fused qkv) with a contiguous last dim; distinct
+    slots except for padded tokens, which may all write slot 0; T may be 0.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    half = inv_freq.numel()
+    assert 2 * half == head_dim, "partial rotary is not supported"
+    if num_tokens == 0:
+        return
+    _, num_kv_heads, _ = k_buf.shape
+    assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim) == (loc.shape[0], *k_buf.shape[1:])
+    assert v_buf.shape == k_buf.shape and v_buf.stride() == k_buf.stride() and k.dtype == q.dtype
+    assert q.stride(2) == k.stride(2) == v.stride(2) == k_buf.stride(2) == 1
+    _rope_store_kv_kernel[(num_tokens,)](
+        q, k, v, positions, inv_freq, k_buf, v_buf, loc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_buf.stride(0), k_buf.stride(1),
+        num_q_heads, num_kv_heads, half,
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_QH=triton.next_power_of_2(num_q_heads),
+        BLOCK_KH=triton.next_power_of_2(num_kv_heads), num_warps=4,
+    )

@@ -1,0 +1,90 @@
+"""What one forward pass runs, on both sides of vLLM's seam.
+
+    ScheduleBatch   the scheduler's decision, plain host data: which requests, which positions,
+                    which req_to_token rows to fill first. The scheduler never touches the device.
+    ForwardBatch    device tensors plus the host-side lengths, built from a ScheduleBatch by the
+                    BatchBuilder (common/engine/batch_builder.py) on the schedule stream; the model
+                    runner and the attention backend only read it.
+
+Tokens of all requests are laid out flat, request after request, with no padding: request i owns
+tokens [extend_starts[i], extend_starts[i] + extend_lens[i]).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.common.types import Req
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill: each request adds one or more tokens after its cached prefix
+    DECODE = "decode"  # each request adds exactly one token
+
+
+@dataclass
+class RowWrite:
+    """req_to_token[row, start : start + len(slots)] = slots: the KV a request has before its first
+    forward here (a prefix-cache hit, or pages a decode server reserved for a transfer)."""
+
+    row: int
+    start: int
+    slots: list[int]
+
+
+@dataclass
+class ScheduleBatch:
+    """One forward as the scheduler decided it. Request i computes positions [starts[i], ends[i])."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    starts: list[int]
+    ends: list[int]
+    samples: list[bool]  # False for a mid-prompt chunk: its sampled token is discarded
+    # Rows to fill before this forward, in the order they were decided (a row freed and handed out
+    # again is written again later in the list, so the last write wins).
+    row_writes: list[RowWrite] = field(default_factory=list)
+    seq: int = 0  # launch order, set when launched (for traces and tests)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    reqs: list[Req]
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64: the KV slot each new token is written to
+    req_pool_indices: torch.Tensor  # [B] int64: ReqToTokenPool rows
+    # Host-side copies, known at scheduling time, so no backend ever reads lengths back from the device.
+    seq_lens: list[int]  # KV length of each request after this forward (prefix + extend)
+    extend_lens: list[int]  # new tokens of each request in this forward
+    extend_starts: list[int]  # offset of each request's first new token in the flat layout
+    req_rows: list[int]  # ReqToTokenPool rows, host copy
+    last_indices: torch.Tensor  # [B] int64: flat index of each request's last new token
+    samples: list[bool]  # False for a mid-prompt chunk: its sampled token is discarded
+    has_placeholders: bool  # some input id is a FutureMap placeholder (< 0)
+    seq_lens_dev: torch.Tensor | None = None  # [B] int64: seq_lens on the device
+    # The upload the device fields are rows of, for a CUDA-graph runner's one copy. Decode: [6, B]
+    # int64 (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, last_indices);
+    # extend: [3, T] int64 (input_ids, positions, out_cache_loc).
+    packed: torch.Tensor | None = None
+    seq: int = 0  # its ScheduleBatch's launch order (for traces and tests)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def last_token_indices(self) -> list[int]:
+        """Flat index of each request's last new token: where its next-token logits come from."""
+        return [s + n - 1 for s, n in zip(self.extend_starts, self.extend_lens)]

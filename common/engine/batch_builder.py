@@ -1,0 +1,136 @@
+"""The runner side of the scheduler/runner seam: a ScheduleBatch becomes a ForwardBatch.
+
+Every device write that scheduling needs happens here, and the event loop calls `build` inside
+the schedule stream's context, so all of them queue on that stream (DESIGN.md, the overlap
+invariants): the req_to_token rows decided at admission (prefix hits, a decode server's reserved
+pages), the rows of the batch's new tokens, and the one H2D upload of its inputs. After the WAR
+barrier these writes wait on the GPU for the forward in flight, never on the host.
+
+NOTE: nothing here may read a device value back (`.item()`, `.tolist()`): the schedule stream is
+chained behind the forward in flight, so a host sync would serialize the loop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pdserve.common.engine.batch import ForwardBatch, ForwardMode, RowWrite, ScheduleBatch
+from pdserve.common.engine.kv_pool import ReqToTokenPool
+from pdserve.common.engine.overlap import h2d, h2d_array
+
+
+class BatchBuilder:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, page_size: int):
+        self.req_to_token_pool = req_to_token_pool
+        self.page_size = page_size
+        self.device = req_to_token_pool.req_to_token.device
+
+    def build(self, batch: ScheduleBatch) -> ForwardBatch:
+        if batch.row_writes:
+            self._write_rows(batch.row_writes)
+        if batch.mode is ForwardMode.DECODE:
+            return self._build_decode(batch)
+        return self._build_extend(batch)
+
+    def _write_rows(self, writes: list[RowWrite]) -> None:
+        """All the rows decided since the last batch, in one upload and one scatter. Writes come in
+        decision order and a scatter with repeated indices keeps no particular one, so a row written
+        twice (freed and handed out again in between) is written only with its last contents."""
+        last = {}
+        for w in writes:
+            last[w.row] = w  # NOTE: a later owner's write supersedes the earlier one whole
+        rows = [w.row for w in last.values() for _ in w.slots]
+        positions = [w.start + i for w in last.values() for i in range(len(w.slots))]
+        slots = [s for w in last.values() for s in w.slots]
+        if slots:
+            packed = h2d([rows, positions, slots], torch.int64, self.device)
+            self._write_slots(packed[0], packed[1], packed[2])
+
+    def _build_extend(self, batch: ScheduleBatch) -> ForwardBatch:
+        # Per-token fields are built with numpy over the whole batch: a prefill batch can hold
+        # tens of thousands of tokens, too many for per-token Python.
+        page = self.page_size
+        ids: list[int] = []
+        page_table: list[int] = []  # every request's pages, back to back
+        page_base, extend_lens, extend_starts = [], [], []
+        num_tokens = 0
+        for req, start, end in zip(batch.reqs, batch.starts, batch.ends):
+            extend_starts.append(num_tokens)
+            num_tokens += end - start
+            known = req.prompt_ids if end <= len(req.prompt_ids) else req.fill_ids()
+            ids += known[start:end]
+            page_base.append(len(page_table))
+            page_table += req.pages
+            extend_lens.append(end - start)
+        lens = np.asarray(extend_lens, dtype=np.int64)
+        first = np.asarray(batch.starts, dtype=np.int64)
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(first - np.asarray(extend_starts, dtype=np.int64), lens)
+        page_index = np.repeat(np.asarray(page_base, dtype=np.int64), lens) + positions // page
+        out_loc = np.asarray(page_table, dtype=np.int64)[page_index] * page + positions % page
+        req_rows = [r.req_pool_idx for r in batch.reqs]
+        last = [s + n - 1 for s, n in zip(extend_starts, extend_lens)]
+        # One upload for everything; the fields are views of it.
+        t, b = num_tokens, batch.batch_size
+        per_req = np.asarray(req_rows + last + batch.ends, dtype=np.int64)
+        rows = np.repeat(np.asarray(req_rows, dtype=np.int64), lens)
+        input_ids = np.asarray(ids, dtype=np.int64)
+        packed = h2d_array(np.concatenate([input_ids, positions, out_loc, rows, per_req]), self.device)
+        ids_d, pos_d, loc_d, rows_d = packed[:t], packed[t : 2 * t], packed[2 * t : 3 * t], packed[3 * t : 4 * t]
+        self._write_slots(rows_d, pos_d, loc_d)
+        return ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            reqs=batch.reqs,
+            input_ids=ids_d,
+            positions=pos_d,
+            out_cache_loc=loc_d,
+            req_pool_indices=packed[4 * t : 4 * t + b],
+            seq_lens=list(batch.ends),
+            extend_lens=extend_lens,
+            extend_starts=extend_starts,
+            req_rows=req_rows,
+            last_indices=packed[4 * t + b : 4 * t + 2 * b],
+            samples=batch.samples,
+            has_placeholders=False,  # a prefill feeds only tokens the host knows
+            seq_lens_dev=packed[4 * t + 2 * b :],
+            packed=packed[: 3 * t].view(3, t),
+            seq=batch.seq,
+        )
+
+    def _build_decode(self, batch: ScheduleBatch) -> ForwardBatch:
+        """One new token per request, at position seq_len - 1; the hot path of every decode step."""
+        page = self.page_size
+        input_ids, positions, out_loc, req_rows = [], [], [], []
+        for req, pos in zip(batch.reqs, batch.starts):
+            # The last token: a FutureMap placeholder while its value is still in flight.
+            input_ids.append(-req.future_idx if req.pending else (req.output_ids or req.prompt_ids)[-1])
+            positions.append(pos)
+            out_loc.append(req.pages[pos // page] * page + pos % page)
+            req_rows.append(req.req_pool_idx)
+        b = batch.batch_size
+        # Rows of one [6, B] upload: the CUDA-graph runner copies rows 0-4 in one strided copy.
+        packed = h2d([input_ids, positions, out_loc, req_rows, batch.ends, list(range(b))], torch.int64, self.device)
+        self._write_slots(packed[3], packed[1], packed[2])
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            reqs=batch.reqs,
+            input_ids=packed[0],
+            positions=packed[1],
+            out_cache_loc=packed[2],
+            req_pool_indices=packed[3],
+            seq_lens=list(batch.ends),
+            extend_lens=[1] * b,
+            extend_starts=list(range(b)),
+            req_rows=req_rows,
+            last_indices=packed[5],
+            samples=batch.samples,
+            has_placeholders=any(t < 0 for t in input_ids),
+            seq_lens_dev=packed[4],
+            packed=packed,
+            seq=batch.seq,
+        )
+
+    def _write_slots(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[row, position] = slot: queued on the current (schedule) stream, before the
+        forward that reads them."""
+        self.req_to_token_pool.write_slots(rows, positions, slots)

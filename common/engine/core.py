@@ -1,0 +1,198 @@
+"""What every role's engine holds, and the steps every event loop calls.
+
+    EngineCore
+        runner          the model, the KV pools, the streams, FutureMap and pinned outputs
+        builder         ScheduleBatch -> ForwardBatch: the scheduling side's device writes
+        scheduler       the role's host-only scheduler (made by the role: make_scheduler)
+        result_queue    launched batches whose results are not processed yet (at most two)
+
+The loops themselves live with their roles (common/engine/engine.py: colocated; prefill/loop.py;
+decode/loop.py); the launch/process pair they share is here:
+    run_batch(batch)                launch forward + sample of batch N; returns its ForwardResult
+    process_results_before(batch)   process N-1 once N is launched (the last one when nothing was)
+`copy_done.synchronize()` in process_batch_result is the only place the host waits for the device.
+
+A server attaches a channel (common/serving/scheduler_process.py): `recv_requests` reads it, blocking
+briefly only when nothing runs, and the role's `process_input_requests` / `send_outputs` turn its
+messages into requests and outputs into messages. Without one (the offline API, tests) requests
+are added by calls and the loops yield their outputs.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import random
+from collections import deque
+from typing import Sequence
+
+from pdserve.common.engine.batch import ForwardMode, ScheduleBatch
+from pdserve.common.engine.batch_builder import BatchBuilder
+from pdserve.common.config import EngineConfig
+from pdserve.common.detokenizer import IncrementalDetokenizer
+from pdserve.common.engine.model_runner import ModelRunner
+from pdserve.common.engine.overlap import ForwardResult
+from pdserve.common.engine.sampling import SamplingBatchInfo, to_token_logprobs
+from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
+from pdserve.common.types import Req, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+YOUNG_GC_THRESHOLD = 10_000
+
+
+def tune_gc() -> None:
+    """Keep Python's cyclic collector out of the serving loop's way (process-wide settings).
+
+    NOTE: startup leaves ~300k long-lived objects (modules, model, tokenizer); the first full
+    collection after it stalled a generate for ~150 ms (2-core host). Frozen, the collector only
+    walks what serving allocates (vLLM's engine core freezes too); an object alive now that later
+    becomes cyclic garbage is never collected. And at the default threshold of 700 the youngest
+    generation was collected ~2 times per GPT-2 offline run of 128 requests, ~0.65 ms each; at
+    10,000 not once (nearly everything serving allocates is freed by reference counting first).
+    """
+    gc.collect()
+    gc.freeze()
+    young, *older = gc.get_threshold()
+    gc.set_threshold(max(young, YOUNG_GC_THRESHOLD), *older)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, prefill_graphs: bool = True):
+        self.config = config.resolve()
+        self.tokenizer = load_tokenizer(self.config.model_path)
+        self.eos_token_ids = eos_token_ids(self.config.model_path, self.tokenizer)
+        self.runner = ModelRunner(self.config, prefill_graphs=prefill_graphs)
+        self.builder = BatchBuilder(self.runner.req_to_token_pool, self.config.page_size)
+        self.streams = self.runner.streams
+        self.scheduler = self.make_scheduler()
+        self.result_queue: deque[tuple[ScheduleBatch, ForwardResult]] = deque()
+        self.outputs: list = []  # what this iteration finished, for send_outputs
+        self.channel = None  # the scheduler process's I/O; None offline
+        self.trace: deque = deque(maxlen=4096)  # ("launch" | "process", batch.seq), for ordering tests
+        self._launches = itertools.count()
+        seed = None if self.config.random_seed < 0 else self.config.random_seed
+        self._rng = random.Random(seed)
+        self._ids = itertools.count()
+        if self.runner.device.type == "cuda":
+            chunk = self.config.chunked_prefill_size
+            seconds = self.runner.warmup(chunk if chunk > 0 else 8192)
+            logger.info("prefill kernels warmed up in %.2f s", seconds)
+        tune_gc()
+
+    def make_scheduler(self):
+        raise NotImplementedError
+
+    @property
+    def max_context_len(self) -> int:
+        return self.config.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError, with a message for the client, when a request could never run."""
+        bad = []
+        if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size):  # fast path: C loops
+            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        self.scheduler.check_request(prompt_ids, params)
+
+    def make_req(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None,
+                 detokenize: bool = True) -> Req:
+        """A checked request with its seed drawn (when the client gave none); `detokenize` gives it a
+        detokenizer (its text is built as it finishes, or per token for stop strings)."""
+        self.check_request(prompt_ids, params)
+        return self.build_req(prompt_ids, params, rid if rid is not None else f"req-{next(self._ids)}", detokenize)
+
+    def build_req(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str, detokenize: bool = True) -> Req:
+        """make_req without the checks (the caller made them)."""
+        seed = params.seed % 2**64 if params.seed is not None else self._rng.getrandbits(64)
+        req = Req(rid, prompt_ids, params, seed)  # Req copies the ids
+        if detokenize:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.skip_special_tokens)
+        return req
+
+    def abort(self, rid: str):
+        return self.scheduler.abort(rid)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def busy(self) -> bool:
+        """Something is queued, running, transferring or in flight on the device."""
+        return bool(self.result_queue) or self.scheduler.has_work()
+
+    def is_idle(self) -> bool:
+        return not self.result_queue and self.scheduler.is_idle()
+
+    def stats(self) -> dict:
+        s, pool = self.scheduler, self.runner.kv_pool
+        return {
+            "kv_used_tokens": s.kv_used_tokens(),
+            "kv_cached_tokens": pool.used_tokens() - s.kv_used_tokens(),
+            "kv_total_tokens": pool.capacity_tokens,
+            "running_requests": len(getattr(s, "running", ())),
+            "waiting_requests": len(s.waiting),
+        }
+
+    # ---- the steps every loop calls ------------------------------------------------------------
+
+    def recv_requests(self) -> list:
+        """The channel's messages; blocks (briefly) only when there is nothing to run."""
+        return self.channel.recv(block=not self.busy()) if self.channel is not None else []
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        return self.scheduler.get_next_batch_to_run()
+
+    def run_batch(self, batch: ScheduleBatch) -> ForwardResult:
+        """Queue batch N's forward + sample and the copy of its results to pinned memory; returns
+        at once. The batch's device inputs are built here, on the current (schedule) stream."""
+        batch.seq = next(self._launches)
+        forward_batch = self.builder.build(batch)
+        # NOTE: built before the previous result is processed: that may finish (and free) a
+        # request of this batch, whose token is then discarded (Scheduler.on_launched).
+        if self.result_queue and self.must_run_serially(batch):
+            self.process_results_before(None)
+        info = SamplingBatchInfo.from_reqs(batch.reqs, self.vocab_size, self.eos_token_ids, self.runner.device)
+        slots = self.runner.future_map.alloc(batch.batch_size)
+        result = self.runner.launch(forward_batch, info, slots)
+        self.scheduler.on_launched(batch, slots)
+        self.trace.append(("launch", batch.seq))
+        return result
+
+    def process_batch_result(self, batch: ScheduleBatch, result: ForwardResult) -> None:
+        result.copy_done.synchronize()  # the one place the host waits for the device
+        self.trace.append(("process", batch.seq))
+        host = self.runner.host_sample_output(result)
+        next_ids, logprobs = host.next_token_ids.tolist(), to_token_logprobs(host, batch.reqs)
+        self.runner.release(result)
+        self.outputs += self.scheduler.process_batch_result(batch, next_ids, logprobs)
+
+    def process_results_before(self, batch: ScheduleBatch | None) -> None:
+        """Process every launched batch before `batch`: N-1 right after N is launched, or the last
+        one when nothing was launched this iteration."""
+        while self.result_queue and self.result_queue[0][0] is not batch:
+            self.process_batch_result(*self.result_queue.popleft())
+
+    def must_run_serially(self, batch: ScheduleBatch) -> bool:
+        """Cases where overlapping with the previous batch would be wrong or hurt.
+
+        Penalties need the previous token's value on the host when the batch's sampling info is
+        built; --serial-consecutive-prefill keeps a prefill from delaying the previous prefill's
+        first token by one forward (TTFT).
+        """
+        if any(r.params.has_penalties for r in batch.reqs):
+            return True
+        last = self.result_queue[-1][0] if self.result_queue else None
+        consecutive_prefill = batch.mode is ForwardMode.EXTEND and last is not None and last.mode is ForwardMode.EXTEND
+        return self.config.serial_consecutive_prefill and consecutive_prefill
+
+    def take_outputs(self) -> list:
+        outputs, self.outputs = self.outputs, []
+        return outputs

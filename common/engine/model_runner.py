@@ -1,0 +1,232 @@
+"""Owns the device state: the model, the KV pools and the attention backend; runs one forward.
+
+The scheduler decides what runs and does the KV bookkeeping; the runner turns a ForwardBatch into
+next-token logits and samples them. It never looks at request state beyond what sampling needs.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import time
+
+import torch
+
+from pdserve.common.engine.attention import create_backend
+from pdserve.common.engine.batch import ForwardBatch, ForwardMode
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine.cuda_graph import CudaGraphRunner
+from pdserve.common.engine.prefill_graph import PrefillGraphRunner
+from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
+from pdserve.common.engine.models.loader import load_model
+from pdserve.common.engine.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs
+from pdserve.common.engine.sampling import SampleOutput, SamplingBatchInfo, sample
+from pdserve.common.types import MAX_TOP_LOGPROBS
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, prefill_graphs: bool = True):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.memory_report: dict | None = None  # what --mem-fraction-static measured, on CUDA
+        self.dtype = DTYPES[config.dtype]
+        self.model = load_model(config.model_path, self.dtype, self.device)
+        self.vocab_size = self.model.arch.vocab_size
+        if config.attention_backend == "triton" and self.device.type == "cuda":
+            self.model.fuse()  # the fast path: merged projections, fused small ops
+        num_layers, kv_heads, head_dim = self.model.kv_geometry()
+        bytes_per_token = 2 * num_layers * kv_heads * head_dim * self.dtype.itemsize
+        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, config.context_length, self.device)
+        self.kv_pool = PagedKVPool(
+            num_pages=1 + self._kv_pages(bytes_per_token),
+            page_size=config.page_size,
+            num_layers=num_layers,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        num_heads = self.model.arch.num_heads
+        self.attn = create_backend(config.attention_backend, self.req_to_token_pool, self.kv_pool, num_heads, config.max_running_requests)
+        self.streams = DeviceStreams(self.device)
+        self.future_map = FutureMap(config.max_running_requests, self.device)
+        self.pinned = PinnedOutputs(config.max_running_requests, MAX_TOP_LOGPROBS, self.device)
+        # Test hook: called on the forward stream before the model runs (e.g. a GPU sleep that
+        # widens race windows). None in production.
+        self.before_forward = None
+        self.cuda_graphs = self._capture_cuda_graphs()
+        self.prefill_graphs = self._capture_prefill_graphs() if prefill_graphs else None
+
+    @torch.inference_mode()
+    def warmup(self, chunk_tokens: int) -> float:
+        """Run the prefill path (forward and greedy sampling) on dummy batches, so the first requests
+        a server takes do not pay for kernel compilation and allocator growth; returns the seconds.
+
+        Triton compiles a kernel again for each new specialization of its integer arguments (equal
+        to 1, divisible by 16), and the caching allocator grows on the first big batch: on a fresh
+        GPU server the first burst of requests ran at half speed without this. The batches write
+        their KV to slot 0 and read through the pad row, as padded CUDA-graph rows do, so the pools
+        are left as they were.
+        """
+        start = time.perf_counter()
+        longest = min(self.req_to_token_pool.context_len, max(chunk_tokens, 1))
+        shapes = [[1], [7], [16], [5, 27], [64, 64, 48], [min(1024, longest)] * max(1, min(chunk_tokens // 1024, 256))]
+        for lens in shapes:
+            lens = [min(n, longest) for n in lens]
+            batch = self._dummy_extend(lens)
+            logits = self.forward(batch, batch.input_ids)
+            sample(logits, SamplingBatchInfo.plain_greedy(len(lens), self.vocab_size))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+    def _dummy_extend(self, lens: list[int]) -> ForwardBatch:
+        device, pad = self.device, self.req_to_token_pool.pad_row
+        starts = [0, *itertools.accumulate(lens)][:-1]
+        tokens = sum(lens)
+        return ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            reqs=[],
+            input_ids=torch.zeros(tokens, dtype=torch.int64, device=device),
+            positions=torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]).to(device),
+            out_cache_loc=torch.zeros(tokens, dtype=torch.int64, device=device),
+            req_pool_indices=torch.full((len(lens),), pad, dtype=torch.int64, device=device),
+            seq_lens=list(lens),
+            extend_lens=list(lens),
+            extend_starts=starts,
+            req_rows=[pad] * len(lens),
+            last_indices=torch.tensor([s + n - 1 for s, n in zip(starts, lens)], dtype=torch.int64, device=device),
+            samples=[True] * len(lens),
+            has_placeholders=False,
+        )
+
+    def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
+        c = self.config
+        if self.device.type != "cuda" or c.disable_cuda_graph:
+            return None
+        if c.attention_backend != "triton":
+            # The torch-native decode sizes its tensors from host lengths: not capturable.
+            logger.info("CUDA graphs need --attention-backend triton; decode runs eagerly")
+            return None
+        max_bs = min(c.cuda_graph_max_bs or 256, c.max_running_requests)
+        return CudaGraphRunner(self, max_bs)
+
+    def _capture_prefill_graphs(self) -> PrefillGraphRunner | None:
+        c = self.config
+        if self.cuda_graphs is None:  # not on CUDA, graphs turned off, or a backend that can't be captured
+            return None
+        longest = min(c.prefill_cuda_graph_max_tokens, c.max_prefill_tokens, self.req_to_token_pool.context_len)
+        if c.chunked_prefill_size > 0:
+            longest = min(longest, c.chunked_prefill_size)
+        longest -= longest % 16
+        if longest < 16:
+            return None
+        return PrefillGraphRunner(self, longest, pool=self.cuda_graphs.pool)
+
+    def _kv_pages(self, bytes_per_token: int) -> int:
+        c = self.config
+        tokens = c.max_total_tokens
+        if tokens == 0:
+            tokens = int(self._kv_budget_bytes()) // bytes_per_token
+            # --mem-fraction-static gives the KV cache all it measured, as SGLang does: the prefix
+            # cache keeps finished requests' KV in whatever running requests leave. Otherwise (the
+            # CPU default, or no prefix cache) more than every running request at full context
+            # can never be used.
+            if not c.mem_fraction_static or c.disable_radix_cache:
+                tokens = min(tokens, c.max_running_requests * c.context_length)
+        pages = pages_for(tokens, c.page_size)
+        if pages < pages_for(c.context_length, c.page_size):
+            raise ValueError(
+                f"KV cache of {pages * c.page_size} tokens cannot hold one sequence of the context length "
+                f"{c.context_length}; raise --max-total-tokens or lower --context-length"
+            )
+        return pages
+
+    def _kv_budget_bytes(self) -> float:
+        """Bytes for the KV cache: measured on CUDA with --mem-fraction-static, else the flag."""
+        c = self.config
+        if not c.mem_fraction_static:
+            return c.kv_cache_memory_gb * 2**30
+        torch.cuda.synchronize(self.device)
+        gc.collect()  # blocks this process cached but no longer uses are not "in use"
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        in_use = total - free  # weights, the CUDA context, and anything else on the GPU
+        budget = total * c.mem_fraction_static - in_use
+        self.memory_report = {"total": total, "in_use": in_use, "kv_budget": budget}
+        logger.info(
+            "GPU memory: %.1f GiB in use of %.1f GiB after loading; KV cache budget %.2f GiB (--mem-fraction-static %s)",
+            in_use / 2**30, total / 2**30, budget / 2**30, c.mem_fraction_static,
+        )
+        if budget <= 0:
+            raise ValueError(
+                f"--mem-fraction-static {c.mem_fraction_static} leaves no room for the KV cache: "
+                f"{in_use / 2**30:.1f} GiB of {total / 2**30:.1f} GiB is already in use after loading the model"
+            )
+        return budget
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [batch_size, vocab] in the model's dtype, run eagerly."""
+        self.attn.init_forward(batch)
+        hidden = self.model(input_ids, batch.positions, batch, self.attn)
+        if batch.mode is ForwardMode.EXTEND:
+            hidden = hidden[batch.last_indices]  # decode has one token per request already
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def launch(self, batch: ForwardBatch, info: SamplingBatchInfo, future_slots: list[int]) -> ForwardResult:
+        """Queue forward + sample of `batch` and the copy of its results to pinned host memory.
+
+        Returns at once; the host may read the result after `result.copy_done.synchronize()`.
+        Sampled ids also go to the FutureMap slots `future_slots`, where later batches read them.
+        """
+        streams = self.streams
+        with streams.use(streams.forward_stream):
+            streams.forward_stream.wait_stream(streams.schedule_stream)
+            if self.before_forward is not None:
+                self.before_forward(batch)
+            if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+                logits = self.cuda_graphs.replay(batch)  # resolves placeholders inside the graph
+            elif self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+                logits = self.prefill_graphs.replay(batch)
+            else:
+                input_ids = self.future_map.resolve(batch.input_ids) if batch.has_placeholders else batch.input_ids
+                logits = self.forward(batch, input_ids)
+            out = sample(logits, info)
+            self.future_map.store(future_slots, out.next_token_ids)
+            published = streams.event()
+            published.record(streams.forward_stream)
+        host = self.pinned.acquire()
+        bs, k = batch.batch_size, info.top_logprobs_k
+        with streams.use(streams.d2h_stream):
+            streams.d2h_stream.wait_event(published)
+            host.next_token_ids[:bs].copy_(out.next_token_ids, non_blocking=True)
+            if out.logprobs is not None:
+                host.logprobs[:bs].copy_(out.logprobs, non_blocking=True)
+            if k:
+                host.top_ids[:bs, :k].copy_(out.top_logprob_ids, non_blocking=True)
+                host.top_logprobs[:bs, :k].copy_(out.top_logprobs, non_blocking=True)
+            copy_done = streams.event()
+            copy_done.record(streams.d2h_stream)
+        return ForwardResult(host, bs, out.logprobs is not None, k, copy_done, published, keep_alive=[batch, info, out])
+
+    def host_sample_output(self, result: ForwardResult) -> SampleOutput:
+        """The result's host copies, as a SampleOutput (call after copy_done.synchronize())."""
+        h, bs, k = result.host, result.batch_size, result.top_k
+        return SampleOutput(
+            next_token_ids=h.next_token_ids[:bs],
+            logprobs=h.logprobs[:bs] if result.has_logprobs else None,
+            top_logprob_ids=h.top_ids[:bs, :k] if k else None,
+            top_logprobs=h.top_logprobs[:bs, :k] if k else None,
+        )
+
+    def release(self, result: ForwardResult) -> None:
+        """The host is done with the result: its pinned buffers and device tensors may be reused."""
+        result.host.in_use = False
+        result.keep_alive.clear()

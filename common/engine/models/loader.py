@@ -1,0 +1,80 @@
+"""Build a model from a Hugging Face checkpoint directory: config.json + *.safetensors."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from pdserve.common.config import read_hf_config
+from pdserve.common.engine.models import MODEL_REGISTRY
+from pdserve.common.engine.models.gpt2 import TRANSPOSED
+
+# Checkpoint entries that are not weights (cached buffers some exporters save).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+
+
+def model_class(cfg: dict) -> type:
+    archs = cfg.get("architectures") or []
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            module, name = MODEL_REGISTRY[arch].split(":")
+            return getattr(importlib.import_module(module), name)
+    raise ValueError(f"unsupported architectures {archs}; supported: {sorted(MODEL_REGISTRY)}")
+
+
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
+    cfg = read_hf_config(model_path)
+    cls = model_class(cfg)
+    with torch.device("meta"):
+        model = cls(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    _load_weights(model, model_path, cfg)
+    # Buffers (RoPE inverse frequencies) are not in the checkpoint: compute them for real.
+    for module in model.modules():
+        if hasattr(module, "init_buffers"):
+            module.init_buffers()
+    return model.eval()
+
+
+def _checkpoint_files(model_path: str) -> list[str]:
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_path, s) for s in shards]
+    single = os.path.join(model_path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_path}")
+
+
+def _load_weights(model: torch.nn.Module, model_path: str, cfg: dict) -> None:
+    params = dict(model.named_parameters())  # tied weights appear once, under the first name
+    is_gpt2 = "GPT2LMHeadModel" in cfg.get("architectures", [])
+    loaded: set[str] = set()
+    for path in _checkpoint_files(model_path):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                if key.endswith(_IGNORED_SUFFIXES):
+                    continue
+                name = "transformer." + key if is_gpt2 and not key.startswith(("transformer.", "lm_head.")) else key
+                if name not in params:
+                    if name == "lm_head.weight" and "lm_head.weight" not in params:
+                        continue  # tied: the embedding already holds it
+                    raise ValueError(f"unexpected weight {key!r} in {path}")
+                tensor = f.get_tensor(key)
+                if is_gpt2 and name.endswith(TRANSPOSED):
+                    tensor = tensor.t()
+                if tensor.shape != params[name].shape:
+                    raise ValueError(f"weight {key!r}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_path} lacks weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")

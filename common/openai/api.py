@@ -1,0 +1,362 @@
+"""OpenAI request parsing and validation for /v1/completions and /v1/chat/completions.
+
+Torch-free on purpose: the HTTP router reuses it. Every body field is either mapped onto
+`SamplingParams`, checked and kept on `ParsedRequest`, listed in HARMLESS_FIELDS (checked, then
+ignored), or rejected with a 400 that names it. Nothing is silently dropped.
+Response building lives in `openai_format.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pdserve.common.types import MAX_TOP_LOGPROBS, SamplingParams
+
+MAX_N = 128
+MAX_LOGPROBS = 5  # completions' logprobs
+MASK64 = 2**64 - 1
+
+SAMPLING_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "frequency_penalty",
+    "presence_penalty", "stream", "stream_options", "logit_bias",
+    # vLLM / SGLang extensions
+    "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens",
+    "skip_special_tokens", "include_stop_str_in_output", "return_token_ids",
+})  # fmt: skip
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+CHAT_FIELDS = SAMPLING_FIELDS | {
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+    "tools", "tool_choice", "functions", "function_call",
+}  # fmt: skip
+# Accepted and ignored: they do not change what is generated.
+HARMLESS_FIELDS = {"user": str, "metadata": dict, "store": bool, "service_tier": str, "parallel_tool_calls": bool}
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class OpenAIError(Exception):
+    """An error for the client, carried to the response in OpenAI's error format."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.code = code
+        # As OpenAI's API: its own failures (5xx) are "server_error"; the client's, 404
+        # model_not_found and 401 included, "invalid_request_error".
+        self.type = "server_error" if status_code >= 500 else "invalid_request_error"
+
+    def to_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ParsedRequest:
+    """A validated request: token-id prompts and one SamplingParams per choice.
+
+    Choices are numbered `prompt_index * n + choice`; `params` is in that order.
+    """
+
+    kind: str  # "completion" or "chat"
+    model: str
+    prompts: list[list[int]]
+    prompt_texts: list[str]  # the prompt as text, for echo (chat: the templated conversation)
+    n: int
+    params: list[SamplingParams]
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
+    echo: bool = False
+    return_token_ids: bool = False
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+    messages: list[dict] = field(default_factory=list)  # chat only, as given to the chat template
+
+    def engine_requests(self) -> list[tuple[list[int], SamplingParams]]:
+        """(prompt ids, params) for every choice, in choice-index order."""
+        return [(self.prompts[i // self.n], params) for i, params in enumerate(self.params)]
+
+
+# ---- typed field reads: null means absent --------------------------------------------------------
+
+
+# bool before int: bool is a subclass of int
+_JSON_TYPES = (
+    (bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"), (dict, "object")
+)  # fmt: skip
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return next((name for kind, name in _JSON_TYPES if isinstance(value, kind)), type(value).__name__)
+
+
+def _wrong_type(name: str, expected: str, value: Any) -> OpenAIError:
+    return OpenAIError(f"'{name}' must be {expected}, got {_json_type(value)}", param=name)
+
+
+def _check(name: str, value: Any, ok: Callable[[Any], bool] | None, expect: str) -> Any:
+    if ok is not None and not ok(value):
+        raise OpenAIError(f"'{name}' must be {expect}, got {value!r}", param=name)
+    return value
+
+
+def _integer(body: dict, name: str, default: Any, ok: Callable[[int], bool] | None = None, expect: str = "") -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    # bool is a subclass of int, and 1.0 is a float: both are rejected for integer fields
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _wrong_type(name, "an integer", value)
+    return _check(name, value, ok, expect)
+
+
+def _number(body: dict, name: str, default: Any, ok: Callable[[float], bool] | None = None, expect: str = "") -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _wrong_type(name, "a number", value)
+    if not math.isfinite(value):  # json.loads accepts NaN and Infinity
+        raise OpenAIError(f"'{name}' must be a finite number, got {value!r}", param=name)
+    return _check(name, float(value), ok, expect)
+
+
+def _boolean(body: dict, name: str, default: Any) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _wrong_type(name, "a boolean", value)
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise _wrong_type("stop", "a string or an array of strings", value)
+    if not all(value):
+        raise OpenAIError("'stop' strings must not be empty", param="stop")
+    return tuple(value)
+
+
+def _stop_token_ids(body: dict) -> tuple[int, ...]:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+        raise _wrong_type("stop_token_ids", "an array of integers", value)
+    if any(t < 0 for t in value):
+        raise OpenAIError("'stop_token_ids' must be non-negative", param="stop_token_ids")
+    return tuple(value)
+
+
+def _reject_unless_empty(body: dict, name: str, allowed: tuple = ()) -> None:
+    """Fields we do not implement: accepted only when they ask for nothing."""
+    value = body.get(name)
+    if value is None or value in ({}, [], *allowed):
+        return
+    raise OpenAIError(f"'{name}' is not supported", param=name)
+
+
+# ---- checks shared by both endpoints ------------------------------------------------------------
+
+
+def _check_fields(body: Any, accepted: frozenset | set) -> None:
+    if not isinstance(body, dict):
+        raise OpenAIError(f"the request body must be a JSON object, got {_json_type(body)}")
+    unknown = sorted(set(body) - set(accepted) - set(HARMLESS_FIELDS))
+    if unknown:
+        raise OpenAIError(f"unknown field(s): {', '.join(repr(u) for u in unknown)}", param=unknown[0])
+    for name, kind in HARMLESS_FIELDS.items():
+        value = body.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise _wrong_type(name, {str: "a string", dict: "an object", bool: "a boolean"}[kind], value)
+
+
+def _check_model(body: dict, served_model_name: str) -> None:
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise _wrong_type("model", "a string", model)
+    if model != served_model_name:
+        raise OpenAIError(f"The model `{model}` does not exist.", status_code=404, code="model_not_found")
+
+
+def _stream_options(body: dict, allow_stream: bool) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = _boolean(body, "stream", False)
+    if stream and not allow_stream:
+        raise OpenAIError("'stream' is not supported here; it must be false or absent", param="stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise OpenAIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    if not isinstance(options, dict):
+        raise _wrong_type("stream_options", "an object", options)
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise OpenAIError(f"unknown field(s) in 'stream_options': {', '.join(unknown)}", param="stream_options")
+    return stream, _boolean(options, "include_usage", False)
+
+
+def _sampling_fields(body: dict) -> dict:
+    """SamplingParams keyword arguments common to both endpoints (not max tokens, seed, logprobs)."""
+    _reject_unless_empty(body, "logit_bias")
+    return {
+        "temperature": _number(body, "temperature", 1.0, lambda v: 0 <= v <= 2, "between 0 and 2"),
+        "top_p": _number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
+        "top_k": _integer(body, "top_k", -1, lambda v: v >= -1, "-1 (disabled), 0 (disabled) or positive"),
+        "min_p": _number(body, "min_p", 0.0, lambda v: 0 <= v <= 1, "in [0, 1]"),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0, lambda v: 0 < v <= 2, "in (0, 2]"),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "between -2 and 2"),
+        "presence_penalty": _number(body, "presence_penalty", 0.0, lambda v: -2 <= v <= 2, "between -2 and 2"),
+        "stop": _stop(body),
+        "stop_token_ids": _stop_token_ids(body),
+        "ignore_eos": _boolean(body, "ignore_eos", False),
+        "min_new_tokens": _integer(body, "min_tokens", 0, lambda v: v >= 0, ">= 0"),
+        "skip_special_tokens": _boolean(body, "skip_special_tokens", True),
+        "include_stop_str_in_output": _boolean(body, "include_stop_str_in_output", False),
+    }
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice `choice` (0..n-1) of a prompt: choice 0 keeps the client's seed, so n=1
+    and n>1 agree on it; later choices get a splitmix64 mix of (seed, choice), so they differ."""
+    if seed is None or choice == 0:
+        return seed
+    x = (seed + choice * 0x9E3779B97F4A7C15) & MASK64  # & MASK64 also maps negative seeds into range
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def _shared(body: Any, served_model_name: str, accepted: frozenset, allow_stream: bool) -> dict:
+    """The checks and values both endpoints share, keyed for _build."""
+    _check_fields(body, accepted)
+    _check_model(body, served_model_name)
+    stream, include_usage = _stream_options(body, allow_stream)
+    return {
+        "n": _integer(body, "n", 1, lambda v: 1 <= v <= MAX_N, f"between 1 and {MAX_N}"),
+        "seed": _integer(body, "seed", None, lambda v: -(2**63) <= v <= MASK64, "a 64-bit integer"),
+        "sampling": _sampling_fields(body),
+        "stream": stream,
+        "include_usage": include_usage,
+        "return_token_ids": _boolean(body, "return_token_ids", False),
+    }
+
+
+def _build(
+    kind: str, shared: dict, model: str, prompts: list[list[int]], texts: list[str],
+    max_tokens: int | None, logprobs: int | None, max_context_len: int, **extra: Any,
+) -> ParsedRequest:  # fmt: skip
+    """One SamplingParams per (prompt, choice), after the context-length check."""
+    n, seed = shared["n"], shared["seed"]
+    prompt_word = "prompt" if kind == "completion" else "messages"
+    params = []
+    for prompt in prompts:
+        prompt_len = len(prompt)
+        if max_tokens is None and prompt_len >= max_context_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {max_context_len} tokens. However, your request has "
+                f"{prompt_len} input tokens. Please reduce the length of the {prompt_word}.",
+                param=prompt_word, code="context_length_exceeded",
+            )  # fmt: skip
+        max_new = max_tokens if max_tokens is not None else max_context_len - prompt_len  # vLLM's default
+        if prompt_len + max_new > max_context_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {max_context_len} tokens. However, you requested "
+                f"{prompt_len + max_new} tokens ({prompt_len} in the {prompt_word}, {max_new} in the completion). "
+                f"Please reduce the length of the {prompt_word} or completion.",
+                param=prompt_word, code="context_length_exceeded",
+            )  # fmt: skip
+        for choice in range(n):
+            try:
+                seed_of_choice = choice_seed(seed, choice)
+                params.append(
+                    SamplingParams(max_new_tokens=max_new, seed=seed_of_choice, logprobs=logprobs, **shared["sampling"])
+                )
+            except ValueError as e:
+                raise OpenAIError(str(e)) from None
+    return ParsedRequest(
+        kind, model, prompts, texts, n, params, logprobs, return_token_ids=shared["return_token_ids"],
+        stream=shared["stream"], include_usage=shared["include_usage"], **extra,
+    )  # fmt: skip
+
+
+def _tokenize(tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # json.loads lets lone surrogates (\ud800) through; tokenizers would raise
+        raise OpenAIError(f"'{param}' is not valid Unicode (it holds a lone surrogate)", param=param) from None
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def _max_tokens(body: dict, name: str) -> int | None:
+    return _integer(body, name, None, lambda v: v >= 1, ">= 1")
+
+
+# ---- /v1/completions ----------------------------------------------------------------------------
+
+
+def _completion_prompts(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[list[int]], list[str]]:
+    """Token ids and text of each prompt: a string, strings, token ids, or lists of token ids."""
+    if prompt is None:
+        raise OpenAIError("'prompt' is required", param="prompt")
+    if prompt == "" or prompt == []:
+        raise OpenAIError("'prompt' must not be empty", param="prompt")
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not isinstance(prompt, list):
+        raise _wrong_type("prompt", "a string, an array of strings or an array of token ids", prompt)
+    if all(_is_int(t) for t in prompt):
+        prompt = [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        if not all(prompt):
+            raise OpenAIError("'prompt' strings must not be empty", param="prompt")
+        return [_tokenize(tokenizer, p, True, "prompt") for p in prompt], list(prompt)
+    if not all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+        raise OpenAIError(
+            "'prompt' must be a string, an array of strings, an array of token ids or an array of "
+            "non-empty arrays of token ids",
+            param="prompt",
+        )
+    for p in prompt:
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIError(f"'prompt' token ids must be in [0, {vocab_size}), got {bad[:5]}", param="prompt")
+    return [list(p) for p in prompt], [tokenizer.decode(p) for p in prompt]
+
+
+def parse_completion_request(
+    body: dict, tokenizer, served_model_name: str, max_context_len: int, *, allow_stream: bool = False
+) -> ParsedRequest:
+    """Validate a /v1/completions body and tokenize its prompts. Raises OpenAIError."""
+    shared = _shared(body, served_model_name, COMPLETION_FIELDS, allow_stream)
+    _integer(body, "best_of", 1, lambda v: v == 1, "1 (nothing else is supported)")
+    if body.get("suffix") is not None:
+        raise OpenAIError("'suffix' is not supported", param="suffix")
+    logprobs = _integer(body, "logprobs", None, lambda v: 0 <= v <= MAX_LOGPROBS, f"between 0 and {MAX_LOGPROBS}")
+    echo = _boolean(body, "echo", False)
+    if echo and logprobs is not None:
+        raise OpenAIError("'echo' together with 'logprobs' is not supported", param="echo")
+    max_tokens = _max_tokens(body, "max_tokens")
+    prompts, texts = _completion_prompts(body.get("prompt"), tokenizer, len(tokenizer))
+    return _build(
+        "completion", shared, served_model_name, prompts, texts, max_tokens, logprobs, max_context_len, echo=echo
+    )
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------------

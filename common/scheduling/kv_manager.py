@@ -1,0 +1,148 @@
+"""Who holds which KV: request rows, pages and the radix prefix cache, on the host only.
+
+A request owns a ReqToTokenPool row and `req.pages`; the first `req.prefix_pages` of those belong
+to the radix cache (matched at admission, locked through `req.last_node`), the rest are its own.
+`cache_and_release` hands a request's written KV to the cache (which takes the pages it did not
+have) and frees the rest; `free` frees without caching. Cached pages nobody locks count as
+available: they are evicted on demand.
+
+Nothing here touches the device. What a row must hold before the request's first forward here
+(a prefix hit, or a decode server's pages for an incoming transfer) is queued as a RowWrite and
+handed to the next ScheduleBatch (`take_row_writes`); the batch builder writes it.
+"""
+
+from __future__ import annotations
+
+from pdserve.common.engine.batch import RowWrite
+from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for, slots_for_positions
+from pdserve.common.scheduling.radix_cache import RadixCache
+from pdserve.common.types import Req
+
+
+class KVManager:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: PagedKVPool, prefix_cache: bool,
+                 reserve_decode_tokens: int):
+        self.req_to_token_pool = req_to_token_pool
+        # Room each request that decodes here keeps for its next tokens (0 where none decode: prefill).
+        self.reserve_decode_tokens = reserve_decode_tokens
+        self.kv_pool = kv_pool
+        self.page_size = kv_pool.page_size
+        self.tree_cache = RadixCache(kv_pool) if prefix_cache else None
+        self.row_writes: list[RowWrite] = []
+
+    # ---- admission ------------------------------------------------------------------------------
+
+    def rows_available(self) -> int:
+        return self.req_to_token_pool.available()
+
+    def available_pages(self) -> int:
+        """Free pages plus cached pages nobody locks (evicted on demand)."""
+        evictable = self.tree_cache.evictable_pages if self.tree_cache is not None else 0
+        return self.kv_pool.num_free_pages() + evictable
+
+    def reserve_pages(self, req: Req) -> int:
+        """Pages the request should hold to run its next reserve_decode_tokens tokens."""
+        ahead = min(req.params.max_new_tokens - req.num_sampled, self.reserve_decode_tokens)
+        return pages_for(req.seq_len + ahead, self.page_size)
+
+    def reserved_pages(self, reqs: list[Req]) -> int:
+        """Pages the requests are owed beyond those they hold."""
+        return sum(max(0, self.reserve_pages(r) - len(r.pages)) for r in reqs)
+
+    def match(self, req: Req):
+        """Cached pages for the request's tokens (locked), leaving at least one token to compute."""
+        if self.tree_cache is None:
+            return [], None
+        pages, node = self.tree_cache.match_prefix(req.fill_ids()[: req.seq_len - 1])
+        self.tree_cache.inc_lock_ref(node)
+        return pages, node
+
+    def cached_prefix_len(self, req: Req) -> int:
+        if self.tree_cache is None:
+            return 0
+        return self.tree_cache.cached_prefix_len(req.fill_ids()[: req.seq_len - 1])
+
+    def unlock(self, node) -> None:
+        if node is not None:
+            self.tree_cache.dec_lock_ref(node)
+
+    def admit(self, req: Req, prefix_pages: list[int], node) -> None:
+        """Give the request a row holding its matched (locked) cached prefix."""
+        self._assign(req, list(prefix_pages), len(prefix_pages), node, len(prefix_pages) * self.page_size)
+
+    def admit_for_transfer(self, req: Req, num_tokens: int) -> None:
+        """Give the request a row and pages of its own for its first `num_tokens` positions, whose
+        KV another server writes (a decode server's reservation)."""
+        self._assign(req, self.alloc_pages(pages_for(num_tokens, self.page_size)), 0, None, num_tokens)
+
+    def _assign(self, req: Req, pages: list[int], prefix_pages: int, node, kv_len: int) -> None:
+        row = self.req_to_token_pool.alloc()
+        req.req_pool_idx, req.pages, req.prefix_pages, req.last_node, req.kv_len = row, pages, prefix_pages, node, kv_len
+        if kv_len:
+            self.row_writes.append(RowWrite(row, 0, slots_for_positions(pages, 0, kv_len, self.page_size)))
+
+    def take_row_writes(self) -> list[RowWrite]:
+        writes, self.row_writes = self.row_writes, []
+        return writes
+
+    # ---- pages ----------------------------------------------------------------------------------
+
+    def alloc_pages(self, n: int) -> list[int]:
+        free = self.kv_pool.num_free_pages()
+        if free < n and self.tree_cache is not None:
+            self.tree_cache.evict(n - free)
+        pages = self.kv_pool.alloc_pages(n)
+        assert pages is not None, "admission and retraction keep enough pages available"
+        return pages
+
+    def grow(self, req: Req, end: int) -> None:
+        """Make sure req.pages cover positions [0, end)."""
+        missing = pages_for(end, self.page_size) - len(req.pages)
+        if missing > 0:
+            req.pages += self.alloc_pages(missing)
+
+    def needs_page(self, req: Req) -> bool:
+        """Its next token (position seq_len - 1) falls past its last page."""
+        return (req.seq_len - 1) // self.page_size >= len(req.pages)
+
+    # ---- release --------------------------------------------------------------------------------
+
+    def cache_and_release(self, req: Req) -> None:
+        """Hand the request's written KV to the cache (whole pages), free the rest, drop its row."""
+        if self.tree_cache is None:
+            self.free(req)
+            return
+        full = req.kv_len // self.page_size
+        already = self.tree_cache.insert(req.fill_ids()[: full * self.page_size], req.pages[:full])
+        self.kv_pool.free_pages(req.pages[req.prefix_pages : already] + req.pages[full:])
+        self.unlock(req.last_node)
+        self._drop_row(req)
+
+    def free(self, req: Req) -> None:
+        """Free the request's own pages and unlock its cached prefix; nothing is cached."""
+        if req.req_pool_idx is None:
+            return
+        self.kv_pool.free_pages(req.pages[req.prefix_pages :])
+        self.unlock(req.last_node)
+        self._drop_row(req)
+
+    def _drop_row(self, req: Req) -> None:
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.pages, req.prefix_pages, req.last_node = None, [], 0, None
+
+    # ---- accounting -----------------------------------------------------------------------------
+
+    def used_tokens(self) -> int:
+        """KV tokens held by requests: neither free nor cached-and-evictable."""
+        evictable = self.tree_cache.evictable_pages if self.tree_cache is not None else 0
+        return self.kv_pool.used_tokens() - evictable * self.page_size
+
+    def is_idle(self) -> bool:
+        """Every row back, and every page either free or cached and unlocked."""
+        cached = self.tree_cache.evictable_pages if self.tree_cache is not None else 0
+        locked = self.tree_cache.protected_pages if self.tree_cache is not None else 0
+        return (
+            self.req_to_token_pool.available() == self.req_to_token_pool.size
+            and locked == 0
+            and self.kv_pool.num_free_pages() + cached == self.kv_pool.capacity_pages
+        )

@@ -1,0 +1,210 @@
+"""Radix prefix cache over the paged KV pool (SGLang's RadixCache, page-granular).
+
+The tree maps token sequences to the KV pages that hold them. Keys are whole pages: a node's key
+has len(pages) * page_size tokens, so a match or a split never lands inside a page.
+
+    lock_ref   how many live requests use this node (and so every ancestor): a locked node's
+               pages are never evicted
+    evictable  pages of unlocked nodes; they count as free for admission and are given back to
+               the pool leaf by leaf, least recently used first, when the pool runs dry
+
+Eviction pops a heap of candidate leaves kept up to date as the tree changes (an entry goes stale
+when its node is locked, gains a child, is touched again or is gone, and is skipped when popped),
+so it costs what it evicts, not the size of the tree: a full pool evicts on every admission.
+
+Ownership: pages in the tree belong to the tree. A request owns only the pages after its matched
+prefix until it finishes; then `insert` hands the tree the pages it did not already have, and the
+caller frees the duplicates (the same tokens cached by someone else meanwhile) and the partial
+last page. Insert only after the KV of those tokens is written: the tree must never hand out a
+page whose KV is still being computed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from pdserve.common.engine.kv_pool import PagedKVPool
+
+
+class TreeNode:
+    __slots__ = ("parent", "children", "key", "pages", "lock_ref", "last_access")
+
+    def __init__(self, parent: TreeNode | None, key: tuple[int, ...], pages: list[int], tick: int):
+        self.parent = parent
+        self.children: dict[tuple[int, ...], TreeNode] = {}  # first page of the child's key -> child
+        self.key = key
+        self.pages = pages
+        self.lock_ref = 0
+        self.last_access = tick
+
+
+class RadixCache:
+    def __init__(self, kv_pool: PagedKVPool):
+        self.kv_pool = kv_pool
+        self.page_size = kv_pool.page_size
+        self._ticks = itertools.count()
+        self.root = TreeNode(None, (), [], next(self._ticks))
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable_pages = 0
+        self.protected_pages = 0
+        self.num_nodes = 1
+        # (last_access, push order, node) for leaves that were evictable when pushed.
+        self._lru: list[tuple[int, int, TreeNode]] = []
+        self._pushes = itertools.count()
+
+    # ---- lookup ---------------------------------------------------------------------------------
+
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], TreeNode]:
+        """Pages of the longest cached page-aligned prefix of `tokens`, and the node it ends at.
+
+        Splits a node when the match ends inside it, so the returned node covers exactly the match.
+        """
+        usable = len(tokens) // self.page_size * self.page_size
+        key = tuple(tokens[:usable])
+        node, pages, pos = self.root, [], 0
+        tick = next(self._ticks)
+        node.last_access = tick
+        while pos < len(key):
+            child = node.children.get(key[pos : pos + self.page_size])
+            if child is None:
+                break
+            n = self._common_pages(child.key, key[pos:])
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_access = tick
+            pages += child.pages
+            pos += len(child.key)
+            node = child
+        self._offer(node)  # touched: its old heap entry is stale
+        return pages, node
+
+    def cached_prefix_len(self, tokens: list[int]) -> int:
+        """Tokens of `tokens` a match would reuse, without touching the tree (for scheduling policy)."""
+        node, pos = self.root, 0
+        usable = len(tokens) // self.page_size * self.page_size
+        while pos < usable:
+            child = node.children.get(tuple(tokens[pos : pos + self.page_size]))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tuple(tokens[pos:usable]))
+            pos += n * self.page_size
+            if n < len(child.pages):
+                break
+            node = child
+        return pos
+
+    # ---- insertion ------------------------------------------------------------------------------
+
+    def insert(self, tokens: list[int], pages: list[int]) -> int:
+        """Cache `pages` as holding `tokens` (whole pages only). Returns how many leading pages were
+        already cached: those of `pages` are duplicates the caller must free."""
+        assert len(tokens) == len(pages) * self.page_size, (len(tokens), len(pages))
+        key = tuple(tokens)
+        node, pos, tick = self.root, 0, next(self._ticks)
+        while pos < len(key):
+            first = key[pos : pos + self.page_size]
+            child = node.children.get(first)
+            if child is None:
+                new = TreeNode(node, key[pos:], pages[pos // self.page_size :], tick)
+                node.children[first] = new
+                self.evictable_pages += len(new.pages)
+                self.num_nodes += 1
+                self._offer(new)
+                return pos // self.page_size
+            n = self._common_pages(child.key, key[pos:])  # >= 1: the first page matched
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_access = tick
+            pos += len(child.key)
+            node = child
+        self._offer(node)  # touched: its old heap entry is stale
+        return len(pages)
+
+    def _common_pages(self, a: tuple[int, ...], b: tuple[int, ...]) -> int:
+        """Whole pages on which a and b agree from the start."""
+        n, p = 0, self.page_size
+        limit = min(len(a), len(b)) // p
+        while n < limit and a[n * p : (n + 1) * p] == b[n * p : (n + 1) * p]:
+            n += 1
+        return n
+
+    def _split(self, node: TreeNode, n_pages: int) -> TreeNode:
+        """Cut `node` after n_pages; returns the new upper half (which keeps the parent link)."""
+        cut = n_pages * self.page_size
+        upper = TreeNode(node.parent, node.key[:cut], node.pages[:n_pages], node.last_access)
+        upper.lock_ref = node.lock_ref
+        upper.children[node.key[cut : cut + self.page_size]] = node
+        node.parent.children[node.key[: self.page_size]] = upper
+        node.parent = upper
+        self.num_nodes += 1
+        node.key, node.pages = node.key[cut:], node.pages[n_pages:]
+        return upper
+
+    # ---- locking --------------------------------------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_pages -= len(node.pages)
+                self.protected_pages += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            assert node.lock_ref > 0, "unbalanced dec_lock_ref"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_pages += len(node.pages)
+                self.protected_pages -= len(node.pages)
+                self._offer(node)
+            node = node.parent
+
+    # ---- eviction -------------------------------------------------------------------------------
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least `num_pages` pages from unlocked leaves, LRU first. Returns pages freed."""
+        freed = 0
+        while freed < num_pages and self._lru:
+            access, _, leaf = heapq.heappop(self._lru)
+            if leaf.parent is None or leaf.children or leaf.lock_ref or leaf.last_access != access:
+                continue  # stale: gone, no longer a leaf, locked, or touched since it was pushed
+            self.kv_pool.free_pages(leaf.pages)
+            freed += len(leaf.pages)
+            self.evictable_pages -= len(leaf.pages)
+            parent = leaf.parent
+            del parent.children[leaf.key[: self.page_size]]
+            leaf.parent = None
+            self.num_nodes -= 1
+            self._offer(parent)
+        return freed
+
+    def _offer(self, node: TreeNode) -> None:
+        """Push `node` as an eviction candidate if it is an unlocked leaf (a stale entry of it may
+        remain; it is skipped when popped). Rebuilds the heap when stale entries dominate."""
+        if node is self.root or node.children or node.lock_ref:
+            return
+        heapq.heappush(self._lru, (node.last_access, next(self._pushes), node))
+        if len(self._lru) > 4 * self.num_nodes + 1024:
+            self._lru = [
+                (n.last_access, next(self._pushes), n)
+                for n in self._nodes()
+                if n is not self.root and not n.children and n.lock_ref == 0
+            ]
+            heapq.heapify(self._lru)
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def total_pages(self) -> int:
+        return sum(len(n.pages) for n in self._nodes())
+
+    def reset(self) -> None:
+        """Give every cached page back (only valid when no request holds a lock)."""
+        assert self.protected_pages == 0, "reset with locked nodes"
+        self.evict(self.evictable_pages)

@@ -1,0 +1,195 @@
+"""Continuous batching for an engine that prefills and decodes (colocated; the decode role builds on it).
+
+Host only: it decides, the batch builder writes the device (common/engine/batch_builder.py). Its parts,
+each one job:
+    KVManager       rows, pages, the radix prefix cache              common/scheduling/kv_manager.py
+    PrefillManager  waiting queue, chunked request, admission         common/scheduling/prefill_manager.py
+    DecodeManager   the running batch, retraction                    common/scheduling/decode_manager.py
+Prefill first: a step runs a prefill batch whenever something can be admitted (the chunked
+request always continues first), otherwise a decode batch of everything running.
+
+Finishing inserts a request's written KV into the cache and frees the rest; aborting frees without
+caching; retraction caches what was written and sends the request back to waiting with its output
+so far.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdserve.common.engine.batch import ForwardMode, ScheduleBatch
+from pdserve.common.config import EngineConfig
+from pdserve.common.scheduling.decode_manager import DecodeManager
+from pdserve.common.scheduling.kv_manager import KVManager
+from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
+from pdserve.common.scheduling.output_processor import append_token, finalize, finalize_all
+from pdserve.common.scheduling.prefill_manager import PrefillManager
+from pdserve.common.types import Completion, FinishReason, Req, SamplingParams, TokenLogprob
+
+
+def check_fits(config: EngineConfig, kv_pool: PagedKVPool, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    """Raise ValueError when a request could never run on this engine."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    total = len(prompt_ids) + params.max_new_tokens
+    if total > config.context_length:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+            f"exceeds the context length {config.context_length}"
+        )
+    if pages_for(total, kv_pool.page_size) > kv_pool.capacity_pages:
+        raise ValueError(f"the sequence needs more KV than the whole pool ({kv_pool.capacity_tokens} tokens)")
+
+
+def make_batch(mode: ForwardMode, spans, kv: KVManager) -> ScheduleBatch:
+    """The ScheduleBatch of (req, start, end) spans, carrying the rows decided since the last one."""
+    reqs = [req for req, _, _ in spans]
+    return ScheduleBatch(mode, reqs, [s for _, s, _ in spans], [e for _, _, e in spans],
+                         [end == req.seq_len for req, _, end in spans], kv.take_row_writes())
+
+
+def on_launched(batch: ScheduleBatch, future_slots: list[int]) -> None:
+    """The batch's forward is queued: each sampling request now has a token in flight."""
+    for req, sampling, slot in zip(batch.reqs, batch.samples, future_slots):
+        if sampling:
+            req.pending += 1
+            req.future_idx = slot
+            if req.finished:  # finished (or aborted) after this batch was built
+                req.discard += 1
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: PagedKVPool,
+        eos_token_ids: tuple[int, ...],
+        prefix_cache: bool | None = None,
+    ):
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        if prefix_cache is None:
+            prefix_cache = not config.disable_radix_cache
+        self.kv = KVManager(req_to_token_pool, kv_pool, prefix_cache, config.num_reserved_decode_tokens)
+        self.prefill = PrefillManager(config, self.kv)
+        self.decode = DecodeManager(config, self.kv, retract=self._retract)
+
+    # Views for callers and tests.
+    @property
+    def waiting(self):
+        return self.prefill.waiting
+
+    @property
+    def chunked_req(self) -> Req | None:
+        return self.prefill.chunked_req
+
+    @property
+    def running(self) -> list[Req]:
+        return self.decode.running
+
+    @property
+    def tree_cache(self):
+        return self.kv.tree_cache
+
+    @property
+    def kv_pool(self) -> PagedKVPool:
+        return self.kv.kv_pool
+
+    @property
+    def req_to_token_pool(self) -> ReqToTokenPool:
+        return self.kv.req_to_token_pool
+
+    @property
+    def prefill_budget(self) -> int:
+        return self.prefill.budget
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.prefill.stats | self.decode.stats
+
+    # ---- intake -------------------------------------------------------------------------------
+
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        check_fits(self.config, self.kv.kv_pool, prompt_ids, params)
+
+    def add_request(self, req: Req) -> None:
+        self.check_request(req.prompt_ids, req.params)
+        self.prefill.waiting.append(req)
+
+    def abort(self, rid: str) -> Completion | None:
+        """Remove a request wherever it is and free what it holds (nothing is cached)."""
+        req = self.prefill.remove(rid) or self.decode.remove(rid)
+        if req is None:
+            return None
+        req.finish_reason = FinishReason.ABORT
+        req.discard = req.pending  # results still in flight are dropped on arrival
+        self.kv.free(req)
+        return finalize(req)
+
+    def has_work(self) -> bool:
+        return bool(self.decode.running) or self.prefill.has_work()
+
+    # ---- choosing the next batch ----------------------------------------------------------------
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        spans, completed = self.prefill.schedule(self.decode.running)
+        # A completed prompt joins the running batch now: the next decode step feeds it a
+        # placeholder for the token this prefill samples.
+        self.decode.running += completed
+        mode = ForwardMode.EXTEND
+        if not spans and self.decode.running:
+            spans, mode = self.decode.schedule(), ForwardMode.DECODE
+        if not spans:
+            return None
+        return self.make_batch(mode, spans)
+
+    def make_batch(self, mode: ForwardMode, spans) -> ScheduleBatch:
+        return make_batch(mode, spans, self.kv)
+
+    def _retract(self, victim: Req) -> None:
+        self.kv.cache_and_release(victim)
+        # A token still in flight is dropped when it arrives; the resumed prefill samples it again
+        # at the same step with the same seed.
+        victim.discard, victim.kv_len = victim.pending, 0
+        self.prefill.waiting.appendleft(victim)
+
+    def on_launched(self, batch: ScheduleBatch, future_slots: list[int]) -> None:
+        on_launched(batch, future_slots)
+
+    # ---- results --------------------------------------------------------------------------------
+
+    def process_batch_result(
+        self, batch: ScheduleBatch, next_token_ids: list[int], logprobs: list[TokenLogprob | None]
+    ) -> list[Completion]:
+        """Append each request's new token, retire the finished ones.
+
+        Mid-prompt chunks sample nothing real; results for requests that finished, were aborted or
+        were retracted after the batch was launched are dropped (req.discard). A finished request
+        gives its KV back at once: anything still in flight that reads it is ordered before any
+        later reuse by the forward stream and the WAR barrier.
+        """
+        done: list[Req] = []
+        for req, sampling, token, lp in zip(batch.reqs, batch.samples, next_token_ids, logprobs):
+            if not sampling:
+                continue
+            req.pending -= 1
+            if req.discard:
+                req.discard -= 1
+                continue
+            append_token(req, token, lp, self.eos_token_ids, self.config.context_length)
+            if req.finished:
+                self.kv.cache_and_release(req)
+                req.discard = req.pending  # a step launched after this one is dropped
+                done.append(req)
+        if not done:
+            return []
+        self.decode.drop_finished()
+        return finalize_all(done)
+
+    def kv_used_tokens(self) -> int:
+        return self.kv.used_tokens()
+
+    def is_idle(self) -> bool:
+        """Nothing queued, every row back, and every page either free or cached and unlocked."""
+        return not self.has_work() and self.kv.is_idle()

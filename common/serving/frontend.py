@@ -1,0 +1,280 @@
+"""What both server frontends share: the bridge to the scheduler process, metrics, health,
+conversions from the proto, and the serve-until-SIGTERM lifecycle.
+
+The frontend never touches the device: it validates, forwards typed messages to its scheduler
+process, and routes the answers back to the waiting RPCs by request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import signal
+import tempfile
+
+import grpc
+import zmq
+import zmq.asyncio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from pdserve.common.serving import ipc
+from pdserve.common.errors import ErrorCode
+from pdserve.proto import pdserve_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 300.0  # model load + KV pool allocation
+DRAIN_TIMEOUT_S = 120.0
+
+
+class Metrics:
+    """The Prometheus series a server exposes on its --metrics-port."""
+
+    def __init__(self, role: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, {"role": role}
+
+        def gauge(name, doc):
+            return Gauge(name, doc, ["role"], registry=r).labels(**labels)
+
+        self.kv_used = gauge("pdserve_kv_used_tokens", "KV tokens held by requests (not counting the free or evictable cache).")
+        self.kv_total = gauge("pdserve_kv_total_tokens", "KV cache capacity in tokens.")
+        self.running = gauge("pdserve_running_requests", "Requests in the running batch.")
+        self.waiting = gauge("pdserve_waiting_requests", "Requests queued (waiting, preallocating or transferring KV).")
+        self.transfer_seconds = Histogram(
+            "pdserve_kv_transfer_seconds", "Time from the start of a request's KV WRITE to its completion.",
+            ["role"], registry=r, buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
+        ).labels(**labels)
+        self.transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes written to decode servers.", ["role"], registry=r).labels(**labels)
+        self.transfer_failures = Counter(
+            "pdserve_kv_transfer_failures", "KV transfers that failed or timed out.", ["role"], registry=r
+        ).labels(**labels)
+
+    def update(self, load: ipc.LoadReport) -> None:
+        self.kv_used.set(load.kv_used_tokens)
+        self.kv_total.set(load.kv_total_tokens)
+        self.running.set(load.running)
+        self.waiting.set(load.waiting)
+
+
+class SchedulerBridge:
+    """The scheduler process and the two ipc channels to it; routes its messages by request id."""
+
+    def __init__(self, target, args: tuple, metrics: Metrics):
+        self.run_dir = tempfile.mkdtemp(prefix="pdserve-ipc-")
+        self.to_scheduler, self.to_frontend = ipc.ipc_paths(self.run_dir)
+        self.ctx = zmq.asyncio.Context()
+        self.outbox = self.ctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, ipc.LINGER_MS)
+        self.outbox.bind(self.to_scheduler)
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, ipc.LINGER_MS)
+        self.inbox.bind(self.to_frontend)
+        # spawn: the scheduler must not inherit this process's threads or gRPC state; the args
+        # cross a local pipe to the child, never a TCP socket.
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=target, args=(*args, self.to_scheduler, self.to_frontend), daemon=True
+        )
+        self.metrics = metrics
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.ready: asyncio.Future | None = None
+        self.bye = asyncio.Event()
+        self.load = ipc.LoadReport(0, 0, 0, 0, 0)
+
+    async def start(self) -> ipc.Ready:
+        self.ready = asyncio.get_running_loop().create_future()
+        self.process.start()
+        self._reader = asyncio.create_task(self._read())
+        self._watch = asyncio.create_task(self._watch_process())
+        return await asyncio.wait_for(self.ready, READY_TIMEOUT_S)
+
+    def subscribe(self, rid: str) -> asyncio.Queue:
+        if rid in self.queues:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        queue = self.queues[rid] = asyncio.Queue()
+        return queue
+
+    def unsubscribe(self, rid: str) -> None:
+        self.queues.pop(rid, None)
+
+    async def send(self, msg) -> None:
+        await self.outbox.send(ipc.encode(msg))
+
+    async def _read(self) -> None:
+        while True:
+            msg = ipc.decode_to_frontend(await self.inbox.recv())
+            if isinstance(msg, ipc.Ready):
+                self.ready.set_result(msg)
+            elif isinstance(msg, ipc.LoadReport):
+                self.load = msg
+                self.metrics.update(msg)
+            elif isinstance(msg, ipc.Bye):
+                self.bye.set()
+            elif isinstance(msg, ipc.StepTokens):
+                for chunk in msg.chunks:
+                    queue = self.queues.get(chunk.rid)
+                    if queue is not None:
+                        queue.put_nowait(chunk)
+            elif msg.rid in self.queues:
+                if isinstance(msg, ipc.PrefillDone) and msg.error is None:
+                    self.metrics.transfer_seconds.observe(msg.transfer_s)
+                    self.metrics.transfer_bytes.inc(msg.transfer_bytes)
+                elif isinstance(msg, ipc.PrefillDone | ipc.Finished) and msg.error_code and msg.error_code.is_transfer_failure:
+                    self.metrics.transfer_failures.inc()
+                self.queues[msg.rid].put_nowait(msg)
+
+    async def _watch_process(self) -> None:
+        """If the scheduler dies, fail everything waiting on it rather than hang."""
+        while self.process.is_alive():
+            await asyncio.sleep(0.2)
+        if not self.bye.is_set():
+            log.error("the scheduler process exited (code %s)", self.process.exitcode)
+        if self.ready is not None and not self.ready.done():
+            self.ready.set_exception(RuntimeError(f"scheduler exited with code {self.process.exitcode} before ready"))
+        for rid, queue in self.queues.items():
+            queue.put_nowait(ipc.Rejected(rid, "the scheduler process exited", code=ErrorCode.INTERNAL))
+        self.bye.set()
+
+    async def close(self) -> None:
+        for task in (self._reader, self._watch):
+            task.cancel()
+        self.outbox.close()
+        self.inbox.close()
+        self.ctx.term()
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(10)
+
+
+class CommonRpcs:
+    """The RPCs both services answer the same way."""
+
+    role = pb.ServerInfo.ROLE_UNSPECIFIED
+
+    def __init__(self, bridge: SchedulerBridge, ready: ipc.Ready):
+        self.bridge, self.ready, self.draining = bridge, ready, False
+
+    async def Abort(self, request, context):
+        found = request.request_id in self.bridge.queues
+        if found:
+            await self.bridge.send(ipc.Abort(request.request_id))
+        return pb.AbortResponse(found=found)
+
+    async def GetLoad(self, request, context):
+        load = self.bridge.load
+        return pb.Load(running_requests=load.running, waiting_requests=load.waiting, kv_used_tokens=load.kv_used_tokens,
+                       kv_total_tokens=load.kv_total_tokens, inflight_transfers=load.inflight_transfers)
+
+    async def GetServerInfo(self, request, context):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            ver = version("pdserve")
+        except PackageNotFoundError:
+            ver = "dev"
+        i = self.ready.info
+        return pb.ServerInfo(
+            role=self.role, model_path=i["model_path"], served_model_name=i["served_model_name"],
+            architecture=i["architecture"], layout=layout_to_proto(self.ready.layout),
+            context_length=i["context_length"], max_running_requests=i["max_running_requests"],
+            max_total_tokens=i["max_total_tokens"], transfer_backend="nixl", version=ver,
+        )
+
+    async def GetAgentMetadata(self, request, context):
+        return pb.AgentMetadata(agent_name=self.ready.agent_name, metadata=self.ready.agent_metadata,
+                                layout=layout_to_proto(self.ready.layout))
+
+
+def ready_message(engine) -> ipc.Ready:
+    """What a scheduler announces once its engine is up (both roles)."""
+    agent, c = engine.agent, engine.config
+    layout = {k: getattr(agent.layout, k) for k in ("page_size", "num_layers", "kv_heads", "head_dim", "dtype", "num_pages")}
+    info = {
+        "model_path": c.model_path, "served_model_name": c.served_model_name,
+        "architecture": type(engine.runner.model).__name__, "context_length": c.context_length,
+        "max_running_requests": c.max_running_requests, "max_total_tokens": engine.runner.kv_pool.capacity_tokens,
+    }
+    return ipc.Ready(agent_name=agent.name, agent_metadata=agent.metadata(), layout=layout, info=info)
+
+
+def params_from_proto(p: pb.SamplingParams) -> ipc.Params:
+    return ipc.Params(
+        max_new_tokens=p.max_new_tokens,
+        min_new_tokens=p.min_new_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        repetition_penalty=p.repetition_penalty,
+        frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        skip_special_tokens=p.skip_special_tokens,
+    )
+
+
+def layout_to_proto(layout: dict) -> pb.KVLayout:
+    return pb.KVLayout(**layout)
+
+
+def logprob_to_proto(lp) -> pb.TokenLogprob | None:
+    if lp is None:
+        return None
+    token_id, logprob, top = lp
+    return pb.TokenLogprob(token_id=token_id, logprob=logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
+
+
+def error_to_proto(code: ErrorCode | None, message: str) -> pb.Error:
+    """The proto's Error; the enums share their names (tests/test_proto.py)."""
+    return pb.Error(code=pb.Error.Code.Value((code or ErrorCode.INTERNAL).value), message=message)
+
+
+async def serve(servicer_factory, add_servicer, bridge: SchedulerBridge, host: str, port: int, metrics_port: int,
+                service_name: str) -> None:
+    """Start the scheduler, then gRPC and metrics; on SIGTERM/SIGINT drain and exit."""
+    if metrics_port:
+        start_http_server(metrics_port, addr=host, registry=bridge.metrics.registry)
+    ready = await bridge.start()
+    server = grpc.aio.server()
+    servicer = servicer_factory(bridge, ready)
+    add_servicer(servicer, server)
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot listen on {host}:{port}")
+    await server.start()
+    for name in ("", service_name):
+        await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s serving on %s:%d (metrics on %s)", service_name, host, port, metrics_port or "off")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await asyncio.wait([asyncio.create_task(stop.wait()), asyncio.create_task(bridge.bye.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
+    # Drain: stop admitting (health and the scheduler both say so), finish in-flight, exit.
+    for name in ("", service_name):
+        await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    servicer.draining = True
+    if not bridge.bye.is_set():
+        await bridge.send(ipc.Drain())
+        try:
+            await asyncio.wait_for(bridge.bye.wait(), DRAIN_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("drain timed out after %ss", DRAIN_TIMEOUT_S)
+    await server.stop(grace=5)
+    await bridge.close()
+
+
+async def _set_health(servicer, name: str, status) -> None:
+    result = servicer.set(name, status)
+    if asyncio.iscoroutine(result):
+        await result

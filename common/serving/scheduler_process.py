@@ -1,0 +1,104 @@
+"""The scheduler process of a server: owns the role's engine (model, KV pools, agent) and runs its loop.
+
+    engine = make_engine()                      # PrefillEngine or DecodeEngine
+    engine.channel = Channel(...)               # the loop's recv_requests / send_outputs use it
+    for _ in engine.event_loop():               # event_loop_overlap_disagg_{prefill,decode}
+        channel.report_load(engine)             # the frontend's gauges, a few times a second
+        if channel.done(engine): break          # drained, or the frontend is gone
+
+It runs in its own process (spawned by the frontend), so its busy loop never shares a GIL with
+the gRPC frontend.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+
+import zmq
+
+from pdserve.common.serving import ipc
+from pdserve.common.errors import ErrorCode
+
+log = logging.getLogger(__name__)
+
+LOAD_REPORT_S = 0.2  # how often the frontend's gauges are refreshed
+IDLE_POLL_MS = 20  # how long recv blocks when nothing is running
+
+
+class Channel:
+    """The scheduler's ends of the two ipc sockets. It answers new requests itself once the
+    frontend asked it to drain; the engine sees every other message."""
+
+    def __init__(self, inbox, outbox):
+        self.inbox, self.outbox = inbox, outbox
+        self.draining = False
+        self.parent = os.getppid()
+        self.last_report = 0.0
+
+    def recv(self, block: bool) -> list:
+        # Block (bounded) only when nothing runs: a busy loop must keep the device fed.
+        msgs = []
+        if not self.inbox.poll(IDLE_POLL_MS if block else 0):
+            return msgs
+        while True:
+            try:
+                msg = ipc.decode_to_scheduler(self.inbox.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return msgs
+            if isinstance(msg, ipc.Drain):
+                self.draining = True
+            elif isinstance(msg, ipc.NewRequest) and self.draining:
+                self.send(ipc.Rejected(msg.rid, "the server is draining", code=ErrorCode.OVERLOADED))
+            else:
+                msgs.append(msg)
+
+    def send(self, msg) -> None:
+        self.outbox.send(ipc.encode(msg))
+
+    def report_load(self, engine, now: float) -> None:
+        if now - self.last_report >= LOAD_REPORT_S:
+            self.send(engine.load())
+            self.last_report = now
+
+    def done(self, engine) -> bool:
+        """Drained (nothing left to run), or the frontend died without a goodbye (SIGKILL, crash):
+        nobody can reach this process any more."""
+        if os.getppid() != self.parent:
+            log.error("frontend process %d is gone; exiting", self.parent)
+            return True
+        if self.draining and not engine.busy():
+            self.send(engine.load())
+            return True
+        return False
+
+
+def run_scheduler(make_engine, to_scheduler: str, to_frontend: str, log_level: str = "INFO") -> None:
+    """Process entry point: build the role's engine, announce Ready, serve until drained."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s scheduler: %(message)s")
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.setsockopt(zmq.LINGER, ipc.LINGER_MS)
+    inbox.connect(to_scheduler)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, ipc.LINGER_MS)
+    outbox.connect(to_frontend)
+    channel = Channel(inbox, outbox)
+    try:
+        engine = make_engine()
+        engine.channel = channel
+        channel.send(engine.ready())
+        for _ in engine.event_loop():
+            channel.report_load(engine, time.monotonic())
+            if channel.done(engine):
+                break
+        channel.send(ipc.Bye())
+    except Exception:  # noqa: BLE001 - report, then let the frontend see the process end
+        log.error("scheduler failed:\n%s", traceback.format_exc())
+        raise
+    finally:
+        inbox.close()
+        outbox.close()
+        ctx.term()

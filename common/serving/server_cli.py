@@ -1,0 +1,58 @@
+"""What `prefill-server` and `decode-server` share on the command line: engine flags + server flags,
+then serve until SIGTERM. Each role's launcher (prefill/cli.py, decode/cli.py) names its gRPC
+service and its scheduler process; nothing here knows a role.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import secrets
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from pdserve.common.config import EngineConfig, ServerConfig, add_cli_args, from_cli_args
+
+
+@dataclass(frozen=True)
+class RoleLauncher:
+    """How a role is served: its name, its gRPC servicer and service, its scheduler process."""
+
+    role: str  # "prefill" | "decode": the CLI's name, the agent name's prefix, the metrics label
+    servicer: type  # a CommonRpcs subclass implementing the role's service
+    add_servicer: Callable  # pb_grpc.add_<Service>Servicer_to_server
+    service_name: str  # the fully qualified service name, for the health service
+    run_scheduler: Callable  # the scheduler process's entry point (config, agent, timeout, log level, ipc paths)
+
+
+def main(launcher: RoleLauncher, argv: list[str] | None = None) -> int:
+    role = launcher.role
+    parser = argparse.ArgumentParser(
+        prog=f"{role}-server",
+        description=f"pdserve {role} server: a gRPC frontend process and a scheduler process that owns the model.",
+    )
+    add_cli_args(parser, EngineConfig)
+    add_cli_args(parser, ServerConfig)
+    args = parser.parse_args(argv)
+    server = from_cli_args(args, ServerConfig)
+    logging.basicConfig(level=server.log_level.upper(), format=f"%(asctime)s %(levelname)s {role}: %(message)s")
+    try:
+        server.check()
+        engine = from_cli_args(args, EngineConfig).resolve()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    agent_name = server.agent_name or f"{role}-{server.host}-{server.port}-{secrets.token_hex(3)}"
+    asyncio.run(_serve(launcher, engine, server, agent_name))
+    return 0
+
+
+async def _serve(launcher: RoleLauncher, engine: EngineConfig, server: ServerConfig, agent_name: str) -> None:
+    from pdserve.common.serving.frontend import Metrics, SchedulerBridge, serve
+
+    args = (engine, agent_name, server.kv_transfer_timeout, server.log_level)
+    bridge = SchedulerBridge(launcher.run_scheduler, args, Metrics(launcher.role))
+    await serve(launcher.servicer, launcher.add_servicer, bridge, server.host, server.port, server.metrics_port,
+                launcher.service_name)
