@@ -19,7 +19,9 @@ from typing import Any
 DEFAULT_MEM_FRACTION_STATIC = 0.85
 
 
-def _opt(default: Any, help: str, **kw: Any) -> Any:
+def option(default: Any, help: str, **kw: Any) -> Any:
+    """A config field whose `--flag` add_cli_args generates: its default, its help, and any extra
+    argparse keywords (metavar, required)."""
     return field(default=default, metadata={"help": help, **kw})
 
 
@@ -27,47 +29,47 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
 class EngineConfig:
     """Everything the colocated engine needs to start. Flags are `--field-name`."""
 
-    model_path: str = _opt("", "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer).")
-    served_model_name: str = _opt("", "Model name clients must use; default: --model-path as given.")
-    device: str = _opt("auto", "cpu, cuda or cuda:N; auto picks cuda when available.")
-    dtype: str = _opt("auto", "float32, float16 or bfloat16; auto: float32 on CPU, bfloat16 on CUDA.")
-    page_size: int = _opt(16, "Tokens per KV page.")
-    context_length: int = _opt(0, "Longest sequence (prompt + output); 0: the model's max_position_embeddings.")
-    max_total_tokens: int = _opt(0, "KV cache capacity in tokens; 0: sized from --kv-cache-memory-gb.")
-    kv_cache_memory_gb: float = _opt(
+    model_path: str = option("", "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer).")
+    served_model_name: str = option("", "Model name clients must use; default: --model-path as given.")
+    device: str = option("auto", "cpu, cuda or cuda:N; auto picks cuda when available.")
+    dtype: str = option("auto", "float32, float16 or bfloat16; auto: float32 on CPU, bfloat16 on CUDA.")
+    page_size: int = option(16, "Tokens per KV page.")
+    context_length: int = option(0, "Longest sequence (prompt + output); 0: the model's max_position_embeddings.")
+    max_total_tokens: int = option(0, "KV cache capacity in tokens; 0: sized from --kv-cache-memory-gb.")
+    kv_cache_memory_gb: float = option(
         0.0, "GiB for the KV cache when --max-total-tokens is 0; 0: from --mem-fraction-static on CUDA, 1 GiB on CPU."
     )
-    mem_fraction_static: float = _opt(
+    mem_fraction_static: float = option(
         0.0,
         "CUDA: fraction of the GPU's memory for weights + KV cache; the KV cache gets what is left of it "
         f"after loading the model, measured (SGLang's meaning). 0: {DEFAULT_MEM_FRACTION_STATIC} on CUDA "
         "unless --kv-cache-memory-gb or --max-total-tokens is given.",
     )
-    max_running_requests: int = _opt(256, "Most requests in the running batch at once.")
-    max_prefill_tokens: int = _opt(16384, "Most prompt tokens in one prefill batch.")
-    chunked_prefill_size: int = _opt(
+    max_running_requests: int = option(256, "Most requests in the running batch at once.")
+    max_prefill_tokens: int = option(16384, "Most prompt tokens in one prefill batch.")
+    chunked_prefill_size: int = option(
         8192, "Prompts longer than this are prefilled in chunks of this many tokens; <= 0 disables chunking."
     )
-    num_reserved_decode_tokens: int = _opt(
+    num_reserved_decode_tokens: int = option(
         512, "KV tokens admission keeps free per running request for its next decode steps."
     )
-    schedule_policy: str = _opt("fcfs", "Order of the waiting queue: fcfs, or lpm (longest cached prefix first).")
-    disable_radix_cache: bool = _opt(False, "Turn off prefix caching (the radix tree over the KV pages).")
-    disable_overlap_schedule: bool = _opt(False, "Run the plain serial loop instead of the overlapped one.")
-    serial_consecutive_prefill: bool = _opt(
+    schedule_policy: str = option("fcfs", "Order of the waiting queue: fcfs, or lpm (longest cached prefix first).")
+    disable_radix_cache: bool = option(False, "Turn off prefix caching (the radix tree over the KV pages).")
+    disable_overlap_schedule: bool = option(False, "Run the plain serial loop instead of the overlapped one.")
+    serial_consecutive_prefill: bool = option(
         False, "Process a prefill's result before launching the next prefill (lower TTFT under load)."
     )
-    attention_backend: str = _opt(
+    attention_backend: str = option(
         "auto", "torch_native (the reference; CPU and CUDA) or triton (paged kernels; CUDA); auto: triton on CUDA."
     )
-    disable_cuda_graph: bool = _opt(False, "CUDA: run decode and prefill eagerly instead of replaying captured CUDA graphs.")
-    cuda_graph_max_bs: int = _opt(0, "CUDA: largest decode batch captured in a graph (padded up to the next captured size); 0: --max-running-requests, at most 256.")
-    prefill_cuda_graph_max_tokens: int = _opt(
+    disable_cuda_graph: bool = option(False, "CUDA: run decode and prefill eagerly instead of replaying captured CUDA graphs.")
+    cuda_graph_max_bs: int = option(0, "CUDA: largest decode batch captured in a graph (padded up to the next captured size); 0: --max-running-requests, at most 256.")
+    prefill_cuda_graph_max_tokens: int = option(
         2048,
         "CUDA: prefill batches of at most this many tokens (and 16 requests) replay a captured graph, padded "
         "up to the next captured token count (at most a quarter more); 0 runs every prefill eagerly.",
     )
-    random_seed: int = _opt(-1, "Seed for the per-request seeds the engine draws; -1: from the OS.")
+    random_seed: int = option(-1, "Seed for the per-request seeds the engine draws; -1: from the OS.")
 
     def resolve(self) -> "EngineConfig":
         """Fill every auto value; the result is what the engine runs with."""
@@ -164,15 +166,15 @@ def from_cli_args(args: argparse.Namespace, cls: type = EngineConfig) -> Any:
 class ServerConfig:
     """What a prefill or decode server adds to the engine's flags."""
 
-    host: str = _opt("127.0.0.1", "Address the gRPC service (and the metrics port) listen on.")
-    port: int = _opt(0, "gRPC port (required).")
-    metrics_port: int = _opt(0, "Prometheus /metrics port; 0: no metrics endpoint.")
-    transfer_backend: str = _opt("nixl", "KV transfer backend: nixl (UCX; DRAM on CPU, VRAM on CUDA).")
-    kv_transfer_timeout: float = _opt(
+    host: str = option("127.0.0.1", "Address the gRPC service (and the metrics port) listen on.")
+    port: int = option(0, "gRPC port (required).")
+    metrics_port: int = option(0, "Prometheus /metrics port; 0: no metrics endpoint.")
+    transfer_backend: str = option("nixl", "KV transfer backend: nixl (UCX; DRAM on CPU, VRAM on CUDA).")
+    kv_transfer_timeout: float = option(
         30.0, "Seconds a KV transfer may take: decode aborts a request whose KV has not arrived, prefill fails one whose WRITE has not finished."
     )
-    agent_name: str = _opt("", "Unique name of this server's transfer agent; default: role-host-port-random.")
-    log_level: str = _opt("info", "Logging level (debug, info, warning, error).")
+    agent_name: str = option("", "Unique name of this server's transfer agent; default: role-host-port-random.")
+    log_level: str = option("info", "Logging level (debug, info, warning, error).")
 
     def check(self) -> None:
         if not 0 < self.port < 65536:

@@ -33,6 +33,12 @@ class PrefillEngine(EngineCore):
         return PrefillScheduler(self.config, self.runner.req_to_token_pool, self.runner.kv_pool, agent=self.agent,
                                 kv_transfer_timeout=self.kv_transfer_timeout)
 
+    def event_loop(self) -> Iterator[list[PrefillResult]]:
+        from pdserve.prefill.loop import event_loop_normal_disagg_prefill, event_loop_overlap_disagg_prefill
+
+        overlap = not self.config.disable_overlap_schedule
+        return event_loop_overlap_disagg_prefill(self) if overlap else event_loop_normal_disagg_prefill(self)
+
     def add_prefill_request(
         self,
         prompt_ids: Sequence[int],
@@ -68,12 +74,6 @@ class PrefillEngine(EngineCore):
         """The transfers that ended (done, failed or late), and the parked requests whose
         destination never came, become results."""
         self.outputs += self.scheduler.poll_transfers(time.monotonic())
-
-    def event_loop(self) -> Iterator[list[PrefillResult]]:
-        from pdserve.prefill.loop import event_loop_normal_disagg_prefill, event_loop_overlap_disagg_prefill
-
-        overlap = not self.config.disable_overlap_schedule
-        return event_loop_overlap_disagg_prefill(self) if overlap else event_loop_normal_disagg_prefill(self)
 
     # ---- the server's messages -----------------------------------------------------------------
 
@@ -112,8 +112,8 @@ class PrefillEngine(EngineCore):
     def load(self) -> ipc.LoadReport:
         s = self.scheduler
         return ipc.LoadReport(
-            running=len(s.transfers) + len(s.parked) + (1 if s.chunked_req else 0),
-            waiting=len(s.waiting),
+            running=len(s.transfers) + len(s.parked) + (1 if s.prefill.chunked_req else 0),
+            waiting=len(s.prefill.waiting),
             kv_used_tokens=s.kv_used_tokens(),
             kv_total_tokens=self.runner.kv_pool.capacity_tokens,
             inflight_transfers=len(s.transfers),

@@ -16,6 +16,19 @@ from pdserve.prefill.engine import PrefillEngine
 from pdserve.prefill.scheduler import PrefillResult
 
 
+def event_loop_normal_disagg_prefill(prefill: PrefillEngine) -> Iterator[list[PrefillResult]]:
+    """The serial twin (--disable-overlap-schedule)."""
+    streams = prefill.streams
+    while True:
+        prefill.process_input_requests(prefill.recv_requests())
+        with streams.use(streams.schedule_stream):
+            batch = prefill.get_next_batch_to_run()
+            if batch is not None:
+                prefill.process_batch_result(batch, prefill.run_batch(batch))
+            prefill.process_inflight_queue()
+        yield prefill.send_outputs()
+
+
 def event_loop_overlap_disagg_prefill(prefill: PrefillEngine) -> Iterator[list[PrefillResult]]:
     schedule_stream, forward_stream = prefill.streams.schedule_stream, prefill.streams.forward_stream
     while True:
@@ -29,17 +42,4 @@ def event_loop_overlap_disagg_prefill(prefill: PrefillEngine) -> Iterator[list[P
                 schedule_stream.wait_stream(forward_stream)
             prefill.process_results_before(batch)  # N-1: its finished prompts start their KV WRITEs
             prefill.process_inflight_queue()  # WRITEs that ended: their results go back
-        yield prefill.send_outputs()
-
-
-def event_loop_normal_disagg_prefill(prefill: PrefillEngine) -> Iterator[list[PrefillResult]]:
-    """The serial twin (--disable-overlap-schedule)."""
-    streams = prefill.streams
-    while True:
-        prefill.process_input_requests(prefill.recv_requests())
-        with streams.use(streams.schedule_stream):
-            batch = prefill.get_next_batch_to_run()
-            if batch is not None:
-                prefill.process_batch_result(batch, prefill.run_batch(batch))
-            prefill.process_inflight_queue()
         yield prefill.send_outputs()

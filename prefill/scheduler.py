@@ -101,18 +101,6 @@ class PrefillScheduler:
         self._seq = itertools.count()
         self.done: list[PrefillResult] = []  # results not yet collected
 
-    @property
-    def waiting(self):
-        return self.prefill.waiting
-
-    @property
-    def chunked_req(self) -> Req | None:
-        return self.prefill.chunked_req
-
-    @property
-    def stats(self) -> dict[str, int]:
-        return self.prefill.stats
-
     def check_request(self, prompt_ids, params: SamplingParams) -> None:
         check_fits(self.config, self.kv.kv_pool, prompt_ids, params)
 
@@ -135,6 +123,10 @@ class PrefillScheduler:
 
     def kv_used_tokens(self) -> int:
         return self.kv.used_tokens()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.prefill.stats
 
     def set_destination(self, rid: str, destination: Destination, now: float) -> None:
         """The destination of a request queued without one; starts its transfer if it is parked.

@@ -23,14 +23,6 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
 
-def run_prefill_scheduler(config, agent_name, kv_transfer_timeout, log_level, to_scheduler, to_frontend):
-    """The scheduler process's entry point: a PrefillEngine running its event loop. (The engine, and
-    torch with it, is imported only here: the frontend process never loads them.)"""
-    from pdserve.prefill.engine import PrefillEngine
-
-    run_scheduler(lambda: PrefillEngine(config, agent_name, kv_transfer_timeout), to_scheduler, to_frontend, log_level)
-
-
 class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
     role = pb.ServerInfo.PREFILL
 
@@ -105,6 +97,14 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
             return  # the call itself ended (cancelled): the main path answers and aborts
         await self.bridge.send(ipc.Abort(rid))
         queue.put_nowait(ipc.Rejected(rid, "the stream ended without a KV destination"))
+
+
+def run_prefill_scheduler(config, agent_name, kv_transfer_timeout, log_level, to_scheduler, to_frontend):
+    """The scheduler process's entry point: a PrefillEngine running its event loop. (The engine, and
+    torch with it, is imported only here: the frontend process never loads them.)"""
+    from pdserve.prefill.engine import PrefillEngine
+
+    run_scheduler(lambda: PrefillEngine(config, agent_name, kv_transfer_timeout), to_scheduler, to_frontend, log_level)
 
 
 LAUNCHER = RoleLauncher("prefill", PrefillServicer, pb_grpc.add_PrefillServiceServicer_to_server, "pdserve.v1.PrefillService", run_prefill_scheduler)

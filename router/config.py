@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.common.config import _opt
+from pdserve.common.config import option
 from pdserve.router.policies import make_policy
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # what both logging and uvicorn take
@@ -18,32 +18,32 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # what both logg
 class RouterConfig:
     """Everything `pdserve-router` takes. Flags are `--field-name`; durations are in seconds."""
 
-    model_path: str = _opt("", "Checkpoint directory: the tokenizer, chat template and limits come from it.", required=True)
-    prefill: tuple[str, ...] = _opt((), "Prefill servers (gRPC).", metavar="HOST:PORT")
-    decode: tuple[str, ...] = _opt((), "Decode servers (gRPC).", metavar="HOST:PORT")
-    prefill_dns: tuple[str, ...] = _opt(
+    model_path: str = option("", "Checkpoint directory: the tokenizer, chat template and limits come from it.", required=True)
+    prefill: tuple[str, ...] = option((), "Prefill servers (gRPC).", metavar="HOST:PORT")
+    decode: tuple[str, ...] = option((), "Decode servers (gRPC).", metavar="HOST:PORT")
+    prefill_dns: tuple[str, ...] = option(
         (), "Discover prefill servers: NAME (e.g. a headless Service) is resolved every --dns-interval seconds; "
             "addresses are added (once healthy) and removed as they come and go.", metavar="NAME:PORT")
-    decode_dns: tuple[str, ...] = _opt((), "Discover decode servers, likewise.", metavar="NAME:PORT")
-    served_model_name: str = _opt("", "Model name clients use; default: --model-path as given.")
-    api_key: str = _opt("", "Require 'Authorization: Bearer KEY' on the API.")
-    prefill_policy: str = _opt("round_robin", "round_robin, least_load or cache_aware.")
-    decode_policy: str = _opt("round_robin", "round_robin or least_load.")
-    max_inflight: int = _opt(1024, "Requests in flight before new ones get 429 + Retry-After.")
-    request_timeout: float = _opt(600.0, "Seconds a request may take (its deadline on both servers).")
-    prefill_timeout: float = _opt(
+    decode_dns: tuple[str, ...] = option((), "Discover decode servers, likewise.", metavar="NAME:PORT")
+    served_model_name: str = option("", "Model name clients use; default: --model-path as given.")
+    api_key: str = option("", "Require 'Authorization: Bearer KEY' on the API.")
+    prefill_policy: str = option("round_robin", "round_robin, least_load or cache_aware.")
+    decode_policy: str = option("round_robin", "round_robin or least_load.")
+    max_inflight: int = option(1024, "Requests in flight before new ones get 429 + Retry-After.")
+    request_timeout: float = option(600.0, "Seconds a request may take (its deadline on both servers).")
+    prefill_timeout: float = option(
         0.0, "Seconds one prefill attempt may take before it is retried elsewhere; 0: the request's deadline "
              "(never past it).")
-    decode_timeout: float = _opt(0.0, "Seconds the decode call may take; 0: the request's deadline (never past it).")
-    max_prefill_attempts: int = _opt(3, "Prefill servers a request is tried on before it fails.")
-    health_check_interval: float = _opt(1.0, "Seconds between two health checks (gRPC health + GetLoad) of a worker.")
-    health_check_timeout: float = _opt(2.0, "Seconds each health-check RPC may take.")
-    dns_interval: float = _opt(2.0, "Seconds between two resolutions of the --prefill-dns / --decode-dns names.")
-    circuit_failures: int = _opt(3, "Consecutive failed requests or health checks that open a worker's circuit.")
-    circuit_open_time: float = _opt(5.0, "Seconds an open circuit keeps its worker out of routing (then half-open).")
-    host: str = _opt("127.0.0.1", "HTTP listen address.")
-    port: int = _opt(8000, "HTTP port.")
-    log_level: str = _opt("info", "Logging level.")
+    decode_timeout: float = option(0.0, "Seconds the decode call may take; 0: the request's deadline (never past it).")
+    max_prefill_attempts: int = option(3, "Prefill servers a request is tried on before it fails.")
+    health_check_interval: float = option(1.0, "Seconds between two health checks (gRPC health + GetLoad) of a worker.")
+    health_check_timeout: float = option(2.0, "Seconds each health-check RPC may take.")
+    dns_interval: float = option(2.0, "Seconds between two resolutions of the --prefill-dns / --decode-dns names.")
+    circuit_failures: int = option(3, "Consecutive failed requests or health checks that open a worker's circuit.")
+    circuit_open_time: float = option(5.0, "Seconds an open circuit keeps its worker out of routing (then half-open).")
+    host: str = option("127.0.0.1", "HTTP listen address.")
+    port: int = option(8000, "HTTP port.")
+    log_level: str = option("info", "Logging level.")
 
     def check(self) -> None:
         """Raise ValueError, naming the flag, for the first value the router cannot run with."""

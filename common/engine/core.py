@@ -85,10 +85,6 @@ class EngineCore:
         raise NotImplementedError
 
     @property
-    def max_context_len(self) -> int:
-        return self.config.context_length
-
-    @property
     def vocab_size(self) -> int:
         return self.runner.vocab_size
 
@@ -137,8 +133,8 @@ class EngineCore:
             "kv_used_tokens": s.kv_used_tokens(),
             "kv_cached_tokens": pool.used_tokens() - s.kv_used_tokens(),
             "kv_total_tokens": pool.capacity_tokens,
-            "running_requests": len(getattr(s, "running", ())),
-            "waiting_requests": len(s.waiting),
+            "running_requests": len(getattr(s, "running", ())),  # a prefill server runs none
+            "waiting_requests": len(s.prefill.waiting),
         }
 
     # ---- the steps every loop calls ------------------------------------------------------------

@@ -57,6 +57,10 @@ class Engine(EngineCore):
             raise TypeError("pass either a config or keyword overrides, not both")
         super().__init__(config)
 
+    @property
+    def max_context_len(self) -> int:
+        return self.config.context_length
+
     def make_scheduler(self) -> Scheduler:
         return Scheduler(self.config, self.runner.req_to_token_pool, self.runner.kv_pool, self.eos_token_ids)
 
