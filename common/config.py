@@ -173,6 +173,13 @@ class ServerConfig:
     kv_transfer_timeout: float = option(
         30.0, "Seconds a KV transfer may take: decode aborts a request whose KV has not arrived, prefill fails one whose WRITE has not finished."
     )
+    startup_timeout: float = option(
+        300.0, "Seconds the scheduler process may take to start (load the model, size and allocate the KV cache, "
+        "capture CUDA graphs) before the server gives up."
+    )
+    drain_timeout: float = option(
+        120.0, "Seconds a SIGTERM'd server waits for its requests in flight to finish before it exits anyway."
+    )
     agent_name: str = option("", "Unique name of this server's transfer agent; default: role-host-port-random.")
     log_level: str = option("info", "Logging level (debug, info, warning, error).")
 
@@ -181,5 +188,6 @@ class ServerConfig:
             raise ValueError("--port is required (1-65535)")
         if self.transfer_backend != "nixl":
             raise ValueError(f"--transfer-backend must be nixl, got {self.transfer_backend!r}")
-        if self.kv_transfer_timeout <= 0:
-            raise ValueError("--kv-transfer-timeout must be > 0")
+        for name in ("kv_transfer_timeout", "startup_timeout", "drain_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")

@@ -20,13 +20,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from pdserve.common.serving import ipc
+from pdserve.common.config import ServerConfig
 from pdserve.common.errors import ErrorCode
 from pdserve.proto import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-READY_TIMEOUT_S = 300.0  # model load + KV pool allocation
-DRAIN_TIMEOUT_S = 120.0
 
 
 class Metrics:
@@ -83,12 +82,12 @@ class SchedulerBridge:
         self.bye = asyncio.Event()
         self.load = ipc.LoadReport(0, 0, 0, 0, 0)
 
-    async def start(self) -> ipc.Ready:
+    async def start(self, timeout_s: float) -> ipc.Ready:
         self.ready = asyncio.get_running_loop().create_future()
         self.process.start()
         self._reader = asyncio.create_task(self._read())
         self._watch = asyncio.create_task(self._watch_process())
-        return await asyncio.wait_for(self.ready, READY_TIMEOUT_S)
+        return await asyncio.wait_for(self.ready, timeout_s)
 
     def subscribe(self, rid: str) -> asyncio.Queue:
         if rid in self.queues:
@@ -236,12 +235,12 @@ def error_to_proto(code: ErrorCode | None, message: str) -> pb.Error:
     return pb.Error(code=pb.Error.Code.Value((code or ErrorCode.INTERNAL).value), message=message)
 
 
-async def serve(servicer_factory, add_servicer, bridge: SchedulerBridge, host: str, port: int, metrics_port: int,
-                service_name: str) -> None:
+async def serve(servicer_factory, add_servicer, bridge: SchedulerBridge, config: ServerConfig, service_name: str) -> None:
     """Start the scheduler, then gRPC and metrics; on SIGTERM/SIGINT drain and exit."""
+    host, port, metrics_port = config.host, config.port, config.metrics_port
     if metrics_port:
         start_http_server(metrics_port, addr=host, registry=bridge.metrics.registry)
-    ready = await bridge.start()
+    ready = await bridge.start(config.startup_timeout)
     server = grpc.aio.server()
     servicer = servicer_factory(bridge, ready)
     add_servicer(servicer, server)
@@ -267,9 +266,9 @@ async def serve(servicer_factory, add_servicer, bridge: SchedulerBridge, host: s
     if not bridge.bye.is_set():
         await bridge.send(ipc.Drain())
         try:
-            await asyncio.wait_for(bridge.bye.wait(), DRAIN_TIMEOUT_S)
+            await asyncio.wait_for(bridge.bye.wait(), config.drain_timeout)
         except asyncio.TimeoutError:
-            log.warning("drain timed out after %ss", DRAIN_TIMEOUT_S)
+            log.warning("drain timed out after %ss", config.drain_timeout)
     await server.stop(grace=5)
     await bridge.close()
 

@@ -54,5 +54,4 @@ async def _serve(launcher: RoleLauncher, engine: EngineConfig, server: ServerCon
 
     args = (engine, agent_name, server.kv_transfer_timeout, server.log_level)
     bridge = SchedulerBridge(launcher.run_scheduler, args, Metrics(launcher.role))
-    await serve(launcher.servicer, launcher.add_servicer, bridge, server.host, server.port, server.metrics_port,
-                launcher.service_name)
+    await serve(launcher.servicer, launcher.add_servicer, bridge, server, launcher.service_name)
