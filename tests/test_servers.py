@@ -163,6 +163,28 @@ def test_greedy_through_prefill_and_decode_servers_matches_transformers(servers)
     assert 'pdserve_kv_transfer_bytes_total{role="prefill"}' in prefill_metrics
 
 
+# Random tiny weights leave some steps with their top two logits within fp32 rounding (prompt 17
+# below: 11.083960 vs 11.083954); there the argmax may go either way with the batch's shape (the
+# GEMM's blocking differs), so a run's batching decides it.
+TIE_LOGPROB = 1e-4
+
+
+def assert_same_greedy(got: list[list[int]], reference) -> None:
+    """`got` equals the reference's greedy tokens, except that a sequence may part from it at a step
+    where the reference's top two logprobs are within TIE_LOGPROB (and then differ after it); at
+    most two sequences may."""
+    parted = []
+    for i, (tokens, ref) in enumerate(zip(got, reference)):
+        if tokens == ref.output_ids:
+            continue
+        step = next(k for k, (a, b) in enumerate(zip(tokens, ref.output_ids)) if a != b)
+        (first_id, first), (second_id, second) = ref.logprobs[step].top[:2]
+        assert first - second < TIE_LOGPROB and tokens[step] in (first_id, second_id), (
+            f"sequence {i} parts from the reference at step {step}: {tokens} != {ref.output_ids}")
+        parted.append(i)
+    assert len(got) == len(reference) and len(parted) <= 2, parted
+
+
 def test_64_concurrent_requests_complete_with_nothing_lost(servers):
     model, decode, prefill = servers
     cases = prompts(64, seed=3, high=40)
@@ -176,8 +198,8 @@ def test_64_concurrent_requests_complete_with_nothing_lost(servers):
     from pdserve.common.types import SamplingParams
 
     local = Engine(model_path=model, device="cpu", max_total_tokens=8192).generate(
-        cases, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True))
-    assert [tokens for tokens, _, _ in results] == [c.output_ids for c in local]
+        cases, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True, logprobs=2))
+    assert_same_greedy([tokens for tokens, _, _ in results], local)
     assert all(end.finish.reason == pb.FINISH_REASON_LENGTH for _, end, _ in results)
     asyncio.run(wait_idle(decode, prefill))
 
