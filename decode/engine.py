@@ -21,7 +21,6 @@ from typing import Iterator, Sequence
 from pdserve.common.serving import ipc
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.core import EngineCore
-from pdserve.common.errors import ErrorCode
 from pdserve.common.kv_transfer import KVLayout, decode_notif
 from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
 from pdserve.common.types import Completion, SamplingParams, TokenLogprob

@@ -16,6 +16,7 @@ from pdserve.decode.engine import DecodeEngine
 
 
 def event_loop_overlap_disagg_decode(decode: DecodeEngine) -> Iterator[list[Completion]]:
+    """Take arrived KV into the running batch, launch batch N, then process N-1 while the device runs N."""
     schedule_stream, forward_stream = decode.streams.schedule_stream, decode.streams.forward_stream
     while True:
         decode.process_input_requests(decode.recv_requests())

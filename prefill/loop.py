@@ -30,6 +30,7 @@ def event_loop_normal_disagg_prefill(prefill: PrefillEngine) -> Iterator[list[Pr
 
 
 def event_loop_overlap_disagg_prefill(prefill: PrefillEngine) -> Iterator[list[PrefillResult]]:
+    """Launch batch N, then process N-1 while the device runs N; then poll the WRITEs in flight."""
     schedule_stream, forward_stream = prefill.streams.schedule_stream, prefill.streams.forward_stream
     while True:
         prefill.process_input_requests(prefill.recv_requests())

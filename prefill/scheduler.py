@@ -25,14 +25,14 @@ import math
 import time
 from dataclasses import dataclass
 
-from pdserve.common.engine.batch import ForwardMode, ScheduleBatch
+from pdserve.common.engine.batch import ScheduleBatch
 from pdserve.common.config import EngineConfig
 from pdserve.common.errors import ErrorCode
 from pdserve.common.scheduling.kv_manager import KVManager
 from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.kv_transfer import TransferState, encode_notif
 from pdserve.common.scheduling.prefill_manager import PrefillManager
-from pdserve.common.scheduling.scheduler import check_fits, make_batch, on_launched
+from pdserve.common.scheduling.scheduler import check_fits, extend_batch, on_launched
 from pdserve.common.types import KV_WRITE_GRACE_S, FinishReason, Req, SamplingParams, TokenLogprob
 
 
@@ -116,7 +116,7 @@ class PrefillScheduler:
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         self._fail_expired(time.monotonic())  # never compute a prompt whose KV can no longer be written
         spans, _ = self.prefill.schedule([])  # a finished prompt waits for its result, then transfers
-        return make_batch(ForwardMode.EXTEND, spans, self.kv) if spans else None
+        return extend_batch(spans, self.kv) if spans else None
 
     def on_launched(self, batch: ScheduleBatch, future_slots: list[int]) -> None:
         on_launched(batch, future_slots)

@@ -100,11 +100,11 @@ class BatchBuilder:
     def _build_decode(self, batch: ScheduleBatch) -> ForwardBatch:
         """One new token per request, at position seq_len - 1; the hot path of every decode step."""
         page = self.page_size
-        input_ids, positions, out_loc, req_rows = [], [], [], []
-        for req, pos in zip(batch.reqs, batch.starts):
+        positions = batch.starts
+        input_ids, out_loc, req_rows = [], [], []
+        for req, pos in zip(batch.reqs, positions):
             # The last token: a FutureMap placeholder while its value is still in flight.
             input_ids.append(-req.future_idx if req.pending else (req.output_ids or req.prompt_ids)[-1])
-            positions.append(pos)
             out_loc.append(req.pages[pos // page] * page + pos % page)
             req_rows.append(req.req_pool_idx)
         b = batch.batch_size

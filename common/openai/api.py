@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pdserve.common.types import MAX_TOP_LOGPROBS, SamplingParams
+from pdserve.common.types import SamplingParams
 
 MAX_N = 128
 MAX_LOGPROBS = 5  # completions' logprobs

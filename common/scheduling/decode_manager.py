@@ -14,9 +14,6 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.scheduling.kv_manager import KVManager
 from pdserve.common.types import Req
 
-Span = tuple[Req, int, int]
-
-
 class DecodeManager:
     def __init__(self, config: EngineConfig, kv: KVManager, retract: Callable[[Req], None]):
         self.config = config
@@ -25,27 +22,37 @@ class DecodeManager:
         self.running: list[Req] = []
         self.stats = {"retractions": 0}
 
-    def schedule(self) -> list[Span]:
-        """A slot for every running request's last token, retracting requests if KV runs out."""
+    def schedule(self) -> tuple[list[Req], list[int]]:
+        """The requests of the next decode step and their lengths after it (each computes position
+        length - 1), retracting requests if KV runs out. The hot path of every decode step: each
+        request's length is computed once."""
         # NOTE: no chunked request exists here (prefill runs it to its end first), so every page
         # not held by a running request is free or evictable, and one request alone always fits.
         while True:
-            active = [r for r in self.running if not self._surely_done(r)]
-            growing = [r for r in active if self.kv.needs_page(r)]
-            if not active or len(growing) <= self.kv.available_pages():
+            reqs, ends, growing = self._active()
+            if not reqs or len(growing) <= self.kv.available_pages():
                 break
-            self._retract_one(active)
+            self._retract_one(reqs)
         for req, page in zip(growing, self.kv.alloc_pages(len(growing))):
             req.pages.append(page)
-        spans = []
-        for req in active:
-            spans.append((req, req.seq_len - 1, req.seq_len))
-            req.kv_len = req.seq_len
-        return spans
+        for req, end in zip(reqs, ends):
+            req.kv_len = end
+        return reqs, ends
 
-    def _surely_done(self, req: Req) -> bool:
-        """Its pending token already reaches max_new_tokens or the context: another step is waste."""
-        return req.num_sampled >= req.params.max_new_tokens or req.seq_len >= self.config.context_length
+    def _active(self) -> tuple[list[Req], list[int], list[Req]]:
+        """Running requests worth another step (not already at max_new_tokens or the context with
+        the token in flight), their lengths, and those whose next position needs a new page."""
+        page, context = self.kv.page_size, self.config.context_length
+        reqs, ends, growing = [], [], []
+        for req in self.running:
+            n = req.seq_len
+            if n >= context or len(req.output_ids) + req.pending >= req.params.max_new_tokens:
+                continue
+            reqs.append(req)
+            ends.append(n)
+            if (n - 1) // page >= len(req.pages):
+                growing.append(req)
+        return reqs, ends, growing
 
     def _retract_one(self, candidates: list[Req]) -> None:
         victim = min(reversed(candidates), key=lambda r: (r.num_sampled, -len(r.prompt_ids)))

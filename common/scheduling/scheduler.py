@@ -41,10 +41,10 @@ def check_fits(config: EngineConfig, kv_pool: PagedKVPool, prompt_ids: Sequence[
         raise ValueError(f"the sequence needs more KV than the whole pool ({kv_pool.capacity_tokens} tokens)")
 
 
-def make_batch(mode: ForwardMode, spans, kv: KVManager) -> ScheduleBatch:
-    """The ScheduleBatch of (req, start, end) spans, carrying the rows decided since the last one."""
+def extend_batch(spans, kv: KVManager) -> ScheduleBatch:
+    """The prefill ScheduleBatch of (req, start, end) spans, carrying the rows decided since the last one."""
     reqs = [req for req, _, _ in spans]
-    return ScheduleBatch(mode, reqs, [s for _, s, _ in spans], [e for _, _, e in spans],
+    return ScheduleBatch(ForwardMode.EXTEND, reqs, [s for _, s, _ in spans], [e for _, _, e in spans],
                          [end == req.seq_len for req, _, end in spans], kv.take_row_writes())
 
 
@@ -137,15 +137,16 @@ class Scheduler:
         # A completed prompt joins the running batch now: the next decode step feeds it a
         # placeholder for the token this prefill samples.
         self.decode.running += completed
-        mode = ForwardMode.EXTEND
-        if not spans and self.decode.running:
-            spans, mode = self.decode.schedule(), ForwardMode.DECODE
-        if not spans:
+        if spans:
+            return extend_batch(spans, self.kv)
+        if not self.decode.running:
             return None
-        return self.make_batch(mode, spans)
-
-    def make_batch(self, mode: ForwardMode, spans) -> ScheduleBatch:
-        return make_batch(mode, spans, self.kv)
+        reqs, ends = self.decode.schedule()
+        if not reqs:
+            return None
+        # Every request of a decode step samples its next token.
+        return ScheduleBatch(ForwardMode.DECODE, reqs, [n - 1 for n in ends], ends, [True] * len(reqs),
+                             self.kv.take_row_writes())
 
     def _retract(self, victim: Req) -> None:
         self.kv.cache_and_release(victim)
