@@ -60,6 +60,8 @@ def add_bench_parser(sub) -> None:
     serve.add_argument("--num-prefill", type=int, default=1, help="Local stack: prefill servers behind the router.")
     serve.add_argument("--prefill-policy", default="round_robin", choices=("round_robin", "least_load", "cache_aware"),
                        help="Local stack: the router's --prefill-policy.")
+    serve.add_argument("--server-torch-threads", type=int, default=0,
+                       help="Local stack: --torch-threads of each server; 0: torch's default (one thread per core).")
     serve.add_argument("--model", default=None, help="Model name to request; default: the first of GET /v1/models.")
     serve.add_argument("--vocab-size", type=int, default=0,
                        help="Draw prompt ids from [0, V); default: from the checkpoint's tokenizer and config.")

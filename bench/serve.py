@@ -52,7 +52,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 from pdserve.bench.stack import local_stack
 
                 max_inflight = max(1024, args.num_prompts)  # the router must not turn our own load away (429)
-                stack = local_stack(config, local.device, max_inflight, args.num_prefill, args.prefill_policy)
+                stack = local_stack(config, local.device, max_inflight, args.num_prefill, args.prefill_policy,
+                                    args.server_torch_threads)
                 base_url = cleanup.enter_context(stack).base_url
             headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
             model = args.model or asyncio.run(get_json(base_url + "/v1/models", headers))["data"][0]["id"]

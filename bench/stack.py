@@ -57,9 +57,10 @@ class LocalStack:
 
 @contextmanager
 def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefill: int = 1,
-                prefill_policy: str = "round_robin") -> Iterator[LocalStack]:
+                prefill_policy: str = "round_robin", torch_threads: int = 0) -> Iterator[LocalStack]:
     """Start a router, a decode server and `num_prefill` prefill servers, wait until all are
-    routable, yield where they listen (`prefill`: the first prefill server); stop them at the end."""
+    routable, yield where they listen (`prefill`: the first prefill server); stop them at the end.
+    `torch_threads` > 0 is each server's --torch-threads (0: torch's default)."""
     py = sys.executable
     decode_config, prefill_configs = memory_split(config, device, num_prefill)
     one_gpu = decode_config is not prefill_configs[0]  # each server sizes itself after the ones before
@@ -68,8 +69,10 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefil
     base = f"http://127.0.0.1:{router}"
     procs: list[subprocess.Popen] = []
 
+    threads = ["--torch-threads", str(torch_threads)] if torch_threads > 0 else []
+
     def server(role: str, cfg: EngineConfig, port: int) -> None:
-        procs.append(subprocess.Popen([py, "-m", f"pdserve.{role}.cli", *engine_flags(cfg), "--port", str(port),
+        procs.append(subprocess.Popen([py, "-m", f"pdserve.{role}.cli", *engine_flags(cfg), *threads, "--port", str(port),
                                        "--log-level", "warning"]))
 
     try:

@@ -173,6 +173,10 @@ class ServerConfig:
     kv_transfer_timeout: float = option(
         30.0, "Seconds a KV transfer may take: decode aborts a request whose KV has not arrived, prefill fails one whose WRITE has not finished."
     )
+    torch_threads: int = option(
+        0, "CPU threads torch may use in the scheduler process; 0: torch's default, one per core. (Splitting a "
+        "2-core host between a prefill and a decode server cost a quarter of the throughput: docs/benchmarks.md.)"
+    )
     startup_timeout: float = option(
         300.0, "Seconds the scheduler process may take to start (load the model, size and allocate the KV cache, "
         "capture CUDA graphs) before the server gives up."
@@ -188,6 +192,8 @@ class ServerConfig:
             raise ValueError("--port is required (1-65535)")
         if self.transfer_backend != "nixl":
             raise ValueError(f"--transfer-backend must be nixl, got {self.transfer_backend!r}")
+        if self.torch_threads < 0:
+            raise ValueError(f"--torch-threads must be >= 0, got {self.torch_threads}")
         for name in ("kv_transfer_timeout", "startup_timeout", "drain_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")

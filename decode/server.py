@@ -21,12 +21,12 @@ from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
 
-def run_decode_scheduler(config, agent_name, kv_transfer_timeout, log_level, to_scheduler, to_frontend):
+def run_decode_scheduler(config, server, agent_name, to_scheduler, to_frontend):
     """The scheduler process's entry point: a DecodeEngine running its event loop. (The engine, and
     torch with it, is imported only here: the frontend process never loads them.)"""
     from pdserve.decode.engine import DecodeEngine
 
-    run_scheduler(lambda: DecodeEngine(config, agent_name, kv_transfer_timeout), to_scheduler, to_frontend, log_level)
+    run_scheduler(lambda: DecodeEngine(config, agent_name, server.kv_transfer_timeout), server, to_scheduler, to_frontend)
 
 
 class DecodeServicer(CommonRpcs, pb_grpc.DecodeServiceServicer):

@@ -20,6 +20,7 @@ import traceback
 import zmq
 
 from pdserve.common.serving import ipc
+from pdserve.common.config import ServerConfig
 from pdserve.common.errors import ErrorCode
 
 log = logging.getLogger(__name__)
@@ -75,9 +76,15 @@ class Channel:
         return False
 
 
-def run_scheduler(make_engine, to_scheduler: str, to_frontend: str, log_level: str = "INFO") -> None:
+def run_scheduler(make_engine, server: ServerConfig, to_scheduler: str, to_frontend: str) -> None:
     """Process entry point: build the role's engine, announce Ready, serve until drained."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s scheduler: %(message)s")
+    logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s scheduler: %(message)s")
+    if server.torch_threads:
+        import torch
+
+        # NOTE: two busy scheduler processes on one host, each with a thread per core, slow each
+        # other down (measured on 2 cores: docs/benchmarks.md): servers sharing a host split it.
+        torch.set_num_threads(server.torch_threads)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.setsockopt(zmq.LINGER, ipc.LINGER_MS)
