@@ -11,6 +11,8 @@ import argparse
 import asyncio
 import itertools
 import math
+import os
+import time
 from contextlib import ExitStack
 
 from pdserve.bench.http_client import get_json
@@ -43,6 +45,7 @@ def run_serve(args: argparse.Namespace) -> int:
     pool = list(range(args.vocab_size)) if args.vocab_size else token_pool(model_path)
     config = from_cli_args(args, EngineConfig)
     local = config.resolve() if not args.base_url else None  # the device and dtype this machine serves with
+    router_pid = None  # a local stack's router: its CPU time is reported with each run
     with ExitStack() as cleanup:
         if args.backend == "hf":
             backend, model = hf_backend(args, local, cleanup), f"transformers:{model_path}"
@@ -52,13 +55,13 @@ def run_serve(args: argparse.Namespace) -> int:
                 from pdserve.bench.stack import local_stack
 
                 max_inflight = max(1024, args.num_prompts)  # the router must not turn our own load away (429)
-                stack = local_stack(config, local.device, max_inflight, args.num_prefill, args.prefill_policy,
-                                    args.server_torch_threads)
-                base_url = cleanup.enter_context(stack).base_url
+                stack = cleanup.enter_context(local_stack(config, local.device, max_inflight, args.num_prefill,
+                                                          args.prefill_policy, args.server_torch_threads))
+                base_url, router_pid = stack.base_url, stack.router_pid
             headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
             model = args.model or asyncio.run(get_json(base_url + "/v1/models", headers))["data"][0]["id"]
             backend = OpenAIBackend(base_url, model, args.api_key)
-        runs = asyncio.run(bench_runs(backend, args, pool, slos))
+        runs = asyncio.run(bench_runs(backend, args, pool, slos, router_pid))
     report = {
         "bench": "serve",
         "command": command_line(args.argv),
@@ -95,7 +98,26 @@ def hf_backend(args: argparse.Namespace, config, cleanup: ExitStack):
     return server
 
 
-async def bench_runs(backend, args: argparse.Namespace, pool: list[int], slos: dict) -> list[dict]:
+def process_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds (user + system, all threads) a process has used, from /proc; None where unreadable."""
+    if pid is None:
+        return time.process_time()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name, in parentheses, may hold spaces
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def cpu_per_1k_tokens(before: float | None, after: float | None, tokens: int) -> float | None:
+    if before is None or after is None or not tokens:
+        return None
+    return (after - before) / tokens * 1000
+
+
+async def bench_runs(backend, args: argparse.Namespace, pool: list[int], slos: dict,
+                     router_pid: int | None = None) -> list[dict]:
     for prompt in random_prompts(pool, args.warmup, args.input_len, args.seed, run=-1):
         result = await timed_request(backend, prompt, args.output_len, args.request_timeout)
         if not result.success:
@@ -104,10 +126,16 @@ async def bench_runs(backend, args: argparse.Namespace, pool: list[int], slos: d
     for index, (rate, concurrency) in enumerate(itertools.product(args.request_rate, args.max_concurrency)):
         prompts = random_prompts(pool, args.num_prompts, args.input_len, args.seed, index, args.prefix_groups,
                                  args.prefix_len)
+        client, router = process_cpu_s(None), process_cpu_s(router_pid) if router_pid else None
         results, duration = await run_schedule(backend, prompts, args.output_len, rate, concurrency, args.seed,
                                                args.request_timeout)
         run = {"request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": concurrency or None,
                **summarize(results, duration, slos)}
+        tokens = run["total_output_tokens"]
+        # The CPU the client and the router spent per 1,000 streamed tokens (the router: a local
+        # stack's only; the client: this process, which also runs an --backend hf model).
+        run["client_cpu_s_per_1k_tokens"] = cpu_per_1k_tokens(client, process_cpu_s(None), tokens)
+        run["router_cpu_s_per_1k_tokens"] = cpu_per_1k_tokens(router, process_cpu_s(router_pid), tokens) if router_pid else None
         run["errors"] = sorted({r.error for r in results if not r.success})[:5]
         print_run(run)
         runs.append(run)
@@ -131,6 +159,10 @@ def print_run(run: dict) -> None:
     for key, name in LATENCIES:
         s = run[key]
         lines.append(f"{name:>4} ms: mean {s['mean']:.2f}  p50 {s['p50']:.2f}  p90 {s['p90']:.2f}  p99 {s['p99']:.2f}")
+    cpu = [f"{who} {run[f'{who}_cpu_s_per_1k_tokens']:.3f}" for who in ("client", "router")
+           if run[f"{who}_cpu_s_per_1k_tokens"] is not None]
+    if cpu:
+        lines.append("CPU seconds per 1,000 output tokens: " + ", ".join(cpu))
     for error in run["errors"]:
         lines.append(f"error: {error}")
     print("\n".join(lines), flush=True)

@@ -53,6 +53,7 @@ class LocalStack:
     base_url: str  # the router's
     prefill: str  # HOST:PORT of the prefill server's gRPC service
     decode: str  # HOST:PORT of the decode server's
+    router_pid: int = 0  # the router's process, for its CPU time
 
 
 @contextmanager
@@ -92,7 +93,7 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefil
                     "the local stack")
         print(f"local stack up: router {base}, prefill {' '.join(f':{p}' for p in prefills)}, decode :{decode}",
               flush=True)
-        yield LocalStack(base, f"127.0.0.1:{prefills[0]}", f"127.0.0.1:{decode}")
+        yield LocalStack(base, f"127.0.0.1:{prefills[0]}", f"127.0.0.1:{decode}", router_pid=procs[0].pid)
     finally:
         for p in procs:
             if p.poll() is None:

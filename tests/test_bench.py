@@ -368,6 +368,31 @@ def test_serve_against_a_local_stack_it_starts(cache, capsys):
     for run in report["runs"]:  # the servers report prefix-cache hits in every answer's usage
         assert 0 <= run["total_cached_tokens"] <= 6 * 16
     assert sum(run["total_cached_tokens"] for run in report["runs"]) > 0
+    for run in report["runs"]:  # the client's and the router's CPU time, per 1,000 streamed tokens
+        assert run["client_cpu_s_per_1k_tokens"] > 0 and run["router_cpu_s_per_1k_tokens"] > 0
+
+
+def test_cpu_seconds_of_a_process_come_from_proc():
+    import os
+    import subprocess
+    import sys
+
+    from pdserve.bench.serve import cpu_per_1k_tokens, process_cpu_s
+
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+                             "time.sleep(30)"])
+    try:
+        deadline = 100
+        while (process_cpu_s(busy.pid) or 0) < 0.25 and deadline:
+            __import__("time").sleep(0.1)
+            deadline -= 1
+        assert 0.25 <= process_cpu_s(busy.pid) < 5
+    finally:
+        busy.kill()
+        busy.wait()
+    assert process_cpu_s(None) > 0 and process_cpu_s(2**22 + 12345) is None  # no such process
+    assert cpu_per_1k_tokens(1.0, 3.0, 4000) == 0.5 and cpu_per_1k_tokens(None, 3.0, 10) is None
+    assert os.sysconf("SC_CLK_TCK") > 0
 
 
 def test_serve_hf_backend_in_process(cache, capsys):
