@@ -45,7 +45,7 @@ class BatchBuilder:
         slots = [s for w in last.values() for s in w.slots]
         if slots:
             packed = h2d([rows, positions, slots], torch.int64, self.device)
-            self._write_slots(packed[0], packed[1], packed[2])
+            self.req_to_token_pool.write_slots(packed[0], packed[1], packed[2])
 
     def _build_extend(self, batch: ScheduleBatch) -> ForwardBatch:
         # Per-token fields are built with numpy over the whole batch: a prefill batch can hold
@@ -77,7 +77,7 @@ class BatchBuilder:
         input_ids = np.asarray(ids, dtype=np.int64)
         packed = h2d_array(np.concatenate([input_ids, positions, out_loc, rows, per_req]), self.device)
         ids_d, pos_d, loc_d, rows_d = packed[:t], packed[t : 2 * t], packed[2 * t : 3 * t], packed[3 * t : 4 * t]
-        self._write_slots(rows_d, pos_d, loc_d)
+        self.req_to_token_pool.write_slots(rows_d, pos_d, loc_d)
         return ForwardBatch(
             mode=ForwardMode.EXTEND,
             reqs=batch.reqs,
@@ -85,7 +85,7 @@ class BatchBuilder:
             positions=pos_d,
             out_cache_loc=loc_d,
             req_pool_indices=packed[4 * t : 4 * t + b],
-            seq_lens=list(batch.ends),
+            seq_lens=batch.ends,  # shared with the ScheduleBatch: both are read-only once built
             extend_lens=extend_lens,
             extend_starts=extend_starts,
             req_rows=req_rows,
@@ -110,7 +110,7 @@ class BatchBuilder:
         b = batch.batch_size
         # Rows of one [6, B] upload: the CUDA-graph runner copies rows 0-4 in one strided copy.
         packed = h2d([input_ids, positions, out_loc, req_rows, batch.ends, list(range(b))], torch.int64, self.device)
-        self._write_slots(packed[3], packed[1], packed[2])
+        self.req_to_token_pool.write_slots(packed[3], packed[1], packed[2])
         return ForwardBatch(
             mode=ForwardMode.DECODE,
             reqs=batch.reqs,
@@ -118,7 +118,7 @@ class BatchBuilder:
             positions=packed[1],
             out_cache_loc=packed[2],
             req_pool_indices=packed[3],
-            seq_lens=list(batch.ends),
+            seq_lens=batch.ends,
             extend_lens=[1] * b,
             extend_starts=list(range(b)),
             req_rows=req_rows,
@@ -129,8 +129,3 @@ class BatchBuilder:
             packed=packed,
             seq=batch.seq,
         )
-
-    def _write_slots(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """req_to_token[row, position] = slot: queued on the current (schedule) stream, before the
-        forward that reads them."""
-        self.req_to_token_pool.write_slots(rows, positions, slots)
