@@ -6,7 +6,8 @@
     pdserve bench serve [--base-url URL] [--model NAME] (--model-path DIR | --random-weights ARCH/SHAPE
         | --vocab-size V) [--num-prompts N] [--input-len L] [--output-len L]
         [--request-rate R ...] [--max-concurrency C ...] [--goodput KEY:MS ...] [--backend pdserve|hf]
-        [--hf-batch-size B] [--warmup W] [--seed S] [--api-key KEY] [--output-json FILE] [engine flags]
+        [--hf-batch-size B] [--warmup W] [--seed S] [--api-key KEY] [--client-workers N] [--router-pid PID]
+        [--output-json FILE] [engine flags]
 
 Parsing needs only the config and the shape names; the engine, transformers and the HTTP client
 load when a benchmark runs.
@@ -33,7 +34,11 @@ p50, p90, p99), throughput and goodput as `vllm bench serve` defines them. Witho
 starts a local router + 1 prefill + 1 decode server with the engine flags given here, and stops
 them at the end. --backend hf serves the same arrivals in-process with transformers generate
 (static batches: see docs/benchmarks.md). Several --request-rate / --max-concurrency values run
-one after another on the same server, each with fresh prompts."""
+one after another on the same server, each with fresh prompts. --client-workers N sends the
+measured requests from N processes (dealt round-robin, one common start, the same arrival times),
+so the client keeps up at high token rates; the report is the same. Each run reports the CPU
+seconds per 1,000 output tokens of the client (with its workers) and of the router (with its
+child processes: a local stack's, or --router-pid's on this host)."""
 
 
 def add_bench_parser(sub) -> None:
@@ -68,7 +73,8 @@ def add_bench_parser(sub) -> None:
     serve.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
                        help="Requests per second, Poisson arrivals (inf: all at once). Several: one run each.")
     serve.add_argument("--max-concurrency", type=int, nargs="+", default=[0],
-                       help="Most requests in flight (0: no limit). Several: one run each (with every rate).")
+                       help="Most requests in flight (0: no limit); with --client-workers, split among the processes. "
+                            "Several: one run each (with every rate).")
     serve.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
                        help="SLOs for goodput, keys ttft, tpot, e2el in milliseconds (vllm bench serve's meaning).")
     serve.add_argument("--backend", choices=("pdserve", "hf"), default="pdserve",
@@ -77,6 +83,13 @@ def add_bench_parser(sub) -> None:
     serve.add_argument("--hf-batch-size", type=int, default=0, help="--backend hf: most requests per generate batch; 0: no limit.")
     serve.add_argument("--api-key", default="", help="Sent as 'Authorization: Bearer KEY'.")
     serve.add_argument("--request-timeout", type=float, default=600.0, help="Seconds a request may take before it counts as failed.")
+    serve.add_argument("--client-workers", type=int, default=1, metavar="N",
+                       help="Client processes sending the measured requests (round-robin); 1: this process. "
+                            "--max-concurrency is split among them (per process, as evenly as possible, each >= 1; "
+                            "at most that many workers are used).")
+    serve.add_argument("--router-pid", type=int, default=None, metavar="PID",
+                       help="With --base-url: a router on this host whose CPU time (with its child processes') "
+                            "each run reports; default: a local stack's router, else none.")
     add_cli_args(serve, EngineConfig)
     serve.set_defaults(func=_serve)
 

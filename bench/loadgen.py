@@ -34,8 +34,8 @@ class OpenAIBackend:
     """/v1/completions with stream=true, ignore_eos, temperature 0 and the usage at the end."""
 
     def __init__(self, base_url: str, model: str, api_key: str = ""):
+        self.base_url, self.model, self.api_key = base_url, model, api_key  # what a client worker rebuilds it from
         self.url = base_url.rstrip("/") + "/v1/completions"
-        self.model = model
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def stream(self, prompt: list[int], output_len: int) -> AsyncIterator[Chunk]:
@@ -110,8 +110,16 @@ async def run_schedule(backend, prompts: list[list[int]], output_len: int, rate:
     """Send every prompt at its arrival time (waiting for a free slot under max_concurrency > 0);
     returns the results in prompt order and the duration from the start to the last answer."""
     offsets = arrival_times(len(prompts), rate, seed)
-    slots = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
     start = time.perf_counter()
+    results = await send_on_schedule(backend, prompts, offsets, output_len, max_concurrency, timeout_s, start)
+    return results, time.perf_counter() - start
+
+
+async def send_on_schedule(backend, prompts: list[list[int]], offsets: list[float], output_len: int,
+                           max_concurrency: int, timeout_s: float, start: float) -> list[RequestResult]:
+    """Send prompt i at `start` (a perf_counter time) + offsets[i], at most max_concurrency > 0 in
+    flight; the results in prompt order. A send time already past goes at once."""
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
 
     async def one(prompt: list[int], offset: float) -> RequestResult:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
@@ -120,5 +128,4 @@ async def run_schedule(backend, prompts: list[list[int]], output_len: int, rate:
         async with slots:  # timing starts once the request is sent, as vllm bench serve does
             return await timed_request(backend, prompt, output_len, timeout_s)
 
-    results = await asyncio.gather(*(one(p, t) for p, t in zip(prompts, offsets)))
-    return list(results), time.perf_counter() - start
+    return list(await asyncio.gather(*(one(p, t) for p, t in zip(prompts, offsets))))

@@ -2,7 +2,8 @@
 
 One run per (--request-rate, --max-concurrency) pair, one after another on the same server, each
 with a fresh prompt set (a repeated one would hit the prefix cache); --warmup requests go first,
-one at a time, unmeasured, and must succeed.
+one at a time, unmeasured, and must succeed. With --client-workers N > 1 the measured requests
+are sent from N processes (client_workers.py); the warm-up stays in this one.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import itertools
 import math
 import os
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 
+from pdserve.bench.client_workers import ClientWorkers
 from pdserve.bench.http_client import get_json
 from pdserve.bench.loadgen import OpenAIBackend, run_schedule, timed_request
 from pdserve.bench.metrics import parse_goodput, summarize
@@ -42,10 +44,11 @@ def run_serve(args: argparse.Namespace) -> int:
                          "--backend hf has none")
     if any(not rate > 0 for rate in args.request_rate) or any(c < 0 for c in args.max_concurrency):
         raise ValueError("--request-rate must be > 0 (inf: all at once), --max-concurrency >= 0 (0: no limit)")
+    check_client_args(args)
     pool = list(range(args.vocab_size)) if args.vocab_size else token_pool(model_path)
     config = from_cli_args(args, EngineConfig)
     local = config.resolve() if not args.base_url else None  # the device and dtype this machine serves with
-    router_pid = None  # a local stack's router: its CPU time is reported with each run
+    router_pid = args.router_pid  # the router whose CPU time (with its children's) each run reports
     with ExitStack() as cleanup:
         if args.backend == "hf":
             backend, model = hf_backend(args, local, cleanup), f"transformers:{model_path}"
@@ -73,6 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "model_path": model_path or None,
         "random_weights": args.random_weights,
         "num_prompts": args.num_prompts,
+        "client_workers": args.client_workers,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "num_prefill": args.num_prefill if not args.base_url else None,
@@ -98,6 +102,18 @@ def hf_backend(args: argparse.Namespace, config, cleanup: ExitStack):
     return server
 
 
+def check_client_args(args: argparse.Namespace) -> None:
+    if args.client_workers < 1:
+        raise ValueError("--client-workers must be >= 1")
+    if args.client_workers > 1 and args.backend == "hf":
+        raise ValueError("--client-workers > 1 sends over HTTP; --backend hf serves in this process")
+    if args.router_pid is not None:
+        if not args.base_url:
+            raise ValueError("--router-pid is for a --base-url server's router; a local stack's is measured anyway")
+        if args.router_pid < 1 or process_cpu_s(args.router_pid) is None:
+            raise ValueError(f"--router-pid {args.router_pid}: no such process on this host")
+
+
 def process_cpu_s(pid: int | None) -> float | None:
     """CPU seconds (user + system, all threads) a process has used, from /proc; None where unreadable."""
     if pid is None:
@@ -108,6 +124,37 @@ def process_cpu_s(pid: int | None) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def process_tree_cpu_s(pid: int) -> float | None:
+    """CPU seconds a process and all its descendants have used (user + system, all threads, and
+    the children each has reaped), from /proc; None where the process is gone or unreadable.
+
+    NOTE: compare two readings (after - before). A descendant that exits between them keeps
+    counting only through its parent's reaped-children time (cutime, cstime), once a process of
+    the tree has waited for it; one that is not reaped by the tree (orphaned, or its parent ignores
+    SIGCHLD) or still a zombie at the second reading loses its CPU from the sum, and a reap that
+    races the scan may count it twice or not at all. Acceptable for a per-run figure.
+    """
+    ticks, children = {}, {}  # pid -> own + reaped-children ticks; pid -> its child pids
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # the name, in parentheses, may hold spaces
+        except OSError:  # exited since the listing
+            continue
+        ticks[int(name)] = sum(int(field) for field in fields[11:15])  # utime, stime, cutime, cstime
+        children.setdefault(int(fields[1]), []).append(int(name))  # ppid
+    if pid not in ticks:
+        return None
+    total, tree = 0, [pid]
+    while tree:
+        member = tree.pop()
+        total += ticks.get(member, 0)
+        tree += children.get(member, [])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_per_1k_tokens(before: float | None, after: float | None, tokens: int) -> float | None:
@@ -123,23 +170,37 @@ async def bench_runs(backend, args: argparse.Namespace, pool: list[int], slos: d
         if not result.success:
             raise RuntimeError(f"warm-up request failed: {result.error}")
     runs = []
-    for index, (rate, concurrency) in enumerate(itertools.product(args.request_rate, args.max_concurrency)):
-        prompts = random_prompts(pool, args.num_prompts, args.input_len, args.seed, index, args.prefix_groups,
-                                 args.prefix_len)
-        client, router = process_cpu_s(None), process_cpu_s(router_pid) if router_pid else None
+    with ClientWorkers(args.client_workers, backend) if args.client_workers > 1 else nullcontext() as workers:
+        for index, (rate, concurrency) in enumerate(itertools.product(args.request_rate, args.max_concurrency)):
+            prompts = random_prompts(pool, args.num_prompts, args.input_len, args.seed, index, args.prefix_groups,
+                                     args.prefix_len)
+            run = await measured_run(backend, workers, prompts, args, rate, concurrency, slos, router_pid)
+            print_run(run)
+            runs.append(run)
+    return runs
+
+
+async def measured_run(backend, workers: ClientWorkers | None, prompts: list[list[int]], args: argparse.Namespace,
+                       rate: float, concurrency: int, slos: dict, router_pid: int | None) -> dict:
+    """One run, sent from this process or dealt across the client workers: its summary, and the
+    CPU the client and the router spent per 1,000 streamed tokens (the client: this process, which
+    also runs an --backend hf model, plus its workers; the router: with its child processes)."""
+    client, router = process_cpu_s(None), process_tree_cpu_s(router_pid) if router_pid else None
+    if workers is None:
         results, duration = await run_schedule(backend, prompts, args.output_len, rate, concurrency, args.seed,
                                                args.request_timeout)
-        run = {"request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": concurrency or None,
-               **summarize(results, duration, slos)}
-        tokens = run["total_output_tokens"]
-        # The CPU the client and the router spent per 1,000 streamed tokens (the router: a local
-        # stack's only; the client: this process, which also runs an --backend hf model).
-        run["client_cpu_s_per_1k_tokens"] = cpu_per_1k_tokens(client, process_cpu_s(None), tokens)
-        run["router_cpu_s_per_1k_tokens"] = cpu_per_1k_tokens(router, process_cpu_s(router_pid), tokens) if router_pid else None
-        run["errors"] = sorted({r.error for r in results if not r.success})[:5]
-        print_run(run)
-        runs.append(run)
-    return runs
+        workers_cpu_s = 0.0
+    else:
+        results, duration, workers_cpu_s = await asyncio.to_thread(
+            workers.run, prompts, args.output_len, rate, concurrency, args.seed, args.request_timeout)
+    run = {"request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": concurrency or None,
+           **summarize(results, duration, slos)}
+    tokens = run["total_output_tokens"]
+    run["client_cpu_s_per_1k_tokens"] = cpu_per_1k_tokens(client, process_cpu_s(None) + workers_cpu_s, tokens)
+    run["router_cpu_s_per_1k_tokens"] = (cpu_per_1k_tokens(router, process_tree_cpu_s(router_pid), tokens)
+                                         if router_pid else None)
+    run["errors"] = sorted({r.error for r in results if not r.success})[:5]
+    return run
 
 
 def print_run(run: dict) -> None:

@@ -53,15 +53,17 @@ class LocalStack:
     base_url: str  # the router's
     prefill: str  # HOST:PORT of the prefill server's gRPC service
     decode: str  # HOST:PORT of the decode server's
-    router_pid: int = 0  # the router's process, for its CPU time
+    router_pid: int = 0  # the router's process, for its CPU time (with router_workers > 1: the supervisor's only)
 
 
 @contextmanager
 def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefill: int = 1,
-                prefill_policy: str = "round_robin", torch_threads: int = 0) -> Iterator[LocalStack]:
+                prefill_policy: str = "round_robin", torch_threads: int = 0,
+                router_workers: int = 1) -> Iterator[LocalStack]:
     """Start a router, a decode server and `num_prefill` prefill servers, wait until all are
     routable, yield where they listen (`prefill`: the first prefill server); stop them at the end.
-    `torch_threads` > 0 is each server's --torch-threads (0: torch's default)."""
+    `torch_threads` > 0 is each server's --torch-threads (0: torch's default). `router_workers` is
+    the router's --workers (1, the default here: one process, whose CPU time router_pid measures)."""
     py = sys.executable
     decode_config, prefill_configs = memory_split(config, device, num_prefill)
     one_gpu = decode_config is not prefill_configs[0]  # each server sizes itself after the ones before
@@ -81,7 +83,8 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefil
                                        "--prefill", *(f"127.0.0.1:{p}" for p in prefills),
                                        "--decode", f"127.0.0.1:{decode}", "--prefill-policy", prefill_policy,
                                        "--served-model-name", config.served_model_name, "--port", str(router),
-                                       "--max-inflight", str(max_inflight), "--log-level", "warning"]))
+                                       "--max-inflight", str(max_inflight), "--workers", str(router_workers),
+                                       "--log-level", "warning"]))
         server("decode", decode_config, decode)
         if one_gpu:
             _wait_until(base, procs, lambda state: bool(state.get("decode")), "the decode server")

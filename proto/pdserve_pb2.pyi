@@ -272,6 +272,28 @@ class GenerateResponse(_message.Message):
     error: Error
     def __init__(self, destination: _Optional[_Union[KVDestination, _Mapping]] = ..., tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., finish: _Optional[_Union[FinishInfo, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
+class GenerateManyRequest(_message.Message):
+    __slots__ = ("requests", "abort_request_ids")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ABORT_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    abort_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., abort_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RequestUpdate(_message.Message):
+    __slots__ = ("request_id", "response")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: GenerateResponse
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
+
+class GenerateManyResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[RequestUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request", "destination")
     REQUEST_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class DecodeServiceStub:
                 request_serializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/pdserve.v1.DecodeService/GenerateMany',
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.DecodeService/Abort',
                 request_serializer=pdserve_dot_proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
@@ -68,6 +73,15 @@ class DecodeServiceServicer:
 
     def Generate(self, request, context):
         """Admit a request, reserve its KV pages and stream its output. Cancelling the call aborts it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many requests on one call (the messages above). A request ends with its finish or error, or
+        silently once aborted; ending the call aborts every request still on it. Servers older than
+        this RPC answer UNIMPLEMENTED and the caller falls back to Generate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,6 +122,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateManyRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateManyResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -158,6 +177,33 @@ class DecodeService:
             '/pdserve.v1.DecodeService/Generate',
             pdserve_dot_proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
             pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.DecodeService/GenerateMany',
+            pdserve_dot_proto_dot_pdserve__pb2.GenerateManyRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,7 +16,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdserve.common.config import read_hf_config
 from pdserve.common.detokenizer import IncrementalDetokenizer
@@ -27,6 +27,8 @@ from pdserve.common.scheduling.output_processor import append_token, finalize
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Completion, FinishReason, Req
 from pdserve.router.config import RouterConfig
+from pdserve.router.decode_streams import DecodeStreams
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import UpstreamError, fix_seed, paired_generate
 from pdserve.router.policies import make_policy
 from pdserve.router.workers import WorkerRegistry, resolve_dns
@@ -40,8 +42,8 @@ class Router:
         self.eos = eos_token_ids(config.model_path, self.tokenizer)
         hf = read_hf_config(config.model_path)
         self.context_len = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 2048)
-        self.registry = WorkerRegistry(config, resolve=resolve or resolve_dns,
-                                       on_removed=lambda role, url: self.policies[role].on_removed(url))
+        self.registry = WorkerRegistry(config, resolve=resolve or resolve_dns, on_removed=self._removed)
+        self.decode_streams: dict[str, DecodeStreams] = {}  # decode url -> its shared GenerateMany call
         self.metrics = RouterMetrics(self.registry)
         self.inflight = 0
         self.policies = {"prefill": make_policy(config.prefill_policy, "prefill"),
@@ -49,6 +51,27 @@ class Router:
 
     async def start(self) -> None:
         await self.registry.start()
+
+    async def stop(self) -> None:
+        for streams in self.decode_streams.values():
+            await streams.close()
+        await self.registry.stop()
+
+    def _removed(self, role: str, url: str) -> None:
+        self.policies[role].on_removed(url)
+        streams = self.decode_streams.pop(url, None)
+        if streams is not None:
+            asyncio.ensure_future(streams.close())  # its requests fail, as they would on a closed channel
+
+    def decode_target(self, url: str):
+        """What paired_generate opens a decode stream on: the server's shared call, or its channel."""
+        channel = self.registry.workers[url].channel
+        if self.config.decode_stream == "per-request":
+            return channel
+        streams = self.decode_streams.get(url)
+        if streams is None:
+            streams = self.decode_streams[url] = DecodeStreams(channel)
+        return streams
 
     def pick(self, role: str, prompt_ids: list[int], exclude=()) -> str | None:
         views = [v for v in self.registry.views(role) if v.url not in exclude]
@@ -79,7 +102,7 @@ class Router:
             return None if url is None else (url, workers[url].channel)
 
         decode_worker = workers[decode]
-        stream = paired_generate(decode_worker.channel, pick_prefill, self.registry.record, prompt_ids, params, self.config)
+        stream = paired_generate(self.decode_target(decode), pick_prefill, self.registry.record, prompt_ids, params, self.config)
         decode_worker.inflight += 1
         started, last, reported, emitted = time.monotonic(), None, 0, 0
         # Text a stop string could still claim is held back until the stop is ruled out (vLLM's
@@ -177,31 +200,6 @@ async def until_disconnect(request: Request, work):
     raise ClientGone()
 
 
-class RouterMetrics:
-    """The router's Prometheus series (served on /metrics)."""
-
-    def __init__(self, registry: WorkerRegistry):
-        self.registry = CollectorRegistry()
-        r, self.workers = self.registry, registry
-        self.requests = Counter("pdserve_router_requests", "HTTP API requests by status code.", ["status"], registry=r)
-        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-        self.ttft = Histogram("pdserve_router_time_to_first_token_seconds", "Time to first token.", registry=r, buckets=buckets)
-        self.itl = Histogram("pdserve_router_inter_token_latency_seconds", "Time between tokens.", registry=r, buckets=buckets)
-        self.e2e = Histogram("pdserve_router_e2e_latency_seconds", "Request (choice) latency, end to end.", registry=r, buckets=buckets)
-        self.inflight = Gauge("pdserve_router_inflight_requests", "Requests in flight.", registry=r)
-        self.retries = Counter("pdserve_router_prefill_retries", "Prefill attempts retried on another server.", registry=r)
-        self.worker_errors = Gauge("pdserve_router_worker_errors", "Failed requests and health checks per worker.",
-                                   ["worker", "role"], registry=r)
-        self.worker_healthy = Gauge("pdserve_router_worker_healthy", "1 when the worker is routable.", ["worker", "role"], registry=r)
-
-    def render(self) -> bytes:
-        now = time.monotonic()
-        for w in self.workers.workers.values():
-            self.worker_errors.labels(worker=w.url, role=w.role).set(w.errors)
-            self.worker_healthy.labels(worker=w.url, role=w.role).set(1 if w.routable(now) else 0)
-        return generate_latest(self.registry)
-
-
 def error_response(e: OpenAIError) -> JSONResponse:
     return JSONResponse(e.to_body(), status_code=e.status_code)
 
@@ -211,7 +209,7 @@ def create_app(router: Router) -> FastAPI:
     async def lifespan(app):
         await router.start()  # channels and health checks live on the server's event loop
         yield
-        await router.registry.stop()
+        await router.stop()
 
     app = FastAPI(title="pdserve router", description="OpenAI-compatible front door of a prefill/decode deployment.",
                   lifespan=lifespan)
@@ -363,7 +361,7 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        router.metrics.inflight.set(router.inflight)
+        router.metrics.update(router.inflight)
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")

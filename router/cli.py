@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from pdserve.common.config import add_cli_args, from_cli_args
 from pdserve.router.config import RouterConfig
+from pdserve.router.serve import MULTIPROC_DIR_ENV, configure_logging, serve
+from pdserve.router.supervisor import Supervisor
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,18 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s router: %(message)s")
-    import uvicorn
-
-    from pdserve.router.app import Router, create_app
-
-    try:
-        router = Router(config)
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    uvicorn.run(create_app(router), host=config.host, port=config.port, log_level=config.log_level.lower())
-    return 0
+    config = config.resolve()
+    if config.workers == 1:  # one process, no supervisor: the metrics stay in its own registry
+        os.environ.pop(MULTIPROC_DIR_ENV, None)
+        configure_logging(config.log_level, "router")
+        return serve(config)
+    configure_logging(config.log_level, "router supervisor")
+    logging.getLogger(__name__).info("%d workers, prefill policy %s", config.workers, config.prefill_policy)
+    return Supervisor(config).run()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ Importing this module must not import torch, grpc or the HTTP stack (the CLI par
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 from pdserve.common.config import option
 from pdserve.router.policies import make_policy
@@ -27,8 +28,15 @@ class RouterConfig:
     decode_dns: tuple[str, ...] = option((), "Discover decode servers, likewise.", metavar="NAME:PORT")
     served_model_name: str = option("", "Model name clients use; default: --model-path as given.")
     api_key: str = option("", "Require 'Authorization: Bearer KEY' on the API.")
-    prefill_policy: str = option("round_robin", "round_robin, least_load or cache_aware.")
+    prefill_policy: str = option(
+        "round_robin", "round_robin, least_load, cache_aware (a radix tree of the prompts this process routed) or "
+                       "prefix_hash (rendezvous hashing of the prompt's first 64 tokens: every router process and "
+                       "replica decides alike). With --workers > 1, cache_aware runs as prefix_hash.")
     decode_policy: str = option("round_robin", "round_robin or least_load.")
+    decode_stream: str = option(
+        "shared", "How requests reach a decode server: 'shared' (one GenerateMany call per decode server carries "
+                  "every request, one message per step) or 'per-request' (a Generate call each; for servers "
+                  "older than GenerateMany this happens anyway).")
     max_inflight: int = option(1024, "Requests in flight before new ones get 429 + Retry-After.")
     request_timeout: float = option(600.0, "Seconds a request may take (its deadline on both servers).")
     prefill_timeout: float = option(
@@ -43,6 +51,11 @@ class RouterConfig:
     circuit_open_time: float = option(5.0, "Seconds an open circuit keeps its worker out of routing (then half-open).")
     host: str = option("127.0.0.1", "HTTP listen address.")
     port: int = option(8000, "HTTP port.")
+    workers: int = option(
+        0, "Router processes serving --port (SO_REUSEPORT), each with its own gRPC channels and health checks, "
+           "under a supervisor that restarts them; 1: one process, no supervisor. 0: half the usable CPU cores "
+           "(the rest left to the servers and clients on the host), from 1 to 8 (every process health-checks "
+           "every server and holds its own tokenizer).")
     log_level: str = option("info", "Logging level.")
 
     def check(self) -> None:
@@ -58,6 +71,12 @@ class RouterConfig:
                 make_policy(name, role)
             except ValueError as e:
                 raise ValueError(f"--{role}-policy: {e}") from None
+        if self.decode_stream not in ("shared", "per-request"):
+            raise ValueError(f"--decode-stream must be shared or per-request, got {self.decode_stream!r}")
+        if self.workers < 0:
+            raise ValueError(f"--workers must be >= 0 (0: from the CPU cores), got {self.workers}")
+        if self.port == 0 and self.workers != 1:
+            raise ValueError("--port 0 (any free port) needs --workers 1: every worker must bind the same port")
         for name in ("max_inflight", "max_prefill_attempts", "circuit_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -69,6 +88,21 @@ class RouterConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: the request's deadline), got {getattr(self, name)}")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"--log-level must be debug, info, warning, error or critical, got {self.log_level!r}")
+
+    def resolve(self) -> RouterConfig:
+        """Fill the auto values: --workers 0 from the cores, and cache_aware's form for several
+        processes (a per-process radix tree would send one prefix to as many servers as processes)."""
+        workers = self.workers or default_workers()
+        policy = "prefix_hash" if workers > 1 and self.prefill_policy == "cache_aware" else self.prefill_policy
+        return replace(self, workers=workers, prefill_policy=policy)
+
+
+def default_workers() -> int:
+    """Half the CPU cores this process may run on, at least 1 and at most 8 (see --workers).
+
+    NOTE: the cores of the affinity mask, not the host's; a cgroup CPU quota (a Kubernetes limit) is
+    not seen: give --workers there."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
 def name_port(spec: str) -> tuple[str, int]:

@@ -23,6 +23,7 @@ from pdserve.common.types import SamplingParams, TokenLogprob
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.config import RouterConfig
+from pdserve.router.decode_streams import DecodeStreams
 
 
 class UpstreamError(Exception):
@@ -75,7 +76,15 @@ def _logprob(lp: pb.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
 
 
-async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt_ids: list[int], params: SamplingParams,
+def open_generate(decode, request: pb.GenerateRequest, timeout: float):
+    """The decode server's stream for `request`: on the shared GenerateMany call when `decode` is
+    the server's DecodeStreams, or a Generate call of its own when it is a channel."""
+    if isinstance(decode, DecodeStreams):
+        return decode.open(request, timeout)
+    return pb_grpc.DecodeServiceStub(decode).Generate(request, timeout=timeout)
+
+
+async def paired_generate(decode: DecodeStreams | grpc.aio.Channel, pick_prefill, report, prompt_ids: list[int], params: SamplingParams,
                           config: RouterConfig):
     """Yields Event("tokens", ids, index) as they arrive (the first token as soon as prefill
     answers), then Event("finish"). Raises UpstreamError on a worker error. Cancelling the
@@ -97,7 +106,7 @@ async def paired_generate(decode: grpc.aio.Channel, pick_prefill, report, prompt
     deadline = time.time() + config.request_timeout
     req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids, params=proto_params(params),
                              bootstrap_room=random.getrandbits(63), deadline_unix_s=deadline)
-    call = pb_grpc.DecodeServiceStub(decode).Generate(req, timeout=rpc_timeout(config.decode_timeout, deadline))
+    call = open_generate(decode, req, rpc_timeout(config.decode_timeout, deadline))
     early, next_read = None, None
     try:
         target = pick_prefill([])

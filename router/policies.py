@@ -3,10 +3,14 @@
 A policy sees only `WorkerView`s (filled by the registry) and the prompt's token ids. Policies are
 plain objects with no locking: call them from one thread (the router's event loop). Importing this
 module must not import torch.
+
+With `pdserve-router --workers N` every router process has its own policy objects and its own
+in-flight counts; each class says how it behaves across processes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 from abc import ABC, abstractmethod
@@ -53,7 +57,8 @@ class RoundRobin(Policy):
 
     The cursor is the url picked last, not an index, so a worker joining or leaving neither repeats
     nor skips anyone: the next pick is the first healthy url after the last one, wrapping around.
-    pick() advances the cursor (whether or not on_routed follows)."""
+    pick() advances the cursor (whether or not on_routed follows). Several router processes each
+    keep their own cursor: each spreads its share of the requests evenly, so the sum is even too."""
 
     def __init__(self) -> None:
         self._last_url: str | None = None
@@ -70,7 +75,11 @@ class RoundRobin(Policy):
 
 
 class LeastLoad(Policy):
-    """The healthy worker with the least load + inflight; ties by url."""
+    """The healthy worker with the least load + inflight; ties by url.
+
+    The load is the server's own GetLoad report (running + waiting), which every router process
+    polls, so all processes see the same loads; inflight is this process's own requests, and the
+    other processes' show up in the server's next report (every --health-check-interval)."""
 
     def pick(self, workers: list[WorkerView], prompt_ids: list[int]) -> WorkerView | None:
         return least_loaded([w for w in workers if w.healthy])
@@ -215,8 +224,18 @@ class ApproxRadixTree:
         return total
 
 
+def overloaded(busy: int, idle: int, abs_threshold: int, rel_threshold: float) -> bool:
+    """Whether a load of `busy` is too far over `idle` for a cache hit to be worth waiting behind it."""
+    return busy - idle > abs_threshold and busy > rel_threshold * idle
+
+
 class CacheAware(Policy):
     """SGLang's cache-aware routing (prefill only): send a prompt where its prefix was sent before.
+
+    The tree holds what THIS process routed, so it serves one router process: with --workers > 1
+    the same prefix reaching two processes would warm two servers, and RouterConfig.resolve() picks
+    PrefixHash instead. With one process the tree is kept: it matches prefixes of any length, and
+    sends a new prefix to the least loaded server rather than wherever a hash lands.
 
     pick(): over the healthy workers, with load = load + inflight, if
     (max - min) > balance_abs_threshold and max > balance_rel_threshold * min, pick the least
@@ -250,27 +269,74 @@ class CacheAware(Policy):
 
     def _imbalanced(self, healthy: list[WorkerView]) -> bool:
         loads = [w.total_load for w in healthy]
-        lo, hi = min(loads), max(loads)
-        return hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo
+        return overloaded(max(loads), min(loads), self.balance_abs_threshold, self.balance_rel_threshold)
 
 
-POLICY_NAMES = ("round_robin", "least_load", "cache_aware")
+# NOTE: the first 64 tokens decide: longer than a chat template's fixed header (so prompts that
+# share only the template spread out), and a shared system prompt of 64 tokens or more sends every
+# prompt that starts with it to one server. A prompt shorter than that is hashed whole.
+PREFIX_HASH_TOKENS = 64
+
+
+def prefix_key(prompt_ids: list[int]) -> bytes:
+    """A digest of the prompt's first PREFIX_HASH_TOKENS tokens, the same in every process.
+
+    NOTE: not hash(): Python salts str/bytes hashes per process (PYTHONHASHSEED)."""
+    head = ",".join(map(str, prompt_ids[:PREFIX_HASH_TOKENS])).encode()
+    return hashlib.blake2b(head, digest_size=16).digest()
+
+
+def rendezvous_score(key: bytes, url: str) -> bytes:
+    """The worker's weight for `key` in highest-random-weight hashing (compared as bytes)."""
+    return hashlib.blake2b(key + url.encode(), digest_size=8).digest()
+
+
+class PrefixHash(Policy):
+    """Cache affinity that every router process (and every router replica) decides alike (prefill only).
+
+    pick(): the healthy worker with the highest rendezvous_score(prefix_key(prompt), url) — a
+    function of the prompt's first PREFIX_HASH_TOKENS tokens and the healthy urls only, so no state
+    is shared or kept, a restarted router keeps the mapping the servers' caches were warmed with,
+    and a server that leaves (or joins) moves only the prefixes it had (or takes). When that
+    worker's load + inflight is overloaded() relative to the least loaded one (CacheAware's
+    thresholds), the least loaded is picked instead."""
+
+    def __init__(self, balance_abs_threshold: int = 32, balance_rel_threshold: float = 1.5) -> None:
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+
+    def pick(self, workers: list[WorkerView], prompt_ids: list[int]) -> WorkerView | None:
+        healthy = [w for w in workers if w.healthy]
+        if not healthy:
+            return None
+        key = prefix_key(prompt_ids)
+        chosen = max(healthy, key=lambda w: rendezvous_score(key, w.url))
+        least = least_loaded(healthy)
+        if overloaded(chosen.total_load, least.total_load, self.balance_abs_threshold, self.balance_rel_threshold):
+            return least
+        return chosen
+
+
+POLICY_NAMES = ("round_robin", "least_load", "cache_aware", "prefix_hash")
+PREFILL_ONLY = ("cache_aware", "prefix_hash")  # prompt affinity: decode servers receive KV, not prompts
 
 
 def make_policy(name: str, role: str) -> Policy:
     """A fresh policy `name` for workers of `role` ("prefill" or "decode").
 
-    cache_aware is for prefill only: decode workers receive KV, not prompts, so prefix affinity
-    means nothing there. Raises ValueError for an unknown name or role."""
+    cache_aware and prefix_hash are for prefill only: decode workers receive KV, not prompts, so
+    prefix affinity means nothing there. Raises ValueError for an unknown name or role."""
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    if name in PREFILL_ONLY and role != "prefill":
+        raise ValueError(f"policy {name!r} is for prefill workers only, not {role!r}; "
+                         f"use round_robin or least_load for {role}")
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":
         return LeastLoad()
     if name == "cache_aware":
-        if role != "prefill":
-            raise ValueError(f"policy 'cache_aware' is for prefill workers only, not {role!r}; "
-                             f"use round_robin or least_load for {role}")
         return CacheAware()
+    if name == "prefix_hash":
+        return PrefixHash()
     raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(POLICY_NAMES)}")

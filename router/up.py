@@ -16,6 +16,7 @@ import urllib.request
 
 from pdserve.common.config import DEFAULT_MEM_FRACTION_STATIC
 from pdserve.common.ports import free_port
+from pdserve.router.policies import POLICY_NAMES
 
 READY_TIMEOUT_S = 300
 
@@ -77,7 +78,7 @@ def _on_one_gpu(device: str) -> bool:
 
 
 def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, port: int, host: str,
-       prefill_policy: str = "round_robin", decode_policy: str = "round_robin") -> int:
+       prefill_policy: str = "round_robin", decode_policy: str = "round_robin", router_workers: int = 0) -> int:
     if model_path is None:
         from pdserve.common.tiny_model import make_tiny_model
 
@@ -101,7 +102,8 @@ def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, p
                     _wait_serving(urls[-1], procs)
         procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", model_path, "--prefill", *prefill,
                                        "--decode", *decode, "--prefill-policy", prefill_policy, "--decode-policy",
-                                       decode_policy, "--host", host, "--port", str(port), "--log-level", "warning"]))
+                                       decode_policy, "--host", host, "--port", str(port), "--workers", str(router_workers),
+                                       "--log-level", "warning"]))
         base = f"http://{host}:{port}"
         _wait_ready(base + "/readiness", procs)
         print(f"pdserve is up: {base}  (model {model_path}; prefill {' '.join(prefill)}; decode {' '.join(decode)})")
@@ -136,13 +138,15 @@ def add_parser(sub) -> None:
     local.add_argument("--device", default="auto", help="cpu, cuda or auto.")
     local.add_argument("--host", default="127.0.0.1", help="Router HTTP address.")
     local.add_argument("--port", type=int, default=8000, help="Router HTTP port.")
-    local.add_argument("--prefill-policy", default="round_robin", choices=("round_robin", "least_load", "cache_aware"),
-                       help="How the router picks a prefill server (cache_aware: by prompt prefix).")
+    local.add_argument("--prefill-policy", default="round_robin", choices=POLICY_NAMES,
+                       help="How the router picks a prefill server (cache_aware, prefix_hash: by prompt prefix).")
     local.add_argument("--decode-policy", default="round_robin", choices=("round_robin", "least_load"),
                        help="How the router picks a decode server.")
+    local.add_argument("--router-workers", type=int, default=0,
+                       help="The router's --workers: its processes; 0: from the CPU cores (see pdserve-router --help).")
     local.set_defaults(func=_up)
 
 
 def _up(args) -> int:
     return up(args.model_path, args.num_prefill, args.num_decode, args.device, args.port, args.host,
-              args.prefill_policy, args.decode_policy)
+              args.prefill_policy, args.decode_policy, args.router_workers)

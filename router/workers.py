@@ -9,6 +9,10 @@ routable when its last check said SERVING and its circuit is not open. The circu
 `circuit_failures` consecutive failed requests or checks, stays open for `circuit_open_time`, then
 lets requests through again (half-open); the next success closes it, the next failure reopens it.
 (The names are RouterConfig's fields.)
+
+Each router process (`pdserve-router --workers N`) has a registry of its own: its own channels,
+checks and circuits, so a server sees N times the checks, and a circuit opened by one process's
+failed requests stays closed in the others until they fail too.
 """
 
 from __future__ import annotations

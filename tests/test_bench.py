@@ -6,6 +6,8 @@ import asyncio
 import json
 import math
 import re
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -15,6 +17,7 @@ from safetensors import safe_open
 
 from pdserve.bench import random_weights
 from pdserve.bench.hf import check_generated
+from pdserve.bench.client_workers import ClientWorkers, split_concurrency
 from pdserve.bench.loadgen import Chunk, OpenAIBackend, arrival_times, run_schedule, timed_request
 from pdserve.bench.metrics import RequestResult, is_good, parse_goodput, percentile, summarize
 from pdserve.bench.offline import check_completions
@@ -227,6 +230,31 @@ def test_openai_backend_parses_a_chunked_sse_stream_and_http_errors():
                        "stream": True, "stream_options": {"include_usage": True}}
 
 
+def test_client_workers_deal_requests_round_robin_and_merge_them_in_prompt_order():
+    def handler(head, body):
+        tokens = json.loads(body)["max_tokens"]
+        text, usage = json.dumps({"choices": [{"text": "x"}]}), json.dumps({"usage": {"completion_tokens": tokens}})
+        return sse_response([text] * tokens + [usage, "[DONE]"])
+
+    prompts = [[7] * n for n in range(1, 6)]  # the prompt length tells the results apart
+
+    async def scenario():
+        server, url = await canned_server(handler)
+        async with server:
+            with ClientWorkers(2, OpenAIBackend(url, "m")) as workers:
+                both = await asyncio.to_thread(workers.run, prompts, 2, math.inf, 3, 0, 10.0)
+                one = await asyncio.to_thread(workers.run, prompts[:3], 2, 100.0, 1, 0, 10.0)  # limit 1: one worker
+        return both, one
+
+    (results, duration, cpu_s), (alone, _, _) = asyncio.run(scenario())
+    assert [r.prompt_len for r in results] == [1, 2, 3, 4, 5]
+    assert all(r.success and r.output_tokens == 2 and len(r.itl) == 1 for r in results)
+    assert duration > 0 and cpu_s > 0  # the workers' own CPU time
+    assert [r.prompt_len for r in alone] == [1, 2, 3] and all(r.success for r in alone)
+    assert split_concurrency(5, 2) == [3, 2] and split_concurrency(3, 3) == [1, 1, 1]
+    assert split_concurrency(0, 3) == [0, 0, 0]  # no limit stays no limit
+
+
 # ---- exact token counts -------------------------------------------------------------------------
 
 
@@ -327,6 +355,15 @@ def test_bad_options_exit_2(cache, capsys):
     assert "local stack" in capsys.readouterr().err
     assert main(["bench", "serve", "--backend", "hf", "--random-weights", "llama/tiny", "--prefill-policy", "cache_aware"]) == 2
     assert "local stack" in capsys.readouterr().err
+    remote = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--vocab-size", "100"]
+    assert main([*remote, "--client-workers", "0"]) == 2
+    assert "--client-workers must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "serve", "--backend", "hf", "--random-weights", "llama/tiny", "--client-workers", "2"]) == 2
+    assert "--backend hf" in capsys.readouterr().err
+    assert main([*remote, "--router-pid", str(2**22 + 12345)]) == 2
+    assert "no such process" in capsys.readouterr().err
+    assert main(["bench", "serve", "--random-weights", "llama/tiny", "--router-pid", "1"]) == 2
+    assert "--base-url" in capsys.readouterr().err
     for prefix in (["--prefix-groups", "4"], ["--prefix-len", "8"], ["--prefix-groups", "4", "--prefix-len", "256"]):
         assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--vocab-size", "100", *prefix]) == 2
         assert "--prefix-len" in capsys.readouterr().err
@@ -369,7 +406,22 @@ def test_serve_against_a_local_stack_it_starts(cache, capsys):
         assert 0 <= run["total_cached_tokens"] <= 6 * 16
     assert sum(run["total_cached_tokens"] for run in report["runs"]) > 0
     for run in report["runs"]:  # the client's and the router's CPU time, per 1,000 streamed tokens
-        assert run["client_cpu_s_per_1k_tokens"] > 0 and run["router_cpu_s_per_1k_tokens"] > 0
+        assert run["client_cpu_s_per_1k_tokens"] > 0 and run["router_cpu_s_per_1k_tokens"] >= 0
+    # The router's figure counts 10 ms clock ticks, 0 to 3 a run here: some run may see none.
+    assert sum(run["router_cpu_s_per_1k_tokens"] for run in report["runs"]) > 0
+
+
+def test_serve_with_client_workers_merges_their_runs(cache, capsys):
+    argv = ["bench", "serve", "--random-weights", "llama/tiny", "--num-prompts", "5", "--input-len", "12",
+            "--output-len", "4", "--request-rate", "inf", "--max-concurrency", "3", "0", "--client-workers", "2",
+            "--device", "cpu", "--max-total-tokens", "4096", "--disable-overlap-schedule", "--goodput", "e2el:60000"]
+    assert main(argv) == 0
+    report = report_of(capsys)
+    assert report["client_workers"] == 2
+    check_serve_runs(report, [("inf", 3), ("inf", None)], 5, 4)
+    for run in report["runs"]:
+        assert run["total_input_tokens"] == 5 * 12 and len(run) == len(report["runs"][0])
+        assert run["client_cpu_s_per_1k_tokens"] > 0 and run["router_cpu_s_per_1k_tokens"] >= 0  # ticks: see above
 
 
 def test_cpu_seconds_of_a_process_come_from_proc():
@@ -393,6 +445,37 @@ def test_cpu_seconds_of_a_process_come_from_proc():
     assert process_cpu_s(None) > 0 and process_cpu_s(2**22 + 12345) is None  # no such process
     assert cpu_per_1k_tokens(1.0, 3.0, 4000) == 0.5 and cpu_per_1k_tokens(None, 3.0, 10) is None
     assert os.sysconf("SC_CLK_TCK") > 0
+
+
+def test_cpu_seconds_of_a_process_tree_count_every_descendant_even_one_reaped():
+    from pdserve.bench.serve import process_cpu_s, process_tree_cpu_s
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)\n"
+    supervisor = subprocess.Popen(  # a router-like parent: its child burns CPU; a line on stdin reaps it
+        [sys.executable, "-c", "import subprocess, sys\n"
+         f"child = subprocess.Popen([sys.executable, '-c', {burn!r}])\n"
+         "print(child.pid, flush=True)\nsys.stdin.readline()\nchild.kill()\nchild.wait()\n"
+         "print('reaped', flush=True)\nsys.stdin.readline()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(supervisor.stdout.readline())
+        deadline = time.monotonic() + 10
+        while (process_cpu_s(child) or 0) < 0.25 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        own, burned = process_cpu_s(supervisor.pid), process_cpu_s(child)
+        assert burned >= 0.25
+        assert process_tree_cpu_s(supervisor.pid) >= own + burned
+        supervisor.stdin.write("\n")
+        supervisor.stdin.flush()
+        assert supervisor.stdout.readline() == "reaped\n" and process_cpu_s(child) is None
+        assert process_tree_cpu_s(supervisor.pid) >= own + burned  # now in the supervisor's reaped-children time
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+        if child is not None and process_cpu_s(child) is not None:
+            subprocess.run(["kill", "-9", str(child)], check=False)
+    assert process_tree_cpu_s(2**22 + 12345) is None
 
 
 def test_serve_hf_backend_in_process(cache, capsys):

@@ -348,7 +348,7 @@ def test_services_shape():
     services = pb.DESCRIPTOR.services_by_name
     assert set(services) == {"DecodeService", "PrefillService"}
     common = {"Abort", "GetLoad", "GetServerInfo", "GetAgentMetadata"}
-    assert set(services["DecodeService"].methods_by_name) == common | {"Generate"}
+    assert set(services["DecodeService"].methods_by_name) == common | {"Generate", "GenerateMany"}
     assert set(services["PrefillService"].methods_by_name) == common | {"Prefill", "PrefillStreamed"}
     generate_rpc = services["DecodeService"].methods_by_name["Generate"]
     assert generate_rpc.server_streaming and not generate_rpc.client_streaming
@@ -356,9 +356,12 @@ def test_services_shape():
     streamed = services["PrefillService"].methods_by_name["PrefillStreamed"]
     assert streamed.client_streaming and not streamed.server_streaming
     assert (streamed.input_type.name, streamed.output_type.name) == ("PrefillRequest", "PrefillResponse")
+    many = services["DecodeService"].methods_by_name["GenerateMany"]
+    assert many.client_streaming and many.server_streaming
+    assert (many.input_type.name, many.output_type.name) == ("GenerateManyRequest", "GenerateManyResponse")
     for svc in services.values():
         for m in svc.methods:
-            if m.name not in ("Generate", "PrefillStreamed"):
+            if m.name not in ("Generate", "PrefillStreamed", "GenerateMany"):
                 assert not m.server_streaming and not m.client_streaming, m.full_name
 
 

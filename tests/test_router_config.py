@@ -21,9 +21,10 @@ from pdserve.router.pairing import paired_generate
 from tests.test_pairing import TIMEOUT_S, FakeDecode, StreamedPrefill
 
 FLAGS = ["--model-path", "--prefill", "--decode", "--prefill-dns", "--decode-dns", "--served-model-name", "--api-key",
-         "--prefill-policy", "--decode-policy", "--max-inflight", "--request-timeout", "--prefill-timeout",
+         "--prefill-policy", "--decode-policy", "--decode-stream", "--max-inflight", "--request-timeout", "--prefill-timeout",
          "--decode-timeout", "--max-prefill-attempts", "--health-check-interval", "--health-check-timeout",
-         "--dns-interval", "--circuit-failures", "--circuit-open-time", "--host", "--port", "--log-level"]
+         "--dns-interval", "--circuit-failures", "--circuit-open-time", "--host", "--port", "--workers",
+         "--log-level"]
 SERVERS = ["--prefill", "p:1", "p:2", "--decode", "d:1"]
 
 

@@ -33,6 +33,7 @@ def run_choice(router, monkeypatch, token_ids, per_event, params):
     monkeypatch.setattr(router_app, "paired_generate", fake_paired_generate)
     monkeypatch.setattr(router, "pick", lambda role, ids, exclude=(): "decode-0")
     monkeypatch.setattr(router.registry, "workers", {"decode-0": SimpleNamespace(channel=None, inflight=0)})
+    monkeypatch.setattr(router, "decode_target", lambda url: None)
     monkeypatch.setattr(router.registry, "record", lambda url, ok: None)
     deltas = []
 

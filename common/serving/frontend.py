@@ -89,10 +89,12 @@ class SchedulerBridge:
         self._watch = asyncio.create_task(self._watch_process())
         return await asyncio.wait_for(self.ready, timeout_s)
 
-    def subscribe(self, rid: str) -> asyncio.Queue:
+    def subscribe(self, rid: str, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        """The queue `rid`'s messages will arrive on: a new one, or `queue` (several requests may
+        share one; every message names its request)."""
         if rid in self.queues:
             raise ValueError(f"request id {rid!r} is already in flight")
-        queue = self.queues[rid] = asyncio.Queue()
+        queue = self.queues[rid] = asyncio.Queue() if queue is None else queue
         return queue
 
     def unsubscribe(self, rid: str) -> None:
