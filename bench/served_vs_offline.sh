@@ -10,6 +10,8 @@
 #   OLD_ROUTER=DIR  also measure a router run from DIR, a package root whose pdserve/ holds an
 #                   older tree (its own decode stream, one process), first.
 #   CONCURRENCY="0 256" CLIENT_WORKERS=8 DEVICE=cuda
+#   P_GPU=0 D_GPU=1 SERVER_FLAGS=  (one GPU: P_GPU=0 D_GPU=0 SERVER_FLAGS="--mem-fraction-static 0.4")
+#   PROFILE_SECONDS=S  py-spy the decode frontend and one router process for S seconds in each run
 set -euo pipefail
 out=${1:?usage: $0 OUT [SHAPE [PROMPTS [INPUT_LEN [OUTPUT_LEN]]]]}
 shape=${2:-gpt2/small}; prompts=${3:-1024}; input_len=${4:-256}; output_len=${5:-256}
@@ -30,9 +32,9 @@ python3 -m pdserve.bench.decode_step --random-weights "$shape" --batch-size 256 
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
-CUDA_VISIBLE_DEVICES=0 prefill-server --device "$device" --model-path "$ckpt" --port 31001 --log-level warning > "$out/prefill-$tag.log" 2>&1 &
+CUDA_VISIBLE_DEVICES=${P_GPU:-0} prefill-server --device "$device" --model-path "$ckpt" ${SERVER_FLAGS:-} --port 31001 --log-level warning > "$out/prefill-$tag.log" 2>&1 &
 pids+=($!)
-CUDA_VISIBLE_DEVICES=1 decode-server --device "$device" --model-path "$ckpt" --port 31002 --log-level warning > "$out/decode-$tag.log" 2>&1 &
+CUDA_VISIBLE_DEVICES=${D_GPU:-1} decode-server --device "$device" --model-path "$ckpt" ${SERVER_FLAGS:-} --port 31002 --log-level warning > "$out/decode-$tag.log" 2>&1 &
 pids+=($!)
 python3 - <<'EOF'
 import time, grpc
@@ -56,6 +58,13 @@ measure() {  # NAME, then the router's command
     --log-level warning > "$out/router-$name.log" 2>&1 &
   local router=$!
   for _ in $(seq 120); do curl -sf localhost:31000/readiness > /dev/null && break; sleep 0.5; done
+  if [ -n "${PROFILE_SECONDS:-}" ]; then  # py-spy (collapsed stacks) of the decode frontend and a router process
+    local worker; worker=$(pgrep -P "$router" | head -n 1); worker=${worker:-$router}
+    (sleep 6; py-spy record -r 250 -d "$PROFILE_SECONDS" -f raw -o "$out/pyspy-decode-$name.txt" -p "${pids[1]}" \
+       > /dev/null 2>&1) &
+    (sleep 6; py-spy record -r 250 -d "$PROFILE_SECONDS" -f raw -o "$out/pyspy-router-$name.txt" -p "$worker" \
+       > /dev/null 2>&1) &
+  fi
   pdserve bench serve --base-url http://127.0.0.1:31000 --model-path "$ckpt" --router-pid "$router" \
     --num-prompts "$prompts" --input-len "$input_len" --output-len "$output_len" --max-concurrency $concurrency \
     --client-workers "$client_workers" --warmup 4 --output-json "$out/serve-$tag-$name.json" \

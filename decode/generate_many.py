@@ -90,14 +90,16 @@ class ManyRequests:
             self.caller_done = True
             self.queue.put_nowait(_CALLER_DONE)
 
-    async def next_updates(self) -> tuple[list[pb.RequestUpdate], list[str]]:
-        """Wait for news; return every update queued by then (token chunks merged per request) and
-        the requests whose deadline passed (to abort in the scheduler)."""
+    async def next_response(self) -> tuple[pb.GenerateManyResponse, list[str]]:
+        """Wait for news; return everything queued by then as one response (token chunks merged
+        per request, those without logprobs in columns) and the requests whose deadline passed
+        (to abort in the scheduler)."""
         items = [await self.queue.get()]
         while not self.queue.empty():
             items.append(self.queue.get_nowait())
-        out: list[list] = []  # [rid, message], in arrival order
+        out: list[list] = []  # [rid, message]: updates, in arrival order
         last_tokens: dict[str, list] = {}  # rid -> its entry in `out` if that entry is tokens
+        columns: dict[str, ipc.Tokens] = {}  # rid -> its tokens without logprobs, merged
         expired = []
         for item in items:
             if item is _CALLER_DONE:
@@ -105,31 +107,44 @@ class ManyRequests:
             if isinstance(item, Answered):
                 out.append([item.rid, item.response])
                 continue
-            if item.rid not in self.live:
+            rid = item.rid
+            if rid not in self.live:
                 continue  # aborted or expired: what was queued before that is stale
-            if isinstance(item, Expired):
-                self.end(item.rid)
-                expired.append(item.rid)
-                out.append([item.rid, pb.GenerateResponse(error=DEADLINE_PASSED)])
-                continue
-            entry = last_tokens.get(item.rid)
-            if isinstance(item, ipc.Tokens) and entry is not None:
-                merged = merged_tokens(entry[1], item)
+            if isinstance(item, ipc.Tokens):
+                if not item.logprobs:
+                    held = columns.get(rid)
+                    merged = item if held is None else merged_tokens(held, item)
+                    if merged is not None:  # (always: the loop sends each request's tokens in order)
+                        columns[rid] = merged
+                        continue
+                entry = last_tokens.get(rid)
+                merged = None if entry is None else merged_tokens(entry[1], item)
                 if merged is not None:
                     entry[1] = merged
-                    continue
-            entry = [item.rid, item]
-            out.append(entry)
-            if isinstance(item, ipc.Tokens):
-                last_tokens[item.rid] = entry
-            else:
-                last_tokens.pop(item.rid, None)
+                else:
+                    last_tokens[rid] = [rid, item]
+                    out.append(last_tokens[rid])
+                continue
+            last_tokens.pop(rid, None)
+            if isinstance(item, Expired):
+                self.end(rid)
+                expired.append(rid)
+                out.append([rid, pb.GenerateResponse(error=DEADLINE_PASSED)])
+                continue
+            out.append([rid, item])
             if is_last(item):
-                self.end(item.rid)
+                self.end(rid)
         ready = self.servicer.ready
-        updates = [pb.RequestUpdate(request_id=rid, response=msg if isinstance(msg, pb.GenerateResponse) else response_of(msg, ready))
-                   for rid, msg in out]
-        return updates, expired
+        response = pb.GenerateManyResponse(updates=[
+            pb.RequestUpdate(request_id=rid, response=msg if isinstance(msg, pb.GenerateResponse) else response_of(msg, ready))
+            for rid, msg in out])
+        if columns:
+            chunks = columns.values()
+            response.tokens.request_ids.extend(columns)
+            response.tokens.indices.extend([c.index for c in chunks])
+            response.tokens.counts.extend([len(c.token_ids) for c in chunks])
+            response.tokens.token_ids.extend([t for c in chunks for t in c.token_ids])
+        return response, expired
 
 
 def refusal(code: ErrorCode, message: str) -> pb.GenerateResponse:
@@ -143,11 +158,11 @@ async def generate_many(servicer, request_iterator):
     reader = asyncio.create_task(many.read_caller(request_iterator))
     try:
         while not (many.caller_done and not many.live):
-            updates, expired = await many.next_updates()
+            response, expired = await many.next_response()
             for rid in expired:
                 await servicer.bridge.send(ipc.Abort(rid))
-            if updates:
-                yield pb.GenerateManyResponse(updates=updates)
+            if response.updates or response.tokens.request_ids:
+                yield response
     finally:
         reader.cancel()
         for rid in list(many.live):

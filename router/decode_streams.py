@@ -78,10 +78,7 @@ class DecodeStreams:
                 response = await call.read()
                 if response is grpc.aio.EOF:
                     break
-                for update in response.updates:
-                    stream = self.streams.get(update.request_id)
-                    if stream is not None:  # else: aborted by us meanwhile
-                        stream.deliver(update.response)
+                self._dispatch(response)
         except grpc.aio.AioRpcError as e:
             failure = e
         finally:
@@ -95,6 +92,28 @@ class DecodeStreams:
             self._requests, self._aborts = [], []
             for stream in streams.values():
                 stream.call_ended(failure)
+
+    def _dispatch(self, response: pb.GenerateManyResponse) -> None:
+        """Hand each request its news, in Generate order: destinations, the token columns, then
+        the rest (chunks with logprobs, finishes, errors). A request we aborted meanwhile is skipped."""
+        later = []
+        for update in response.updates:
+            if update.response.WhichOneof("response") != "destination":
+                later.append(update)
+            elif (stream := self.streams.get(update.request_id)) is not None:
+                stream.deliver(update.response)
+        columns = response.tokens
+        if columns.request_ids:
+            token_ids, start = list(columns.token_ids), 0
+            for rid, index, count in zip(columns.request_ids, columns.indices, columns.counts):
+                stream = self.streams.get(rid)
+                if stream is not None:
+                    chunk = pb.TokenChunk(token_ids=token_ids[start:start + count], index=index)
+                    stream.deliver(pb.GenerateResponse(tokens=chunk))
+                start += count
+        for update in later:
+            if (stream := self.streams.get(update.request_id)) is not None:
+                stream.deliver(update.response)
 
     async def _write(self, call) -> None:
         try:

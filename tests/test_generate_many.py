@@ -35,8 +35,8 @@ def servers(tiny_models):
             s.stop()
 
 
-def request(rid: str, prompt: list[int], max_new: int = 8, deadline_in_s: float = TIMEOUT_S) -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params(max_new),
+def request(rid: str, prompt: list[int], max_new: int = 8, deadline_in_s: float = TIMEOUT_S, **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params(max_new, **kw),
                               bootstrap_room=random.getrandbits(63), deadline_unix_s=time.time() + deadline_in_s)
 
 
@@ -60,7 +60,15 @@ class Caller:
         while not done(self):
             response = await asyncio.wait_for(self.call.read(), TIMEOUT_S)
             assert response is not grpc.aio.EOF
-            for u in response.updates:
+            # A response reads as: destinations, the token columns, the other updates.
+            destinations = [u for u in response.updates if u.response.WhichOneof("response") == "destination"]
+            columns, start, token_ids = [], 0, list(response.tokens.token_ids)
+            for rid, index, count in zip(response.tokens.request_ids, response.tokens.indices, response.tokens.counts):
+                chunk = pb.TokenChunk(token_ids=token_ids[start:start + count], index=index)
+                columns.append(pb.RequestUpdate(request_id=rid, response=pb.GenerateResponse(tokens=chunk)))
+                start += count
+            others = [u for u in response.updates if u.response.WhichOneof("response") != "destination"]
+            for u in destinations + columns + others:
                 self.updates.setdefault(u.request_id, []).append(u.response)
                 if u.response.WhichOneof("response") == "destination" and u.request_id not in self.hold:
                     req = pb.PrefillRequest(request=self.requests[u.request_id], destination=u.response.destination)
@@ -90,8 +98,9 @@ def test_many_requests_on_one_call_match_transformers_and_abort_cleanly(servers)
             caller = Caller(dch, pch, hold={"held", "late"})
             await caller.send([request(f"r{i}", p) for i, p in enumerate(cases[:4])])
             await caller.send([request(f"r{i}", p) for i, p in enumerate(cases[4:], start=4)]
-                              + [request("held", cases[0]), request("late", cases[1], deadline_in_s=1.5)])
-            await caller.read_until(lambda c: all(c.ended(f"r{i}") for i in range(6)) and c.ended("late"))
+                              + [request("held", cases[0]), request("late", cases[1], deadline_in_s=1.5),
+                                 request("lp", cases[2], logprobs=1)])  # chunks with logprobs: updates
+            await caller.read_until(lambda c: all(c.ended(f"r{i}") for i in range(6)) and c.ended("late") and c.ended("lp"))
             assert caller.updates["held"][0].WhichOneof("response") == "destination"
             other = Caller(dch, pch)  # an id in flight (on another call) is refused on this one
             await other.send([request("held", cases[0])])
@@ -109,6 +118,8 @@ def test_many_requests_on_one_call_match_transformers_and_abort_cleanly(servers)
     caller = asyncio.run(main())
     for i, want in enumerate(expected):
         assert caller.tokens(f"r{i}") == want
+    assert caller.tokens("lp") == expected[2]
+    assert all(len(u.tokens.logprobs) == len(u.tokens.token_ids) for u in caller.updates["lp"][1:-1])
     late = caller.updates["late"][-1]
     assert late.error.code == pb.Error.ABORTED and "deadline" in late.error.message
     assert len(caller.updates["held"]) == 1
