@@ -30,7 +30,7 @@ python3 -m pdserve.bench.decode_step --random-weights "$shape" --batch-size 256 
   --output-len "$output_len" --json "$out/decode-step-$tag.json" > "$out/decode-step-$tag.log" 2>&1 || true
 
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait "${pids[@]}" 2>/dev/null || true; }
 trap cleanup EXIT
 CUDA_VISIBLE_DEVICES=${P_GPU:-0} prefill-server --device "$device" --model-path "$ckpt" ${SERVER_FLAGS:-} --port 31001 --log-level warning > "$out/prefill-$tag.log" 2>&1 &
 pids+=($!)
@@ -57,9 +57,10 @@ measure() {  # NAME, then the router's command
   "$@" --model-path "$ckpt" --prefill 127.0.0.1:31001 --decode 127.0.0.1:31002 --port 31000 --max-inflight 8192 \
     --log-level warning > "$out/router-$name.log" 2>&1 &
   local router=$!
+  pids+=("$router")  # (killed by cleanup if this run fails)
   for _ in $(seq 120); do curl -sf localhost:31000/readiness > /dev/null && break; sleep 0.5; done
   if [ -n "${PROFILE_SECONDS:-}" ]; then  # py-spy (collapsed stacks) of the decode frontend and a router process
-    local worker; worker=$(pgrep -P "$router" | head -n 1); worker=${worker:-$router}
+    local worker; worker=$(pgrep -P "$router" | head -n 1 || true); worker=${worker:-$router}  # (no children: --workers 1)
     (sleep 6; py-spy record -r 250 -d "$PROFILE_SECONDS" -f raw -o "$out/pyspy-decode-$name.txt" -p "${pids[1]}" \
        > /dev/null 2>&1) &
     (sleep 6; py-spy record -r 250 -d "$PROFILE_SECONDS" -f raw -o "$out/pyspy-router-$name.txt" -p "$worker" \
