@@ -44,6 +44,7 @@ class Router:
         self.context_len = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 2048)
         self.registry = WorkerRegistry(config, resolve=resolve or resolve_dns, on_removed=self._removed)
         self.decode_streams: dict[str, DecodeStreams] = {}  # decode url -> its shared GenerateMany call
+        self._closing: set[asyncio.Task] = set()
         self.metrics = RouterMetrics(self.registry)
         self.inflight = 0
         self.policies = {"prefill": make_policy(config.prefill_policy, "prefill"),
@@ -60,8 +61,10 @@ class Router:
     def _removed(self, role: str, url: str) -> None:
         self.policies[role].on_removed(url)
         streams = self.decode_streams.pop(url, None)
-        if streams is not None:
-            asyncio.ensure_future(streams.close())  # its requests fail, as they would on a closed channel
+        if streams is not None:  # its requests fail, as they would on a closed channel
+            task = asyncio.ensure_future(streams.close())
+            self._closing.add(task)  # (a task nothing references may be collected mid-run)
+            task.add_done_callback(self._closing.discard)
 
     def decode_target(self, url: str):
         """What paired_generate opens a decode stream on: the server's shared call, or its channel."""

@@ -89,17 +89,22 @@ def test_native_generate(cluster):
     assert code == 200 and len(reply["output_ids"]) == 4 and reply["usage"]["completion_tokens"] == 4
 
 
+async def completion_text(client, model: str, prompt: str, stream: bool) -> str:
+    """A greedy 8-token completion's text (ignore_eos), whole or put together from its stream."""
+    kw = dict(model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    if not stream:
+        return (await client.completions.create(**kw)).choices[0].text
+    chunks = await client.completions.create(stream=True, **kw)
+    return "".join([c.choices[0].text async for c in chunks if c.choices])
+
+
 def test_200_concurrent_streams_lose_and_duplicate_nothing(cluster):
     model, url, decode, prefills = cluster
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=300, max_retries=0)
     prompts = [f"stream {i} " + "word " * (i % 13) for i in range(200)]
 
-    async def one(prompt, stream):
-        kw = dict(model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-        if not stream:
-            return (await client.completions.create(**kw)).choices[0].text
-        chunks = await client.completions.create(stream=True, **kw)
-        return "".join([c.choices[0].text async for c in chunks if c.choices])
+    def one(prompt, stream):
+        return completion_text(client, model, prompt, stream)
 
     async def main():
         streamed = await asyncio.gather(*(one(p, True) for p in prompts))

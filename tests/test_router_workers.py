@@ -24,6 +24,7 @@ import pytest
 from pdserve.common.ports import free_port
 from pdserve.router.config import RouterConfig, default_workers
 from pdserve.router.policies import PREFIX_HASH_TOKENS, PrefixHash, WorkerView, make_policy
+from tests.test_router_reliability import completion_text
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -343,12 +344,8 @@ def test_streams_equal_their_non_streamed_twins_across_workers(router):
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=120, max_retries=0)
     texts = [f"twin {i} " + "word " * (i % 11) for i in range(240)]
 
-    async def one(prompt, stream):
-        kw = dict(model=model, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
-        if not stream:
-            return (await client.completions.create(**kw)).choices[0].text
-        chunks = await client.completions.create(stream=True, **kw)
-        return "".join([c.choices[0].text async for c in chunks if c.choices])
+    def one(prompt, stream):
+        return completion_text(client, model, prompt, stream)
 
     async def main():  # an API error (a 5xx) raises: none may happen
         streamed = await asyncio.gather(*(one(p, True) for p in texts))
