@@ -80,6 +80,8 @@ class EngineTimer:
         return elapsed
 
     def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()  # with --tp-size N, its other ranks exit
         self.engine = None
 
 

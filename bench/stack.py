@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -17,6 +19,7 @@ from typing import Callable, Iterator
 
 from pdserve.common.config import DEFAULT_MEM_FRACTION_STATIC, EngineConfig
 from pdserve.common.ports import free_port
+from pdserve.common.trust import write_secret_file
 from pdserve.router.up import READY_TIMEOUT_S, gpu_shares
 
 
@@ -54,6 +57,7 @@ class LocalStack:
     prefill: str  # HOST:PORT of the prefill server's gRPC service
     decode: str  # HOST:PORT of the decode server's
     router_pid: int = 0  # the router's process, for its CPU time (with router_workers > 1: the supervisor's only)
+    cluster_secret_file: str = ""  # the run's secret, which every server RPC but health needs (common/trust.py)
 
 
 @contextmanager
@@ -73,10 +77,14 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefil
     procs: list[subprocess.Popen] = []
 
     threads = ["--torch-threads", str(torch_threads)] if torch_threads > 0 else []
+    # A fresh cluster secret per run, as `pdserve up` makes one: the measured path is the secured one.
+    secret_dir = tempfile.mkdtemp(prefix="pdserve-bench-")
+    secret_file = write_secret_file(secret_dir)
+    secret = ["--cluster-secret-file", secret_file]
 
     def server(role: str, cfg: EngineConfig, port: int) -> None:
         procs.append(subprocess.Popen([py, "-m", f"pdserve.{role}.cli", *engine_flags(cfg), *threads, "--port", str(port),
-                                       "--log-level", "warning"]))
+                                       "--log-level", "warning", *secret]))
 
     try:
         procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", config.model_path,
@@ -84,7 +92,7 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefil
                                        "--decode", f"127.0.0.1:{decode}", "--prefill-policy", prefill_policy,
                                        "--served-model-name", config.served_model_name, "--port", str(router),
                                        "--max-inflight", str(max_inflight), "--workers", str(router_workers),
-                                       "--log-level", "warning"]))
+                                       "--log-level", "warning", *secret]))
         server("decode", decode_config, decode)
         if one_gpu:
             _wait_until(base, procs, lambda state: bool(state.get("decode")), "the decode server")
@@ -96,7 +104,8 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefil
                     "the local stack")
         print(f"local stack up: router {base}, prefill {' '.join(f':{p}' for p in prefills)}, decode :{decode}",
               flush=True)
-        yield LocalStack(base, f"127.0.0.1:{prefills[0]}", f"127.0.0.1:{decode}", router_pid=procs[0].pid)
+        yield LocalStack(base, f"127.0.0.1:{prefills[0]}", f"127.0.0.1:{decode}", router_pid=procs[0].pid,
+                         cluster_secret_file=secret_file)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -107,6 +116,7 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefil
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        shutil.rmtree(secret_dir, ignore_errors=True)
 
 
 def _readiness(base: str) -> dict:

@@ -45,18 +45,23 @@ async def through_router(base_url: str, model: str, prompts: list[list[int]], ou
     return out
 
 
-async def by_hand(prefill: str, decode: str, prompts: list[list[int]], output_len: int) -> list[tuple[float, ...]]:
+async def by_hand(prefill: str, decode: str, prompts: list[list[int]], output_len: int,
+                  cluster_secret_file: str = "") -> list[tuple[float, ...]]:
     """The router's pairing (router/pairing.py) without the router: seconds of each hop in HOPS."""
     import grpc
 
+    from pdserve.common.config import TrustConfig
+    from pdserve.common.trust import load_trust, open_channel
     from pdserve.proto import pdserve_pb2 as pb
     from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+
+    trust = load_trust(TrustConfig(cluster_secret_file=cluster_secret_file))
 
     rng = random.Random(0)
     params = pb.SamplingParams(max_new_tokens=output_len, temperature=0.0, top_p=1.0, top_k=-1,
                                repetition_penalty=1.0, ignore_eos=True, skip_special_tokens=True)
     rows = []
-    async with grpc.aio.insecure_channel(decode) as dch, grpc.aio.insecure_channel(prefill) as pch:
+    async with open_channel(decode, trust) as dch, open_channel(prefill, trust) as pch:
         for i, prompt in enumerate(prompts):
             req = pb.GenerateRequest(request_id=f"ttft-{i}", prompt_token_ids=prompt, params=params,
                                      bootstrap_room=rng.getrandbits(63))
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     resolved = config.resolve()
     with local_stack(config, resolved.device, max_inflight=1024) as stack:
         routed = asyncio.run(through_router(stack.base_url, resolved.served_model_name, prompts[:n], args.output_len))
-        hops = asyncio.run(by_hand(stack.prefill, stack.decode, prompts[n:], args.output_len))
+        hops = asyncio.run(by_hand(stack.prefill, stack.decode, prompts[n:], args.output_len, stack.cluster_secret_file))
     routed, hops = routed[args.warmup:], hops[args.warmup:]
 
     def line(name: str, values) -> str:

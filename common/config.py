@@ -70,6 +70,14 @@ class EngineConfig:
         "up to the next captured token count (at most a quarter more); 0 runs every prefill eagerly.",
     )
     random_seed: int = option(-1, "Seed for the per-request seeds the engine draws; -1: from the OS.")
+    tp_size: int = option(
+        1, "Tensor-parallel ranks: one process per rank, each holding 1/N of the weights and of the KV heads "
+        "(on CUDA one GPU each: rank r on cuda:r, counted from --device's index)."
+    )
+    dist_timeout: float = option(
+        120.0, "Tensor parallelism: seconds a rank waits for the others (start-up, any collective) before it "
+        "gives up; a rank that dies is noticed at once."
+    )
 
     def resolve(self) -> "EngineConfig":
         """Fill every auto value; the result is what the engine runs with."""
@@ -123,6 +131,7 @@ class EngineConfig:
             raise ValueError(f"--cuda-graph-max-bs must be >= 0, got {self.cuda_graph_max_bs}")
         if self.prefill_cuda_graph_max_tokens < 0:
             raise ValueError(f"--prefill-cuda-graph-max-tokens must be >= 0, got {self.prefill_cuda_graph_max_tokens}")
+        check_tp(self.tp_size, self.dist_timeout, hf, device)
         return dataclasses.replace(
             self,
             attention_backend=attention_backend,
@@ -135,17 +144,55 @@ class EngineConfig:
         )
 
 
+def check_tp(tp: int, dist_timeout: float, hf: dict, device: str) -> None:
+    """ValueError unless the model splits into `tp` ranks (heads, KV heads, MLP width) and, on CUDA,
+    there is a GPU for every rank. A vocab that tp does not divide is padded, so any vocab works."""
+    if tp < 1:
+        raise ValueError(f"--tp-size must be >= 1, got {tp}")
+    if not dist_timeout > 0:
+        raise ValueError(f"--dist-timeout must be > 0, got {dist_timeout}")
+    if tp == 1:
+        return
+    heads = hf.get("num_attention_heads") or hf.get("n_head")
+    kv_heads = hf.get("num_key_value_heads") or heads
+    width = hf.get("intermediate_size") or hf.get("n_inner") or 4 * hf.get("n_embd", 0)
+    if heads % tp:
+        raise ValueError(f"--tp-size {tp} does not divide the model's {heads} attention heads")
+    if (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
+        raise ValueError(f"--tp-size {tp} must divide the model's {kv_heads} KV heads, or be a multiple of them (replicated)")
+    if width % tp:
+        raise ValueError(f"--tp-size {tp} does not divide the model's MLP width {width}")
+    if device.startswith("cuda"):
+        import torch
+
+        first = int(device.partition(":")[2] or 0)
+        visible = torch.cuda.device_count()
+        if first + tp > visible:
+            raise ValueError(f"--tp-size {tp} needs GPUs {first}..{first + tp - 1} (one per rank); {visible} visible")
+
+
+def check_transfer_tp(config: EngineConfig) -> None:
+    """ValueError for tp > 1 on a prefill or decode server: their KV moves from one pool into one pool,
+    and with TP every rank holds its own KV heads in its own pool (per-rank transfers: not built yet)."""
+    if config.tp_size > 1:
+        raise ValueError(
+            "--tp-size > 1 is not supported by the prefill and decode servers yet (each TP rank's KV heads "
+            "would need their own transfer); the colocated engine (Python API, run-batch, bench offline) supports it"
+        )
+
+
 def read_hf_config(model_path: str) -> dict:
     with open(os.path.join(model_path, "config.json")) as f:
         return json.load(f)
 
 
 def add_cli_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> None:
-    """One `--flag` per dataclass field, typed and documented from the field itself.
+    """One `--flag` per dataclass field, typed and documented from the field itself, in the order
+    of the constructor (keyword-only fields, such as an inherited TrustConfig's, last).
 
     A tuple field takes one or more strings; metadata beyond `help` (nargs, metavar, required)
     goes to argparse as is."""
-    for f in dataclasses.fields(cls):
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.kw_only):
         flag = "--" + f.name.replace("_", "-")
         kw = {k: v for k, v in f.metadata.items() if k != "help"}
         if isinstance(f.default, bool):
@@ -162,8 +209,31 @@ def from_cli_args(args: argparse.Namespace, cls: type = EngineConfig) -> Any:
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
+@dataclass(frozen=True, kw_only=True)
+class TrustConfig:
+    """Who may call a server: the flags the router and both servers share (common/trust.py reads
+    them; docs/operations.md, "Trust"). Keyword-only, so a config inheriting them keeps its own
+    fields' positions and lists these flags last."""
+
+    cluster_secret_file: str = option(
+        "", "File holding the cluster secret that the router sends and the servers require on every RPC but "
+        "grpc.health.v1 (at least 16 printable characters; several lines: the first is sent, any is accepted, "
+        "for rotation). Default: $PDSERVE_CLUSTER_SECRET_FILE, else the secret itself in $PDSERVE_CLUSTER_SECRET.",
+        metavar="PATH")
+    tls_cert: str = option(
+        "", "PEM certificate chain: a server's own; the router's client certificate. With --tls-key and --tls-ca: "
+        "mutual TLS on every server RPC.", metavar="PATH")
+    tls_key: str = option("", "PEM private key of --tls-cert.", metavar="PATH")
+    tls_ca: str = option(
+        "", "PEM CA bundle: servers require client certificates it signed; the router checks the servers' against "
+        "it (the name checked is the one given in --prefill/--decode or --prefill-dns/--decode-dns).", metavar="PATH")
+    allow_unauthenticated: bool = option(
+        False, "Start on (servers) or reach servers at (router) a non-loopback address without a cluster secret or "
+        "TLS: anyone who reaches a server's port may then call every RPC.")
+
+
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(TrustConfig):
     """What a prefill or decode server adds to the engine's flags."""
 
     host: str = option("127.0.0.1", "Address the gRPC service (and the metrics port) listen on.")

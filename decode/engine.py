@@ -13,18 +13,32 @@ and expires transfers past --kv-transfer-timeout.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from pdserve.common.serving import ipc
-from pdserve.common.config import EngineConfig
+from pdserve.common.config import EngineConfig, check_transfer_tp
 from pdserve.common.engine.core import EngineCore
 from pdserve.common.kv_transfer import KVLayout, decode_notif
 from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
 from pdserve.common.types import Completion, SamplingParams, TokenLogprob
 from pdserve.decode.scheduler import DecodeScheduler
+
+
+log = logging.getLogger(__name__)
+
+_MAX_LOGGED_PEERS = 256  # senders of refused notifications are logged once each, up to this many
+
+
+class _Refused(Exception):
+    """A KV notification that matches no grant: why (ipc.REJECT_REASONS) and the details."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(reason)
+        self.reason, self.detail = reason, detail
 
 
 @dataclass
@@ -42,13 +56,15 @@ class KVDestination:
 
 class DecodeEngine(EngineCore):
     def __init__(self, config: EngineConfig, agent_name: str, kv_transfer_timeout: float = 30.0):
+        check_transfer_tp(config)
         self._agent_name, self.kv_transfer_timeout = agent_name, kv_transfer_timeout
         # KV arrives over NIXL (only a retracted request is prefilled again here, eagerly): no
         # prefill graphs.
         super().__init__(config, prefill_graphs=False)
         self.destinations: deque[KVDestination] = deque()
         self.streaming: dict[str, list] = {}  # rid -> [req, output tokens sent], with a channel
-        self.ignored_notifs = 0
+        self.rejected: dict[str, int] = {}  # reason -> notifications refused, not yet reported
+        self._refused_peers: set[str] = set()  # senders already logged
 
     def make_scheduler(self) -> DecodeScheduler:
         self.agent = NixlKVAgent(self._agent_name, self.runner.kv_pool)
@@ -79,19 +95,52 @@ class DecodeEngine(EngineCore):
                 req.rid, req.room, self.agent.name, metadata, list(req.pages), self.agent.layout, expires_unix_s))
 
     def pop_transferred(self) -> None:
-        """Requests whose KV landed join the running batch; those past their deadline fail."""
-        for _peer, message in self.agent.get_notifs():
+        """Requests whose KV landed join the running batch; those past their deadline fail.
+
+        Only a notification that matches a destination this server granted — its room, page count
+        and byte count — is acted on: anyone who reaches the UCX port can send one. Any other is
+        counted by reason, its sender logged once, and changes no request."""
+        for peer, message in self.agent.get_notifs():
             try:
-                notif = decode_notif(message)
-            except ValueError:
-                self.ignored_notifs += 1  # not ours: never let a peer's bytes crash the loop
+                room, token, logprob = self._granted(message)
+            except _Refused as refused:
+                self._refuse(peer, refused.reason, refused.detail)
                 continue
-            lp = notif.get("logprobs")
-            logprob = TokenLogprob(lp["token_id"], lp["logprob"], [tuple(t) for t in lp["top"]]) if lp else None
-            completion = self.scheduler.on_kv_arrived(notif["room"], notif["first_token"], logprob)
+            completion = self.scheduler.on_kv_arrived(room, token, logprob)
             if completion is not None:
                 self.outputs.append(completion)
         self.outputs += self.scheduler.expire_transfers(time.monotonic())
+
+    def _granted(self, message: bytes) -> tuple[int, int, TokenLogprob | None]:
+        """(room, first token, its logprob) of a notification matching its room's grant (a room
+        already served counts as granted: a retried prefill's late copy is ignored by the
+        scheduler); raises _Refused otherwise. Never lets a peer's bytes crash the loop."""
+        try:
+            notif = decode_notif(message)
+            lp = notif["logprobs"]
+            logprob = TokenLogprob(int(lp["token_id"]), float(lp["logprob"]), [(int(t), float(v)) for t, v in lp["top"]]) \
+                if lp else None
+        except (ValueError, KeyError, TypeError) as e:
+            raise _Refused("malformed", str(e)[:120]) from None
+        room, token = notif["room"], notif["first_token"]
+        if token >= self.vocab_size:
+            raise _Refused("malformed", f"first token {token} outside the vocabulary (room {room})")
+        pages = self.scheduler.granted_pages(room)
+        if pages is None:
+            raise _Refused("unknown_room", f"room {room} was not granted")
+        if notif["pages"] != pages:
+            raise _Refused("page_count", f"{notif['pages']} pages for room {room}, granted {pages}")
+        if notif["bytes"] != self.agent.layout.transfer_bytes(pages):
+            raise _Refused("byte_count", f"{notif['bytes']} bytes for room {room}, granted "
+                                         f"{self.agent.layout.transfer_bytes(pages)}")
+        return room, token, logprob
+
+    def _refuse(self, peer: str, reason: str, detail: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        if peer not in self._refused_peers and len(self._refused_peers) < _MAX_LOGGED_PEERS:
+            self._refused_peers.add(peer)
+            log.warning("refused a KV transfer notification from agent %r (%s: %s); further ones from it are only "
+                        "counted (pdserve_kv_rejected_transfers_total)", peer, reason, detail)
 
     def event_loop(self) -> Iterator[list[Completion]]:
         from pdserve.decode.loop import event_loop_normal_disagg_decode, event_loop_overlap_disagg_decode
@@ -135,6 +184,9 @@ class DecodeEngine(EngineCore):
                 entry[1] = len(req.output_ids)
         if chunks:
             send(ipc.StepTokens(chunks))
+        if self.rejected:
+            send(ipc.TransfersRejected(self.rejected))
+            self.rejected = {}
         for c in done:
             entry = self.streaming.pop(c.rid, None)
             if entry is not None and len(c.output_ids) > entry[1]:

@@ -24,7 +24,7 @@ from collections import deque
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.errors import ErrorCode
-from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool
+from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.scheduling.output_processor import append_token, finalize
 from pdserve.common.scheduling.scheduler import Scheduler
 from pdserve.common.types import KV_WRITE_GRACE_S, Completion, FinishReason, Req, TokenLogprob
@@ -37,6 +37,10 @@ class DecodeScheduler(Scheduler):
         self.kv_transfer_timeout = kv_transfer_timeout
         self.prealloc: deque[Req] = deque()
         self.transferring: dict[int, Req] = {}  # room -> request
+        # Rooms whose KV arrived, with their granted page counts, until no WRITE for them can land
+        # (a retried prefill's late copy is still a granted one): room -> pages, and (forget at, room).
+        self.served: dict[int, int] = {}
+        self._served_order: deque[tuple[float, int]] = deque()
 
     def add_request(self, req: Req) -> None:
         self.check_request(req.prompt_ids, req.params)
@@ -75,6 +79,14 @@ class DecodeScheduler(Scheduler):
             available -= need
         return admitted
 
+    def granted_pages(self, room: int) -> int | None:
+        """Pages this server granted for `room` (its destination), None if it granted none
+        (or so long ago that no WRITE for it may land any more)."""
+        req = self.transferring.get(room)
+        if req is not None:
+            return pages_for(len(req.prompt_ids), self.kv.page_size)
+        return self.served.get(room)
+
     def on_kv_arrived(self, room: int, first_token: int, logprob: TokenLogprob | None) -> Completion | None:
         """The prefill's WRITE for `room` landed: the request joins running with its first token.
 
@@ -84,6 +96,8 @@ class DecodeScheduler(Scheduler):
         req = self.transferring.pop(room, None)
         if req is None:
             return None
+        self.served[room] = pages_for(len(req.prompt_ids), self.kv.page_size)
+        self._served_order.append((req.deadline + KV_WRITE_GRACE_S, room))
         if req.finished:  # aborted while its WRITE was in flight: now the pages are quiet
             self.kv.free(req)
             return None
@@ -98,6 +112,8 @@ class DecodeScheduler(Scheduler):
         """Requests whose KV did not arrive in time: answered with an error at their deadline,
         their pages freed KV_WRITE_GRACE_S later (a WRITE started just before the deadline may
         still be landing)."""
+        while self._served_order and self._served_order[0][0] < now:  # (roughly in order: soon enough)
+            self.served.pop(self._served_order.popleft()[1], None)
         timed_out = []
         for req in [req for req in self.transferring.values() if now > req.deadline]:
             if not req.finished:  # (an aborted one was already answered)

@@ -16,7 +16,7 @@ import time
 from typing import Iterator, Sequence
 
 from pdserve.common.serving import ipc
-from pdserve.common.config import EngineConfig
+from pdserve.common.config import EngineConfig, check_transfer_tp
 from pdserve.common.engine.core import EngineCore
 from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
 from pdserve.common.types import SamplingParams
@@ -25,6 +25,7 @@ from pdserve.prefill.scheduler import Destination, PrefillResult, PrefillSchedul
 
 class PrefillEngine(EngineCore):
     def __init__(self, config: EngineConfig, agent_name: str, kv_transfer_timeout: float = 30.0):
+        check_transfer_tp(config)
         self._agent_name, self.kv_transfer_timeout = agent_name, kv_transfer_timeout
         super().__init__(config)
 

@@ -185,7 +185,9 @@ class PrefillScheduler:
         n = pages_for(len(req.prompt_ids), self.kv.page_size)
         top = {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} if lp is not None else None
         try:
-            handle = self.agent.write_pages(dest.peer, req.pages[:n], dest.page_ids[:n], encode_notif(req.room, token, top))
+            # The counts let the decode server check the WRITE against the destination it granted.
+            notif = encode_notif(req.room, token, top, n, self.agent.layout.transfer_bytes(n))
+            handle = self.agent.write_pages(dest.peer, req.pages[:n], dest.page_ids[:n], notif)
         except Exception as e:  # noqa: BLE001 - any agent failure fails this request, not the server
             self._finish(req, error=f"KV transfer to {dest.peer} could not start: {e}", error_code=ErrorCode.KV_TRANSFER_FAILED)
             return

@@ -23,17 +23,29 @@ def main(argv: list[str] | None = None) -> int:
     config = from_cli_args(build_parser().parse_args(argv), RouterConfig)
     try:
         config.check()
+        unauthenticated = _check_trust(config)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     config = config.resolve()
-    if config.workers == 1:  # one process, no supervisor: the metrics stay in its own registry
+    single = config.workers == 1
+    configure_logging(config.log_level, "router" if single else "router supervisor")
+    if unauthenticated:
+        logging.getLogger(__name__).warning("%s", unauthenticated)
+    if single:  # one process, no supervisor: the metrics stay in its own registry
         os.environ.pop(MULTIPROC_DIR_ENV, None)
-        configure_logging(config.log_level, "router")
         return serve(config)
-    configure_logging(config.log_level, "router supervisor")
     logging.getLogger(__name__).info("%d workers, prefill policy %s", config.workers, config.prefill_policy)
     return Supervisor(config).run()
+
+
+def _check_trust(config: RouterConfig) -> str | None:
+    """ValueError when the router would reach servers off this host without a secret or TLS (and
+    --allow-unauthenticated is not given); the warning to log when it is."""
+    from pdserve.common.trust import check_exposure, host_of, load_trust
+
+    servers = [*config.prefill, *config.decode, *config.prefill_dns, *config.decode_dns]
+    return check_exposure(load_trust(config), map(host_of, servers), "reaching servers at")
 
 
 if __name__ == "__main__":

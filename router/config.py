@@ -9,15 +9,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from pdserve.common.config import option
+from pdserve.common.config import TrustConfig, option
 from pdserve.router.policies import make_policy
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # what both logging and uvicorn take
 
 
 @dataclass(frozen=True)
-class RouterConfig:
-    """Everything `pdserve-router` takes. Flags are `--field-name`; durations are in seconds."""
+class RouterConfig(TrustConfig):
+    """Everything `pdserve-router` takes. Flags are `--field-name`; durations are in seconds. The
+    cluster secret and TLS flags (TrustConfig) come last."""
 
     model_path: str = option("", "Checkpoint directory: the tokenizer, chat template and limits come from it.", required=True)
     prefill: tuple[str, ...] = option((), "Prefill servers (gRPC).", metavar="HOST:PORT")

@@ -7,6 +7,7 @@ URL and a curl example, and on Ctrl-C (or SIGTERM) stops everything (SIGTERM: th
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,8 +84,14 @@ def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, p
         from pdserve.common.tiny_model import make_tiny_model
 
         model_path = str(make_tiny_model(os.path.join(tempfile.gettempdir(), "pdserve-tiny-llama"), "llama"))
+    from pdserve.common.trust import write_secret_file
+
     py = sys.executable
-    common = ["--model-path", model_path, "--device", device, "--log-level", "warning"]
+    # A fresh cluster secret for this run, in a directory only this user can read: every server
+    # requires it, the router sends it (docs/operations.md, "Trust").
+    secret_dir = tempfile.mkdtemp(prefix="pdserve-up-")
+    secret = ["--cluster-secret-file", write_secret_file(secret_dir)]
+    common = ["--model-path", model_path, "--device", device, "--log-level", "warning", *secret]
     procs, prefill, decode = [], [], []
     try:
         # Servers sharing one GPU each size their KV cache from the memory they measure free, so
@@ -103,7 +110,7 @@ def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, p
         procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", model_path, "--prefill", *prefill,
                                        "--decode", *decode, "--prefill-policy", prefill_policy, "--decode-policy",
                                        decode_policy, "--host", host, "--port", str(port), "--workers", str(router_workers),
-                                       "--log-level", "warning"]))
+                                       "--log-level", "warning", *secret]))
         base = f"http://{host}:{port}"
         _wait_ready(base + "/readiness", procs)
         print(f"pdserve is up: {base}  (model {model_path}; prefill {' '.join(prefill)}; decode {' '.join(decode)})")
@@ -127,6 +134,7 @@ Ctrl-C stops everything.""", flush=True)
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
+        shutil.rmtree(secret_dir, ignore_errors=True)
 
 
 def add_parser(sub) -> None:

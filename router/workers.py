@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.common.trust import load_trust, open_channel
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.config import RouterConfig, name_port
@@ -69,6 +70,7 @@ class WorkerRegistry:
         self.dns = {"prefill": [name_port(d) for d in config.prefill_dns], "decode": [name_port(d) for d in config.decode_dns]}
         self.resolve = resolve
         self.on_removed = on_removed or (lambda role, url: None)
+        self.trust = load_trust(config)  # every channel carries the cluster secret (and TLS) from it
         self.workers: dict[str, Worker] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -94,21 +96,21 @@ class WorkerRegistry:
         for role, names in self.dns.items():
             if not names:
                 continue
-            found: set[str] = set()
+            found: dict[str, str] = {}  # url -> the name it was found under (its TLS server name)
             for name, port in names:
-                found |= await asyncio.to_thread(self.resolve, name, port)
+                found |= dict.fromkeys(await asyncio.to_thread(self.resolve, name, port), name)
             static = set(self.urls[role])
-            for url in found - set(w.url for w in self.of(role)):
+            for url in found.keys() - set(w.url for w in self.of(role)):
                 log.info("discovered %s %s", role, url)
-                self._add(role, url)
+                self._add(role, url, server_name=found[url])
             for w in [w for w in self.of(role) if w.url not in found and w.url not in static]:
                 log.info("%s %s left", role, w.url)
                 del self.workers[w.url]
                 self.on_removed(role, w.url)
                 await w.channel.close()  # in-flight calls on it fail and are retried elsewhere
 
-    def _add(self, role: str, url: str) -> None:
-        self.workers[url] = Worker(url, role, grpc.aio.insecure_channel(url))
+    def _add(self, role: str, url: str, server_name: str = "") -> None:
+        self.workers[url] = Worker(url, role, open_channel(url, self.trust, server_name))
 
     async def _discover_forever(self) -> None:
         while True:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -80,6 +80,40 @@ def test_overlay_validates(overlay):
                 assert spec["terminationGracePeriodSeconds"] >= 120
 
 
+SECRET_DIR = "/etc/pdserve/cluster-secret"
+
+
+@pytest.mark.parametrize("overlay", ["cpu-demo", "gpu", "rdma"])
+def test_overlay_guards_the_servers(overlay):
+    """Every pod reads the cluster secret from the generated Secret (empty in git: the servers refuse
+    an empty one), and a NetworkPolicy lets only the router reach the servers' gRPC ports, the
+    servers reach each other (NIXL/UCX) and the monitoring namespace scrape their metrics."""
+    docs = render(overlay)
+    [secret] = [d for d in docs if d["kind"] == "Secret"]
+    assert secret["metadata"]["name"].startswith("pdserve-cluster-secret-") and secret["data"] == {"cluster-secret": ""}
+    for d in (d for d in docs if d["kind"] == "Deployment"):
+        spec = d["spec"]["template"]["spec"]
+        [c] = spec["containers"]
+        args = c["args"]
+        assert args[args.index("--cluster-secret-file") + 1] == f"{SECRET_DIR}/cluster-secret", d["metadata"]["name"]
+        [volume] = [v for v in spec["volumes"] if v["name"] == "cluster-secret"]
+        assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+        assert {"name": "cluster-secret", "mountPath": SECRET_DIR, "readOnly": True} in c["volumeMounts"]
+    [policy] = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    spec = policy["spec"]
+    servers = {"key": "app.kubernetes.io/component", "operator": "In", "values": ["prefill", "decode"]}
+    assert spec["podSelector"]["matchExpressions"] == [servers] and spec["policyTypes"] == ["Ingress"]
+    router, peers, metrics = spec["ingress"]
+    assert router["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "pdserve",
+                                                                "app.kubernetes.io/component": "router"}}}]
+    assert router["ports"] == [{"port": "grpc", "protocol": "TCP"}]
+    assert peers["from"][0]["podSelector"]["matchExpressions"] == [servers] and "ports" not in peers
+    assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}] and "namespaceSelector" in metrics["from"][0]
+    for d in (d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] != "pdserve-router"):
+        names = {p["name"] for p in d["spec"]["template"]["spec"]["containers"][0]["ports"]}
+        assert {"grpc", "metrics"} <= names  # the policy's named ports
+
+
 # --- cpu-demo as local processes ---------------------------------------------------------------
 
 def _expand(s: str, env: dict[str, str]) -> str:
@@ -141,9 +175,14 @@ def test_cpu_demo_runs_locally(tmp_path):
     ports = {p: str(free_port()) for p in sorted(container_ports)}
     models = tmp_path / "models"
     models.mkdir()
+    # The Secret is empty in git (the servers would refuse it): a secret of this run's own.
+    secret_dir = tmp_path / "cluster-secret"
+    secret_dir.mkdir()
+    (secret_dir / "cluster-secret").write_text(secrets.token_hex(32))
 
     def localize(arg: str) -> str:
         arg = re.sub(r"(?<![\w/])/models(?=/|$)", str(models), arg)
+        arg = arg.replace(SECRET_DIR, str(secret_dir))
         for name in services:
             arg = re.sub(rf"^{re.escape(name)}(?=:\d+$)", "localhost", arg)
         arg = re.sub(r"(?<=:)(\d+)$|^(\d+)$", lambda m: ports.get(m.group(0), m.group(0)), arg)

@@ -105,17 +105,26 @@ def test_notif_round_trip():
     room = new_room()
     assert 0 <= room < 1 << 63
     logprobs = {"token": -0.25, "top": [[7, -0.25], [9, -1.5]]}
-    assert decode_notif(encode_notif(room, 42, logprobs)) == {"room": room, "first_token": 42, "logprobs": logprobs}
+    assert decode_notif(encode_notif(room, 42, logprobs, 3, 4096)) == \
+        {"room": room, "first_token": 42, "logprobs": logprobs, "pages": 3, "bytes": 4096}
     largest = (1 << 63) - 1
-    assert decode_notif(encode_notif(largest, 0, None)) == {"room": largest, "first_token": 0, "logprobs": None}
+    assert decode_notif(encode_notif(largest, 0, None, 1, 8)) == \
+        {"room": largest, "first_token": 0, "logprobs": None, "pages": 1, "bytes": 8}
 
 
 def test_bad_notifs_are_rejected():
     with pytest.raises(ValueError, match="63-bit"):
-        encode_notif(1 << 63, 1, None)
+        encode_notif(1 << 63, 1, None, 1, 8)
     with pytest.raises(ValueError, match="63-bit"):
-        encode_notif(-1, 1, None)
-    for data in (b"\xff\x00", b"[1, 2]", b'{"v": 2, "room": 1, "first_token": 1, "logprobs": null}', b'{"v": 1}'):
+        encode_notif(-1, 1, None, 1, 8)
+    fields = '"room": 1, "first_token": 1, "logprobs": null'
+    for data in (b"\xff\x00", b"[1, 2]", b'{"v": 1}', f'{{"v": 1, {fields}}}'.encode(),  # version 1: no counts
+                 f'{{"v": 3, {fields}, "pages": 1, "bytes": 8}}'.encode(),
+                 f'{{"v": 2, {fields}, "pages": -1, "bytes": 8}}'.encode(),
+                 f'{{"v": 2, {fields}, "pages": 1.5, "bytes": 8}}'.encode(),
+                 f'{{"v": 2, {fields}, "pages": true, "bytes": 8}}'.encode(),
+                 b'{"v": 2, "room": 1, "first_token": "1", "logprobs": null, "pages": 1, "bytes": 8}',
+                 b'{"v": 2, "room": 1, "first_token": 1, "logprobs": [1], "pages": 1, "bytes": 8}'):
         with pytest.raises(ValueError, match="notification"):
             decode_notif(data)
 
@@ -236,7 +245,8 @@ def prefill_process(conn) -> None:
         peer = agent.add_peer(decode_metadata)
         peer_again = agent.add_peer(decode_metadata)
 
-        handle = agent.write_pages(peer, SRC_PAGES, DST_PAGES, encode_notif(order["room"], FIRST_TOKEN, LOGPROBS))
+        notif = encode_notif(order["room"], FIRST_TOKEN, LOGPROBS, len(SRC_PAGES), agent.layout.transfer_bytes(len(SRC_PAGES)))
+        handle = agent.write_pages(peer, SRC_PAGES, DST_PAGES, notif)
         deadline = time.monotonic() + TIMEOUT_S
         while (state := agent.poll(handle)) is TransferState.IN_PROGRESS and time.monotonic() < deadline:
             time.sleep(0.0005)
@@ -313,7 +323,8 @@ def test_pages_arrive_byte_exact_with_the_notif(two_process_run):
 
     assert [peer for peer, _ in received["notifs"]] == ["prefill"]
     notif = decode_notif(bytes.fromhex(received["notifs"][0][1]))
-    assert notif == {"room": two_process_run["room"], "first_token": FIRST_TOKEN, "logprobs": LOGPROBS}
+    assert notif == {"room": two_process_run["room"], "first_token": FIRST_TOKEN, "logprobs": LOGPROBS,
+                     "pages": len(SRC_PAGES), "bytes": report["num_bytes"]}
 
     slots = 4
     for layer in range(3):

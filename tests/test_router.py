@@ -18,7 +18,8 @@ from pdserve.common.ports import free_port
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_models):
+def up(tiny_models):
+    """`pdserve up`: (model, router port, client, the line that says it is up)."""
     model = tiny_models("qwen3")
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.common.cli", "up", "--model-path", model, "--device", "cpu",
@@ -36,10 +37,34 @@ def deployment(tiny_models):
         proc.kill()
         raise TimeoutError("pdserve up not ready:\n" + "".join(lines))
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
-    yield model, port, client
+    yield model, port, client, line
     proc.send_signal(2)  # Ctrl-C
     proc.wait(90)
     assert proc.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def deployment(up):
+    return up[:3]
+
+
+def test_the_servers_require_the_secret_pdserve_up_made(up):
+    """Secure by default: `pdserve up` gives every process a fresh cluster secret, so its servers
+    answer nobody but its router (and health checks)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+
+    servers = re.search(r"prefill (\S+); decode (\S+)\)", up[3])
+    for address, stub in zip(servers.groups(), (pb_grpc.PrefillServiceStub, pb_grpc.DecodeServiceStub)):
+        with grpc.insecure_channel(address) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                stub(channel).GetAgentMetadata(pb.GetAgentMetadataRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_models_and_readiness(deployment):

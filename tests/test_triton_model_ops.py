@@ -103,12 +103,13 @@ def test_gpt2_fused_mlp_matches_eager(dtype):
     """The fused GPT-2 MLP (half precision: c_fc + gelu_new as one GEMM with a GELU epilogue;
     fp32: the two-step path) against the eager HF-arithmetic MLP."""
     from pdserve.common.engine.models.gpt2 import GPT2MLP
+    from pdserve.common.engine.tp import TPGroup
 
     class Arch:
         hidden, inner = 64, 256
 
     torch.manual_seed(0)
-    mlp = GPT2MLP(Arch()).to(DEVICE, dtype)
+    mlp = GPT2MLP(Arch(), TPGroup.single(torch.device(DEVICE))).to(DEVICE, dtype)
     x = torch.randn(9, 64).to(DEVICE, dtype)
     ref = mlp(x)
     mlp.fused = True

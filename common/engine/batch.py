@@ -2,7 +2,9 @@
 
     ScheduleBatch   the scheduler's decision, plain host data: which requests, which positions,
                     which req_to_token rows to fill first. The scheduler never touches the device.
-    ForwardBatch    device tensors plus the host-side lengths, built from a ScheduleBatch by the
+    BatchPlan       the runner side's host half of it: the one upload's values and the host-side
+                    lengths, with no request state (what a TP server's other ranks receive).
+    ForwardBatch    device tensors plus the host-side lengths, built from a BatchPlan by the
                     BatchBuilder (common/engine/batch_builder.py) on the schedule stream; the model
                     runner and the attention backend only read it.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pdserve.common.types import Req
@@ -55,6 +58,26 @@ class ScheduleBatch:
 
 
 @dataclass
+class BatchPlan:
+    """A ScheduleBatch reduced to what every TP rank's runner needs: no Req, no device tensor."""
+
+    mode: ForwardMode
+    # The batch's one upload. Decode: [6, B] (input ids, positions, out slots, req rows, seq lens,
+    # last indices); extend: [4T + 3B] (input ids, positions, out slots, token rows | req rows,
+    # last indices, seq lens).
+    packed: np.ndarray
+    num_tokens: int
+    seq_lens: list[int]
+    extend_lens: list[int]
+    extend_starts: list[int]
+    req_rows: list[int]
+    samples: list[bool]
+    has_placeholders: bool
+    row_writes: np.ndarray | None  # [3, N] int64 (rows, positions, slots) to write first, or None
+    seq: int = 0
+
+
+@dataclass
 class ForwardBatch:
     mode: ForwardMode
     reqs: list[Req]
@@ -76,10 +99,11 @@ class ForwardBatch:
     # extend: [3, T] int64 (input_ids, positions, out_cache_loc).
     packed: torch.Tensor | None = None
     seq: int = 0  # its ScheduleBatch's launch order (for traces and tests)
+    plan: BatchPlan | None = None  # what it was built from (a TP server sends it to its other ranks)
 
     @property
     def batch_size(self) -> int:
-        return len(self.reqs)
+        return len(self.req_rows)  # a TP rank other than 0 has no reqs
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,10 @@ invariants): the req_to_token rows decided at admission (prefix hits, a decode s
 pages), the rows of the batch's new tokens, and the one H2D upload of its inputs. After the WAR
 barrier these writes wait on the GPU for the forward in flight, never on the host.
 
+Two halves: `plan` is host work only (the values of the one upload, the host-side lengths: a
+BatchPlan, plain data), `apply` makes the device writes. A TP server's rank 0 plans, and every rank
+applies the same plan (common/engine/tp_worker.py).
+
 NOTE: nothing here may read a device value back (`.item()`, `.tolist()`): the schedule stream is
 chained behind the forward in flight, so a host sync would serialize the loop.
 """
@@ -13,11 +17,10 @@ chained behind the forward in flight, so a host sync would serialize the loop.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from pdserve.common.engine.batch import ForwardBatch, ForwardMode, RowWrite, ScheduleBatch
+from pdserve.common.engine.batch import BatchPlan, ForwardBatch, ForwardMode, RowWrite, ScheduleBatch
 from pdserve.common.engine.kv_pool import ReqToTokenPool
-from pdserve.common.engine.overlap import h2d, h2d_array
+from pdserve.common.engine.overlap import h2d_array
 
 
 class BatchBuilder:
@@ -27,14 +30,55 @@ class BatchBuilder:
         self.device = req_to_token_pool.req_to_token.device
 
     def build(self, batch: ScheduleBatch) -> ForwardBatch:
-        if batch.row_writes:
-            self._write_rows(batch.row_writes)
-        if batch.mode is ForwardMode.DECODE:
-            return self._build_decode(batch)
-        return self._build_extend(batch)
+        return self.apply(self.plan(batch), batch.reqs)
 
-    def _write_rows(self, writes: list[RowWrite]) -> None:
-        """All the rows decided since the last batch, in one upload and one scatter. Writes come in
+    def plan(self, batch: ScheduleBatch) -> BatchPlan:
+        """Host work only: what `apply` uploads and writes."""
+        row_writes = self._row_writes(batch.row_writes) if batch.row_writes else None
+        if batch.mode is ForwardMode.DECODE:
+            return self._plan_decode(batch, row_writes)
+        return self._plan_extend(batch, row_writes)
+
+    def apply(self, plan: BatchPlan, reqs=()) -> ForwardBatch:
+        """The device writes, on the current (schedule) stream: queued req_to_token rows, the one
+        upload, the new tokens' rows."""
+        if plan.row_writes is not None:
+            w = h2d_array(plan.row_writes, self.device)
+            self.req_to_token_pool.write_slots(w[0], w[1], w[2])
+        packed = h2d_array(plan.packed, self.device)
+        t, b = plan.num_tokens, len(plan.req_rows)
+        if plan.mode is ForwardMode.DECODE:
+            self.req_to_token_pool.write_slots(packed[3], packed[1], packed[2])
+            ids, pos, loc, rows, lens, last = packed
+            fields = dict(packed=packed)
+        else:
+            ids, pos, loc, tok_rows = packed[:t], packed[t : 2 * t], packed[2 * t : 3 * t], packed[3 * t : 4 * t]
+            rows, last, lens = packed[4 * t : 4 * t + b], packed[4 * t + b : 4 * t + 2 * b], packed[4 * t + 2 * b :]
+            self.req_to_token_pool.write_slots(tok_rows, pos, loc)
+            fields = dict(packed=packed[: 3 * t].view(3, t))
+        return ForwardBatch(
+            mode=plan.mode,
+            reqs=list(reqs),
+            input_ids=ids,
+            positions=pos,
+            out_cache_loc=loc,
+            req_pool_indices=rows,
+            seq_lens=plan.seq_lens,  # shared with the ScheduleBatch: both are read-only once built
+            extend_lens=plan.extend_lens,
+            extend_starts=plan.extend_starts,
+            req_rows=plan.req_rows,
+            last_indices=last,
+            samples=plan.samples,
+            has_placeholders=plan.has_placeholders,
+            seq_lens_dev=lens,
+            seq=plan.seq,
+            plan=plan,
+            **fields,
+        )
+
+    @staticmethod
+    def _row_writes(writes: list[RowWrite]) -> np.ndarray | None:
+        """All the rows decided since the last batch, for one upload and one scatter. Writes come in
         decision order and a scatter with repeated indices keeps no particular one, so a row written
         twice (freed and handed out again in between) is written only with its last contents."""
         last = {}
@@ -43,11 +87,9 @@ class BatchBuilder:
         rows = [w.row for w in last.values() for _ in w.slots]
         positions = [w.start + i for w in last.values() for i in range(len(w.slots))]
         slots = [s for w in last.values() for s in w.slots]
-        if slots:
-            packed = h2d([rows, positions, slots], torch.int64, self.device)
-            self.req_to_token_pool.write_slots(packed[0], packed[1], packed[2])
+        return np.array([rows, positions, slots], dtype=np.int64) if slots else None
 
-    def _build_extend(self, batch: ScheduleBatch) -> ForwardBatch:
+    def _plan_extend(self, batch: ScheduleBatch, row_writes) -> BatchPlan:
         # Per-token fields are built with numpy over the whole batch: a prefill batch can hold
         # tens of thousands of tokens, too many for per-token Python.
         page = self.page_size
@@ -70,34 +112,24 @@ class BatchBuilder:
         out_loc = np.asarray(page_table, dtype=np.int64)[page_index] * page + positions % page
         req_rows = [r.req_pool_idx for r in batch.reqs]
         last = [s + n - 1 for s, n in zip(extend_starts, extend_lens)]
-        # One upload for everything; the fields are views of it.
-        t, b = num_tokens, batch.batch_size
         per_req = np.asarray(req_rows + last + batch.ends, dtype=np.int64)
         rows = np.repeat(np.asarray(req_rows, dtype=np.int64), lens)
         input_ids = np.asarray(ids, dtype=np.int64)
-        packed = h2d_array(np.concatenate([input_ids, positions, out_loc, rows, per_req]), self.device)
-        ids_d, pos_d, loc_d, rows_d = packed[:t], packed[t : 2 * t], packed[2 * t : 3 * t], packed[3 * t : 4 * t]
-        self.req_to_token_pool.write_slots(rows_d, pos_d, loc_d)
-        return ForwardBatch(
+        return BatchPlan(
             mode=ForwardMode.EXTEND,
-            reqs=batch.reqs,
-            input_ids=ids_d,
-            positions=pos_d,
-            out_cache_loc=loc_d,
-            req_pool_indices=packed[4 * t : 4 * t + b],
-            seq_lens=batch.ends,  # shared with the ScheduleBatch: both are read-only once built
+            packed=np.concatenate([input_ids, positions, out_loc, rows, per_req]),
+            num_tokens=num_tokens,
+            seq_lens=batch.ends,
             extend_lens=extend_lens,
             extend_starts=extend_starts,
             req_rows=req_rows,
-            last_indices=packed[4 * t + b : 4 * t + 2 * b],
             samples=batch.samples,
             has_placeholders=False,  # a prefill feeds only tokens the host knows
-            seq_lens_dev=packed[4 * t + 2 * b :],
-            packed=packed[: 3 * t].view(3, t),
+            row_writes=row_writes,
             seq=batch.seq,
         )
 
-    def _build_decode(self, batch: ScheduleBatch) -> ForwardBatch:
+    def _plan_decode(self, batch: ScheduleBatch, row_writes) -> BatchPlan:
         """One new token per request, at position seq_len - 1; the hot path of every decode step."""
         page = self.page_size
         positions = batch.starts
@@ -109,23 +141,17 @@ class BatchBuilder:
             req_rows.append(req.req_pool_idx)
         b = batch.batch_size
         # Rows of one [6, B] upload: the CUDA-graph runner copies rows 0-4 in one strided copy.
-        packed = h2d([input_ids, positions, out_loc, req_rows, batch.ends, list(range(b))], torch.int64, self.device)
-        self.req_to_token_pool.write_slots(packed[3], packed[1], packed[2])
-        return ForwardBatch(
+        packed = np.array([input_ids, positions, out_loc, req_rows, batch.ends, range(b)], dtype=np.int64)
+        return BatchPlan(
             mode=ForwardMode.DECODE,
-            reqs=batch.reqs,
-            input_ids=packed[0],
-            positions=packed[1],
-            out_cache_loc=packed[2],
-            req_pool_indices=packed[3],
+            packed=packed,
+            num_tokens=b,
             seq_lens=batch.ends,
             extend_lens=[1] * b,
             extend_starts=list(range(b)),
             req_rows=req_rows,
-            last_indices=packed[5],
             samples=batch.samples,
             has_placeholders=any(t < 0 for t in input_ids),
-            seq_lens_dev=packed[4],
-            packed=packed,
+            row_writes=row_writes,
             seq=batch.seq,
         )

@@ -5,6 +5,8 @@
         builder         ScheduleBatch -> ForwardBatch: the scheduling side's device writes
         scheduler       the role's host-only scheduler (made by the role: make_scheduler)
         result_queue    launched batches whose results are not processed yet (at most two)
+        tp_workers      with --tp-size N > 1: ranks 1..N-1 (common/engine/tp_worker.py); this
+                        process is rank 0, and every launch is sent to them first
 
 The loops themselves live with their roles (common/engine/engine.py: colocated; prefill/loop.py;
 decode/loop.py); the launch/process pair they share is here:
@@ -24,6 +26,7 @@ import gc
 import itertools
 import logging
 import random
+import weakref
 from collections import deque
 from typing import Sequence
 
@@ -63,7 +66,19 @@ class EngineCore:
         self.config = config.resolve()
         self.tokenizer = load_tokenizer(self.config.model_path)
         self.eos_token_ids = eos_token_ids(self.config.model_path, self.tokenizer)
-        self.runner = ModelRunner(self.config, prefill_graphs=prefill_graphs)
+        self.tp_workers = None
+        if self.config.tp_size > 1:
+            from pdserve.common.engine.tp_worker import TPWorkers  # pyzmq and msgspec: only with TP
+
+            self.tp_workers = TPWorkers.start(self.config, prefill_graphs)
+            # Stops them with the engine (garbage-collected, or at exit) unless close() came first.
+            weakref.finalize(self, self.tp_workers.close)
+        try:
+            self.runner = ModelRunner(self.config, prefill_graphs=prefill_graphs,
+                                      tp=self.tp_workers.group if self.tp_workers else None)
+        except BaseException:
+            self.close(kill=True)
+            raise
         self.builder = BatchBuilder(self.runner.req_to_token_pool, self.config.page_size)
         self.streams = self.runner.streams
         self.scheduler = self.make_scheduler()
@@ -83,6 +98,11 @@ class EngineCore:
 
     def make_scheduler(self):
         raise NotImplementedError
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the other TP ranks (nothing to do with tp = 1). The engine is unusable after."""
+        if self.tp_workers is not None:
+            self.tp_workers.close(kill=kill)
 
     @property
     def vocab_size(self) -> int:
@@ -157,13 +177,23 @@ class EngineCore:
             self.process_results_before(None)
         info = SamplingBatchInfo.from_reqs(batch.reqs, self.vocab_size, self.eos_token_ids, self.runner.device)
         slots = self.runner.future_map.alloc(batch.batch_size)
-        result = self.runner.launch(forward_batch, info, slots)
+        if self.tp_workers is not None:
+            self.tp_workers.send(forward_batch.plan, slots)  # the other ranks run the same forward
+        try:
+            result = self.runner.launch(forward_batch, info, slots)
+        except RuntimeError:
+            if self.tp_workers is not None:
+                self.tp_workers.check_alive()  # a collective failed: name the rank that died, if one did
+            raise
         self.scheduler.on_launched(batch, slots)
         self.trace.append(("launch", batch.seq))
         return result
 
     def process_batch_result(self, batch: ScheduleBatch, result: ForwardResult) -> None:
-        result.copy_done.synchronize()  # the one place the host waits for the device
+        if self.tp_workers is None:
+            result.copy_done.synchronize()  # the one place the host waits for the device
+        else:
+            self.tp_workers.wait(result.copy_done)  # the same wait, noticing a rank that dies meanwhile
         self.trace.append(("process", batch.seq))
         host = self.runner.host_sample_output(result)
         next_ids, logprobs = host.next_token_ids.tolist(), to_token_logprobs(host, batch.reqs)

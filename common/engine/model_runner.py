@@ -2,6 +2,11 @@
 
 The scheduler decides what runs and does the KV bookkeeping; the runner turns a ForwardBatch into
 next-token logits and samples them. It never looks at request state beyond what sampling needs.
+
+With tensor parallelism (common/engine/tp.py) every rank has a runner holding its shard of the model
+and its KV heads. Each forward ends with the full logits on every rank (the LM head's all-gather);
+rank 0 samples (`launch`), and its token ids are broadcast, so every rank's FutureMap holds the
+same ids and the next batch's placeholders resolve the same everywhere (`launch_replica`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.engine.models.loader import load_model
 from pdserve.common.engine.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs
 from pdserve.common.engine.sampling import SampleOutput, SamplingBatchInfo, sample
+from pdserve.common.engine.tp import TPGroup
 from pdserve.common.types import MAX_TOP_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -30,20 +36,23 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, prefill_graphs: bool = True):
+    def __init__(self, config: EngineConfig, prefill_graphs: bool = True, tp: TPGroup | None = None):
         self.config = config
-        self.device = torch.device(config.device)
+        self.tp = tp if tp is not None else TPGroup.single(torch.device(config.device))
+        self.device = self.tp.device
         self.memory_report: dict | None = None  # what --mem-fraction-static measured, on CUDA
         self.dtype = DTYPES[config.dtype]
-        self.model = load_model(config.model_path, self.dtype, self.device)
+        self.model = load_model(config.model_path, self.dtype, self.device, self.tp)
         self.vocab_size = self.model.arch.vocab_size
         if config.attention_backend == "triton" and self.device.type == "cuda":
             self.model.fuse()  # the fast path: merged projections, fused small ops
-        num_layers, kv_heads, head_dim = self.model.kv_geometry()
+        num_layers, kv_heads, head_dim = self.model.kv_geometry()  # this rank's KV heads
         bytes_per_token = 2 * num_layers * kv_heads * head_dim * self.dtype.itemsize
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, config.context_length, self.device)
+        # Rank 0 hands out page ids for every rank: all pools have the smallest rank's page count.
+        num_pages = self.tp.min_int(1 + self._kv_pages(bytes_per_token))
         self.kv_pool = PagedKVPool(
-            num_pages=1 + self._kv_pages(bytes_per_token),
+            num_pages=num_pages,
             page_size=config.page_size,
             num_layers=num_layers,
             kv_heads=kv_heads,
@@ -51,7 +60,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        num_heads = self.model.arch.num_heads
+        num_heads = self.model.local_heads()
         self.attn = create_backend(config.attention_backend, self.req_to_token_pool, self.kv_pool, num_heads, config.max_running_requests)
         self.streams = DeviceStreams(self.device)
         self.future_map = FutureMap(config.max_running_requests, self.device)
@@ -191,14 +200,9 @@ class ModelRunner:
             streams.forward_stream.wait_stream(streams.schedule_stream)
             if self.before_forward is not None:
                 self.before_forward(batch)
-            if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
-                logits = self.cuda_graphs.replay(batch)  # resolves placeholders inside the graph
-            elif self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
-                logits = self.prefill_graphs.replay(batch)
-            else:
-                input_ids = self.future_map.resolve(batch.input_ids) if batch.has_placeholders else batch.input_ids
-                logits = self.forward(batch, input_ids)
-            out = sample(logits, info)
+            out = sample(self._logits(batch), info)
+            if self.tp.size > 1:
+                out.next_token_ids = self.tp.broadcast(out.next_token_ids.contiguous())  # to launch_replica
             self.future_map.store(future_slots, out.next_token_ids)
             published = streams.event()
             published.record(streams.forward_stream)
@@ -215,6 +219,31 @@ class ModelRunner:
             copy_done = streams.event()
             copy_done.record(streams.d2h_stream)
         return ForwardResult(host, bs, out.logprobs is not None, k, copy_done, published, keep_alive=[batch, info, out])
+
+    @torch.inference_mode()
+    def launch_replica(self, batch: ForwardBatch, future_slots: list[int]):
+        """A TP rank other than 0: the same forward as rank 0's `launch` (its collectives meet
+        rank 0's), then rank 0's sampled ids into this rank's FutureMap. Nothing comes back to the
+        host; returns an event recorded after it, on the forward stream."""
+        streams = self.streams
+        with streams.use(streams.forward_stream):
+            streams.forward_stream.wait_stream(streams.schedule_stream)
+            self._logits(batch)  # the full logits are rank 0's to sample
+            next_ids = self.tp.broadcast(torch.empty(batch.batch_size, dtype=torch.int64, device=self.device))
+            self.future_map.store(future_slots, next_ids)
+            done = streams.event()
+            done.record(streams.forward_stream)
+        return done
+
+    def _logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Next-token logits of `batch`: a graph replay where one fits, else eager. Call on the
+        forward stream."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+            return self.cuda_graphs.replay(batch)  # resolves placeholders inside the graph
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+            return self.prefill_graphs.replay(batch)
+        input_ids = self.future_map.resolve(batch.input_ids) if batch.has_placeholders else batch.input_ids
+        return self.forward(batch, input_ids)
 
     def host_sample_output(self, result: ForwardResult) -> SampleOutput:
         """The result's host copies, as a SampleOutput (call after copy_done.synchronize())."""

@@ -64,6 +64,10 @@ class KVLayout:
         itemsize = getattr(torch, self.dtype).itemsize
         return self.page_size * self.kv_heads * self.head_dim * itemsize
 
+    def transfer_bytes(self, num_pages: int) -> int:
+        """Bytes a WRITE of `num_pages` pages moves: every layer's K and V page."""
+        return 2 * self.num_layers * num_pages * self.page_bytes
+
     def compatible_with(self, other: KVLayout) -> str | None:
         """None when pages can be copied between the two pools byte for byte, else why not.
 

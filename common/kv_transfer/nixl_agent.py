@@ -150,7 +150,7 @@ class NixlKVAgent(KVTransferAgent):
             )
         except _NIXL_ERRORS as error:
             raise KVTransferError(f"NIXL refused a WRITE of {len(src_pages)} pages to {peer!r}: {error!r}") from error
-        num_bytes = 2 * self.layout.num_layers * len(src_pages) * page_bytes
+        num_bytes = self.layout.transfer_bytes(len(src_pages))
         handle = NixlTransferHandle(peer, len(src_pages), num_bytes, xfer)
         self._live.add(handle)
         try:

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from pdserve.common.serving import ipc
 from pdserve.common.config import ServerConfig
 from pdserve.common.errors import ErrorCode
+from pdserve.common.trust import add_port, check_exposure, load_trust, server_interceptors
 from pdserve.proto import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,16 @@ class Metrics:
         self.transfer_failures = Counter(
             "pdserve_kv_transfer_failures", "KV transfers that failed or timed out.", ["role"], registry=r
         ).labels(**labels)
+        # Decode: notifications that matched no destination this server granted (decode/engine.py).
+        self.rejected_transfers = Counter(
+            "pdserve_kv_rejected_transfers", "KV transfer notifications refused: no such grant, or not matching it.",
+            ["role", "reason"], registry=r)
+        for reason in ipc.REJECT_REASONS:  # every series exists from the start, at 0 (alerts need no absent())
+            self.rejected_transfers.labels(role, reason)
+        self.unauthenticated = Counter(
+            "pdserve_unauthenticated_rpcs", "RPCs refused for a missing or wrong cluster secret.", ["role"], registry=r
+        ).labels(**labels)
+        self.role = role
 
     def update(self, load: ipc.LoadReport) -> None:
         self.kv_used.set(load.kv_used_tokens)
@@ -113,6 +124,9 @@ class SchedulerBridge:
                 self.metrics.update(msg)
             elif isinstance(msg, ipc.Bye):
                 self.bye.set()
+            elif isinstance(msg, ipc.TransfersRejected):
+                for reason, count in msg.counts.items():
+                    self.metrics.rejected_transfers.labels(self.metrics.role, reason).inc(count)
             elif isinstance(msg, ipc.StepTokens):
                 for chunk in msg.chunks:
                     queue = self.queues.get(chunk.rid)
@@ -242,19 +256,24 @@ async def serve(servicer_factory, add_servicer, bridge: SchedulerBridge, config:
     host, port, metrics_port = config.host, config.port, config.metrics_port
     if metrics_port:
         start_http_server(metrics_port, addr=host, registry=bridge.metrics.registry)
+    trust = load_trust(config)  # checked by the CLI before the scheduler was spawned
+    warning = check_exposure(trust, [host], "listening on")
+    if warning:
+        log.warning("%s", warning)
     ready = await bridge.start(config.startup_timeout)
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=server_interceptors(trust, lambda method: bridge.metrics.unauthenticated.inc()))
     servicer = servicer_factory(bridge, ready)
     add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, f"{host}:{port}", trust)
     if bound == 0:
         raise RuntimeError(f"cannot listen on {host}:{port}")
     await server.start()
     for name in ("", service_name):
         await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s serving on %s:%d (metrics on %s)", service_name, host, port, metrics_port or "off")
+    log.info("%s serving on %s:%d (metrics on %s; %s, %s)", service_name, host, port, metrics_port or "off",
+             "mutual TLS" if trust.tls else "plaintext", "cluster secret required" if trust.secrets else "no secret")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -156,12 +156,27 @@ class LoadReport(msgspec.Struct, tag=True):
     inflight_transfers: int
 
 
+# Why a decode server refused a KV transfer notification (the label of pdserve_kv_rejected_transfers_total):
+REJECT_REASONS = (
+    "unknown_room",  # no destination with that room was granted (or it was freed long ago)
+    "page_count",  # the notification's page count is not the granted one
+    "byte_count",  # nor its byte count
+    "malformed",  # not a notification of this version, or a first token outside the vocabulary
+)
+
+
+class TransfersRejected(msgspec.Struct, tag=True):
+    """Decode: notifications refused since the last such message, by reason (REJECT_REASONS)."""
+
+    counts: dict[str, int]
+
+
 class Bye(msgspec.Struct, tag=True):
     """The scheduler drained and is exiting."""
 
 
 ToScheduler = NewRequest | SetDestination | Abort | Drain
-ToFrontend = Ready | Rejected | Destination | Tokens | StepTokens | Finished | PrefillDone | LoadReport | Bye
+ToFrontend = Ready | Rejected | Destination | Tokens | StepTokens | Finished | PrefillDone | LoadReport | TransfersRejected | Bye
 
 _to_scheduler = msgspec.msgpack.Decoder(ToScheduler)
 _to_frontend = msgspec.msgpack.Decoder(ToFrontend)

@@ -14,7 +14,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from pdserve.common.config import EngineConfig, ServerConfig, add_cli_args, from_cli_args
+from pdserve.common.config import EngineConfig, ServerConfig, add_cli_args, check_transfer_tp, from_cli_args
+from pdserve.common.trust import check_exposure, load_trust
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,9 @@ def main(launcher: RoleLauncher, argv: list[str] | None = None) -> int:
     logging.basicConfig(level=server.log_level.upper(), format=f"%(asctime)s %(levelname)s {role}: %(message)s")
     try:
         server.check()
+        check_exposure(load_trust(server), [server.host], "listening on")  # refused here, warned of when serving
         engine = from_cli_args(args, EngineConfig).resolve()
+        check_transfer_tp(engine)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

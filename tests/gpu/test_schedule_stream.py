@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.engine import Engine
+from pdserve.common.engine.kv_pool import pages_for
 from pdserve.common.kv_transfer import encode_notif
 from pdserve.common.types import SamplingParams
 from pdserve.decode.engine import DecodeEngine
@@ -83,11 +84,14 @@ def test_decode_arrivals_and_batches_are_written_on_the_schedule_stream(tiny_mod
     recorder = StreamRecorder(engine.runner)
     params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
     rooms = {f"r{i}": 1000 + i for i in range(4)}
+    pages = {}
     for i, (rid, room) in enumerate(rooms.items()):
-        engine.add_decode_request([0] + list(range(5, 12 + 3 * i)), params, room, rid=rid)
+        prompt = [0] + list(range(5, 12 + 3 * i))
+        engine.add_decode_request(prompt, params, room, rid=rid)
+        pages[room] = pages_for(len(prompt), engine.config.page_size)
     # The prefill server's notifications, played: the KV pages hold zeros, which is all this test
     # needs (it checks streams, not tokens).
-    arrived = [("prefill", encode_notif(room, 7, None)) for room in rooms.values()]
+    arrived = [("prefill", encode_notif(room, 7, None, n, engine.agent.layout.transfer_bytes(n))) for room, n in pages.items()]
     engine.agent.get_notifs = lambda: [arrived.pop()] if arrived else []
     loop = engine.event_loop()
     done = []

@@ -12,6 +12,16 @@ from torch import nn
 from pdserve.common.engine.attention.base import AttentionBackend
 from pdserve.common.engine.batch import ForwardBatch
 from pdserve.common.engine.models.layers import PagedAttention, gelu_tanh, triton_ops
+from pdserve.common.engine.models.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    even_part,
+    head_columns,
+    heads_of_rank,
+)
+from pdserve.common.engine.tp import TPGroup
 
 # Weight names (after the "transformer." prefix) whose checkpoint layout is Conv1D [in, out].
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -37,12 +47,12 @@ class GPT2Arch:
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, a: GPT2Arch, layer_id: int):
+    def __init__(self, a: GPT2Arch, layer_id: int, tp: TPGroup):
         super().__init__()
         self.ln_1 = nn.LayerNorm(a.hidden, eps=a.eps)
-        self.attn = GPT2Attention(a, layer_id)
+        self.attn = GPT2Attention(a, layer_id, tp)
         self.ln_2 = nn.LayerNorm(a.hidden, eps=a.eps)
-        self.mlp = GPT2MLP(a)
+        self.mlp = GPT2MLP(a, tp)
         self.fused = False  # residual adds fused into the LayerNorms (see GPT2LMHeadModel.fuse)
 
     def forward(self, x, residual, batch: ForwardBatch, attn: AttentionBackend):
@@ -65,23 +75,29 @@ def add_layernorm(norm: nn.LayerNorm, x, residual, fused: bool):
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, a: GPT2Arch, layer_id: int):
+    """This rank's heads: c_attn column-parallel (its share of each of the q, k, v blocks), c_proj
+    row-parallel."""
+
+    def __init__(self, a: GPT2Arch, layer_id: int, tp: TPGroup):
         super().__init__()
-        self.hidden = a.hidden
-        self.c_attn = nn.Linear(a.hidden, 3 * a.hidden)
-        self.c_proj = nn.Linear(a.hidden, a.hidden)
-        self.attn = PagedAttention(layer_id, a.num_heads, a.num_heads, a.head_dim, None)
+        heads, d = heads_of_rank(a.num_heads, tp), a.head_dim
+        self.num_heads, self.local_hidden = len(heads), len(heads) * d
+        blocks = [head_columns(heads, d, offset) for offset in (0, a.hidden, 2 * a.hidden)]
+        self.c_attn = ColumnParallelLinear(a.hidden, blocks, bias=True)
+        self.c_proj = RowParallelLinear(head_columns(heads, d), a.hidden, bias=True, tp=tp)
+        self.attn = PagedAttention(layer_id, self.num_heads, self.num_heads, d, None)
 
     def forward(self, x, batch: ForwardBatch, attn: AttentionBackend):
-        q, k, v = self.c_attn(x).split(self.hidden, dim=-1)
+        q, k, v = self.c_attn(x).split(self.local_hidden, dim=-1)
         return self.c_proj(self.attn(q, k, v, batch, attn))
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, a: GPT2Arch):
+    def __init__(self, a: GPT2Arch, tp: TPGroup):
         super().__init__()
-        self.c_fc = nn.Linear(a.hidden, a.inner)
-        self.c_proj = nn.Linear(a.inner, a.hidden)
+        part = even_part(a.inner, tp)
+        self.c_fc = ColumnParallelLinear(a.hidden, [part], bias=True)
+        self.c_proj = RowParallelLinear(part, a.hidden, bias=True, tp=tp)
         self.fused = False  # gelu_new as one Triton kernel (see fuse)
 
     def forward(self, x):
@@ -96,20 +112,22 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, a: GPT2Arch):
+    def __init__(self, a: GPT2Arch, tp: TPGroup):
         super().__init__()
-        self.wte = nn.Embedding(a.vocab_size, a.hidden)
-        self.wpe = nn.Embedding(a.max_positions, a.hidden)
-        self.h = nn.ModuleList(GPT2Block(a, i) for i in range(a.num_layers))
+        self.wte = VocabParallelEmbedding(a.vocab_size, a.hidden, tp)
+        self.wpe = nn.Embedding(a.max_positions, a.hidden)  # replicated
+        self.h = nn.ModuleList(GPT2Block(a, i, tp) for i in range(a.num_layers))
         self.ln_f = nn.LayerNorm(a.hidden, eps=a.eps)
 
 
 class GPT2LMHeadModel(nn.Module):
-    def __init__(self, cfg: dict):
+    """With tp > 1, this rank's shard of it (models/parallel.py)."""
+
+    def __init__(self, cfg: dict, tp: TPGroup):
         super().__init__()
         self.arch = GPT2Arch(cfg)
-        self.transformer = GPT2Model(self.arch)
-        self.lm_head = nn.Linear(self.arch.hidden, self.arch.vocab_size, bias=False)
+        self.transformer = GPT2Model(self.arch, tp)
+        self.lm_head = ParallelLMHead(self.arch.vocab_size, self.arch.hidden, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -123,10 +141,8 @@ class GPT2LMHeadModel(nn.Module):
         return add_layernorm(self.transformer.ln_f, x, residual, self.transformer.h[0].fused)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in the model's dtype; sampling upcasts them only when it needs to."""
-        logits = self.lm_head(hidden)
-        vocab = self.arch.vocab_size
-        return logits if logits.shape[-1] == vocab else logits[:, :vocab]
+        """Logits [T, vocab] in the model's dtype (on every rank); sampling upcasts them only when it needs to."""
+        return self.lm_head(hidden)  # drops the padded rows' logits (see fuse)
 
     def fuse(self) -> None:
         """The fused CUDA path: residual adds inside the LayerNorm kernels, gelu_new as one
@@ -136,6 +152,7 @@ class GPT2LMHeadModel(nn.Module):
         NOTE: GPT-2's vocab of 50257 is odd; cuBLAS then cannot use its aligned Hopper kernels
         and runs the LM head on an sm75 one, 5x slower (128 us per decode step at batch 128 on an
         H200). The zero rows are never looked up (ids < vocab) and their logits are sliced off.
+        With tp > 1 each rank pads its own shard of the vocab.
         """
         for block in self.transformer.h:
             block.fused = block.mlp.fused = True
@@ -147,4 +164,9 @@ class GPT2LMHeadModel(nn.Module):
             self.tie_weights()
 
     def kv_geometry(self) -> tuple[int, int, int]:
-        return self.arch.num_layers, self.arch.num_heads, self.arch.head_dim
+        """(num_layers, kv_heads, head_dim) of this rank's KV pool: its heads only."""
+        return self.arch.num_layers, self.local_heads(), self.arch.head_dim
+
+    def local_heads(self) -> int:
+        """Query heads this rank computes."""
+        return self.transformer.h[0].attn.num_heads

@@ -16,6 +16,16 @@ from torch.nn import functional as F
 from pdserve.common.engine.attention.base import AttentionBackend
 from pdserve.common.engine.batch import ForwardBatch
 from pdserve.common.engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, merge_linears, triton_ops
+from pdserve.common.engine.models.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    even_part,
+    head_columns,
+    heads_of_rank,
+)
+from pdserve.common.engine.tp import TPGroup
 
 
 def rope_params(cfg: dict) -> dict:
@@ -54,12 +64,12 @@ class LlamaArch:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArch, layer_id: int):
+    def __init__(self, a: LlamaArch, layer_id: int, tp: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden, a.eps)
-        self.self_attn = SelfAttention(a, layer_id)
+        self.self_attn = SelfAttention(a, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(a.hidden, a.eps)
-        self.mlp = GatedMLP(a)
+        self.mlp = GatedMLP(a, tp)
 
     def forward(self, x, residual, positions, batch: ForwardBatch, attn: AttentionBackend):
         """(this layer's MLP output, the residual stream before it); the next norm adds the two."""
@@ -73,19 +83,22 @@ class DecoderLayer(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, a: LlamaArch, layer_id: int):
+    """This rank's heads (parallel.py): q/k/v column-parallel, o row-parallel."""
+
+    def __init__(self, a: LlamaArch, layer_id: int, tp: TPGroup):
         super().__init__()
-        self.num_heads, self.kv_heads, self.head_dim = a.num_heads, a.kv_heads, a.head_dim
-        self.q_proj = nn.Linear(a.hidden, a.num_heads * a.head_dim, bias=a.qkv_bias)
-        self.k_proj = nn.Linear(a.hidden, a.kv_heads * a.head_dim, bias=a.qkv_bias)
-        self.v_proj = nn.Linear(a.hidden, a.kv_heads * a.head_dim, bias=a.qkv_bias)
-        self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden, bias=False)
+        q_heads, kv_heads, d = heads_of_rank(a.num_heads, tp), heads_of_rank(a.kv_heads, tp), a.head_dim
+        self.num_heads, self.kv_heads, self.head_dim = len(q_heads), len(kv_heads), d
+        self.q_proj = ColumnParallelLinear(a.hidden, [head_columns(q_heads, d)], bias=a.qkv_bias)
+        self.k_proj = ColumnParallelLinear(a.hidden, [head_columns(kv_heads, d)], bias=a.qkv_bias)
+        self.v_proj = ColumnParallelLinear(a.hidden, [head_columns(kv_heads, d)], bias=a.qkv_bias)
+        self.o_proj = RowParallelLinear(head_columns(q_heads, d), a.hidden, bias=False, tp=tp)
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.eps)
             self.k_norm = RMSNorm(a.head_dim, a.eps)
         self.qk_norm = a.qk_norm
         self.rotary = RotaryEmbedding(a.head_dim, a.rope)
-        self.attn = PagedAttention(layer_id, a.num_heads, a.kv_heads, a.head_dim, a.sliding_window)
+        self.attn = PagedAttention(layer_id, self.num_heads, self.kv_heads, d, a.sliding_window)
         self.rope_and_store = False  # rotary and the KV store as one backend call (see fuse)
 
     def fuse(self) -> None:
@@ -118,11 +131,14 @@ class SelfAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, a: LlamaArch):
+    """gate/up column-parallel, down row-parallel."""
+
+    def __init__(self, a: LlamaArch, tp: TPGroup):
         super().__init__()
-        self.gate_proj = nn.Linear(a.hidden, a.intermediate, bias=a.mlp_bias)
-        self.up_proj = nn.Linear(a.hidden, a.intermediate, bias=a.mlp_bias)
-        self.down_proj = nn.Linear(a.intermediate, a.hidden, bias=a.mlp_bias)
+        part = even_part(a.intermediate, tp)
+        self.gate_proj = ColumnParallelLinear(a.hidden, [part], bias=a.mlp_bias)
+        self.up_proj = ColumnParallelLinear(a.hidden, [part], bias=a.mlp_bias)
+        self.down_proj = RowParallelLinear(part, a.hidden, bias=a.mlp_bias, tp=tp)
 
     def fuse(self) -> None:
         """gate and up as one GEMM, then one silu-and-multiply kernel."""
@@ -136,22 +152,23 @@ class GatedMLP(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, a: LlamaArch):
+    def __init__(self, a: LlamaArch, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(a.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden, tp)
+        self.layers = nn.ModuleList(DecoderLayer(a, i, tp) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden, a.eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves Mistral, Qwen2 and Qwen3 checkpoints (see LlamaArch)."""
+    """Also serves Mistral, Qwen2 and Qwen3 checkpoints (see LlamaArch). With tp > 1, this rank's
+    shard of it (models/parallel.py)."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, tp: TPGroup):
         super().__init__()
         a = LlamaArch(cfg)
         self.arch = a
-        self.model = LlamaModel(a)
-        self.lm_head = nn.Linear(a.hidden, a.vocab_size, bias=False)
+        self.model = LlamaModel(a, tp)
+        self.lm_head = ParallelLMHead(a.vocab_size, a.hidden, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -182,9 +199,14 @@ class LlamaForCausalLM(nn.Module):
         self.model.norm.fused = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in the model's dtype; sampling upcasts them only when it needs to."""
+        """Logits [T, vocab] in the model's dtype (on every rank); sampling upcasts them only when it needs to."""
         return self.lm_head(hidden)
 
     def kv_geometry(self) -> tuple[int, int, int]:
-        """(num_layers, kv_heads, head_dim) for sizing the KV pool."""
-        return self.arch.num_layers, self.arch.kv_heads, self.arch.head_dim
+        """(num_layers, kv_heads, head_dim) of this rank's KV pool: its KV heads only."""
+        attn = self.model.layers[0].self_attn
+        return self.arch.num_layers, attn.kv_heads, self.arch.head_dim
+
+    def local_heads(self) -> int:
+        """Query heads this rank computes."""
+        return self.model.layers[0].self_attn.num_heads

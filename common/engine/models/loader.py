@@ -1,4 +1,8 @@
-"""Build a model from a Hugging Face checkpoint directory: config.json + *.safetensors."""
+"""Build a model from a Hugging Face checkpoint directory: config.json + *.safetensors.
+
+With tensor parallelism each rank builds its shard of the model and reads only its slices of the
+checkpoint (safetensors slices: `tp_shards` on the parallel layers, models/parallel.py).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from safetensors import safe_open
 from pdserve.common.config import read_hf_config
 from pdserve.common.engine.models import MODEL_REGISTRY
 from pdserve.common.engine.models.gpt2 import TRANSPOSED
+from pdserve.common.engine.models.parallel import Shard
+from pdserve.common.engine.tp import TPGroup
 
 # Checkpoint entries that are not weights (cached buffers some exporters save).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
@@ -26,11 +32,14 @@ def model_class(cfg: dict) -> type:
     raise ValueError(f"unsupported architectures {archs}; supported: {sorted(MODEL_REGISTRY)}")
 
 
-def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str, tp: TPGroup | None = None) -> torch.nn.Module:
+    """The model (this rank's shard of it with tp), its weights loaded, in eval mode."""
     cfg = read_hf_config(model_path)
     cls = model_class(cfg)
+    if tp is None:
+        tp = TPGroup.single(torch.device(device))
     with torch.device("meta"):
-        model = cls(cfg)
+        model = cls(cfg, tp)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     _load_weights(model, model_path, cfg)
@@ -67,9 +76,8 @@ def _load_weights(model: torch.nn.Module, model_path: str, cfg: dict) -> None:
                     if name == "lm_head.weight" and "lm_head.weight" not in params:
                         continue  # tied: the embedding already holds it
                     raise ValueError(f"unexpected weight {key!r} in {path}")
-                tensor = f.get_tensor(key)
-                if is_gpt2 and name.endswith(TRANSPOSED):
-                    tensor = tensor.t()
+                transposed = is_gpt2 and name.endswith(TRANSPOSED)
+                tensor = _read(f, key, _shard_of(model, name), transposed, params[name])
                 if tensor.shape != params[name].shape:
                     raise ValueError(f"weight {key!r}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
                 with torch.no_grad():
@@ -78,3 +86,34 @@ def _load_weights(model: torch.nn.Module, model_path: str, cfg: dict) -> None:
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_path} lacks weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+
+def _shard_of(model: torch.nn.Module, name: str) -> Shard | None:
+    owner, _, leaf = name.rpartition(".")
+    return getattr(model.get_submodule(owner), "tp_shards", {}).get(leaf)
+
+
+def _read(f, key: str, shard: Shard | None, transposed: bool, param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `key`, in the parameter's layout; only the shard's
+    slices are read. `transposed`: stored as [in, out] (GPT-2's Conv1D)."""
+    if shard is not None and shard.zeros:
+        return torch.zeros(param.shape, dtype=param.dtype)
+    sliced = f.get_slice(key)
+    shape = sliced.get_shape()
+    dim = 1 - shard.dim if shard is not None and transposed else shard.dim if shard is not None else 0
+    if shard is None or shard.ranges == ((0, shape[dim]),):
+        tensor = f.get_tensor(key)  # the whole tensor (tp = 1, or a replicated one)
+    else:
+        pieces = []
+        for start, stop in shard.ranges:
+            end = min(stop, shape[dim])
+            index = [slice(None)] * len(shape)
+            index[dim] = slice(start, end)
+            piece = sliced[tuple(index)]
+            if stop > end:  # past the last row: padding (a vocab that tp does not divide)
+                pad = list(piece.shape)
+                pad[dim] = stop - end
+                piece = torch.cat([piece, piece.new_zeros(pad)], dim=dim)
+            pieces.append(piece)
+        tensor = torch.cat(pieces, dim=dim)
+    return tensor.t() if transposed else tensor

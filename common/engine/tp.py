@@ -1,0 +1,102 @@
+"""Tensor parallelism: the ranks of one engine and the collectives its sharded layers call.
+
+    TPGroup.single(device)      tp = 1: every collective is the identity, no torch.distributed
+    TPGroup.join(rank, ...)     rank r of N: a gloo (CPU) or NCCL (CUDA) group, met through a
+                                TCPStore that rank 0 serves on a free local port
+
+No default process group is created (torch.distributed's is process-global state): the backend
+object lives in the TPGroup, and whatever needs it (the model's layers, the runner) is handed the
+group. Rank r runs on `rank_device(device, r)`: cuda:r after --device's index, or the CPU.
+
+NOTE every collective waits at most --dist-timeout for the other ranks; a rank that dies is
+noticed sooner (gloo: the peer's socket closes; NCCL: the watchdog aborts the communicator).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device of TP rank `rank`: the CPU, or the rank-th GPU from --device's index."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return d
+    return torch.device("cuda", (d.index or 0) + rank)
+
+
+@dataclass
+class TPGroup:
+    rank: int
+    size: int
+    device: torch.device
+    backend: object | None = None  # ProcessGroupGloo / ProcessGroupNCCL; None when size == 1
+    store: object | None = None  # kept alive with the group
+
+    @classmethod
+    def single(cls, device: torch.device) -> "TPGroup":
+        return cls(0, 1, device)
+
+    @classmethod
+    def join(cls, rank: int, size: int, device: torch.device, store_port: int, timeout_s: float,
+             store=None, host: str = "127.0.0.1") -> "TPGroup":
+        """Meet the other ranks. Rank 0 passes the TCPStore it serves (made before the other ranks
+        were started, so its port is bound); the others connect to `host:store_port`."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if store is None:
+            store = dist.TCPStore(host, store_port, size, is_master=False, timeout=timeout)
+        prefixed = dist.PrefixStore("tp", store)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            backend = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+        else:
+            backend = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+        return cls(rank, size, device, backend, store)
+
+    @staticmethod
+    def serve_store(size: int, port: int, timeout_s: float, host: str = "127.0.0.1"):
+        """Rank 0's TCPStore, listening before the other ranks start."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        return dist.TCPStore(host, port, size, is_master=True, timeout=timeout, wait_for_workers=False)
+
+    # ---- collectives (identity when size == 1) ---------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place (x must be contiguous); returns x. On CUDA it is queued on the
+        current stream (and captured into a CUDA graph being recorded there)."""
+        if self.backend is not None:
+            self.backend.allreduce([x]).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., size * n], rank 0's columns first."""
+        if self.backend is None:
+            return x
+        x = x.contiguous()
+        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # ranks' tensors one after another
+        self.backend._allgather_base(out, x).wait()
+        return out.view(self.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Every rank's x becomes rank `src`'s, in place (x must be contiguous); returns x."""
+        if self.backend is not None:
+            options = dist.BroadcastOptions()
+            options.rootRank = src
+            self.backend.broadcast([x], options).wait()
+        return x
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's `value` (start-up agreement, e.g. on the KV pool's size)."""
+        if self.backend is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self.backend.allreduce([t], options).wait()
+        return int(t.item())
