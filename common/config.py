@@ -154,7 +154,7 @@ def check_tp(tp: int, dist_timeout: float, hf: dict, device: str) -> None:
     if tp == 1:
         return
     heads = hf.get("num_attention_heads") or hf.get("n_head")
-    kv_heads = hf.get("num_key_value_heads") or heads
+    kv_heads = model_kv_heads_of(hf)
     width = hf.get("intermediate_size") or hf.get("n_inner") or 4 * hf.get("n_embd", 0)
     if heads % tp:
         raise ValueError(f"--tp-size {tp} does not divide the model's {heads} attention heads")
@@ -171,14 +171,9 @@ def check_tp(tp: int, dist_timeout: float, hf: dict, device: str) -> None:
             raise ValueError(f"--tp-size {tp} needs GPUs {first}..{first + tp - 1} (one per rank); {visible} visible")
 
 
-def check_transfer_tp(config: EngineConfig) -> None:
-    """ValueError for tp > 1 on a prefill or decode server: their KV moves from one pool into one pool,
-    and with TP every rank holds its own KV heads in its own pool (per-rank transfers: not built yet)."""
-    if config.tp_size > 1:
-        raise ValueError(
-            "--tp-size > 1 is not supported by the prefill and decode servers yet (each TP rank's KV heads "
-            "would need their own transfer); the colocated engine (Python API, run-batch, bench offline) supports it"
-        )
+def model_kv_heads_of(hf: dict) -> int:
+    """The checkpoint's KV heads (its attention heads when it has no grouped-query attention)."""
+    return hf.get("num_key_value_heads") or hf.get("num_attention_heads") or hf.get("n_head")
 
 
 def read_hf_config(model_path: str) -> dict:

@@ -9,6 +9,9 @@ The steps its loops call besides the shared ones (common/engine/core.py): `pop_p
 admits queued requests (their pages are held and their destinations published) and
 `pop_transferred` takes the KV notifications that arrived (those requests join the running batch)
 and expires transfers past --kv-transfer-timeout.
+
+With --tp-size N every rank's agent receives its own KV heads; the other ranks forward what their
+agents receive, and a room completes once every rank's heads have landed (decode/arrivals.py).
 """
 
 from __future__ import annotations
@@ -20,25 +23,19 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from pdserve.common.serving import ipc
-from pdserve.common.config import EngineConfig, check_transfer_tp
+from pdserve.common.config import EngineConfig
 from pdserve.common.engine.core import EngineCore
-from pdserve.common.kv_transfer import KVLayout, decode_notif
-from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
-from pdserve.common.types import Completion, SamplingParams, TokenLogprob
+from pdserve.common.engine.tp_messages import Notifs, Watch
+from pdserve.common.kv_transfer import KVLayout
+from pdserve.common.kv_transfer.server import ServerKV
+from pdserve.common.types import Completion, SamplingParams
+from pdserve.decode.arrivals import KVArrivals, Refused
 from pdserve.decode.scheduler import DecodeScheduler
 
 
 log = logging.getLogger(__name__)
 
 _MAX_LOGGED_PEERS = 256  # senders of refused notifications are logged once each, up to this many
-
-
-class _Refused(Exception):
-    """A KV notification that matches no grant: why (ipc.REJECT_REASONS) and the details."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(reason)
-        self.reason, self.detail = reason, detail
 
 
 @dataclass
@@ -55,9 +52,10 @@ class KVDestination:
 
 
 class DecodeEngine(EngineCore):
+    kv_duty = "receiver"
+
     def __init__(self, config: EngineConfig, agent_name: str, kv_transfer_timeout: float = 30.0):
-        check_transfer_tp(config)
-        self._agent_name, self.kv_transfer_timeout = agent_name, kv_transfer_timeout
+        self.kv_agent_name, self.kv_transfer_timeout = agent_name, kv_transfer_timeout
         # KV arrives over NIXL (only a retracted request is prefilled again here, eagerly): no
         # prefill graphs.
         super().__init__(config, prefill_graphs=False)
@@ -65,9 +63,17 @@ class DecodeEngine(EngineCore):
         self.streaming: dict[str, list] = {}  # rid -> [req, output tokens sent], with a channel
         self.rejected: dict[str, int] = {}  # reason -> notifications refused, not yet reported
         self._refused_peers: set[str] = set()  # senders already logged
+        self._watching = False  # the other TP ranks were told transfers are open
+
+    def close(self, kill: bool = False) -> None:
+        super().close(kill)
+        if hasattr(self, "kv"):
+            self.kv.close()
 
     def make_scheduler(self) -> DecodeScheduler:
-        self.agent = NixlKVAgent(self._agent_name, self.runner.kv_pool)
+        self.kv = ServerKV.open(self.kv_agent_name, self.runner.kv_pool, self.tp_workers)
+        self.agent = self.kv.agent  # rank 0's
+        self.arrivals = KVArrivals(self.kv.rank_layouts, self.vocab_size)
         return DecodeScheduler(self.config, self.runner.req_to_token_pool, self.runner.kv_pool, self.eos_token_ids,
                                kv_transfer_timeout=self.kv_transfer_timeout)
 
@@ -87,53 +93,51 @@ class DecodeEngine(EngineCore):
     def pop_preallocated(self) -> None:
         """Admit queued requests into pages; publish each one's KV destination."""
         now = time.monotonic()
-        metadata = None
         for req in self.scheduler.pop_preallocated(now):
-            metadata = metadata or self.agent.metadata()
             expires_unix_s = time.time() + (req.deadline - now)  # wall clock: it crosses machines
             self.destinations.append(KVDestination(
-                req.rid, req.room, self.agent.name, metadata, list(req.pages), self.agent.layout, expires_unix_s))
+                req.rid, req.room, self.kv.name, self.kv.encoded, list(req.pages), self.kv.layout, expires_unix_s))
+        self._watch()
 
     def pop_transferred(self) -> None:
-        """Requests whose KV landed join the running batch; those past their deadline fail.
+        """Requests whose KV landed (on every TP rank) join the running batch; those past their
+        deadline fail.
 
-        Only a notification that matches a destination this server granted — its room, page count
-        and byte count — is acted on: anyone who reaches the UCX port can send one. Any other is
-        counted by reason, its sender logged once, and changes no request."""
-        for peer, message in self.agent.get_notifs():
+        Only a notification that matches a destination this server granted — its room, page count,
+        heads and byte count — is acted on: anyone who reaches a UCX port can send one. Any other
+        is counted by reason, its sender logged once, and changes no request."""
+        scheduler = self.scheduler
+        waiting = scheduler.transferring.__contains__
+        for rank, peer, message in self._notifications():
             try:
-                room, token, logprob = self._granted(message)
-            except _Refused as refused:
+                landed = self.arrivals.accept(rank, message, scheduler.granted_pages, waiting)
+            except Refused as refused:
                 self._refuse(peer, refused.reason, refused.detail)
                 continue
-            completion = self.scheduler.on_kv_arrived(room, token, logprob)
-            if completion is not None:
-                self.outputs.append(completion)
-        self.outputs += self.scheduler.expire_transfers(time.monotonic())
+            if landed is not None:
+                completion = scheduler.on_kv_arrived(*landed)
+                if completion is not None:
+                    self.outputs.append(completion)
+        self.outputs += scheduler.expire_transfers(time.monotonic())
+        if self.arrivals.partial:
+            self.arrivals.forget(waiting)
+        self._watch()
 
-    def _granted(self, message: bytes) -> tuple[int, int, TokenLogprob | None]:
-        """(room, first token, its logprob) of a notification matching its room's grant (a room
-        already served counts as granted: a retried prefill's late copy is ignored by the
-        scheduler); raises _Refused otherwise. Never lets a peer's bytes crash the loop."""
-        try:
-            notif = decode_notif(message)
-            lp = notif["logprobs"]
-            logprob = TokenLogprob(int(lp["token_id"]), float(lp["logprob"]), [(int(t), float(v)) for t, v in lp["top"]]) \
-                if lp else None
-        except (ValueError, KeyError, TypeError) as e:
-            raise _Refused("malformed", str(e)[:120]) from None
-        room, token = notif["room"], notif["first_token"]
-        if token >= self.vocab_size:
-            raise _Refused("malformed", f"first token {token} outside the vocabulary (room {room})")
-        pages = self.scheduler.granted_pages(room)
-        if pages is None:
-            raise _Refused("unknown_room", f"room {room} was not granted")
-        if notif["pages"] != pages:
-            raise _Refused("page_count", f"{notif['pages']} pages for room {room}, granted {pages}")
-        if notif["bytes"] != self.agent.layout.transfer_bytes(pages):
-            raise _Refused("byte_count", f"{notif['bytes']} bytes for room {room}, granted "
-                                         f"{self.agent.layout.transfer_bytes(pages)}")
-        return room, token, logprob
+    def _notifications(self) -> list[tuple[int, str, bytes]]:
+        """(receiving rank, sending agent, notification): rank 0's agent's, then the other ranks'."""
+        received = [(0, peer, message) for peer, message in self.agent.get_notifs()]
+        if self.tp_workers is not None:
+            for report in self.tp_workers.take(Notifs):
+                received += [(report.rank, peer, message) for peer, message in report.notifs]
+        return received
+
+    def _watch(self) -> None:
+        """Tell the other ranks whether transfers are open: they poll their agents meanwhile (a
+        DRAM agent progresses only when polled)."""
+        open_now = bool(self.scheduler.transferring)
+        if self.tp_workers is not None and open_now != self._watching:
+            self._watching = open_now
+            self.tp_workers.broadcast(Watch(open_now))
 
     def _refuse(self, peer: str, reason: str, detail: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1

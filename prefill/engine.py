@@ -7,6 +7,10 @@
 
 The step its loops call besides the shared ones (common/engine/core.py): `process_inflight_queue`
 polls the KV WRITEs in flight, never blocking, and reports the requests whose transfer ended.
+
+With --tp-size N every rank holds its KV heads and WRITEs them itself: rank 0 (this process) plans
+and orders the WRITEs, and answers a request only once every rank's has ended
+(common/kv_transfer/sender.py).
 """
 
 from __future__ import annotations
@@ -16,23 +20,32 @@ import time
 from typing import Iterator, Sequence
 
 from pdserve.common.serving import ipc
-from pdserve.common.config import EngineConfig, check_transfer_tp
+from pdserve.common.config import EngineConfig
 from pdserve.common.engine.core import EngineCore
-from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
+from pdserve.common.kv_transfer.sender import KVSender
+from pdserve.common.kv_transfer.server import ServerKV
 from pdserve.common.types import SamplingParams
 from pdserve.prefill.scheduler import Destination, PrefillResult, PrefillScheduler
 
 
 class PrefillEngine(EngineCore):
+    kv_duty = "sender"
+
     def __init__(self, config: EngineConfig, agent_name: str, kv_transfer_timeout: float = 30.0):
-        check_transfer_tp(config)
-        self._agent_name, self.kv_transfer_timeout = agent_name, kv_transfer_timeout
+        self.kv_agent_name, self.kv_transfer_timeout = agent_name, kv_transfer_timeout
         super().__init__(config)
 
     def make_scheduler(self) -> PrefillScheduler:
-        self.agent = NixlKVAgent(self._agent_name, self.runner.kv_pool)
-        return PrefillScheduler(self.config, self.runner.req_to_token_pool, self.runner.kv_pool, agent=self.agent,
+        self.kv = ServerKV.open(self.kv_agent_name, self.runner.kv_pool, self.tp_workers)
+        self.agent = self.kv.agent  # rank 0's
+        self.sender = KVSender(self.kv, self.tp_workers)
+        return PrefillScheduler(self.config, self.runner.req_to_token_pool, self.runner.kv_pool, sender=self.sender,
                                 kv_transfer_timeout=self.kv_transfer_timeout)
+
+    def close(self, kill: bool = False) -> None:
+        super().close(kill)
+        if hasattr(self, "kv"):
+            self.kv.close()
 
     def event_loop(self) -> Iterator[list[PrefillResult]]:
         from pdserve.prefill.loop import event_loop_normal_disagg_prefill, event_loop_overlap_disagg_prefill
@@ -62,13 +75,13 @@ class PrefillEngine(EngineCore):
         req.arrived = time.monotonic()
         destination = None
         if decode_metadata:
-            destination = Destination(self.agent.add_peer(decode_metadata), list(page_ids), _expiry(expires_unix_s))
+            destination = Destination(self.sender.add_peer(decode_metadata), list(page_ids), _expiry(expires_unix_s))
         self.scheduler.add_prefill_request(req, destination)
         return req.rid
 
     def set_destination(self, rid: str, decode_metadata: bytes, page_ids: list[int], expires_unix_s: float = 0.0) -> None:
         """The destination of a request queued without one; ValueError for a bad one."""
-        peer = self.agent.add_peer(decode_metadata)
+        peer = self.sender.add_peer(decode_metadata)
         self.scheduler.set_destination(rid, Destination(peer, list(page_ids), _expiry(expires_unix_s)), time.monotonic())
 
     def process_inflight_queue(self) -> None:

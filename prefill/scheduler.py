@@ -7,9 +7,10 @@ chunking — but never decodes. A request whose prefill is done before its desti
 parked, holding its pages, until the destination arrives (or the KV transfer timeout passes).
 When its last chunk's result is processed (so the forward that wrote its KV has completed: the
 result's copy_done event is recorded after it), the KV pages covering its prompt are written into
-the destination pages over the transfer agent, with a notification carrying the room and the
-first token. The request keeps its pages until the agent reports the WRITE done (or failed, or
-past its deadline); then its KV is cached (or freed) and its result reported.
+the destination pages over the transfer agent (every TP rank its KV heads: KVSender), with a
+notification carrying the room and the first token. The request keeps its pages until every
+rank's WRITE is done (or one failed, or its deadline passed); then its KV is cached (or freed)
+and its result reported.
 
 A destination expires (KVDestination.expires_unix_s): the decode server fails the request then,
 and KV_WRITE_GRACE_S later gives its pages to other requests. No WRITE starts after the expiry,
@@ -30,7 +31,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.errors import ErrorCode
 from pdserve.common.scheduling.kv_manager import KVManager
 from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
-from pdserve.common.kv_transfer import TransferState, encode_notif
+from pdserve.common.kv_transfer import KVTransferError, TransferState
 from pdserve.common.scheduling.prefill_manager import PrefillManager
 from pdserve.common.scheduling.scheduler import check_fits, extend_batch, on_launched
 from pdserve.common.types import KV_WRITE_GRACE_S, FinishReason, Req, SamplingParams, TokenLogprob
@@ -86,12 +87,12 @@ class PrefillScheduler:
     """Prefill-only admission (no request decodes here, so none reserves decode room) plus the
     destinations, the parked requests and the transfers in flight."""
 
-    def __init__(self, config: EngineConfig, req_to_token_pool: ReqToTokenPool, kv_pool: PagedKVPool, agent,
+    def __init__(self, config: EngineConfig, req_to_token_pool: ReqToTokenPool, kv_pool: PagedKVPool, sender,
                  kv_transfer_timeout: float):
         self.config = config
         self.kv = KVManager(req_to_token_pool, kv_pool, not config.disable_radix_cache, reserve_decode_tokens=0)
         self.prefill = PrefillManager(config, self.kv)
-        self.agent = agent
+        self.sender = sender  # common/kv_transfer/sender.py KVSender
         self.kv_transfer_timeout = kv_transfer_timeout
         self.destinations: dict[str, Destination] = {}  # rid -> destination
         self.transfers: list[_Transfer] = []
@@ -185,10 +186,10 @@ class PrefillScheduler:
         n = pages_for(len(req.prompt_ids), self.kv.page_size)
         top = {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} if lp is not None else None
         try:
-            # The counts let the decode server check the WRITE against the destination it granted.
-            notif = encode_notif(req.room, token, top, n, self.agent.layout.transfer_bytes(n))
-            handle = self.agent.write_pages(dest.peer, req.pages[:n], dest.page_ids[:n], notif)
-        except Exception as e:  # noqa: BLE001 - any agent failure fails this request, not the server
+            # The notifications' counts let the decode server check each WRITE against its grant.
+            handle = self.sender.write(dest.peer, req.pages[:n], dest.page_ids[:n], room=req.room, first_token=token,
+                                       logprobs=top)
+        except (KVTransferError, ValueError) as e:  # fails this request, not the server (a dead TP rank does)
             self._finish(req, error=f"KV transfer to {dest.peer} could not start: {e}", error_code=ErrorCode.KV_TRANSFER_FAILED)
             return
         dest.writing = True
@@ -206,17 +207,18 @@ class PrefillScheduler:
         self._fail_expired(now)
         still = []
         for t in self.transfers:
-            state = self.agent.poll(t.handle)
+            state = self.sender.poll(t.handle)
             if state is TransferState.IN_PROGRESS and now <= t.deadline:
                 still.append(t)
                 continue
-            self.agent.release(t.handle)
+            # NOTE: releasing cancels every rank's WRITE still running (before any later forward
+            # can reuse the pages); only then are the pages freed or cached, in _finish.
+            self.sender.release(t.handle)
             if state is TransferState.DONE:
                 self._finish(t.req, transfer_bytes=t.handle.num_bytes, transfer_s=now - t.started)
             elif state is TransferState.FAILED:
-                peer = self.destinations[t.req.rid].peer
-                self.agent.remove_peer(peer)  # its cached metadata may be stale (a restarted server)
-                self._finish(t.req, error=f"KV transfer to {peer} failed", error_code=ErrorCode.KV_TRANSFER_FAILED)
+                self.sender.remove_peer(t.handle.peer)  # its cached metadata may be stale (a restarted server)
+                self._finish(t.req, error=self.sender.failure(t.handle), error_code=ErrorCode.KV_TRANSFER_FAILED)
             elif t.deadline < t.started + self.kv_transfer_timeout:
                 self._finish(t.req, error=_expired(self.destinations[t.req.rid], now), error_code=ErrorCode.KV_TRANSFER_TIMEOUT)
             else:
@@ -286,7 +288,7 @@ class PrefillScheduler:
 
     def is_idle(self) -> bool:
         return not (self.transfers or self.parked or self.destinations or self.live or self.prefill.has_work()) \
-            and self.kv.is_idle()
+            and not self.sender.open_transfers() and self.kv.is_idle()
 
 
 def _expired(dest: Destination, now: float) -> str:

@@ -35,23 +35,43 @@ def test_runs_coalesce_only_when_contiguous_on_both_sides():
     assert coalesce_runs([8], [2]) == [(8, 2, 1)]
 
 
-def test_descriptors_go_layer_then_k_v_then_run():
-    page_bytes = 100
+def test_descriptors_go_layer_then_k_v_then_head_then_run():
+    hpb, num_pages = 100, 50  # one head of one layer: 5000 bytes
     k_addrs, v_addrs = [10_000, 20_000], [30_000, 40_000]
-    descs = run_descriptors(k_addrs, v_addrs, page_bytes, device_id=0, runs=[(3, 2), (7, 1)])
+    descs = run_descriptors(k_addrs, v_addrs, hpb, num_pages, device_id=0, heads=range(0, 1), runs=[(3, 2), (7, 1)])
     assert descs == [
         (10_300, 200, 0), (10_700, 100, 0),  # layer 0 K
         (30_300, 200, 0), (30_700, 100, 0),  # layer 0 V
         (20_300, 200, 0), (20_700, 100, 0),  # layer 1 K
         (40_300, 200, 0), (40_700, 100, 0),  # layer 1 V
     ]  # fmt: skip
-    one_run = run_descriptors(k_addrs, v_addrs, page_bytes, device_id=3, runs=[(10, 3)])
+    one_run = run_descriptors(k_addrs, v_addrs, hpb, num_pages, device_id=3, heads=range(0, 1), runs=[(10, 3)])
     assert one_run == [(11_000, 300, 3), (31_000, 300, 3), (21_000, 300, 3), (41_000, 300, 3)]
+    # Heads 1 and 2 of a pool: each its own contiguous range, 5000 bytes apart.
+    sliced = run_descriptors(k_addrs[:1], v_addrs[:1], hpb, num_pages, device_id=0, heads=range(1, 3), runs=[(10, 3)])
+    assert sliced == [(16_000, 300, 0), (21_000, 300, 0), (36_000, 300, 0), (41_000, 300, 0)]
+
+
+def test_the_pool_is_head_major_so_a_heads_pages_are_contiguous():
+    pool = PagedKVPool(4, 2, num_layers=1, kv_heads=3, head_dim=2, dtype=torch.float32, device="cpu", head_start=3,
+                       model_kv_heads=6)
+    pool.k_buffers[0][5] = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])  # slot 5: page 2, offset 1
+    storage = pool.k_storage[0]
+    assert storage.is_contiguous() and storage.shape == (3, 8, 2)
+    flat = storage.flatten()
+    # head h, slot s at (h * 8 + s) * 2
+    assert flat[(0 * 8 + 5) * 2 : (0 * 8 + 5) * 2 + 2].tolist() == [1.0, 2.0]
+    assert flat[(2 * 8 + 5) * 2 : (2 * 8 + 5) * 2 + 2].tolist() == [5.0, 6.0]
+    assert KVLayout.of_pool(pool).heads == range(3, 6)
+    with pytest.raises(ValueError, match="not heads of a model with 6"):
+        PagedKVPool(4, 2, 1, 3, 2, torch.float32, "cpu", head_start=4, model_kv_heads=6)
 
 
 def test_page_bytes_follow_the_layout():
     assert LAYOUT.page_bytes == 4 * 2 * 8 * 4
     assert KVLayout(16, 1, 8, 128, "bfloat16", 10).page_bytes == 16 * 8 * 128 * 2
+    assert LAYOUT.transfer_bytes(3) == 2 * 3 * 3 * LAYOUT.page_bytes
+    assert LAYOUT.transfer_bytes(3, num_heads=1) == 2 * 3 * 3 * 4 * 8 * 4
 
 
 @pytest.mark.parametrize(
@@ -83,11 +103,18 @@ def test_layouts_differing_only_in_num_pages_are_compatible():
     assert LAYOUT.compatible_with(KVLayout(4, 3, 2, 8, "float32", num_pages=1000)) is None
 
 
+def test_pools_holding_different_heads_of_one_model_are_compatible():
+    rank1_of_2 = KVLayout(4, 3, 1, 8, "float32", 32, head_start=1, model_kv_heads=2)
+    assert LAYOUT.compatible_with(rank1_of_2) is None and rank1_of_2.heads == range(1, 2)
+    other_model = KVLayout(4, 3, 1, 8, "float32", 32, head_start=1, model_kv_heads=4)
+    assert LAYOUT.compatible_with(other_model) == "model_kv_heads 2 here vs 4 at the peer"
+
+
 def test_incompatible_layouts_say_what_differs():
     assert LAYOUT.compatible_with(KVLayout(8, 3, 2, 8, "float32", 32)) == "page_size 4 here vs 8 at the peer"
     assert LAYOUT.compatible_with(KVLayout(4, 3, 2, 8, "bfloat16", 32)) == "dtype float32 here vs bfloat16 at the peer"
     assert LAYOUT.compatible_with(KVLayout(4, 2, 2, 8, "float32", 32)) == "num_layers 3 here vs 2 at the peer"
-    assert LAYOUT.compatible_with(KVLayout(4, 3, 4, 8, "float32", 32)) == "kv_heads 2 here vs 4 at the peer"
+    assert LAYOUT.compatible_with(KVLayout(4, 3, 4, 8, "float32", 32)) == "model_kv_heads 2 here vs 4 at the peer"
     assert LAYOUT.compatible_with(KVLayout(4, 3, 2, 16, "float32", 32)) == "head_dim 8 here vs 16 at the peer"
     both = LAYOUT.compatible_with(KVLayout(8, 3, 2, 16, "float32", 32))
     assert both == "page_size 4 here vs 8 at the peer; head_dim 8 here vs 16 at the peer"
@@ -106,10 +133,10 @@ def test_notif_round_trip():
     assert 0 <= room < 1 << 63
     logprobs = {"token": -0.25, "top": [[7, -0.25], [9, -1.5]]}
     assert decode_notif(encode_notif(room, 42, logprobs, 3, 4096)) == \
-        {"room": room, "first_token": 42, "logprobs": logprobs, "pages": 3, "bytes": 4096}
+        {"room": room, "first_token": 42, "logprobs": logprobs, "pages": 3, "bytes": 4096, "heads": None}
     largest = (1 << 63) - 1
-    assert decode_notif(encode_notif(largest, 0, None, 1, 8)) == \
-        {"room": largest, "first_token": 0, "logprobs": None, "pages": 1, "bytes": 8}
+    assert decode_notif(encode_notif(largest, 0, None, 1, 8, range(2, 4))) == \
+        {"room": largest, "first_token": 0, "logprobs": None, "pages": 1, "bytes": 8, "heads": range(2, 4)}
 
 
 def test_bad_notifs_are_rejected():
@@ -118,13 +145,18 @@ def test_bad_notifs_are_rejected():
     with pytest.raises(ValueError, match="63-bit"):
         encode_notif(-1, 1, None, 1, 8)
     fields = '"room": 1, "first_token": 1, "logprobs": null'
+    counts = '"pages": 1, "bytes": 8'
     for data in (b"\xff\x00", b"[1, 2]", b'{"v": 1}', f'{{"v": 1, {fields}}}'.encode(),  # version 1: no counts
-                 f'{{"v": 3, {fields}, "pages": 1, "bytes": 8}}'.encode(),
-                 f'{{"v": 2, {fields}, "pages": -1, "bytes": 8}}'.encode(),
-                 f'{{"v": 2, {fields}, "pages": 1.5, "bytes": 8}}'.encode(),
-                 f'{{"v": 2, {fields}, "pages": true, "bytes": 8}}'.encode(),
-                 b'{"v": 2, "room": 1, "first_token": "1", "logprobs": null, "pages": 1, "bytes": 8}',
-                 b'{"v": 2, "room": 1, "first_token": 1, "logprobs": [1], "pages": 1, "bytes": 8}'):
+                 f'{{"v": 2, {fields}, {counts}}}'.encode(),  # version 2: no heads
+                 f'{{"v": 4, {fields}, {counts}, "heads": null}}'.encode(),
+                 f'{{"v": 3, {fields}, "pages": -1, "bytes": 8, "heads": null}}'.encode(),
+                 f'{{"v": 3, {fields}, "pages": 1.5, "bytes": 8, "heads": null}}'.encode(),
+                 f'{{"v": 3, {fields}, "pages": true, "bytes": 8, "heads": null}}'.encode(),
+                 f'{{"v": 3, {fields}, {counts}, "heads": [1, 1]}}'.encode(),
+                 f'{{"v": 3, {fields}, {counts}, "heads": [-1, 1]}}'.encode(),
+                 f'{{"v": 3, {fields}, {counts}, "heads": [0]}}'.encode(),
+                 b'{"v": 3, "room": 1, "first_token": "1", "logprobs": null, "pages": 1, "bytes": 8, "heads": null}',
+                 b'{"v": 3, "room": 1, "first_token": 1, "logprobs": [1], "pages": 1, "bytes": 8, "heads": null}'):
         with pytest.raises(ValueError, match="notification"):
             decode_notif(data)
 
@@ -148,27 +180,37 @@ def make_pool_metadata(**overrides) -> PoolMetadata:
 
 def test_pool_metadata_round_trip():
     meta = make_pool_metadata()
-    data = encode_pool_metadata(meta)
+    data = encode_pool_metadata([meta])
     assert data.startswith(b"PDKV")
-    assert decode_pool_metadata(data) == meta
+    assert decode_pool_metadata(data) == [meta]
     vram = make_pool_metadata(mem_type="VRAM", device_id=5, transport_metadata=b"")
-    assert decode_pool_metadata(encode_pool_metadata(vram)) == vram
+    assert decode_pool_metadata(encode_pool_metadata([vram])) == [vram]
+    # A TP server's ranks, each its own heads and transport blob.
+    ranks = [make_pool_metadata(name=f"decode-0.tp{r}", layout=KVLayout(4, 3, 1, 8, "float32", 32, r, 2),
+                                transport_metadata=bytes([r]) * (r + 3)) for r in range(2)]
+    assert decode_pool_metadata(encode_pool_metadata(ranks)) == ranks
 
 
 def test_bad_pool_metadata_is_rejected():
-    data = encode_pool_metadata(make_pool_metadata())
+    data = encode_pool_metadata([make_pool_metadata()])
     with pytest.raises(ValueError, match="magic"):
         decode_pool_metadata(b"XXXX" + data[4:])
-    with pytest.raises(ValueError, match="version 7"):
-        decode_pool_metadata(data[:4] + (7).to_bytes(2, "big") + data[6:])
+    with pytest.raises(ValueError, match="version 1, this side speaks version 2"):
+        decode_pool_metadata(data[:4] + (1).to_bytes(2, "big") + data[6:])
     with pytest.raises(ValueError, match="too short"):
         decode_pool_metadata(data[:5])
     with pytest.raises(ValueError, match="truncated"):
         decode_pool_metadata(data[:20])
+    with pytest.raises(ValueError, match="truncated"):
+        decode_pool_metadata(data[:-1])  # the transport blob
     with pytest.raises(ValueError, match="3 layers"):
-        decode_pool_metadata(encode_pool_metadata(make_pool_metadata(k_addrs=(1, 2))))
+        decode_pool_metadata(encode_pool_metadata([make_pool_metadata(k_addrs=(1, 2))]))
     with pytest.raises(ValueError, match="memory type"):
-        decode_pool_metadata(encode_pool_metadata(make_pool_metadata(mem_type="FILE")))
+        decode_pool_metadata(encode_pool_metadata([make_pool_metadata(mem_type="FILE")]))
+    with pytest.raises(ValueError, match=r"holds KV heads \[2, 3\) of a model with 2"):
+        decode_pool_metadata(encode_pool_metadata([make_pool_metadata(layout=KVLayout(4, 3, 1, 8, "float32", 32, 2, 2))]))
+    with pytest.raises(ValueError, match="no pool"):
+        decode_pool_metadata(encode_pool_metadata([]))
 
 
 # ---- two processes, real NIXL DRAM WRITEs ----
@@ -211,7 +253,7 @@ def decode_process(conn) -> None:
 
         pool = make_pool(32)
         agent = NixlKVAgent("decode", pool)
-        send_json(conn, metadata=agent.metadata().hex())
+        send_json(conn, metadata=encode_pool_metadata([agent.metadata()]).hex())
         notifs = []
         deadline = time.monotonic() + TIMEOUT_S
         while not notifs and time.monotonic() < deadline:
@@ -241,7 +283,7 @@ def prefill_process(conn) -> None:
             pool.v_buffers[layer].copy_(prefill_values(layer, 1))
         agent = NixlKVAgent("prefill", pool)
         order = recv_json(conn, "the decode metadata")
-        decode_metadata = bytes.fromhex(order["metadata"])
+        [decode_metadata] = decode_pool_metadata(bytes.fromhex(order["metadata"]))
         peer = agent.add_peer(decode_metadata)
         peer_again = agent.add_peer(decode_metadata)
 
@@ -324,7 +366,7 @@ def test_pages_arrive_byte_exact_with_the_notif(two_process_run):
     assert [peer for peer, _ in received["notifs"]] == ["prefill"]
     notif = decode_notif(bytes.fromhex(received["notifs"][0][1]))
     assert notif == {"room": two_process_run["room"], "first_token": FIRST_TOKEN, "logprobs": LOGPROBS,
-                     "pages": len(SRC_PAGES), "bytes": report["num_bytes"]}
+                     "pages": len(SRC_PAGES), "bytes": report["num_bytes"], "heads": None}
 
     slots = 4
     for layer in range(3):
@@ -408,3 +450,83 @@ def test_a_restarted_peer_is_replaced_by_add_peer():
             process.join()
     assert report == {"state": "DONE", "notifs": [["prefill", b"again".hex()]], "landed": True, "untouched": True}
     assert process.exitcode == 0
+
+
+def head_slice_process(conn) -> None:
+    """Head-sliced WRITEs between pools holding different heads of one model (TP 2 -> TP 1 and
+    TP 1 -> TP 2), two agents at a time in one process, both polled."""
+    try:
+        from pdserve.common.kv_transfer import TransferState
+        from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
+
+        def pool(heads: range) -> PagedKVPool:
+            return PagedKVPool(16, 4, num_layers=2, kv_heads=len(heads), head_dim=8, dtype=torch.float32, device="cpu",
+                               head_start=heads.start, model_kv_heads=2)
+
+        def fill(p: PagedKVPool, base: float) -> None:
+            for layer in range(2):
+                for buffers, kind in ((p.k_buffers, 0), (p.v_buffers, 1)):
+                    n = buffers[layer].numel()
+                    buffers[layer].copy_((torch.arange(n, dtype=torch.float32) + base + 1000 * (2 * layer + kind))
+                                         .reshape(buffers[layer].shape))
+
+        def write(src_agent, dst_agent, heads, src_pages, dst_pages):
+            peer = src_agent.add_peer(dst_agent.metadata())
+            handle = src_agent.write_pages(peer, src_pages, dst_pages, b"n", heads)
+            deadline, state, notifs = time.monotonic() + TIMEOUT_S, TransferState.IN_PROGRESS, []
+            while (state is TransferState.IN_PROGRESS or not notifs) and time.monotonic() < deadline:
+                if state is TransferState.IN_PROGRESS:
+                    state = src_agent.poll(handle)
+                notifs += dst_agent.get_notifs()
+                time.sleep(0.0005)
+            src_agent.release(handle)
+            return state, handle.num_bytes, notifs
+
+        checks = {}
+        # TP 1 -> TP 2: the 2-head pool's head 1 into the pool holding head 1 only.
+        full, half = pool(range(0, 2)), pool(range(1, 2))
+        fill(full, 0.5)
+        a, b = NixlKVAgent("src-full", full), NixlKVAgent("dst-head1", half)
+        state, nbytes, _ = write(a, b, range(1, 2), [3, 4, 9], [5, 6, 2])
+        ok = state is TransferState.DONE and nbytes == 2 * 2 * 3 * 4 * 8 * 4
+        for layer in range(2):
+            for src_buf, dst_buf in ((full.k_buffers[layer], half.k_buffers[layer]), (full.v_buffers[layer], half.v_buffers[layer])):
+                for s_page, d_page in ((3, 5), (4, 6), (9, 2)):
+                    ok &= torch.equal(dst_buf[d_page * 4:(d_page + 1) * 4, 0], src_buf[s_page * 4:(s_page + 1) * 4, 1])
+                ok &= int((dst_buf != 0).sum()) == 3 * 4 * 8  # nothing else written
+        try:
+            a.write_pages("dst-head1", [1], [1], b"", range(0, 1))
+        except ValueError as e:
+            checks["refused"] = str(e)
+        checks["tp1_to_tp2"] = bool(ok)
+        # TP 2 -> TP 1: the pool holding head 1 into head 1 of a 2-head pool; head 0 untouched.
+        src1, whole = pool(range(1, 2)), pool(range(0, 2))
+        fill(src1, 0.25)
+        c, d = NixlKVAgent("src-head1", src1), NixlKVAgent("dst-full", whole)
+        state, nbytes, notifs = write(c, d, None, [7, 8], [1, 2])  # None: all of the source's heads
+        ok = state is TransferState.DONE and notifs == [("src-head1", b"n")]
+        for layer in range(2):
+            for src_buf, dst_buf in ((src1.k_buffers[layer], whole.k_buffers[layer]), (src1.v_buffers[layer], whole.v_buffers[layer])):
+                ok &= torch.equal(dst_buf[4:12, 1], src_buf[28:36, 0]) and not dst_buf[:, 0].any()
+        checks["tp2_to_tp1"] = bool(ok)
+        for agent in (a, b, c, d):
+            agent.close()
+        send_json(conn, **checks)
+    except BaseException:
+        send_json(conn, error=traceback.format_exc())
+
+
+def test_head_slices_land_in_the_pools_holding_them():
+    ctx = mp.get_context("spawn")
+    conn, child_end = ctx.Pipe()
+    process = ctx.Process(target=head_slice_process, args=(child_end,), daemon=True)
+    process.start()
+    try:
+        report = recv_json(conn, "the head slice report")
+        process.join(TIMEOUT_S)
+    finally:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    assert report.pop("refused") == "KV heads [0, 1) are not all in peer 'dst-head1''s pool (it holds [1, 2))"
+    assert report == {"tp1_to_tp2": True, "tp2_to_tp1": True}

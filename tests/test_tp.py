@@ -236,8 +236,8 @@ def test_a_tp_size_the_model_or_the_machine_cannot_take_is_refused_at_start(tiny
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_the_disaggregated_servers_refuse_tp_for_now(tiny_models, role):
+def test_a_server_whose_tp_size_does_not_divide_the_model_refuses_to_start(tiny_models, role):
     cmd = [sys.executable, "-m", f"pdserve.{role}.cli", "--model-path", tiny_models("llama"), "--device", "cpu",
-           "--port", "1", "--tp-size", "2"]
+           "--port", "1", "--tp-size", "3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--tp-size > 1 is not supported by the prefill and decode servers" in proc.stderr
+    assert proc.returncode == 2 and "--tp-size 3 does not divide the model's 4 attention heads" in proc.stderr

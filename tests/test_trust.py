@@ -233,7 +233,7 @@ def test_forged_notifications_are_refused_counted_and_change_nothing(cluster):
         async with open_channel(cluster["decode"], trust) as dch, open_channel(cluster["prefill"], trust) as pch:
             decode = pb_grpc.DecodeServiceStub(dch)
             md = await decode.GetAgentMetadata(pb.GetAgentMetadataRequest(), timeout=10)
-            pool = decode_pool_metadata(md.metadata)
+            [pool] = decode_pool_metadata(md.metadata)  # one TP rank
             forger = nixl_agent(f"forger-{secrets.token_hex(3)}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
             target = forger.add_remote_agent(pool.transport_metadata)
             target = target.decode() if isinstance(target, bytes) else target

@@ -26,6 +26,7 @@ import gc
 import itertools
 import logging
 import random
+import time
 import weakref
 from collections import deque
 from typing import Sequence
@@ -62,15 +63,21 @@ def tune_gc() -> None:
 
 
 class EngineCore:
+    # A prefill ("sender") or decode ("receiver") server's engine: with TP, every rank runs a KV
+    # transfer agent named after `kv_agent_name` (common/kv_transfer/rank_duty.py).
+    kv_duty: str | None = None
+    kv_agent_name: str = ""
+
     def __init__(self, config: EngineConfig, prefill_graphs: bool = True):
         self.config = config.resolve()
         self.tokenizer = load_tokenizer(self.config.model_path)
         self.eos_token_ids = eos_token_ids(self.config.model_path, self.tokenizer)
         self.tp_workers = None
         if self.config.tp_size > 1:
-            from pdserve.common.engine.tp_worker import TPWorkers  # pyzmq and msgspec: only with TP
+            from pdserve.common.engine.tp_worker import KVRanks, TPWorkers  # pyzmq and msgspec: only with TP
 
-            self.tp_workers = TPWorkers.start(self.config, prefill_graphs)
+            kv = KVRanks(self.kv_duty, self.kv_agent_name) if self.kv_duty else None
+            self.tp_workers = TPWorkers.start(self.config, prefill_graphs, kv)
             # Stops them with the engine (garbage-collected, or at exit) unless close() came first.
             weakref.finalize(self, self.tp_workers.close)
         try:
@@ -81,7 +88,11 @@ class EngineCore:
             raise
         self.builder = BatchBuilder(self.runner.req_to_token_pool, self.config.page_size)
         self.streams = self.runner.streams
-        self.scheduler = self.make_scheduler()
+        try:
+            self.scheduler = self.make_scheduler()  # a server's: its ranks' transfer agents meet here
+        except BaseException:
+            self.close(kill=True)
+            raise
         self.result_queue: deque[tuple[ScheduleBatch, ForwardResult]] = deque()
         self.outputs: list = []  # what this iteration finished, for send_outputs
         self.channel = None  # the scheduler process's I/O; None offline
@@ -103,6 +114,19 @@ class EngineCore:
         """Stop the other TP ranks (nothing to do with tp = 1). The engine is unusable after."""
         if self.tp_workers is not None:
             self.tp_workers.close(kill=kill)
+
+    def ranks_open_transfers(self) -> list[int]:
+        """KV transfers each other TP rank still has open (asked now, answered within
+        --dist-timeout); [] with tp = 1 or without KV agents. For checks that every rank is idle."""
+        from pdserve.common.engine.tp_messages import Probe, RankState
+
+        workers = self.tp_workers
+        if workers is None or workers.reports is None:
+            return []
+        seq = time.monotonic_ns()  # answers to an earlier, timed-out probe are told apart by it
+        workers.broadcast(Probe(seq))
+        states = [s for s in workers.wait_for(RankState, len(workers.procs), "probe answers") if s.seq == seq]
+        return [s.open_transfers for s in sorted(states, key=lambda s: s.rank)]
 
     @property
     def vocab_size(self) -> int:
@@ -160,7 +184,10 @@ class EngineCore:
     # ---- the steps every loop calls ------------------------------------------------------------
 
     def recv_requests(self) -> list:
-        """The channel's messages; blocks (briefly) only when there is nothing to run."""
+        """The channel's messages; blocks (briefly) only when there is nothing to run. A server
+        whose TP rank died stops here (RuntimeError), busy or idle."""
+        if self.tp_workers is not None:
+            self.tp_workers.check_alive_now_and_then(time.monotonic())
         return self.channel.recv(block=not self.busy()) if self.channel is not None else []
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:

@@ -4,7 +4,11 @@
         row r, column p  = the KV slot holding position p of the request that owns row r
     PagedKVPool.k_buffers[l], v_buffers[l]  [num_pages * page_size, kv_heads, head_dim]
         slot s lives in page s // page_size; pages are the unit of allocation, of prefix caching
-        and of NIXL transfer
+        and of NIXL transfer. In memory each layer is head-major (k_storage[l]: [kv_heads, slots,
+        head_dim], contiguous; k_buffers[l] is its transposed view), so a run of pages of one head
+        is one contiguous range: a KV transfer between servers of different TP sizes moves head
+        slices of pages as one descriptor per (layer, K/V, head, run of pages). The kernels and
+        the torch reference address the pool through its strides and never notice.
 
 Page 0 is never handed out: its slots are the dummy write target for padded positions (CUDA-graph
 padding), so a padded write can never land in a live request's KV.
@@ -62,7 +66,11 @@ class PagedKVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        head_start: int = 0,
+        model_kv_heads: int = 0,
     ):
+        """`head_start`: the model's first KV head this pool holds (a TP rank holds heads
+        [head_start, head_start + kv_heads) of `model_kv_heads`; 0: all of them, kv_heads)."""
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (page 0 is reserved), got {num_pages}")
         self.num_pages = num_pages
@@ -71,9 +79,17 @@ class PagedKVPool:
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        shape = (num_pages * page_size, kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.head_start = head_start
+        self.model_kv_heads = model_kv_heads or kv_heads
+        if not 0 <= head_start <= self.model_kv_heads - kv_heads:
+            raise ValueError(f"KV heads [{head_start}, {head_start + kv_heads}) are not heads of a model with {self.model_kv_heads}")
+        shape = (kv_heads, num_pages * page_size, head_dim)
+        # NOTE: the storages are what a transfer agent registers (contiguous); everything else
+        # uses the [slots, kv_heads, head_dim] views.
+        self.k_storage = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_storage = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffers = [b.transpose(0, 1) for b in self.k_storage]
+        self.v_buffers = [b.transpose(0, 1) for b in self.v_storage]
         self._free_pages: deque[int] = deque(range(1, num_pages))
 
     @property

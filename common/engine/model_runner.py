@@ -20,11 +20,12 @@ import torch
 
 from pdserve.common.engine.attention import create_backend
 from pdserve.common.engine.batch import ForwardBatch, ForwardMode
-from pdserve.common.config import EngineConfig
+from pdserve.common.config import EngineConfig, model_kv_heads_of, read_hf_config
 from pdserve.common.engine.cuda_graph import CudaGraphRunner
 from pdserve.common.engine.prefill_graph import PrefillGraphRunner
 from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.engine.models.loader import load_model
+from pdserve.common.engine.models.parallel import kv_heads_of_rank
 from pdserve.common.engine.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs
 from pdserve.common.engine.sampling import SampleOutput, SamplingBatchInfo, sample
 from pdserve.common.engine.tp import TPGroup
@@ -47,6 +48,9 @@ class ModelRunner:
         if config.attention_backend == "triton" and self.device.type == "cuda":
             self.model.fuse()  # the fast path: merged projections, fused small ops
         num_layers, kv_heads, head_dim = self.model.kv_geometry()  # this rank's KV heads
+        model_kv_heads = model_kv_heads_of(read_hf_config(config.model_path))
+        heads = kv_heads_of_rank(model_kv_heads, self.tp.size, self.tp.rank)
+        assert len(heads) == kv_heads, (heads, kv_heads)
         bytes_per_token = 2 * num_layers * kv_heads * head_dim * self.dtype.itemsize
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, config.context_length, self.device)
         # Rank 0 hands out page ids for every rank: all pools have the smallest rank's page count.
@@ -59,6 +63,8 @@ class ModelRunner:
             head_dim=head_dim,
             dtype=self.dtype,
             device=self.device,
+            head_start=heads.start,
+            model_kv_heads=model_kv_heads,
         )
         num_heads = self.model.local_heads()
         self.attn = create_backend(config.attention_backend, self.req_to_token_pool, self.kv_pool, num_heads, config.max_running_requests)

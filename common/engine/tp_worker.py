@@ -2,20 +2,24 @@
 KV heads and runs, for every batch rank 0 launches, the same device writes and the same forward.
 
     rank 0, the engine (schedules, samples, talks to the frontend):
-        TPWorkers.start(config)         spawn ranks 1..N-1 and meet them (a TCPStore on a free port)
+        TPWorkers.start(config, kv=)    spawn ranks 1..N-1 and meet them (a TCPStore on a free port)
         workers.send(plan, slots)       per launch, before its own: the BatchPlan, as plain data
+        workers.send_to / broadcast     a prefill or decode server's KV orders (tp_messages.py)
+        workers.take(kind)              what the ranks reported (pool metadata, WRITEs ended, notifications)
         workers.close()                 stop them
     rank r (`python -m pdserve.common.engine.tp_worker`):
         follow(runner, builder, recv)   apply each plan on the schedule stream, launch_replica on
-                                        the forward stream, WAR barrier: rank 0's loop minus the host
+                                        the forward stream, WAR barrier: rank 0's loop minus the host;
+                                        a server's rank also runs its KV duty (kv_transfer/rank_duty.py)
 
-The plans travel over one ipc:// pyzmq PUSH -> PULL socket per rank, msgspec-encoded (numpy arrays
-as raw bytes, no pickle); the forwards' collectives meet through torch.distributed (tp.py). Rank 0's
+The messages travel over one ipc:// pyzmq PUSH -> PULL socket per rank (and one back to rank 0 for
+a server's ranks), msgspec-encoded (numpy arrays as raw bytes, no pickle); the forwards'
+collectives meet through torch.distributed (tp.py). Rank 0's
 token ids reach the other ranks' FutureMaps by a broadcast inside the forward (ModelRunner), so
 a later plan's placeholders resolve the same on every rank.
 
-Failure: rank 0 checks that every rank is alive before each send and raises (after killing the
-rest) when one is not; a rank whose rank 0 is gone (its parent process changed) exits within a
+Failure: rank 0 checks that every rank is alive before each send (and, in a server, every
+ALIVE_PERIOD_S when idle) and raises (after killing the rest) when one is not; a rank whose rank 0 is gone (its parent process changed) exits within a
 second; a collective with a dead peer fails at once on gloo, and after --dist-timeout at worst.
 """
 
@@ -33,64 +37,35 @@ import time
 import traceback
 from collections import deque
 
-import msgspec
-import numpy as np
+from dataclasses import dataclass
+
 import zmq
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine.batch import BatchPlan, ForwardMode
+from pdserve.common.engine import tp_messages
+from pdserve.common.engine.batch import BatchPlan
+from pdserve.common.engine.tp_messages import RankReady, Step, Stop
 from pdserve.common.ports import free_port
 
 log = logging.getLogger(__name__)
 
 PARENT_POLL_MS = 1000  # how often an idle rank checks that rank 0 is still there
+DUTY_POLL_MS = 1  # how often a rank with KV transfers open polls its agent while no step comes
+ALIVE_PERIOD_S = 0.2  # how often an idle server's rank 0 checks that the other ranks are alive
 ALIVE_CHECK_S = 0.01  # how often rank 0, waiting for a result, checks that the other ranks are alive
 IN_FLIGHT = 3  # batches a rank keeps alive after launching them (rank 0 has at most two unprocessed)
 
 
-class Step(msgspec.Struct, tag=True, array_like=True):
-    """One launch: a BatchPlan and the FutureMap slots its sampled ids go to."""
-
-    mode: str
-    packed: bytes  # int64
-    num_tokens: int
-    seq_lens: list[int]
-    extend_lens: list[int]
-    extend_starts: list[int]
-    req_rows: list[int]
-    samples: list[bool]
-    has_placeholders: bool
-    row_writes: bytes  # int64 [3, N]; empty: none
-    seq: int
-    first_slot: int
-
-    @classmethod
-    def of(cls, plan: BatchPlan, slots: list[int]) -> "Step":
-        rw = plan.row_writes
-        return cls(plan.mode.value, plan.packed.tobytes(), plan.num_tokens, plan.seq_lens, plan.extend_lens,
-                   plan.extend_starts, plan.req_rows, plan.samples, plan.has_placeholders,
-                   rw.tobytes() if rw is not None else b"", plan.seq, slots[0] if slots else 0)
-
-    def plan(self) -> BatchPlan:
-        mode = ForwardMode(self.mode)
-        packed = np.frombuffer(self.packed, dtype=np.int64).copy()  # writable, as torch wants
-        if mode is ForwardMode.DECODE:
-            packed = packed.reshape(6, -1)
-        rw = np.frombuffer(self.row_writes, dtype=np.int64).reshape(3, -1).copy() if self.row_writes else None
-        return BatchPlan(mode, packed, self.num_tokens, self.seq_lens, self.extend_lens, self.extend_starts,
-                         self.req_rows, self.samples, self.has_placeholders, rw, self.seq)
-
-    @property
-    def slots(self) -> list[int]:
-        return list(range(self.first_slot, self.first_slot + len(self.req_rows)))
+_decoder, _encoder = tp_messages.to_rank_decoder, tp_messages.encoder
 
 
-class Stop(msgspec.Struct, tag=True, array_like=True):
-    """Rank 0 is closing: exit."""
+@dataclass(frozen=True)
+class KVRanks:
+    """A prefill or decode server's TP ranks each run a KV transfer agent: `duty` "sender" or
+    "receiver" (common/kv_transfer/rank_duty.py), rank r's agent named f"{agent_name}.tp{r}"."""
 
-
-_decoder = msgspec.msgpack.Decoder(Step | Stop)
-_encoder = msgspec.msgpack.Encoder()
+    duty: str
+    agent_name: str
 
 
 class TPWorkers:
@@ -100,10 +75,14 @@ class TPWorkers:
         self.config, self.procs, self.sockets, self.ctx, self.run_dir = config, procs, sockets, ctx, run_dir
         self.group = group  # rank 0's TPGroup: the runner's collectives
         self.closed = False
+        self.reports = None  # PULL: what the ranks tell rank 0 (tp_messages.FromRank), with KVRanks
+        self._inbox: dict[type, list] = {}  # reports received, by type, not yet taken
+        self._next_alive_check = 0.0
 
     @classmethod
-    def start(cls, config: EngineConfig, prefill_graphs: bool) -> "TPWorkers":
-        """Spawn ranks 1..N-1 and join the group with them (blocks until all are there)."""
+    def start(cls, config: EngineConfig, prefill_graphs: bool, kv: KVRanks | None = None) -> "TPWorkers":
+        """Spawn ranks 1..N-1 and join the group with them (blocks until all are there). With `kv`
+        each rank also runs a KV transfer agent and reports to rank 0 (`take`)."""
         import torch
 
         from pdserve.common.engine.tp import TPGroup, rank_device
@@ -116,6 +95,11 @@ class TPWorkers:
         procs, sockets = [], []
         workers = cls(config, procs, sockets, ctx, run_dir, None)
         try:
+            reports_endpoint = f"ipc://{run_dir}/reports"
+            if kv is not None:
+                workers.reports = ctx.socket(zmq.PULL)
+                workers.reports.setsockopt(zmq.LINGER, 0)
+                workers.reports.bind(reports_endpoint)
             for rank in range(1, size):
                 sock = ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
@@ -127,6 +111,7 @@ class TPWorkers:
                     "config": dataclasses.asdict(config), "rank": rank, "store_port": port, "endpoint": endpoint,
                     "parent": os.getpid(), "prefill_graphs": prefill_graphs, "threads": torch.get_num_threads(),
                     "log_level": logging.getLogger().getEffectiveLevel(),
+                    "kv": dataclasses.asdict(kv) if kv is not None else None, "reports": reports_endpoint,
                 }
                 procs.append(subprocess.Popen([sys.executable, "-m", __name__, json.dumps(args)]))
             workers.group = TPGroup.join(0, size, rank_device(config.device, 0), port, timeout, store=store)
@@ -138,13 +123,58 @@ class TPWorkers:
     def send(self, plan: BatchPlan, slots: list[int]) -> None:
         """Hand every other rank the batch rank 0 is about to launch."""
         self.check_alive()
-        data = _encoder.encode(Step.of(plan, slots))
-        for rank, sock in enumerate(self.sockets, start=1):
+        self.broadcast(Step.of(plan, slots))
+
+    def broadcast(self, msg) -> None:
+        """`msg` (tp_messages.ToRank) to every other rank, after what was sent before."""
+        data = _encoder.encode(msg)
+        for rank in range(1, len(self.sockets) + 1):
+            self._send(rank, data)
+
+    def send_to(self, rank: int, msg) -> None:
+        self._send(rank, _encoder.encode(msg))
+
+    def _send(self, rank: int, data: bytes) -> None:
+        try:
+            self.sockets[rank - 1].send(data)
+        except zmq.Again:
+            self.close(kill=True)
+            raise RuntimeError(f"TP rank {rank} took no message for {self.config.dist_timeout}s") from None
+
+    def take(self, kind: type) -> list:
+        """The reports of type `kind` received since the last call; never blocks."""
+        while True:
             try:
-                sock.send(data)
+                msg = tp_messages.from_rank_decoder.decode(self.reports.recv(zmq.NOBLOCK))
             except zmq.Again:
-                self.close(kill=True)
-                raise RuntimeError(f"TP rank {rank} took no batch for {self.config.dist_timeout}s") from None
+                break
+            self._inbox.setdefault(type(msg), []).append(msg)
+        return self._inbox.pop(kind, [])
+
+    def wait_for(self, kind: type, count: int, what: str, timeout_s: float | None = None) -> list:
+        """`count` reports of type `kind` (those already taken excluded), waiting at most
+        `timeout_s` (default --dist-timeout) and failing at once if a rank dies meanwhile."""
+        deadline = time.monotonic() + (self.config.dist_timeout if timeout_s is None else timeout_s)
+        got = []
+        while True:
+            got += self.take(kind)
+            if len(got) >= count:
+                return got
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"TP ranks sent {len(got)} of {count} {what} within the timeout")
+            self.reports.poll(10)
+
+    def rank_pools(self) -> list[bytes]:
+        """Ranks 1..N-1's pool metadata, by rank (each rank sends it once its pool is up)."""
+        ready = self.wait_for(RankReady, len(self.procs), "KV pool announcements")
+        return [r.metadata for r in sorted(ready, key=lambda r: r.rank)]
+
+    def check_alive_now_and_then(self, now: float) -> None:
+        """check_alive, at most every ALIVE_PERIOD_S: an idle server notices a dead rank too."""
+        if now >= self._next_alive_check:
+            self._next_alive_check = now + ALIVE_PERIOD_S
+            self.check_alive()
 
     def wait(self, event) -> None:
         """Rank 0's one host wait (a result's copy_done), checking the other ranks now and then.
@@ -193,6 +223,8 @@ class TPWorkers:
                 proc.wait()
         for sock in self.sockets:
             sock.close()
+        if self.reports is not None:
+            self.reports.close()
         self.ctx.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)
         self.group = None
@@ -201,36 +233,69 @@ class TPWorkers:
 # ---- ranks 1..N-1 -------------------------------------------------------------------------------
 
 
-def follow(runner, builder, recv) -> None:
+def follow(runner, builder, recv, duty=None) -> None:
     """Run every step rank 0 sends, as its loop launches them: the device writes on the schedule
     stream, the forward on the forward stream (waiting for them), then the WAR barrier, so the
     next plan's writes wait for this forward on the device. The host never waits except to bound
-    the batches it keeps alive."""
+    the batches it keeps alive. Any other message goes to the rank's KV `duty`, with the event of
+    the last forward launched before it (a WRITE it orders reads that forward's KV)."""
     streams = runner.streams
     schedule_stream, forward_stream = streams.schedule_stream, streams.forward_stream
     in_flight: deque = deque()
-    while (step := recv()) is not None:
-        with streams.use(schedule_stream):
-            batch = builder.apply(step.plan())
-            done = runner.launch_replica(batch, step.slots)
-            schedule_stream.wait_stream(forward_stream)  # WAR barrier
-        in_flight.append((done, batch))  # its tensors stay alive until the device is done with them
-        if len(in_flight) > IN_FLIGHT:
-            in_flight.popleft()[0].synchronize()
+    last_done = None
+    while (msg := recv()) is not None:
+        if isinstance(msg, Step):
+            with streams.use(schedule_stream):
+                batch = builder.apply(msg.plan())
+                last_done = runner.launch_replica(batch, msg.slots)
+                schedule_stream.wait_stream(forward_stream)  # WAR barrier
+            in_flight.append((last_done, batch))  # its tensors stay alive until the device is done with them
+            if len(in_flight) > IN_FLIGHT:
+                in_flight.popleft()[0].synchronize()
+        else:
+            duty.handle(msg, last_done)
+        if duty is not None:
+            duty.poll()
 
 
-def _receiver(sock, parent: int):
-    """recv() for `follow`: the next Step, or None on Stop or when rank 0 is gone."""
+def _receiver(sock, parent: int, duty=None):
+    """recv() for `follow`: the next message, or None on Stop or when rank 0 is gone. While it
+    waits, a duty with transfers open is polled every DUTY_POLL_MS."""
 
     def recv():
-        while not sock.poll(PARENT_POLL_MS):
-            if os.getppid() != parent:
-                log.error("rank 0 (process %d) is gone; exiting", parent)
-                return None
+        next_parent_check = time.monotonic() + PARENT_POLL_MS / 1000
+        while not sock.poll(DUTY_POLL_MS if duty is not None and duty.active else PARENT_POLL_MS):
+            if duty is not None:
+                duty.poll()
+            if time.monotonic() >= next_parent_check:
+                next_parent_check = time.monotonic() + PARENT_POLL_MS / 1000
+                if os.getppid() != parent:
+                    log.error("rank 0 (process %d) is gone; exiting", parent)
+                    return None
         msg = _decoder.decode(sock.recv())
-        return msg if isinstance(msg, Step) else None
+        return None if isinstance(msg, tp_messages.Stop) else msg
 
     return recv
+
+
+def _kv_duty(kv: dict, rank: int, runner, ctx, reports_endpoint: str):
+    """This rank's agent and duty (rank_duty.py), its pool announced to rank 0."""
+    from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
+    from pdserve.common.kv_transfer.pool_metadata import encode_pool_metadata
+    from pdserve.common.kv_transfer.rank_duty import ReceiverDuty, SenderDuty
+
+    out = ctx.socket(zmq.PUSH)
+    # NOTE: linger, so the last reports leave before the socket closes (a closing PUSH drops them).
+    out.setsockopt(zmq.LINGER, 2000)
+    out.connect(reports_endpoint)
+    agent = NixlKVAgent(f"{kv['agent_name']}.tp{rank}", runner.kv_pool)
+
+    def report(msg) -> None:
+        out.send(_encoder.encode(msg))
+
+    report(RankReady(rank, encode_pool_metadata([agent.metadata()])))
+    duty = (SenderDuty if kv["duty"] == "sender" else ReceiverDuty)(rank, agent, report)
+    return duty, agent, out
 
 
 def main(argv: list[str]) -> int:
@@ -249,6 +314,7 @@ def main(argv: list[str]) -> int:
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(args["endpoint"])
+    closers = []
     try:
         group = TPGroup.join(rank, config.tp_size, rank_device(config.device, rank), args["store_port"], config.dist_timeout)
         # The same start-up as rank 0's engine, collective for collective (KV sizing, graph
@@ -257,11 +323,17 @@ def main(argv: list[str]) -> int:
         if runner.device.type == "cuda":
             chunk = config.chunked_prefill_size
             runner.warmup(chunk if chunk > 0 else 8192)
-        follow(runner, BatchBuilder(runner.req_to_token_pool, config.page_size), _receiver(sock, args["parent"]))
+        duty = None
+        if args["kv"] is not None:
+            duty, agent, out = _kv_duty(args["kv"], rank, runner, ctx, args["reports"])
+            closers += [agent.close, out.close]
+        follow(runner, BatchBuilder(runner.req_to_token_pool, config.page_size), _receiver(sock, args["parent"], duty), duty)
     except Exception:  # noqa: BLE001 - report; rank 0 sees the process end
         log.error("failed:\n%s", traceback.format_exc())
         return 1
     finally:
+        for close in reversed(closers):
+            close()
         sock.close()
         ctx.term()
     return 0

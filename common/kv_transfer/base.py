@@ -14,9 +14,14 @@ import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from pdserve.common.engine.kv_pool import PagedKVPool
+
+if TYPE_CHECKING:
+    from pdserve.common.kv_transfer.pool_metadata import PoolMetadata
 
 
 class KVTransferError(RuntimeError):
@@ -29,15 +34,20 @@ class TransferState(enum.Enum):
     FAILED = "failed"
 
 
-# The layout fields that must be equal on both sides for a page to mean the same bytes.
-_MATCHING_FIELDS = ("page_size", "dtype", "num_layers", "kv_heads", "head_dim")
+# The layout fields that must be equal on both sides for a head's page to mean the same bytes.
+# kv_heads may differ: with tensor parallelism each rank's pool holds a slice of the model's KV
+# heads, and a transfer between pools moves the heads both hold.
+_MATCHING_FIELDS = ("page_size", "dtype", "num_layers", "head_dim", "model_kv_heads")
 
 
 @dataclass(frozen=True)
 class KVLayout:
     """The shape of a PagedKVPool, as far as a transfer into or out of it is concerned.
 
-    `dtype` is the torch dtype name without the "torch." prefix ("float32", "bfloat16").
+    `dtype` is the torch dtype name without the "torch." prefix ("float32", "bfloat16"). The pool
+    holds the model's KV heads [head_start, head_start + kv_heads) of `model_kv_heads` (0: the
+    pool holds them all). Memory is head-major per layer (common/engine/kv_pool.py): head h's
+    page p starts (h - head_start) * num_pages + p pages of one head into the layer's buffer.
     """
 
     page_size: int
@@ -46,6 +56,12 @@ class KVLayout:
     head_dim: int
     dtype: str
     num_pages: int
+    head_start: int = 0
+    model_kv_heads: int = 0
+
+    def __post_init__(self):
+        if not self.model_kv_heads:
+            object.__setattr__(self, "model_kv_heads", self.kv_heads)
 
     @classmethod
     def of_pool(cls, pool: PagedKVPool) -> KVLayout:
@@ -56,22 +72,36 @@ class KVLayout:
             head_dim=pool.head_dim,
             dtype=str(pool.dtype).removeprefix("torch."),
             num_pages=pool.num_pages,
+            head_start=pool.head_start,
+            model_kv_heads=pool.model_kv_heads,
         )
 
     @property
-    def page_bytes(self) -> int:
-        """Bytes of one page of one layer's K (or V) buffer."""
-        itemsize = getattr(torch, self.dtype).itemsize
-        return self.page_size * self.kv_heads * self.head_dim * itemsize
+    def heads(self) -> range:
+        """The model's KV heads this pool holds."""
+        return range(self.head_start, self.head_start + self.kv_heads)
 
-    def transfer_bytes(self, num_pages: int) -> int:
-        """Bytes a WRITE of `num_pages` pages moves: every layer's K and V page."""
-        return 2 * self.num_layers * num_pages * self.page_bytes
+    @property
+    def head_page_bytes(self) -> int:
+        """Bytes of one page of one head of one layer's K (or V) buffer: contiguous in memory."""
+        return self.page_size * self.head_dim * getattr(torch, self.dtype).itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer's K (or V) buffer, every head of the pool."""
+        return self.kv_heads * self.head_page_bytes
+
+    def transfer_bytes(self, num_pages: int, num_heads: int | None = None) -> int:
+        """Bytes a WRITE of `num_pages` pages moves: every layer's K and V page, of `num_heads`
+        heads (default: all the pool's)."""
+        heads = self.kv_heads if num_heads is None else num_heads
+        return 2 * self.num_layers * num_pages * heads * self.head_page_bytes
 
     def compatible_with(self, other: KVLayout) -> str | None:
-        """None when pages can be copied between the two pools byte for byte, else why not.
+        """None when a head's pages can be copied between the two pools byte for byte, else why not.
 
-        num_pages may differ: each side validates page ids against its own pool.
+        num_pages and the heads held may differ: each side validates page ids and head ranges
+        against its own pool.
         """
         mismatches = [
             f"{field} {getattr(self, field)} here vs {getattr(other, field)} at the peer"
@@ -104,13 +134,13 @@ class KVTransferAgent(ABC):
     layout: KVLayout
 
     @abstractmethod
-    def metadata(self) -> bytes:
+    def metadata(self) -> PoolMetadata:
         """Everything a peer needs to WRITE into this agent's pool (transport metadata, layout,
-        per-layer K/V base addresses), in a versioned encoding without pickle. Stable for the
-        agent's lifetime."""
+        per-layer K/V base addresses); `pool_metadata.encode_pool_metadata` puts a server's ranks'
+        on the wire (versioned, no pickle). Stable for the agent's lifetime."""
 
     @abstractmethod
-    def add_peer(self, metadata: bytes) -> str:
+    def add_peer(self, metadata: PoolMetadata) -> str:
         """Load a peer's `metadata()` and return its name.
 
         Adding the same metadata again is a no-op. Metadata under a known name but with different
@@ -125,14 +155,17 @@ class KVTransferAgent(ABC):
         added again. Unknown names are ignored."""
 
     @abstractmethod
-    def write_pages(self, peer: str, src_pages: list[int], dst_pages: list[int], notif: bytes) -> TransferHandle:
+    def write_pages(self, peer: str, src_pages: list[int], dst_pages: list[int], notif: bytes,
+                    heads: range | None = None) -> TransferHandle:
         """Post a WRITE of every layer's K and V of local `src_pages` into the peer's `dst_pages`
-        (pairwise, same order) and return at once.
+        (pairwise, same order) and return at once: the model's KV heads `heads` (default: all of
+        this pool's), which both pools must hold.
 
-        Runs that are contiguous on both sides go as one descriptor per layer per K/V. `notif` is
-        delivered to the peer's `get_notifs()` after all the data has landed (b"" sends none).
-        Raises ValueError for bad page lists (page 0, out of range, unequal lengths, empty,
-        repeated destinations) and KVTransferError for an unknown peer or a refused post.
+        Runs that are contiguous on both sides go as one descriptor per layer per K/V per head.
+        `notif` is delivered to the peer's `get_notifs()` after all the data has landed (b""
+        sends none). Raises ValueError for bad page lists (page 0, out of range, unequal lengths,
+        empty, repeated destinations) or heads a pool lacks, and KVTransferError for an unknown
+        peer or a refused post.
         """
 
     @abstractmethod

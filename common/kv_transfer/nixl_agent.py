@@ -1,8 +1,8 @@
 """KVTransferAgent over NIXL: one-sided WRITEs from this pool into a peer's pool.
 
-The whole pool (every layer's K and V buffer) is registered once, at construction, as DRAM for
-CPU tensors or VRAM for CUDA tensors. Each `write_pages` builds its descriptor lists from the
-page runs and posts them as one NIXL transfer carrying the notification.
+The whole pool (every layer's K and V storage, head-major) is registered once, at construction, as
+DRAM for CPU tensors or VRAM for CUDA tensors. Each `write_pages` builds its descriptor lists from
+the heads and page runs and posts them as one NIXL transfer carrying the notification.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 from pdserve.common.engine.kv_pool import PagedKVPool
 from pdserve.common.kv_transfer.base import KVLayout, KVTransferAgent, KVTransferError, TransferHandle, TransferState
 from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, run_descriptors
-from pdserve.common.kv_transfer.pool_metadata import PoolMetadata, decode_pool_metadata, encode_pool_metadata
+from pdserve.common.kv_transfer.pool_metadata import PoolMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class NixlKVAgent(KVTransferAgent):
     """A NIXL agent named `name` (unique among the agents that will talk) over `kv_pool`."""
 
     def __init__(self, name: str, kv_pool: PagedKVPool, backend: str = "UCX"):
-        buffers = [*kv_pool.k_buffers, *kv_pool.v_buffers]
+        buffers = [*kv_pool.k_storage, *kv_pool.v_storage]
         device = buffers[0].device
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"NIXL transfers need a CPU or CUDA KV pool, this one is on {device}")
@@ -53,8 +53,8 @@ class NixlKVAgent(KVTransferAgent):
         self._pool = kv_pool
         self._mem_type = "DRAM" if device.type == "cpu" else "VRAM"
         self._device_id = 0 if device.type == "cpu" else device.index
-        self._k_addrs = tuple(b.data_ptr() for b in kv_pool.k_buffers)
-        self._v_addrs = tuple(b.data_ptr() for b in kv_pool.v_buffers)
+        self._k_addrs = tuple(b.data_ptr() for b in kv_pool.k_storage)
+        self._v_addrs = tuple(b.data_ptr() for b in kv_pool.v_storage)
 
         # NOTE: NIXL's progress thread busy-polls UCX: a whole core per agent, idle or not. GPU
         # agents keep it (transfers progress while the loop launches kernels; its cost on a GPU
@@ -72,8 +72,7 @@ class NixlKVAgent(KVTransferAgent):
         regions = [(b.data_ptr(), b.nbytes, self._device_id, "") for b in buffers]
         self._registered = self._agent.register_memory(regions, self._mem_type)
         # Taken after registration: the agent metadata carries the registered regions' remote keys.
-        self._metadata = encode_pool_metadata(
-            PoolMetadata(
+        self._metadata = PoolMetadata(
                 name=name,
                 layout=self.layout,
                 mem_type=self._mem_type,
@@ -81,17 +80,16 @@ class NixlKVAgent(KVTransferAgent):
                 k_addrs=self._k_addrs,
                 v_addrs=self._v_addrs,
                 transport_metadata=self._agent.get_agent_metadata(),
-            )
         )
         self._peers: dict[str, PoolMetadata] = {}
         self._live: set[NixlTransferHandle] = set()
 
-    def metadata(self) -> bytes:
+    def metadata(self) -> PoolMetadata:
         return self._metadata
 
-    def add_peer(self, metadata: bytes) -> str:
+    def add_peer(self, metadata: PoolMetadata) -> str:
         agent = self._open_agent()
-        peer = decode_pool_metadata(metadata)
+        peer = metadata
         if peer.name == self.name:
             raise ValueError(f"peer metadata carries this agent's own name {self.name!r}; agent names must be unique")
         reason = self.layout.compatible_with(peer.layout)
@@ -123,7 +121,8 @@ class NixlKVAgent(KVTransferAgent):
         except _NIXL_ERRORS as error:
             logger.warning("NIXL could not invalidate peer %r: %r", name, error)
 
-    def write_pages(self, peer: str, src_pages: list[int], dst_pages: list[int], notif: bytes) -> TransferHandle:
+    def write_pages(self, peer: str, src_pages: list[int], dst_pages: list[int], notif: bytes,
+                    heads: range | None = None) -> TransferHandle:
         agent = self._open_agent()
         target = self._peers.get(peer)
         if target is None:
@@ -132,13 +131,20 @@ class NixlKVAgent(KVTransferAgent):
                 "remove_peer() forgets a peer after a failure"
             )
         check_pages(src_pages, dst_pages, self.layout.num_pages, target.layout.num_pages)
+        heads = self.layout.heads if heads is None else heads
+        for side, layout in (("this", self.layout), (f"peer {peer!r}'s", target.layout)):
+            if not heads or heads.start < layout.head_start or heads.stop > layout.heads.stop:
+                raise ValueError(f"KV heads [{heads.start}, {heads.stop}) are not all in {side} pool "
+                                 f"(it holds [{layout.heads.start}, {layout.heads.stop}))")
         runs = coalesce_runs(src_pages, dst_pages)
-        page_bytes = self.layout.page_bytes
+        hpb = self.layout.head_page_bytes
         local = run_descriptors(
-            self._k_addrs, self._v_addrs, page_bytes, self._device_id, [(src, n) for src, _, n in runs]
+            self._k_addrs, self._v_addrs, hpb, self.layout.num_pages, self._device_id,
+            _local(heads, self.layout), [(src, n) for src, _, n in runs]
         )
         remote = run_descriptors(
-            target.k_addrs, target.v_addrs, page_bytes, target.device_id, [(dst, n) for _, dst, n in runs]
+            target.k_addrs, target.v_addrs, hpb, target.layout.num_pages, target.device_id,
+            _local(heads, target.layout), [(dst, n) for _, dst, n in runs]
         )
         try:
             xfer = agent.initialize_xfer(
@@ -150,7 +156,7 @@ class NixlKVAgent(KVTransferAgent):
             )
         except _NIXL_ERRORS as error:
             raise KVTransferError(f"NIXL refused a WRITE of {len(src_pages)} pages to {peer!r}: {error!r}") from error
-        num_bytes = self.layout.transfer_bytes(len(src_pages))
+        num_bytes = self.layout.transfer_bytes(len(src_pages), len(heads))
         handle = NixlTransferHandle(peer, len(src_pages), num_bytes, xfer)
         self._live.add(handle)
         try:
@@ -215,3 +221,8 @@ class NixlKVAgent(KVTransferAgent):
             self.release(handle)
         except KVTransferError as error:
             logger.warning("%s", error)
+
+
+def _local(heads: range, layout) -> range:
+    """The model's KV heads `heads` as indices into a pool holding layout.heads."""
+    return range(heads.start - layout.head_start, heads.stop - layout.head_start)

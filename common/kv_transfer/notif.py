@@ -4,6 +4,9 @@
 finished or aborted transfer cannot be mistaken for a live one. `pages` and `bytes` say what the
 WRITE moved: the decode server acts on a notification only when they match the destination it
 granted for that room (decode/engine.py), since anyone who reaches its UCX port can send one.
+`heads` says which of the model's KV heads it moved (a TP server's ranks each write their own;
+null: every head the receiving pool holds), so the decode server knows when a room is complete
+without knowing the sender's TP size.
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ from __future__ import annotations
 import json
 import secrets
 
-# 2: pages and bytes. Servers of versions 1 and 2 refuse each other's notifications: roll prefill
-# and decode servers together (as for a KV layout change, docs/operations.md).
-NOTIF_VERSION = 2
+# 2: pages and bytes. 3: heads (and the head-major pool). Servers of different versions refuse
+# each other's notifications: roll prefill and decode servers together (as for a KV layout change,
+# docs/operations.md).
+NOTIF_VERSION = 3
 _ROOM_LIMIT = 1 << 63
 
 
@@ -22,25 +26,27 @@ def new_room() -> int:
     return secrets.randbits(63)
 
 
-def encode_notif(room: int, first_token: int, logprobs: dict | None, pages: int, nbytes: int) -> bytes:
+def encode_notif(room: int, first_token: int, logprobs: dict | None, pages: int, nbytes: int,
+                 heads: range | None = None) -> bytes:
     """Bytes for `write_pages(..., notif=...)`: the room, the first sampled token, its logprobs,
-    and the page and byte counts of the WRITE.
+    the page and byte counts of the WRITE and the KV heads it moved (None: all the receiver's).
 
     `logprobs` goes through JSON: dict keys come back as strings, tuples as lists.
     """
     if not 0 <= room < _ROOM_LIMIT:
         raise ValueError(f"room must be a 63-bit non-negative int, got {room}")
     message = {"v": NOTIF_VERSION, "room": room, "first_token": first_token, "logprobs": logprobs,
-               "pages": pages, "bytes": nbytes}
+               "pages": pages, "bytes": nbytes, "heads": [heads.start, heads.stop] if heads is not None else None}
     return json.dumps(message, separators=(",", ":")).encode()
 
 
-_FIELDS = ("room", "first_token", "logprobs", "pages", "bytes")
+_FIELDS = ("room", "first_token", "logprobs", "pages", "bytes", "heads")
 
 
 def decode_notif(data: bytes) -> dict:
-    """{"room", "first_token", "logprobs", "pages", "bytes"} from `encode_notif` bytes; ValueError
-    for anything else (the counts and ids non-negative ints, logprobs a dict or None)."""
+    """{"room", "first_token", "logprobs", "pages", "bytes", "heads"} from `encode_notif` bytes
+    ("heads" a range or None); ValueError for anything else (the counts and ids non-negative ints,
+    logprobs a dict or None, heads a non-empty [start, stop) of non-negative ints or None)."""
     try:
         message = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -51,4 +57,10 @@ def decode_notif(data: bytes) -> dict:
     if not all(type(i) is int and i >= 0 for i in ints) or message["room"] >= _ROOM_LIMIT \
             or not isinstance(message["logprobs"], dict | None):
         raise ValueError(f"a KV transfer notification with bad fields: {data[:64]!r}")
-    return {f: message[f] for f in _FIELDS}
+    heads = message["heads"]
+    if heads is not None:
+        if not (isinstance(heads, list) and len(heads) == 2 and all(type(h) is int for h in heads)
+                and 0 <= heads[0] < heads[1]):
+            raise ValueError(f"a KV transfer notification with bad heads: {data[:64]!r}")
+        heads = range(heads[0], heads[1])
+    return {f: message[f] for f in _FIELDS} | {"heads": heads}

@@ -1,7 +1,8 @@
 """Page lists -> byte-range descriptors: the pure arithmetic under `write_pages`, no transport here.
 
-A descriptor is (address, length, device_id). For layer l with K base address b, a run of n pages
-starting at page p is [b + p*page_bytes, b + (p+n)*page_bytes).
+A descriptor is (address, length, device_id). Pools are head-major (common/engine/kv_pool.py): for
+layer l with K base address b, in a pool of P pages, a run of n pages starting at page p of the
+pool's local head h is [b + (h*P + p)*hpb, b + (h*P + p + n)*hpb), hpb being one head's page bytes.
 """
 
 from __future__ import annotations
@@ -50,16 +51,22 @@ def coalesce_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int,
 def run_descriptors(
     k_addrs: list[int],
     v_addrs: list[int],
-    page_bytes: int,
+    head_page_bytes: int,
+    num_pages: int,
     device_id: int,
+    heads: range,
     runs: list[tuple[int, int]],
 ) -> list[Descriptor]:
-    """One descriptor per (layer, K then V, run) in that nesting order, for runs of
-    (start_page, num_pages). Both sides of a transfer list their descriptors in this same order,
-    so descriptor i of the source pairs with descriptor i of the destination."""
+    """One descriptor per (layer, K then V, head, run) in that nesting order, for runs of
+    (start_page, num_pages) of the local heads `heads` (0 = the pool's first) of a head-major
+    pool of `num_pages` pages. Both sides of a transfer list their descriptors in this same
+    order, so descriptor i of the source pairs with descriptor i of the destination."""
+    head_bytes = num_pages * head_page_bytes  # one head of one layer: every page, contiguous
     descriptors: list[Descriptor] = []
     for k_base, v_base in zip(k_addrs, v_addrs, strict=True):
         for base in (k_base, v_base):
-            for start, n in runs:
-                descriptors.append((base + start * page_bytes, n * page_bytes, device_id))
+            for head in heads:
+                head_base = base + head * head_bytes
+                for start, n in runs:
+                    descriptors.append((head_base + start * head_page_bytes, n * head_page_bytes, device_id))
     return descriptors

@@ -1,9 +1,13 @@
-"""What one agent publishes about its pool so that a peer can WRITE into it.
+"""What a server publishes about its KV pools so that a peer can WRITE into them: one entry per TP
+rank (each rank has its own agent and pool, holding its own KV heads).
 
-Wire format (version 1), no pickle:
+Wire format (version 2), no pickle:
     struct "!4sHI": magic b"PDKV", version, length J of the JSON part
-    J bytes of JSON: name, layout, mem_type, device_id, k_addrs, v_addrs
-    the rest: the transport's own agent metadata (opaque bytes)
+    J bytes of JSON: {"ranks": [{name, layout, mem_type, device_id, k_addrs, v_addrs, transport_len}, ...]}
+    the rest: the ranks' transport metadata (opaque bytes), one after another, transport_len each
+
+Version 1 (one pool, token-major pages) is refused: its pages mean other bytes. Roll prefill and
+decode servers together across the change (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 from pdserve.common.kv_transfer.base import KVLayout
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct("!4sHI")
 
 
@@ -33,49 +38,67 @@ class PoolMetadata:
     transport_metadata: bytes
 
 
-def encode_pool_metadata(meta: PoolMetadata) -> bytes:
-    fields = {
-        "name": meta.name,
-        "layout": asdict(meta.layout),
-        "mem_type": meta.mem_type,
-        "device_id": meta.device_id,
-        "k_addrs": list(meta.k_addrs),
-        "v_addrs": list(meta.v_addrs),
-    }
-    body = json.dumps(fields, separators=(",", ":")).encode()
-    return _HEADER.pack(MAGIC, VERSION, len(body)) + body + meta.transport_metadata
+def encode_pool_metadata(ranks: Sequence[PoolMetadata]) -> bytes:
+    """A server's pools, rank 0's first."""
+    fields = [
+        {
+            "name": meta.name,
+            "layout": asdict(meta.layout),
+            "mem_type": meta.mem_type,
+            "device_id": meta.device_id,
+            "k_addrs": list(meta.k_addrs),
+            "v_addrs": list(meta.v_addrs),
+            "transport_len": len(meta.transport_metadata),
+        }
+        for meta in ranks
+    ]
+    body = json.dumps({"ranks": fields}, separators=(",", ":")).encode()
+    return _HEADER.pack(MAGIC, VERSION, len(body)) + body + b"".join(meta.transport_metadata for meta in ranks)
 
 
-def decode_pool_metadata(data: bytes) -> PoolMetadata:
-    """The PoolMetadata in `data`; ValueError, saying what is wrong, for anything else."""
+def decode_pool_metadata(data: bytes) -> list[PoolMetadata]:
+    """The pools in `data`, rank 0's first; ValueError, saying what is wrong, for anything else."""
     if len(data) < _HEADER.size:
         raise ValueError(f"KV pool metadata too short ({len(data)} bytes)")
     magic, version, body_len = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise ValueError(f"not pdserve KV pool metadata (magic {magic!r}, expected {MAGIC!r})")
     if version != VERSION:
-        raise ValueError(f"KV pool metadata version {version}, this side speaks version {VERSION}")
+        raise ValueError(f"KV pool metadata version {version}, this side speaks version {VERSION} "
+                         "(prefill and decode servers must run the same pdserve release)")
     body_end = _HEADER.size + body_len
     if len(data) < body_end:
         raise ValueError(f"KV pool metadata truncated ({len(data)} bytes, header says at least {body_end})")
+    ranks, offset = [], body_end
     try:
-        fields = json.loads(data[_HEADER.size : body_end])
-        meta = PoolMetadata(
-            name=fields["name"],
-            layout=KVLayout(**fields["layout"]),
-            mem_type=fields["mem_type"],
-            device_id=fields["device_id"],
-            k_addrs=tuple(fields["k_addrs"]),
-            v_addrs=tuple(fields["v_addrs"]),
-            transport_metadata=bytes(data[body_end:]),
-        )
+        for fields in json.loads(data[_HEADER.size : body_end])["ranks"]:
+            end = offset + int(fields["transport_len"])
+            if end > len(data):
+                raise ValueError(f"KV pool metadata truncated ({len(data)} bytes, its ranks need {end})")
+            ranks.append(PoolMetadata(
+                name=fields["name"],
+                layout=KVLayout(**fields["layout"]),
+                mem_type=fields["mem_type"],
+                device_id=fields["device_id"],
+                k_addrs=tuple(fields["k_addrs"]),
+                v_addrs=tuple(fields["v_addrs"]),
+                transport_metadata=bytes(data[offset:end]),
+            ))
+            offset = end
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
         raise ValueError(f"malformed KV pool metadata: {error!r}") from error
-    if meta.mem_type not in ("DRAM", "VRAM"):
-        raise ValueError(f"KV pool metadata of {meta.name!r} has memory type {meta.mem_type!r}, not DRAM or VRAM")
-    if len(meta.k_addrs) != meta.layout.num_layers or len(meta.v_addrs) != meta.layout.num_layers:
-        raise ValueError(
-            f"KV pool metadata of {meta.name!r} has {len(meta.k_addrs)} K and {len(meta.v_addrs)} V addresses "
-            f"for {meta.layout.num_layers} layers"
-        )
-    return meta
+    if not ranks:
+        raise ValueError("KV pool metadata lists no pool")
+    for meta in ranks:
+        if meta.mem_type not in ("DRAM", "VRAM"):
+            raise ValueError(f"KV pool metadata of {meta.name!r} has memory type {meta.mem_type!r}, not DRAM or VRAM")
+        if len(meta.k_addrs) != meta.layout.num_layers or len(meta.v_addrs) != meta.layout.num_layers:
+            raise ValueError(
+                f"KV pool metadata of {meta.name!r} has {len(meta.k_addrs)} K and {len(meta.v_addrs)} V addresses "
+                f"for {meta.layout.num_layers} layers"
+            )
+        heads = meta.layout.heads
+        if heads.start < 0 or heads.stop > meta.layout.model_kv_heads or not heads:
+            raise ValueError(f"KV pool metadata of {meta.name!r} holds KV heads [{heads.start}, {heads.stop}) "
+                             f"of a model with {meta.layout.model_kv_heads}")
+    return ranks

@@ -203,15 +203,16 @@ class CommonRpcs:
 
 
 def ready_message(engine) -> ipc.Ready:
-    """What a scheduler announces once its engine is up (both roles)."""
-    agent, c = engine.agent, engine.config
-    layout = {k: getattr(agent.layout, k) for k in ("page_size", "num_layers", "kv_heads", "head_dim", "dtype", "num_pages")}
+    """What a scheduler announces once its engine is up (both roles): its agent name and metadata
+    (every TP rank's pool) and its layout (every KV head of the model)."""
+    kv, c = engine.kv, engine.config
+    layout = {k: getattr(kv.layout, k) for k in ("page_size", "num_layers", "kv_heads", "head_dim", "dtype", "num_pages")}
     info = {
         "model_path": c.model_path, "served_model_name": c.served_model_name,
         "architecture": type(engine.runner.model).__name__, "context_length": c.context_length,
         "max_running_requests": c.max_running_requests, "max_total_tokens": engine.runner.kv_pool.capacity_tokens,
     }
-    return ipc.Ready(agent_name=agent.name, agent_metadata=agent.metadata(), layout=layout, info=info)
+    return ipc.Ready(agent_name=kv.name, agent_metadata=kv.encoded, layout=layout, info=info)
 
 
 def params_from_proto(p: pb.SamplingParams) -> ipc.Params:

@@ -161,6 +161,7 @@ REJECT_REASONS = (
     "unknown_room",  # no destination with that room was granted (or it was freed long ago)
     "page_count",  # the notification's page count is not the granted one
     "byte_count",  # nor its byte count
+    "head_range",  # KV heads the receiving TP rank does not hold
     "malformed",  # not a notification of this version, or a first token outside the vocabulary
 )
 

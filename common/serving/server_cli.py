@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from pdserve.common.config import EngineConfig, ServerConfig, add_cli_args, check_transfer_tp, from_cli_args
+from pdserve.common.config import EngineConfig, ServerConfig, add_cli_args, from_cli_args
 from pdserve.common.trust import check_exposure, load_trust
 
 
@@ -44,7 +44,6 @@ def main(launcher: RoleLauncher, argv: list[str] | None = None) -> int:
         server.check()
         check_exposure(load_trust(server), [server.host], "listening on")  # refused here, warned of when serving
         engine = from_cli_args(args, EngineConfig).resolve()
-        check_transfer_tp(engine)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -48,7 +48,8 @@ def _store_kv_kernel(
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < num_kv_heads)[:, None] & (offs_d < head_dim)[None, :]
-    dst = slot * stride_buf_s + offs_h[:, None] * stride_buf_h + offs_d[None, :]
+    # int64 heads too: the pool is head-major, a head's stride is the whole pool's slots.
+    dst = slot * stride_buf_s + offs_h[:, None].to(tl.int64) * stride_buf_h + offs_d[None, :]
 
     k_row = tl.load(k + token.to(tl.int64) * stride_k_t + offs_h[:, None] * stride_k_h + offs_d[None, :], mask=mask)
     tl.store(k_buf + dst, k_row.to(k_buf.dtype.element_ty), mask=mask)
@@ -113,7 +114,7 @@ def _rope_store_kv_kernel(
     k1, k2 = _rotate_store(k + token * stride_kt + kv_heads[:, None] * stride_kh + offs[None, :], cos, sin, half, kv_mask)
     # int64: slot * stride overflows int32 on pools past 2^31 elements.
     slot = tl.load(loc + token).to(tl.int64)
-    dst = slot * stride_buf_s + kv_heads[:, None] * stride_buf_h + offs[None, :]
+    dst = slot * stride_buf_s + kv_heads[:, None].to(tl.int64) * stride_buf_h + offs[None, :]
     tl.store(k_buf + dst, k1.to(k_buf.dtype.element_ty), mask=kv_mask)
     tl.store(k_buf + dst + half, k2.to(k_buf.dtype.element_ty), mask=kv_mask)
     v_ptr = v + token * stride_vt + kv_heads[:, None] * stride_vh + offs[None, :]

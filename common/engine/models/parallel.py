@@ -39,10 +39,16 @@ class Shard:
 def heads_of_rank(num_heads: int, tp: TPGroup) -> range:
     """The heads rank tp.rank holds: num_heads / tp of them, or, with fewer heads than ranks, the
     one head its group of ranks shares."""
-    if num_heads >= tp.size:
-        n = num_heads // tp.size
-        return range(tp.rank * n, (tp.rank + 1) * n)
-    head = tp.rank * num_heads // tp.size
+    return kv_heads_of_rank(num_heads, tp.size, tp.rank)
+
+
+def kv_heads_of_rank(num_heads: int, tp_size: int, rank: int) -> range:
+    """heads_of_rank without a group: what any server computes about any other's ranks (the KV
+    transfer plan between servers of different TP sizes, common/kv_transfer/tp_plan.py)."""
+    if num_heads >= tp_size:
+        n = num_heads // tp_size
+        return range(rank * n, (rank + 1) * n)
+    head = rank * num_heads // tp_size
     return range(head, head + 1)
 
 

@@ -1,0 +1,130 @@
+"""What a TP server's rank 0 and its other ranks tell each other (msgspec, no pickle).
+
+    rank 0 -> rank r, one ipc PUSH socket per rank, in launch order:
+        Step            one launch: its BatchPlan and FutureMap slots (every rank runs it)
+        Stop            exit
+        AddPeers        a peer server's pools (encoded pool metadata) this rank will WRITE into
+        ForgetPeers     drop those peers (a transfer to them failed; they may have restarted)
+        WriteKV         WRITE these pages' KV heads to a peer, once the forward before it is done
+        CancelWrite     abandon a WriteKV (rank 0 gave up on it); its pages are about to be reused
+        Watch           whether transfers into this server are open (poll the agent meanwhile)
+        Probe           answer with RankState
+    rank r -> rank 0, one ipc PULL socket at rank 0:
+        RankReady       this rank's pool metadata, once its model and KV pool are up
+        WriteEnded      a WriteKV ended: done, failed or cancelled
+        Notifs          KV notifications this rank's agent received (rank 0 decides on them)
+        RankState       what a Probe asked: transfers this rank still has open
+
+NOTE the order on rank 0's socket is the contract: a WriteKV follows the Step whose forward wrote
+its KV, and a CancelWrite precedes any Step that may reuse its pages, so a rank never reads KV
+before it is computed nor lets a later forward overwrite pages a WRITE is still reading.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from pdserve.common.engine.batch import BatchPlan, ForwardMode
+
+
+class Step(msgspec.Struct, tag=True, array_like=True):
+    """One launch: a BatchPlan and the FutureMap slots its sampled ids go to."""
+
+    mode: str
+    packed: bytes  # int64
+    num_tokens: int
+    seq_lens: list[int]
+    extend_lens: list[int]
+    extend_starts: list[int]
+    req_rows: list[int]
+    samples: list[bool]
+    has_placeholders: bool
+    row_writes: bytes  # int64 [3, N]; empty: none
+    seq: int
+    first_slot: int
+
+    @classmethod
+    def of(cls, plan: BatchPlan, slots: list[int]) -> "Step":
+        rw = plan.row_writes
+        return cls(plan.mode.value, plan.packed.tobytes(), plan.num_tokens, plan.seq_lens, plan.extend_lens,
+                   plan.extend_starts, plan.req_rows, plan.samples, plan.has_placeholders,
+                   rw.tobytes() if rw is not None else b"", plan.seq, slots[0] if slots else 0)
+
+    def plan(self) -> BatchPlan:
+        mode = ForwardMode(self.mode)
+        packed = np.frombuffer(self.packed, dtype=np.int64).copy()  # writable, as torch wants
+        if mode is ForwardMode.DECODE:
+            packed = packed.reshape(6, -1)
+        rw = np.frombuffer(self.row_writes, dtype=np.int64).reshape(3, -1).copy() if self.row_writes else None
+        return BatchPlan(mode, packed, self.num_tokens, self.seq_lens, self.extend_lens, self.extend_starts,
+                         self.req_rows, self.samples, self.has_placeholders, rw, self.seq)
+
+    @property
+    def slots(self) -> list[int]:
+        return list(range(self.first_slot, self.first_slot + len(self.req_rows)))
+
+
+class Stop(msgspec.Struct, tag=True, array_like=True):
+    """Rank 0 is closing: exit."""
+
+
+class AddPeers(msgspec.Struct, tag=True, array_like=True):
+    metadata: bytes  # pool_metadata.encode_pool_metadata of the peer ranks this rank writes to
+
+
+class ForgetPeers(msgspec.Struct, tag=True, array_like=True):
+    names: list[str]
+
+
+class WriteKV(msgspec.Struct, tag=True, array_like=True):
+    id: int
+    peer: str
+    src_pages: list[int]
+    dst_pages: list[int]
+    head_start: int
+    head_stop: int
+    notif: bytes
+
+
+class CancelWrite(msgspec.Struct, tag=True, array_like=True):
+    id: int
+
+
+class Watch(msgspec.Struct, tag=True, array_like=True):
+    on: bool
+
+
+class Probe(msgspec.Struct, tag=True, array_like=True):
+    seq: int
+
+
+class RankReady(msgspec.Struct, tag=True, array_like=True):
+    rank: int
+    metadata: bytes  # encode_pool_metadata([this rank's pool])
+
+
+class WriteEnded(msgspec.Struct, tag=True, array_like=True):
+    id: int
+    rank: int
+    state: str  # "done" | "failed" | "cancelled"
+    error: str = ""
+
+
+class Notifs(msgspec.Struct, tag=True, array_like=True):
+    rank: int
+    notifs: list[tuple[str, bytes]]  # (sending agent, notification)
+
+
+class RankState(msgspec.Struct, tag=True, array_like=True):
+    rank: int
+    seq: int
+    open_transfers: int
+
+
+ToRank = Step | Stop | AddPeers | ForgetPeers | WriteKV | CancelWrite | Watch | Probe
+FromRank = RankReady | WriteEnded | Notifs | RankState
+
+to_rank_decoder = msgspec.msgpack.Decoder(ToRank)
+from_rank_decoder = msgspec.msgpack.Decoder(FromRank)
+encoder = msgspec.msgpack.Encoder()
