@@ -1,21 +1,25 @@
-"""The router's HTTP API (OpenAI-compatible): validate, tokenize, pair a prefill and a decode
-worker per choice, stream or collect the tokens, answer in OpenAI's shapes.
+"""The router's HTTP API (OpenAI-compatible): validate, tokenize, wait for a turn (admission),
+pair a prefill and a decode worker per choice, stream or collect the tokens, answer in OpenAI's
+shapes.
 
 Bodies are validated by common/openai/api.py (the same rules as run-batch) and answered by
 common/openai/format.py; streaming follows OpenAI's SSE chunks, `stream_options.include_usage`
-and `data: [DONE]`.
+and `data: [DONE]`. Every error a client sees is OpenAI's error body: 400/404 for the body, 429
+(with Retry-After) when the router's queue is full or a request's turn does not come in time
+(router/admission.py), 5xx only for the servers' failures.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from contextlib import asynccontextmanager
 import secrets
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdserve.common.config import read_hf_config
@@ -26,12 +30,19 @@ from pdserve.common.openai.format import chat_logprobs, completion_logprobs, for
 from pdserve.common.scheduling.output_processor import append_token, finalize
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Completion, FinishReason, Req
+from pdserve.router.admission import Admission, Overloaded
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode_streams import DecodeStreams
+from pdserve.router.http_answers import (
+    AdmittedStream, ClientGone, error_response, overloaded_response, queued_batches, run_choices, until_disconnect,
+    upstream_response,
+)
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import UpstreamError, fix_seed, paired_generate
 from pdserve.router.policies import make_policy
 from pdserve.router.workers import WorkerRegistry, resolve_dns
+
+log = logging.getLogger(__name__)
 
 
 class Router:
@@ -42,6 +53,9 @@ class Router:
         self.eos = eos_token_ids(config.model_path, self.tokenizer)
         hf = read_hf_config(config.model_path)
         self.context_len = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 2048)
+        # Token ids both the tokenizer and the model's embedding take (either may have extra rows).
+        self.vocab_size = min(len(self.tokenizer), int(hf.get("vocab_size") or len(self.tokenizer)))
+        self.admission = Admission(config.max_inflight, config.max_queued, config.queue_timeout)
         self.registry = WorkerRegistry(config, resolve=resolve or resolve_dns, on_removed=self._removed)
         self.decode_streams: dict[str, DecodeStreams] = {}  # decode url -> its shared GenerateMany call
         self._closing: set[asyncio.Task] = set()
@@ -155,58 +169,6 @@ class Router:
         return completion
 
 
-_TASK_DONE = object()
-
-
-async def queued_batches(queue: asyncio.Queue, tasks: list[asyncio.Task]):
-    """What `tasks` put on `queue`, as lists of everything queued at once, until every task is done.
-
-    Under load one HTTP write then carries several SSE events; no timer polls an idle stream.
-    """
-    for task in tasks:
-        task.add_done_callback(lambda _: queue.put_nowait(_TASK_DONE))
-    running = len(tasks)
-    while running:
-        items = [await queue.get()]
-        while not queue.empty():
-            items.append(queue.get_nowait())
-        batch = [item for item in items if item is not _TASK_DONE]
-        running -= len(items) - len(batch)
-        if batch:
-            yield batch
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its answer was ready."""
-
-
-async def until_disconnect(request: Request, work):
-    """Await `work`, but give up (ClientGone) as soon as the client disconnects.
-
-    The body has been read, so the next ASGI message is the disconnect: waiting for it costs
-    nothing while the answer is computed (no timer polls the connection).
-    """
-    work = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if work in done:
-        return work.result()
-    work.cancel()
-    raise ClientGone()
-
-
-def error_response(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.to_body(), status_code=e.status_code)
-
-
 def create_app(router: Router) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
@@ -217,6 +179,13 @@ def create_app(router: Router) -> FastAPI:
     app = FastAPI(title="pdserve router", description="OpenAI-compatible front door of a prefill/decode deployment.",
                   lifespan=lifespan)
 
+    @app.exception_handler(Exception)
+    async def bug(request: Request, e: Exception):
+        """A failure nothing else caught is the router's bug; the client still gets OpenAI's error
+        body (and the traceback goes to the log)."""
+        log.error("unhandled error on %s", request.url.path, exc_info=e)
+        return error_response(OpenAIError(f"internal error of the router: {type(e).__name__}", status_code=500))
+
     async def body_of(request: Request) -> dict:
         if router.config.api_key and request.headers.get("authorization") != f"Bearer {router.config.api_key}":
             raise OpenAIError("invalid or missing API key (Authorization: Bearer ...)", status_code=401)
@@ -224,9 +193,19 @@ def create_app(router: Router) -> FastAPI:
             body = json.loads(await request.body())
         except ValueError as e:
             raise OpenAIError(f"the request body is not valid JSON: {e}") from e
+        except RecursionError:
+            raise OpenAIError("the request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise OpenAIError("the request body must be a JSON object")
         return body
+
+    def parse_body(parse, body: dict):
+        return parse(body, router.tokenizer, router.model, router.context_len, allow_stream=True,
+                     max_choices=router.config.max_choices, vocab_size=router.vocab_size)
+
+    async def admit(request: Request, choices: int) -> int:
+        """Wait for the request's turn (its slots); Overloaded or ClientGone when it does not come."""
+        return await until_disconnect(request, router.admission.acquire(min(choices, router.config.max_choices_at_once)))
 
     async def handle(request: Request, parse):
         response = await answer(request, parse)
@@ -234,34 +213,34 @@ def create_app(router: Router) -> FastAPI:
         return response
 
     async def answer(request: Request, parse):
-        if router.inflight >= router.config.max_inflight:
-            return JSONResponse(OpenAIError(f"the router has {router.inflight} requests in flight; retry later",
-                                            status_code=429).to_body(), status_code=429, headers={"Retry-After": "1"})
         try:
-            body = await body_of(request)
-            parsed = parse(body, router.tokenizer, router.model, router.context_len, allow_stream=True)
+            parsed = parse_body(parse, await body_of(request))
         except OpenAIError as e:
             return error_response(e)
         if not (router.ready()["prefill"] and router.ready()["decode"]):
-            return JSONResponse(OpenAIError("no healthy prefill or decode server", status_code=503).to_body(),
-                                status_code=503, headers={"Retry-After": "5"})
+            return error_response(OpenAIError("no healthy prefill or decode server", status_code=503))
         choices = [(ids, fix_seed(p)) for ids, p in parsed.engine_requests()]
+        try:
+            lanes = await admit(request, len(choices))
+        except Overloaded as e:
+            return overloaded_response(e)
+        except ClientGone:
+            return JSONResponse({}, status_code=499)
         request_id, created = secrets.token_hex(12), int(time.time())
         if parsed.stream:
-            return StreamingResponse(counted(stream(parsed, choices, request_id, created)), media_type="text/event-stream")
+            return AdmittedStream(counted(stream(parsed, choices, lanes, request_id, created)),
+                                  lambda: router.admission.release(lanes), media_type="text/event-stream")
         router.inflight += 1
-        tasks = [asyncio.create_task(router.choice(ids, p)) for ids, p in choices]
         try:
-            completions = await until_disconnect(request, asyncio.gather(*tasks))
+            completions = await until_disconnect(request, run_choices(choices, lanes, lambda i, ids, p: router.choice(ids, p)))
         except UpstreamError as e:
-            return error_response(OpenAIError(str(e), status_code=e.status))
+            return upstream_response(e)
         except ClientGone:
             return JSONResponse({}, status_code=499)
         finally:
             router.inflight -= 1
-            for task in tasks:  # cancels both sides of every choice still running
-                task.cancel()
-        return JSONResponse(format_response(parsed, list(completions), router.tokenizer, request_id, created))
+            router.admission.release(lanes)
+        return JSONResponse(format_response(parsed, completions, router.tokenizer, request_id, created))
 
     async def counted(chunks):
         router.inflight += 1
@@ -271,7 +250,7 @@ def create_app(router: Router) -> FastAPI:
         finally:
             router.inflight -= 1
 
-    async def stream(parsed: ParsedRequest, choices, request_id: str, created: int):
+    async def stream(parsed: ParsedRequest, choices, lanes: int, request_id: str, created: int):
         chat = parsed.kind == "chat"
         prefix, kind = ("chatcmpl-", "chat.completion.chunk") if chat else ("cmpl-", "text_completion")
         queue: asyncio.Queue = asyncio.Queue()
@@ -305,11 +284,12 @@ def create_app(router: Router) -> FastAPI:
         if chat:
             for i in range(len(choices)):
                 yield f"data: {chunk(i, None, None, role=True)}\n\n"
-        tasks = [asyncio.create_task(run(i, ids, p)) for i, (ids, p) in enumerate(choices)]
+        # One task runs every choice, `lanes` at a time (run() answers a failed choice in the stream).
+        tasks = [asyncio.create_task(run_choices(choices, lanes, run))]
         try:
             async for items in queued_batches(queue, tasks):
                 yield "".join(f"data: {item}\n\n" for item in items)
-            completions = [task.result() for task in tasks]
+            [completions] = [task.result() for task in tasks]
             if parsed.include_usage and all(c is not None for c in completions):
                 yield "data: " + json.dumps({"id": prefix + request_id, "object": kind, "created": created,
                                              "model": parsed.model, "choices": [], "usage": usage(parsed, completions)}) + "\n\n"
@@ -330,12 +310,18 @@ def create_app(router: Router) -> FastAPI:
             if not isinstance(sampling, dict):
                 raise OpenAIError("'sampling_params' must be an object")
             openai_body = {**sampling, "prompt": body.get("text", body.get("input_ids")), "stream": bool(body.get("stream"))}
-            parsed = parse_completion_request(openai_body, router.tokenizer, router.model, router.context_len, allow_stream=True)
+            parsed = parse_body(parse_completion_request, openai_body)
         except OpenAIError as e:
             return error_response(e)
         if parsed.n != 1 or len(parsed.prompts) != 1:
             return error_response(OpenAIError("/generate takes one prompt and n = 1"))
         [(ids, params)] = [(i, fix_seed(p)) for i, p in parsed.engine_requests()]
+        try:
+            lanes = await admit(request, 1)
+        except Overloaded as e:
+            return overloaded_response(e)
+        except ClientGone:
+            return JSONResponse({}, status_code=499)
         if parsed.stream:
             async def native_stream():
                 queue: asyncio.Queue = asyncio.Queue()
@@ -354,11 +340,13 @@ def create_app(router: Router) -> FastAPI:
                 finally:
                     task.cancel()
 
-            return StreamingResponse(native_stream(), media_type="text/event-stream")
+            return AdmittedStream(native_stream(), lambda: router.admission.release(lanes), media_type="text/event-stream")
         try:
             c = await router.choice(ids, params)
         except UpstreamError as e:
-            return error_response(OpenAIError(str(e), status_code=e.status))
+            return upstream_response(e)
+        finally:
+            router.admission.release(lanes)
         return {"text": c.text, "output_ids": c.output_ids, "finish_reason": c.finish_reason.value,
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(c.output_ids), "cached_tokens": c.cached_tokens}}
 

@@ -38,7 +38,20 @@ class RouterConfig(TrustConfig):
         "shared", "How requests reach a decode server: 'shared' (one GenerateMany call per decode server carries "
                   "every request, one message per step) or 'per-request' (a Generate call each; for servers "
                   "older than GenerateMany this happens anyway).")
-    max_inflight: int = option(1024, "Requests in flight before new ones get 429 + Retry-After.")
+    max_inflight: int = option(
+        1024, "Choices (a prompt x n each: a request on a prefill and a decode server) this router process runs "
+              "at once; requests beyond it wait in the queue (--max-queued, --queue-timeout).")
+    max_queued: int = option(
+        1024, "Requests that may wait for a turn when --max-inflight choices run; beyond it a request gets 429 "
+              "with Retry-After at once (0: no queue).")
+    queue_timeout: float = option(
+        30.0, "Seconds a request may wait in the queue for its turn before it gets 429 with Retry-After.")
+    max_choices: int = option(
+        256, "Most choices (prompts x n) one request may ask for; beyond it the request gets 400 naming this "
+             "limit (vLLM's default batch is 256 sequences).")
+    max_choices_at_once: int = option(
+        16, "Choices of one request that run at once (each holds one of the --max-inflight slots); the rest "
+            "follow as these finish, so one large request cannot fill the servers.")
     request_timeout: float = option(600.0, "Seconds a request may take (its deadline on both servers).")
     prefill_timeout: float = option(
         0.0, "Seconds one prefill attempt may take before it is retried elsewhere; 0: the request's deadline "
@@ -78,10 +91,13 @@ class RouterConfig(TrustConfig):
             raise ValueError(f"--workers must be >= 0 (0: from the CPU cores), got {self.workers}")
         if self.port == 0 and self.workers != 1:
             raise ValueError("--port 0 (any free port) needs --workers 1: every worker must bind the same port")
-        for name in ("max_inflight", "max_prefill_attempts", "circuit_failures"):
+        for name in ("max_inflight", "max_prefill_attempts", "circuit_failures", "max_choices", "max_choices_at_once"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("request_timeout", "health_check_interval", "health_check_timeout", "dns_interval", "circuit_open_time"):
+        if self.max_queued < 0:
+            raise ValueError(f"--max-queued must be >= 0 (0: no queue), got {self.max_queued}")
+        for name in ("request_timeout", "health_check_interval", "health_check_timeout", "dns_interval", "circuit_open_time",
+                     "queue_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         for name in ("prefill_timeout", "decode_timeout"):

@@ -29,12 +29,43 @@ from pdserve.router.decode_streams import DecodeStreams
 class UpstreamError(Exception):
     """A worker failed the request; `status` is the HTTP status the client gets, `decode_failed`
     whether the decode server is to blame (for its circuit breaker; prefill failures are
-    reported per attempt)."""
+    reported per attempt). Only server faults are blamed (`server_fault`, `in_band_fault`): a
+    client's cancellation or deadline, an overloaded server and bad input are not the server's."""
 
     def __init__(self, message: str, status: int = 502, decode_failed: bool = False):
         super().__init__(message)
         self.status = status
         self.decode_failed = decode_failed
+
+
+# The gRPC statuses that say a server (or the way to it) is broken: down, crashed, misbehaving, or
+# not letting this router in. Not in it, and never blamed: CANCELLED (we cancelled: the client left,
+# or a sibling choice failed), DEADLINE_EXCEEDED (the request's deadline, or the router's limit on one
+# attempt: a slow server, as every server is under load; a hung one fails its health checks),
+# RESOURCE_EXHAUSTED (full), and the statuses of a request the server refused as malformed.
+SERVER_FAULT_STATUSES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+})  # fmt: skip
+
+
+def server_fault(code: grpc.StatusCode) -> bool:
+    """Whether a call that ended with `code` counts against the server's circuit breaker."""
+    return code in SERVER_FAULT_STATUSES
+
+
+def rpc_status(code: grpc.StatusCode) -> int:
+    """The HTTP status of a request whose call ended with `code`: 429 for a full server, 504 for a
+    deadline, 503 otherwise (the server is unavailable now)."""
+    return {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.DEADLINE_EXCEEDED: 504}.get(code, 503)
+
+
+def in_band_fault(code) -> bool:
+    """Whether a server's in-band Error (`pb.Error.Code`) is that server's fault: INTERNAL (or no code),
+    and KV_TRANSFER_FAILED (its side of the transfer broke). INVALID_REQUEST (the client's), OVERLOADED
+    (full or draining), ABORTED (cancelled, or the request's deadline) and KV_TRANSFER_TIMEOUT (the KV
+    did not arrive in time: under load a queued prefill misses the reservation) are not."""
+    return code in (pb.Error.INTERNAL, pb.Error.KV_TRANSFER_FAILED, pb.Error.CODE_UNSPECIFIED)
 
 
 @dataclass
@@ -47,6 +78,15 @@ class Event:
 
 
 def proto_params(p: SamplingParams) -> pb.SamplingParams:
+    """The wire form of `p`. The OpenAI parser keeps every value within the wire's types; a value
+    that slips past it is the request's fault (400), not a crash of the router."""
+    try:
+        return _proto_params(p)
+    except (ValueError, TypeError) as e:  # protobuf: "Value out of range", a str that is not UTF-8
+        raise UpstreamError(f"a sampling parameter does not fit the wire format: {e}", 400) from None
+
+
+def _proto_params(p: SamplingParams) -> pb.SamplingParams:
     out = pb.SamplingParams(
         max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens, temperature=p.temperature, top_p=p.top_p,
         top_k=p.top_k, min_p=p.min_p, repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty,
@@ -147,7 +187,8 @@ async def paired_generate(decode: DecodeStreams | grpc.aio.Channel, pick_prefill
             else:
                 raise _error(msg)
     except grpc.aio.AioRpcError as e:  # the decode call itself broke (prefill errors are caught per attempt)
-        raise UpstreamError(f"decode server unavailable: {e.code().name}: {e.details()}", 503, decode_failed=True) from e
+        raise UpstreamError(f"decode server: {e.code().name}: {e.details()}", rpc_status(e.code()),
+                            decode_failed=server_fault(e.code())) from e
     finally:
         if next_read is not None:
             next_read.cancel()
@@ -202,9 +243,11 @@ async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest
     """At most `config.max_prefill_attempts` prefill servers, each attempt within
     `config.prefill_timeout` and the request's deadline.
 
-    `early`: (url, channel, PrefillStreamed call) of a first attempt already running, or None."""
+    `early`: (url, channel, PrefillStreamed call) of a first attempt already running, or None.
+    A failed attempt is reported (blamed) only when it was the server's fault; the error raised
+    at the end has the HTTP status of the last failure (429 when the servers were full)."""
     tried: list[str] = []
-    last = "no prefill server is available"
+    last, status = "no prefill server is available", 503
     retry_here = early  # (url, channel, PrefillStreamed call or None): the next attempt, if set
     dest, attempts = request.destination, 0
     while len(tried) < config.max_prefill_attempts:
@@ -216,6 +259,7 @@ async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest
         if timeout <= 0:
             # Both servers have given up on the request: an attempt could only fail, and be blamed.
             last = f"{last} (not retried: the request's deadline has passed)" if attempts else "the request's deadline has passed"
+            status = 504
             break
         if retry_here is not None:
             (url, channel, streamed), retry_here = retry_here, None
@@ -232,14 +276,15 @@ async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest
             else:
                 response = await pb_grpc.PrefillServiceStub(channel).Prefill(request, timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            failure = f"{e.code().name}: {e.details()}"
+            failure, fault, status = f"{e.code().name}: {e.details()}", server_fault(e.code()), rpc_status(e.code())
         else:
             if not response.HasField("error"):
                 report(url, True)
                 return response
             if response.error.code == pb.Error.INVALID_REQUEST:
                 raise UpstreamError(response.error.message, 400)
-            failure = response.error.message
+            failure, fault = response.error.message, in_band_fault(response.error.code)
+            status = {pb.Error.OVERLOADED: 429, pb.Error.ABORTED: 504}.get(response.error.code, 503)
         last = f"prefill {url}: {failure}"
         if streamed is not None:
             # The early attempt may fail for reasons that are not the prefill server's: no
@@ -248,16 +293,18 @@ async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest
             tried.pop()
             retry_here = (url, channel, None)
             continue
-        report(url, False)
-    raise UpstreamError(f"prefill failed after {attempts} attempt(s): {last}", 503)
+        if fault:
+            report(url, False)
+    raise UpstreamError(f"prefill failed after {attempts} attempt(s): {last}", status)
 
 
 def _status(code) -> int:
-    return {pb.Error.INVALID_REQUEST: 400, pb.Error.OVERLOADED: 503}.get(code, 502)
+    """The HTTP status of a request a server failed in-band with `code` (a pb.Error.Code)."""
+    return {pb.Error.INVALID_REQUEST: 400, pb.Error.OVERLOADED: 429, pb.Error.ABORTED: 504}.get(code, 502)
 
 
 def _error(msg) -> UpstreamError:
     if msg is grpc.aio.EOF or msg.WhichOneof("response") != "error":
         return UpstreamError("the decode server answered out of protocol", decode_failed=True)
     code = msg.error.code
-    return UpstreamError(msg.error.message, _status(code), decode_failed=code == pb.Error.INTERNAL)
+    return UpstreamError(msg.error.message, _status(code), decode_failed=in_band_fault(code))

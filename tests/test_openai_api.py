@@ -137,6 +137,14 @@ BAD_COMPLETIONS = [
     ({"prompt": {"text": "hi"}}, 400, "'prompt' must be a string"),
     ({"prompt": [1, 2, 100000]}, 400, "token ids must be in [0, "),
     ({"prompt": [[1], [-1]]}, 400, "token ids must be in [0, "),
+    # past the wire's types (proto/pdserve.proto) or the model: a 400 here, never a 500 later
+    ({"prompt": "hi", "stop_token_ids": [10**12]}, 400, "'stop_token_ids' must be token ids in [0, "),
+    ({"prompt": "hi", "stop_token_ids": [1] * 1025}, 400, "'stop_token_ids' takes at most 1024 ids"),
+    ({"prompt": "hi", "top_k": 2**31}, 400, "'top_k' must be"),
+    ({"prompt": "hi", "min_tokens": 2**32}, 400, "'min_tokens' must be between 0 and 4294967295"),
+    ({"prompt": "hi", "stop": ["s"] * 65}, 400, "'stop' takes at most 64 strings"),
+    ({"prompt": "hi", "stop": ["x" * 1025]}, 400, "of at most 1024 characters"),
+    ({"prompt": "hi", "stop": "a\ud800"}, 400, "'stop' is not valid Unicode"),
 ]
 
 BAD_CHATS = [
@@ -144,6 +152,8 @@ BAD_CHATS = [
     ({"messages": []}, 400, "'messages' must not be empty"),
     ({"messages": "hello"}, 400, "'messages' must be an array, got string"),
     ({"messages": [{"role": "robot", "content": "x"}]}, 400, "'messages[0].role' must be one of"),
+    ({"messages": [{"role": {}, "content": "x"}]}, 400, "'messages[0].role' must be one of"),
+    ({"messages": [{"role": ["user"], "content": "x"}]}, 400, "'messages[0].role' must be one of"),
     ({"messages": USER + [{"role": "tool", "content": "x"}]}, 400, "'messages[1].role'"),
     ({"messages": USER + [{"role": "user"}]}, 400, "'messages[1].content' is required"),
     ({"messages": [{"role": "user", "content": 5}]}, 400, "'messages[0].content' must be a string"),
@@ -207,6 +217,38 @@ def test_error_bodies_have_openai_shape(tokenizer):
         "param": "temperature",
         "code": None,
     }
+
+
+def test_an_error_naming_a_lone_surrogate_still_encodes(tokenizer):
+    # JSON lets a client send "\ud800" (here as a field name the error names): the error body must
+    # still encode as UTF-8, or the answer would be a 500.
+    with pytest.raises(OpenAIError) as info:
+        parse_completion(tokenizer, prompt="hi", **{"a\ud800": 1})
+    body = json.dumps(info.value.to_body(), ensure_ascii=False).encode("utf-8")
+    assert b"unknown field" in body and b"\\ud800" in body
+
+
+@pytest.mark.parametrize("prompt,n,choices", [(["hi"] * 5000, 1, 5000), (["hi"] * 4, 65, 260), ([[1], [2], [3]], 86, 258),
+                                              (["hi"] * 300 + [5], 1, 301)])
+def test_fan_out_beyond_the_limit_is_a_400_naming_it_before_any_tokenizing(tokenizer, prompt, n, choices):
+    with pytest.raises(OpenAIError) as info:  # (the last prompt is malformed too: the count comes first)
+        parse_completion_request({"prompt": prompt, "n": n, "max_tokens": 1}, tokenizer, MODEL, CONTEXT, max_choices=256)
+    assert info.value.status_code == 400 and info.value.code == "too_many_choices"
+    assert f"asks for {choices} choices" in info.value.message and "limit is 256" in info.value.message
+    assert "--max-choices" in info.value.message
+    with pytest.raises(OpenAIError, match="asks for 3 choices"):
+        parse_chat_request({"messages": USER, "n": 3}, tokenizer, MODEL, CONTEXT, max_choices=2)
+
+
+def test_fan_out_at_the_limit_and_the_models_vocabulary(tokenizer):
+    parsed = parse_completion_request({"prompt": ["hi"] * 4, "n": 64, "max_tokens": 1}, tokenizer, MODEL, CONTEXT,
+                                      max_choices=256)
+    assert len(parsed.params) == 256
+    # the model's vocabulary may be smaller than the tokenizer's: ids past it are refused
+    with pytest.raises(OpenAIError, match=r"token ids must be in \[0, 10\)"):
+        parse_completion_request({"prompt": [1, 10], "max_tokens": 1}, tokenizer, MODEL, CONTEXT, vocab_size=10)
+    with pytest.raises(OpenAIError, match=r"'stop_token_ids' must be token ids in \[0, 10\)"):
+        parse_completion_request({"prompt": [1], "stop_token_ids": [10]}, tokenizer, MODEL, CONTEXT, vocab_size=10)
 
 
 def test_server_side_failures_are_typed_server_error():

@@ -151,7 +151,7 @@ def test_a_decode_refusal_cancels_the_early_prefill():
     prefill = StreamedPrefill()
     events, _ = pair(prefill, FakeDecode(release=prefill.got_request, reject=True), until=prefill.ended)
     [error] = events
-    assert isinstance(error, UpstreamError) and error.status == 503
+    assert isinstance(error, UpstreamError) and error.status == 429 and not error.decode_failed  # full: not a fault
     assert prefill.ended.is_set() and len(prefill.messages) == 1  # the request, never a destination
 
 

@@ -21,7 +21,8 @@ from pdserve.router.pairing import paired_generate
 from tests.test_pairing import TIMEOUT_S, FakeDecode, StreamedPrefill
 
 FLAGS = ["--model-path", "--prefill", "--decode", "--prefill-dns", "--decode-dns", "--served-model-name", "--api-key",
-         "--prefill-policy", "--decode-policy", "--decode-stream", "--max-inflight", "--request-timeout", "--prefill-timeout",
+         "--prefill-policy", "--decode-policy", "--decode-stream", "--max-inflight", "--max-queued",
+         "--queue-timeout", "--max-choices", "--max-choices-at-once", "--request-timeout", "--prefill-timeout",
          "--decode-timeout", "--max-prefill-attempts", "--health-check-interval", "--health-check-timeout",
          "--dns-interval", "--circuit-failures", "--circuit-open-time", "--host", "--port", "--workers",
          "--log-level", "--cluster-secret-file", "--tls-cert", "--tls-key", "--tls-ca", "--allow-unauthenticated"]
@@ -63,6 +64,10 @@ def test_a_command_line_gives_a_frozen_config():
     (["--prefill-policy", "fastest"], "--prefill-policy: unknown policy 'fastest'"),
     (["--prefill-dns", "no-port"], "expected NAME:PORT, got 'no-port'"),
     (["--log-level", "loud"], "--log-level must be"),
+    (["--max-queued", "-1"], "--max-queued must be >= 0"),
+    (["--queue-timeout", "0"], "--queue-timeout must be > 0"),
+    (["--max-choices", "0"], "--max-choices must be >= 1"),
+    (["--max-choices-at-once", "0"], "--max-choices-at-once must be >= 1"),
 ])
 def test_a_bad_value_exits_2_with_a_message(capsys, extra, message):
     assert main(["--model-path", "/m", *SERVERS, *extra]) == 2

@@ -169,7 +169,7 @@ def test_saturation_gets_429_with_retry_after(cluster):
     port = free_port()
     router = subprocess.Popen([sys.executable, "-m", "pdserve.router.cli", "--model-path", model, "--port", str(port),
                                "--prefill", prefills[0].address, "--decode", decode.address, "--max-inflight", "1",
-                               "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               "--max-queued", "0", "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60

@@ -8,16 +8,17 @@ Response building lives in `openai_format.py`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
+from pdserve.common.openai.fields import (  # OpenAIError: callers import it from here too
+    INT32_MAX, MASK64, UINT32_MAX, OpenAIError, _boolean, _check_unicode, _integer, _is_int, _json_type, _number,
+    _reject_unless_empty, _stop, _stop_token_ids, _wrong_type,
+)
 from pdserve.common.types import SamplingParams
 
 MAX_N = 128
 MAX_LOGPROBS = 5  # completions' logprobs
-MASK64 = 2**64 - 1
-
 SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "frequency_penalty",
     "presence_penalty", "stream", "stream_options", "logit_bias",
@@ -34,23 +35,6 @@ CHAT_FIELDS = SAMPLING_FIELDS | {
 HARMLESS_FIELDS = {"user": str, "metadata": dict, "store": bool, "service_tier": str, "parallel_tool_calls": bool}
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-class OpenAIError(Exception):
-    """An error for the client, carried to the response in OpenAI's error format."""
-
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.status_code = status_code
-        self.param = param
-        self.code = code
-        # As OpenAI's API: its own failures (5xx) are "server_error"; the client's, 404
-        # model_not_found and 401 included, "invalid_request_error".
-        self.type = "server_error" if status_code >= 500 else "invalid_request_error"
-
-    def to_body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass
@@ -76,97 +60,6 @@ class ParsedRequest:
     def engine_requests(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt ids, params) for every choice, in choice-index order."""
         return [(self.prompts[i // self.n], params) for i, params in enumerate(self.params)]
-
-
-# ---- typed field reads: null means absent --------------------------------------------------------
-
-
-# bool before int: bool is a subclass of int
-_JSON_TYPES = (
-    (bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"), (dict, "object")
-)  # fmt: skip
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    return next((name for kind, name in _JSON_TYPES if isinstance(value, kind)), type(value).__name__)
-
-
-def _wrong_type(name: str, expected: str, value: Any) -> OpenAIError:
-    return OpenAIError(f"'{name}' must be {expected}, got {_json_type(value)}", param=name)
-
-
-def _check(name: str, value: Any, ok: Callable[[Any], bool] | None, expect: str) -> Any:
-    if ok is not None and not ok(value):
-        raise OpenAIError(f"'{name}' must be {expect}, got {value!r}", param=name)
-    return value
-
-
-def _integer(body: dict, name: str, default: Any, ok: Callable[[int], bool] | None = None, expect: str = "") -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    # bool is a subclass of int, and 1.0 is a float: both are rejected for integer fields
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _wrong_type(name, "an integer", value)
-    return _check(name, value, ok, expect)
-
-
-def _number(body: dict, name: str, default: Any, ok: Callable[[float], bool] | None = None, expect: str = "") -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _wrong_type(name, "a number", value)
-    if not math.isfinite(value):  # json.loads accepts NaN and Infinity
-        raise OpenAIError(f"'{name}' must be a finite number, got {value!r}", param=name)
-    return _check(name, float(value), ok, expect)
-
-
-def _boolean(body: dict, name: str, default: Any) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _wrong_type(name, "a boolean", value)
-    return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    value = body.get("stop")
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise _wrong_type("stop", "a string or an array of strings", value)
-    if not all(value):
-        raise OpenAIError("'stop' strings must not be empty", param="stop")
-    return tuple(value)
-
-
-def _stop_token_ids(body: dict) -> tuple[int, ...]:
-    value = body.get("stop_token_ids")
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(_is_int(t) for t in value):
-        raise _wrong_type("stop_token_ids", "an array of integers", value)
-    if any(t < 0 for t in value):
-        raise OpenAIError("'stop_token_ids' must be non-negative", param="stop_token_ids")
-    return tuple(value)
-
-
-def _reject_unless_empty(body: dict, name: str, allowed: tuple = ()) -> None:
-    """Fields we do not implement: accepted only when they ask for nothing."""
-    value = body.get(name)
-    if value is None or value in ({}, [], *allowed):
-        return
-    raise OpenAIError(f"'{name}' is not supported", param=name)
 
 
 # ---- checks shared by both endpoints ------------------------------------------------------------
@@ -212,21 +105,22 @@ def _stream_options(body: dict, allow_stream: bool) -> tuple[bool, bool]:
     return stream, _boolean(options, "include_usage", False)
 
 
-def _sampling_fields(body: dict) -> dict:
+def _sampling_fields(body: dict, vocab_size: int) -> dict:
     """SamplingParams keyword arguments common to both endpoints (not max tokens, seed, logprobs)."""
     _reject_unless_empty(body, "logit_bias")
     return {
         "temperature": _number(body, "temperature", 1.0, lambda v: 0 <= v <= 2, "between 0 and 2"),
         "top_p": _number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
-        "top_k": _integer(body, "top_k", -1, lambda v: v >= -1, "-1 (disabled), 0 (disabled) or positive"),
+        "top_k": _integer(body, "top_k", -1, lambda v: -1 <= v <= INT32_MAX,
+                          f"-1 (disabled), 0 (disabled) or positive, at most {INT32_MAX}"),
         "min_p": _number(body, "min_p", 0.0, lambda v: 0 <= v <= 1, "in [0, 1]"),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0, lambda v: 0 < v <= 2, "in (0, 2]"),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "between -2 and 2"),
         "presence_penalty": _number(body, "presence_penalty", 0.0, lambda v: -2 <= v <= 2, "between -2 and 2"),
         "stop": _stop(body),
-        "stop_token_ids": _stop_token_ids(body),
+        "stop_token_ids": _stop_token_ids(body, vocab_size),
         "ignore_eos": _boolean(body, "ignore_eos", False),
-        "min_new_tokens": _integer(body, "min_tokens", 0, lambda v: v >= 0, ">= 0"),
+        "min_new_tokens": _integer(body, "min_tokens", 0, lambda v: 0 <= v <= UINT32_MAX, f"between 0 and {UINT32_MAX}"),
         "skip_special_tokens": _boolean(body, "skip_special_tokens", True),
         "include_stop_str_in_output": _boolean(body, "include_stop_str_in_output", False),
     }
@@ -243,7 +137,7 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     return x ^ (x >> 31)
 
 
-def _shared(body: Any, served_model_name: str, accepted: frozenset, allow_stream: bool) -> dict:
+def _shared(body: Any, served_model_name: str, accepted: frozenset, allow_stream: bool, vocab_size: int) -> dict:
     """The checks and values both endpoints share, keyed for _build."""
     _check_fields(body, accepted)
     _check_model(body, served_model_name)
@@ -251,7 +145,7 @@ def _shared(body: Any, served_model_name: str, accepted: frozenset, allow_stream
     return {
         "n": _integer(body, "n", 1, lambda v: 1 <= v <= MAX_N, f"between 1 and {MAX_N}"),
         "seed": _integer(body, "seed", None, lambda v: -(2**63) <= v <= MASK64, "a 64-bit integer"),
-        "sampling": _sampling_fields(body),
+        "sampling": _sampling_fields(body, vocab_size),
         "stream": stream,
         "include_usage": include_usage,
         "return_token_ids": _boolean(body, "return_token_ids", False),
@@ -296,11 +190,19 @@ def _build(
     )  # fmt: skip
 
 
+def check_fan_out(prompts: int, n: int, max_choices: int | None, param: str) -> None:
+    """A request's choices (prompts x n) against the server's limit (None: no limit), before any
+    prompt is tokenized: each choice is a request on the servers."""
+    if max_choices is not None and prompts * n > max_choices:
+        raise OpenAIError(
+            f"this request asks for {prompts * n} choices ({prompts} prompt(s) x n={n}); the limit is {max_choices} "
+            f"per request (the router's --max-choices): split it into several requests",
+            param=param, code="too_many_choices",
+        )  # fmt: skip
+
+
 def _tokenize(tokenizer, text: str, add_special_tokens: bool, param: str) -> list[int]:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # json.loads lets lone surrogates (\ud800) through; tokenizers would raise
-        raise OpenAIError(f"'{param}' is not valid Unicode (it holds a lone surrogate)", param=param) from None
+    _check_unicode(text, param)
     return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
@@ -340,11 +242,24 @@ def _completion_prompts(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[l
     return [list(p) for p in prompt], [tokenizer.decode(p) for p in prompt]
 
 
+def _prompt_count(prompt: Any) -> int:
+    """How many prompts `prompt` holds (a string or one token-id list is one), before any check."""
+    if not isinstance(prompt, list) or all(_is_int(t) for t in prompt):
+        return 1
+    return len(prompt)
+
+
 def parse_completion_request(
-    body: dict, tokenizer, served_model_name: str, max_context_len: int, *, allow_stream: bool = False
-) -> ParsedRequest:
-    """Validate a /v1/completions body and tokenize its prompts. Raises OpenAIError."""
-    shared = _shared(body, served_model_name, COMPLETION_FIELDS, allow_stream)
+    body: dict, tokenizer, served_model_name: str, max_context_len: int, *, allow_stream: bool = False,
+    max_choices: int | None = None, vocab_size: int | None = None,
+) -> ParsedRequest:  # fmt: skip
+    """Validate a /v1/completions body and tokenize its prompts. Raises OpenAIError.
+
+    `max_choices`: most prompts x n one request may ask for (None: no limit); `vocab_size`: token
+    ids the model takes (default: the tokenizer's)."""
+    vocab_size = len(tokenizer) if vocab_size is None else vocab_size
+    shared = _shared(body, served_model_name, COMPLETION_FIELDS, allow_stream, vocab_size)
+    check_fan_out(_prompt_count(body.get("prompt")), shared["n"], max_choices, "prompt")
     _integer(body, "best_of", 1, lambda v: v == 1, "1 (nothing else is supported)")
     if body.get("suffix") is not None:
         raise OpenAIError("'suffix' is not supported", param="suffix")
@@ -353,7 +268,7 @@ def parse_completion_request(
     if echo and logprobs is not None:
         raise OpenAIError("'echo' together with 'logprobs' is not supported", param="echo")
     max_tokens = _max_tokens(body, "max_tokens")
-    prompts, texts = _completion_prompts(body.get("prompt"), tokenizer, len(tokenizer))
+    prompts, texts = _completion_prompts(body.get("prompt"), tokenizer, vocab_size)
     return _build(
         "completion", shared, served_model_name, prompts, texts, max_tokens, logprobs, max_context_len, echo=echo
     )

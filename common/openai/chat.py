@@ -7,9 +7,9 @@ from typing import Any
 
 # The field rules both endpoints share (package-internal: api.py and this module are one parser).
 from pdserve.common.openai.api import (
-    CHAT_FIELDS, CHAT_ROLES, OpenAIError, ParsedRequest, _boolean, _build, _integer, _json_type, _max_tokens,
-    _reject_unless_empty, _shared, _tokenize, _wrong_type,
+    CHAT_FIELDS, CHAT_ROLES, ParsedRequest, _build, _max_tokens, _shared, _tokenize, check_fan_out,
 )
+from pdserve.common.openai.fields import OpenAIError, _boolean, _integer, _json_type, _reject_unless_empty, _wrong_type
 from pdserve.common.types import MAX_TOP_LOGPROBS
 
 
@@ -47,7 +47,7 @@ def _chat_messages(messages: Any) -> list[dict]:
         if unknown:
             raise _message_error(i, f"' has unsupported field(s): {', '.join(unknown)}")
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:  # (a dict or a list is not hashable)
             raise _message_error(i, f".role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
         if message.get("content") is None:
             raise _message_error(i, ".content' is required")
@@ -78,10 +78,15 @@ def _chat_max_tokens(body: dict) -> int | None:
 
 
 def parse_chat_request(
-    body: dict, tokenizer, served_model_name: str, max_context_len: int, *, allow_stream: bool = False
-) -> ParsedRequest:
-    """Validate a /v1/chat/completions body and render its conversation. Raises OpenAIError."""
-    shared = _shared(body, served_model_name, CHAT_FIELDS, allow_stream)
+    body: dict, tokenizer, served_model_name: str, max_context_len: int, *, allow_stream: bool = False,
+    max_choices: int | None = None, vocab_size: int | None = None,
+) -> ParsedRequest:  # fmt: skip
+    """Validate a /v1/chat/completions body and render its conversation. Raises OpenAIError.
+
+    `max_choices` and `vocab_size` as in parse_completion_request."""
+    vocab_size = len(tokenizer) if vocab_size is None else vocab_size
+    shared = _shared(body, served_model_name, CHAT_FIELDS, allow_stream, vocab_size)
+    check_fan_out(1, shared["n"], max_choices, "n")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise OpenAIError("'response_format' is not supported (only {\"type\": \"text\"})", param="response_format")
