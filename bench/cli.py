@@ -31,8 +31,9 @@ SERVE_DOC = """Online serving against an OpenAI-compatible endpoint: random toke
 /v1/completions (stream, ignore_eos, temperature 0), arriving as a Poisson process (--request-rate)
 and/or with at most --max-concurrency in flight. Reports TTFT, TPOT, ITL and E2E latency (mean,
 p50, p90, p99), throughput and goodput as `vllm bench serve` defines them. Without --base-url it
-starts a local router + 1 prefill + 1 decode server with the engine flags given here, and stops
-them at the end. --backend hf serves the same arrivals in-process with transformers generate
+starts a local router + prefill and decode servers (--num-prefill, --num-decode, placed on the GPUs
+as `pdserve up` places them: --gpus, --prefill-tp, --decode-tp) with the engine flags given here, and
+stops them at the end. --backend hf serves the same arrivals in-process with transformers generate
 (static batches: see docs/benchmarks.md). Several --request-rate / --max-concurrency values run
 one after another on the same server, each with fresh prompts. --client-workers N sends the
 measured requests from N processes (dealt round-robin, one common start, the same arrival times),
@@ -63,6 +64,13 @@ def add_bench_parser(sub) -> None:
     _workload_args(serve)
     serve.add_argument("--base-url", default=None, help="http://HOST:PORT of the server; default: start a local stack.")
     serve.add_argument("--num-prefill", type=int, default=1, help="Local stack: prefill servers behind the router.")
+    serve.add_argument("--num-decode", type=int, default=1, help="Local stack: decode servers behind the router.")
+    serve.add_argument("--prefill-tp", type=int, default=0,
+                       help="Local stack: --tp-size of each prefill server (a GPU per rank); 0: --tp-size.")
+    serve.add_argument("--decode-tp", type=int, default=0,
+                       help="Local stack: --tp-size of each decode server (a GPU per rank); 0: --tp-size.")
+    serve.add_argument("--gpus", default=None, metavar="0,1,...",
+                       help="Local stack: GPUs to place the servers on, as `pdserve up --gpus`; default: every visible one.")
     serve.add_argument("--prefill-policy", default="round_robin", choices=("round_robin", "least_load", "cache_aware"),
                        help="Local stack: the router's --prefill-policy.")
     serve.add_argument("--server-torch-threads", type=int, default=0,

@@ -25,6 +25,7 @@ import msgspec
 
 from pdserve.bench.loadgen import OpenAIBackend, arrival_times, send_on_schedule
 from pdserve.bench.metrics import RequestResult
+from pdserve.common.gc_tuning import tune_gc
 
 # NOTE: the common start is set this far after the last worker said READY, so every worker has
 # read it before it comes. A worker that still reads it late just sends its first requests late
@@ -133,6 +134,7 @@ class ClientWorkers:
 def _worker_main(pipe, base_url: str, model: str, api_key: str) -> None:
     """A client worker: plays each Job it is sent, from the Start it is given, until STOP."""
     backend = OpenAIBackend(base_url, model, api_key)
+    tune_gc()
     jobs, starts, encoder = msgspec.msgpack.Decoder(Job), msgspec.msgpack.Decoder(Start), msgspec.msgpack.Encoder()
     try:
         while (message := pipe.recv_bytes()) != STOP:

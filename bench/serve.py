@@ -24,6 +24,7 @@ from pdserve.bench.random_weights import model_path_from_args
 from pdserve.bench.report import command_line, device_name, emit, table
 from pdserve.bench.workload import random_prompts, token_pool
 from pdserve.common.config import EngineConfig, from_cli_args
+from pdserve.common.gc_tuning import tune_gc
 
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E"))
 
@@ -39,9 +40,11 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("prompt ids need a vocabulary: give --vocab-size, --model-path or --random-weights")
     if args.num_prefill < 1:
         raise ValueError("--num-prefill must be >= 1")
-    if (args.base_url or args.backend == "hf") and (args.num_prefill != 1 or args.prefill_policy != "round_robin"):
-        raise ValueError("--num-prefill and --prefill-policy shape the local stack; a --base-url server or "
-                         "--backend hf has none")
+    if (args.base_url or args.backend == "hf") and (args.num_prefill != 1 or args.prefill_policy != "round_robin"
+                                                    or args.num_decode != 1 or args.prefill_tp or args.decode_tp
+                                                    or args.gpus is not None):
+        raise ValueError("--num-prefill, --num-decode, --prefill-tp, --decode-tp, --gpus and --prefill-policy shape "
+                         "the local stack; a --base-url server or --backend hf has none")
     if any(not rate > 0 for rate in args.request_rate) or any(c < 0 for c in args.max_concurrency):
         raise ValueError("--request-rate must be > 0 (inf: all at once), --max-concurrency >= 0 (0: no limit)")
     check_client_args(args)
@@ -59,11 +62,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
                 max_inflight = max(1024, args.num_prompts)  # the router must not turn our own load away (429)
                 stack = cleanup.enter_context(local_stack(config, local.device, max_inflight, args.num_prefill,
-                                                          args.prefill_policy, args.server_torch_threads))
+                                                          args.prefill_policy, args.server_torch_threads,
+                                                          num_decode=args.num_decode, prefill_tp=args.prefill_tp,
+                                                          decode_tp=args.decode_tp, gpus=args.gpus))
                 base_url, router_pid = stack.base_url, stack.router_pid
             headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
             model = args.model or asyncio.run(get_json(base_url + "/v1/models", headers))["data"][0]["id"]
             backend = OpenAIBackend(base_url, model, args.api_key)
+        tune_gc()  # the client's own start-up heap (tokenizer, prompts) stays out of its collections
         runs = asyncio.run(bench_runs(backend, args, pool, slos, router_pid))
     report = {
         "bench": "serve",

@@ -1,5 +1,6 @@
-"""`bench serve` without --base-url: a local router + 1 prefill + 1 decode server, as `pdserve up`
-starts them, but with the benchmark's engine flags (so --disable-overlap-schedule and friends apply).
+"""`bench serve` without --base-url: a local router + prefill and decode servers, placed on the GPUs
+and started as `pdserve up` does, but with the benchmark's engine flags (so
+--disable-overlap-schedule and friends apply).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from typing import Callable, Iterator
 from pdserve.common.config import DEFAULT_MEM_FRACTION_STATIC, EngineConfig
 from pdserve.common.ports import free_port
 from pdserve.common.trust import write_secret_file
-from pdserve.router.up import READY_TIMEOUT_S, gpu_shares
+from pdserve.router.placement import (
+    ServerPlacement, describe, plan_placement, rank_threads, resolve_gpus, usable_cores, visible_gpu_names,
+)
+from pdserve.router.up import READY_TIMEOUT_S, start_servers
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
@@ -38,24 +42,26 @@ def engine_flags(config: EngineConfig) -> list[str]:
     return flags
 
 
-def memory_split(config: EngineConfig, device: str, num_prefill: int = 1) -> tuple[EngineConfig, list[EngineConfig]]:
-    """(decode, [prefill, ...]) configs sharing one GPU: started one after another, the decode
-    server first, each with its cumulative share of --mem-fraction-static (router/up.py's
-    gpu_shares, as `pdserve up` does). Explicit sizes (--max-total-tokens, --kv-cache-memory-gb)
-    apply to each as given.
-    """
-    if not device.startswith("cuda") or config.max_total_tokens or config.kv_cache_memory_gb:
-        return config, [config] * num_prefill
-    fraction = config.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
-    shares = [dataclasses.replace(config, mem_fraction_static=f) for f in gpu_shares(num_prefill + 1, fraction)]
-    return shares[0], shares[1:]
+def server_configs(config: EngineConfig, plan: list[ServerPlacement], device: str,
+                   tp_of: dict[str, int]) -> list[EngineConfig]:
+    """Each planned server's config: its role's TP size, the device kind (it sees only its own GPUs:
+    rank r on cuda:r) and its --mem-fraction-static from the plan, unless the KV cache is sized
+    explicitly (--max-total-tokens, --kv-cache-memory-gb apply to each server as given)."""
+    explicit = bool(config.max_total_tokens or config.kv_cache_memory_gb)
+    configs = []
+    for server in plan:
+        cfg = dataclasses.replace(config, device=device, tp_size=tp_of[server.role])
+        if server.gpus and not explicit:
+            cfg = dataclasses.replace(cfg, mem_fraction_static=server.mem_fraction)
+        configs.append(cfg)
+    return configs
 
 
 @dataclasses.dataclass(frozen=True)
 class LocalStack:
     base_url: str  # the router's
-    prefill: str  # HOST:PORT of the prefill server's gRPC service
-    decode: str  # HOST:PORT of the decode server's
+    prefill: str  # HOST:PORT of the (first) prefill server's gRPC service
+    decode: str  # HOST:PORT of the (first) decode server's
     router_pid: int = 0  # the router's process, for its CPU time (with router_workers > 1: the supervisor's only)
     cluster_secret_file: str = ""  # the run's secret, which every server RPC but health needs (common/trust.py)
 
@@ -63,48 +69,54 @@ class LocalStack:
 @contextmanager
 def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefill: int = 1,
                 prefill_policy: str = "round_robin", torch_threads: int = 0,
-                router_workers: int = 1) -> Iterator[LocalStack]:
-    """Start a router, a decode server and `num_prefill` prefill servers, wait until all are
-    routable, yield where they listen (`prefill`: the first prefill server); stop them at the end.
-    `torch_threads` > 0 is each server's --torch-threads (0: torch's default). `router_workers` is
-    the router's --workers (1, the default here: one process, whose CPU time router_pid measures)."""
+                router_workers: int = 1, num_decode: int = 1, prefill_tp: int = 0, decode_tp: int = 0,
+                gpus: str | None = None) -> Iterator[LocalStack]:
+    """Start `num_decode` decode servers, `num_prefill` prefill servers and a router, placed as
+    `pdserve up` places them (router/placement.py; `gpus`: --gpus as given, None: every visible
+    GPU), wait until all are routable, yield where they listen; stop them at the end.
+    `device`: the resolved --device. `prefill_tp` / `decode_tp`: each role's --tp-size (0: the
+    config's). `torch_threads` > 0 is each server's --torch-threads (0: torch's default, but a TP
+    server on CPU gets the cores split among all local ranks). `router_workers` is the router's
+    --workers (1, the default here: one process, whose CPU time router_pid measures)."""
     py = sys.executable
-    decode_config, prefill_configs = memory_split(config, device, num_prefill)
-    one_gpu = decode_config is not prefill_configs[0]  # each server sizes itself after the ones before
-    decode, router = free_port(), free_port()
-    prefills = [free_port() for _ in range(num_prefill)]
+    tp_of = {"prefill": prefill_tp or config.tp_size, "decode": decode_tp or config.tp_size}
+    visible = visible_gpu_names() if device != "cpu" else []
+    device, placed_on = resolve_gpus(device, gpus, visible)
+    fraction = config.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+    plan = plan_placement(placed_on, num_prefill, tp_of["prefill"], num_decode, tp_of["decode"], fraction)
+    configs = dict(zip(plan, server_configs(config, plan, device, tp_of)))
+    rank_share = rank_threads(num_prefill * tp_of["prefill"] + num_decode * tp_of["decode"], usable_cores())
+    router = free_port()
     base = f"http://127.0.0.1:{router}"
     procs: list[subprocess.Popen] = []
 
-    threads = ["--torch-threads", str(torch_threads)] if torch_threads > 0 else []
     # A fresh cluster secret per run, as `pdserve up` makes one: the measured path is the secured one.
     secret_dir = tempfile.mkdtemp(prefix="pdserve-bench-")
     secret_file = write_secret_file(secret_dir)
     secret = ["--cluster-secret-file", secret_file]
 
-    def server(role: str, cfg: EngineConfig, port: int) -> None:
-        procs.append(subprocess.Popen([py, "-m", f"pdserve.{role}.cli", *engine_flags(cfg), *threads, "--port", str(port),
-                                       "--log-level", "warning", *secret]))
+    def command(server: ServerPlacement, port: int) -> list[str]:
+        threads = torch_threads
+        if not threads and not server.gpus and tp_of[server.role] > 1:
+            threads = rank_share  # the ranks must not fight over the cores (router/placement.py)
+        flags = ["--torch-threads", str(threads)] if threads > 0 else []
+        return [py, "-m", f"pdserve.{server.role}.cli", *engine_flags(configs[server]), *flags, "--port", str(port),
+                "--log-level", "warning", *secret]
 
     try:
+        print("local stack placement:\n" + "\n".join(describe(plan, tp_of, visible)), flush=True)
+        servers = start_servers(plan, command, visible, procs)
         procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", config.model_path,
-                                       "--prefill", *(f"127.0.0.1:{p}" for p in prefills),
-                                       "--decode", f"127.0.0.1:{decode}", "--prefill-policy", prefill_policy,
+                                       "--prefill", *servers["prefill"], "--decode", *servers["decode"],
+                                       "--prefill-policy", prefill_policy,
                                        "--served-model-name", config.served_model_name, "--port", str(router),
                                        "--max-inflight", str(max_inflight), "--workers", str(router_workers),
                                        "--log-level", "warning", *secret]))
-        server("decode", decode_config, decode)
-        if one_gpu:
-            _wait_until(base, procs, lambda state: bool(state.get("decode")), "the decode server")
-        for i, (cfg, port) in enumerate(zip(prefill_configs, prefills)):
-            server("prefill", cfg, port)
-            if one_gpu:
-                _wait_until(base, procs, lambda state, n=i + 1: len(state.get("prefill") or ()) >= n, f"prefill server {i}")
-        _wait_until(base, procs, lambda state: state.get("ready") is True and len(state["prefill"]) == num_prefill,
-                    "the local stack")
-        print(f"local stack up: router {base}, prefill {' '.join(f':{p}' for p in prefills)}, decode :{decode}",
-              flush=True)
-        yield LocalStack(base, f"127.0.0.1:{prefills[0]}", f"127.0.0.1:{decode}", router_pid=procs[0].pid,
+        _wait_until(base, procs, lambda state: state.get("ready") is True and len(state["prefill"]) == num_prefill
+                    and len(state["decode"]) == num_decode, "the local stack")
+        print(f"local stack up: router {base}, prefill {' '.join(servers['prefill'])}, "
+              f"decode {' '.join(servers['decode'])}", flush=True)
+        yield LocalStack(base, servers["prefill"][0], servers["decode"][0], router_pid=procs[-1].pid,
                          cluster_secret_file=secret_file)
     finally:
         for p in procs:

@@ -18,6 +18,7 @@ import socket
 import sys
 from multiprocessing.connection import Connection
 
+from pdserve.common.gc_tuning import tune_gc
 from pdserve.router.config import RouterConfig
 
 log = logging.getLogger(__name__)
@@ -108,8 +109,10 @@ def serve(config: RouterConfig, supervisor: Connection | None = None) -> int:
             server.should_exit = True
 
     loop, http = event_loop_and_http()
+    app = create_app(router)
+    tune_gc()  # the tokenizer and the web stack are the start-up heap
     server = uvicorn.Server(uvicorn.Config(
-        create_app(router), loop=loop, http=http, log_level=config.log_level.lower(),
+        app, loop=loop, http=http, log_level=config.log_level.lower(),
         callback_notify=None if supervisor is None else heartbeat, timeout_notify=HEARTBEAT_S))
     server.run(sockets=[sock])
     return 0 if server.started else 3  # 3: the start-up failed (uvicorn's own code for it)

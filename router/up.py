@@ -1,6 +1,7 @@
 """`pdserve up`: a local deployment in one command — decode and prefill servers and the router.
 
-Starts every process, waits until the router's /readiness says both roles are healthy, prints the
+Places the servers on the GPUs (router/placement.py: disjoint sets while they last), prints where,
+starts every process, waits until the router's /readiness says both roles are healthy, prints the
 URL and a curl example, and on Ctrl-C (or SIGTERM) stops everything (SIGTERM: the servers drain).
 """
 
@@ -14,21 +15,16 @@ import sys
 import tempfile
 import time
 import urllib.request
+from typing import Callable
 
-from pdserve.common.config import DEFAULT_MEM_FRACTION_STATIC
 from pdserve.common.ports import free_port
+from pdserve.router.placement import (
+    ROLES_IN_START_ORDER, ServerPlacement, describe, plan_placement, rank_threads, resolve_gpus, server_env,
+    usable_cores, visible_gpu_names,
+)
 from pdserve.router.policies import POLICY_NAMES
 
 READY_TIMEOUT_S = 300
-
-
-def gpu_shares(num_servers: int, fraction: float = DEFAULT_MEM_FRACTION_STATIC) -> list[float]:
-    """--mem-fraction-static for each of `num_servers` servers started one after another on one GPU.
-
-    NOTE: the fraction is measured device-wide (whatever is in use counts), so server i of n asks
-    for fraction × (i + 1) / n: the earlier servers' share is already in use when it measures.
-    """
-    return [round(fraction * (i + 1) / num_servers, 4) for i in range(num_servers)]
 
 
 def _wait_ready(url: str, procs: list[subprocess.Popen]) -> None:
@@ -47,7 +43,7 @@ def _wait_ready(url: str, procs: list[subprocess.Popen]) -> None:
     raise TimeoutError(f"not ready after {READY_TIMEOUT_S}s: {url}")
 
 
-def _wait_serving(addr: str, procs: list[subprocess.Popen]) -> None:
+def wait_serving(addr: str, procs: list[subprocess.Popen]) -> None:
     """Until the server at addr reports SERVING on gRPC health (its model is loaded)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -68,18 +64,39 @@ def _wait_serving(addr: str, procs: list[subprocess.Popen]) -> None:
     raise TimeoutError(f"not serving after {READY_TIMEOUT_S}s: {addr}")
 
 
-def _on_one_gpu(device: str) -> bool:
-    if device.startswith("cuda"):
-        return True
-    if device != "auto":
-        return False
-    import torch
+def start_servers(plan: list[ServerPlacement], command: Callable[[ServerPlacement, int], list[str]],
+                  visible: list[str], procs: list[subprocess.Popen]) -> dict[str, list[str]]:
+    """Start the planned servers in plan order, each seeing only its GPUs, and wait until every one
+    serves (the router, started next, would otherwise open circuits on the ones still loading);
+    {role: [HOST:PORT, ...]}. `command(server, port)` is its command line.
 
-    return torch.cuda.is_available()
+    NOTE: a server that shares a GPU with an earlier one starts only once that one serves: each
+    sizes its KV cache from the memory it measures in use (plan_placement's fractions count on it).
+    """
+    addresses: dict[str, list[str]] = {role: [] for role in ROLES_IN_START_ORDER}
+    started: list[tuple[ServerPlacement, str]] = []
+    for server in plan:
+        for earlier, address in started:
+            if set(earlier.gpus) & set(server.gpus):
+                wait_serving(address, procs)
+        port = free_port()
+        procs.append(subprocess.Popen(command(server, port), env=server_env(server, visible)))
+        addresses[server.role].append(f"127.0.0.1:{port}")
+        started.append((server, addresses[server.role][-1]))
+    for _server, address in started:
+        wait_serving(address, procs)
+    return addresses
 
 
 def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, port: int, host: str,
-       prefill_policy: str = "round_robin", decode_policy: str = "round_robin", router_workers: int = 0) -> int:
+       prefill_policy: str = "round_robin", decode_policy: str = "round_robin", router_workers: int = 0,
+       gpus: str | None = None, prefill_tp: int = 1, decode_tp: int = 1) -> int:
+    """`gpus`: --gpus as given (None: every visible GPU)."""
+    visible = visible_gpu_names() if device != "cpu" else []
+    device, placed_on = resolve_gpus(device, gpus, visible)
+    plan = plan_placement(placed_on, num_prefill, prefill_tp, num_decode, decode_tp)
+    tp_of = {"prefill": prefill_tp, "decode": decode_tp}
+    threads = rank_threads(num_prefill * prefill_tp + num_decode * decode_tp, usable_cores())
     if model_path is None:
         from pdserve.common.tiny_model import make_tiny_model
 
@@ -92,21 +109,24 @@ def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, p
     secret_dir = tempfile.mkdtemp(prefix="pdserve-up-")
     secret = ["--cluster-secret-file", write_secret_file(secret_dir)]
     common = ["--model-path", model_path, "--device", device, "--log-level", "warning", *secret]
-    procs, prefill, decode = [], [], []
+
+    def command(server: ServerPlacement, port: int) -> list[str]:
+        tp = tp_of[server.role]
+        flags = ["--tp-size", str(tp)]
+        if server.gpus:
+            flags += ["--mem-fraction-static", str(server.mem_fraction)]
+        elif tp > 1:
+            flags += ["--torch-threads", str(threads)]  # the ranks must not fight over the cores
+        return [py, "-m", f"pdserve.{server.role}.cli", *common, *flags, "--port", str(port),
+                "--metrics-port", str(free_port())]
+
+    print(f"placement ({len(placed_on)} GPUs: {','.join(map(str, placed_on))}):" if placed_on else "placement (CPU):")
+    print("\n".join(describe(plan, tp_of, visible)), flush=True)
+    procs: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, _interrupt)  # from here on SIGTERM stops everything, even mid-start
     try:
-        # Servers sharing one GPU each size their KV cache from the memory they measure free, so
-        # they start one at a time (gpu_shares).
-        gpu = _on_one_gpu(device)
-        shares = gpu_shares(num_decode + num_prefill)
-        for role, count, urls in (("decode", num_decode, decode), ("prefill", num_prefill, prefill)):
-            for _ in range(count):
-                p = free_port()
-                share = ["--mem-fraction-static", str(shares[len(procs)])] if gpu else []
-                procs.append(subprocess.Popen([py, "-m", f"pdserve.{role}.cli", *common, *share, "--port", str(p),
-                                               "--metrics-port", str(free_port())]))
-                urls.append(f"127.0.0.1:{p}")
-                if gpu:
-                    _wait_serving(urls[-1], procs)
+        servers = start_servers(plan, command, visible, procs)
+        prefill, decode = servers["prefill"], servers["decode"]
         procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", model_path, "--prefill", *prefill,
                                        "--decode", *decode, "--prefill-policy", prefill_policy, "--decode-policy",
                                        decode_policy, "--host", host, "--port", str(port), "--workers", str(router_workers),
@@ -118,14 +138,13 @@ def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, p
   curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model_path}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 16}}'
 Ctrl-C stops everything.""", flush=True)
-        stop = []
-        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-        while not stop and all(p.poll() is None for p in procs):
+        while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         return 0
     except KeyboardInterrupt:
         return 0
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # already stopping: a second one must not cut it short
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -137,13 +156,22 @@ Ctrl-C stops everything.""", flush=True)
         shutil.rmtree(secret_dir, ignore_errors=True)
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def add_parser(sub) -> None:
     """`pdserve up` on the `pdserve` command's sub-parsers (entry point group pdserve.commands)."""
     local = sub.add_parser("up", help="Start a local router + prefill + decode deployment (Ctrl-C stops it).")
     local.add_argument("--model-path", default=None, help="Checkpoint directory; default: a tiny llama made on the fly.")
     local.add_argument("--num-prefill", type=int, default=1, help="Prefill servers to start.")
     local.add_argument("--num-decode", type=int, default=1, help="Decode servers to start.")
-    local.add_argument("--device", default="auto", help="cpu, cuda or auto.")
+    local.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when a GPU is visible).")
+    local.add_argument("--gpus", default=None, metavar="0,1,...",
+                       help="GPUs to place the servers on, numbered as this process sees them; default: every visible "
+                            "one. Each server gets as many as its TP size, its own while they last, then shared.")
+    local.add_argument("--prefill-tp", type=int, default=1, help="--tp-size of each prefill server (a GPU per rank).")
+    local.add_argument("--decode-tp", type=int, default=1, help="--tp-size of each decode server (a GPU per rank).")
     local.add_argument("--host", default="127.0.0.1", help="Router HTTP address.")
     local.add_argument("--port", type=int, default=8000, help="Router HTTP port.")
     local.add_argument("--prefill-policy", default="round_robin", choices=POLICY_NAMES,
@@ -156,5 +184,10 @@ def add_parser(sub) -> None:
 
 
 def _up(args) -> int:
-    return up(args.model_path, args.num_prefill, args.num_decode, args.device, args.port, args.host,
-              args.prefill_policy, args.decode_policy, args.router_workers)
+    try:
+        return up(args.model_path, args.num_prefill, args.num_decode, args.device, args.port, args.host,
+                  args.prefill_policy, args.decode_policy, args.router_workers, args.gpus, args.prefill_tp,
+                  args.decode_tp)
+    except ValueError as e:  # bad flags (placement, device): up() checks them before it starts anything
+        print(f"error: {e}", file=sys.stderr)
+        return 2

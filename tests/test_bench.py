@@ -3,6 +3,7 @@ load generator with fake backends and a canned HTTP server, and both commands en
 models (offline: engine and transformers; serve: a real local stack, and transformers in-process)."""
 
 import asyncio
+import dataclasses
 import json
 import math
 import re
@@ -21,11 +22,12 @@ from pdserve.bench.client_workers import ClientWorkers, split_concurrency
 from pdserve.bench.loadgen import Chunk, OpenAIBackend, arrival_times, run_schedule, timed_request
 from pdserve.bench.metrics import RequestResult, is_good, parse_goodput, percentile, summarize
 from pdserve.bench.offline import check_completions
-from pdserve.bench.stack import engine_flags, memory_split
+from pdserve.bench.stack import engine_flags, server_configs
 from pdserve.bench.workload import random_prompts
 from pdserve.common.cli import main
 from pdserve.common.config import EngineConfig
 from pdserve.common.types import FinishReason
+from pdserve.router.placement import plan_placement
 
 
 @pytest.fixture(scope="module")
@@ -355,6 +357,14 @@ def test_bad_options_exit_2(cache, capsys):
     assert "local stack" in capsys.readouterr().err
     assert main(["bench", "serve", "--backend", "hf", "--random-weights", "llama/tiny", "--prefill-policy", "cache_aware"]) == 2
     assert "local stack" in capsys.readouterr().err
+    for placement in (["--num-decode", "2"], ["--decode-tp", "2"], ["--gpus", "0"]):
+        assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--vocab-size", "100", *placement]) == 2
+        assert "local stack" in capsys.readouterr().err
+    local = ["bench", "serve", "--random-weights", "llama/tiny", "--device", "cpu"]
+    assert main([*local, "--num-decode", "0"]) == 2  # the placement refuses it before anything starts
+    assert "--num-decode must be >= 1" in capsys.readouterr().err
+    assert main([*local, "--gpus", "0"]) == 2
+    assert "--device cpu" in capsys.readouterr().err
     remote = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--vocab-size", "100"]
     assert main([*remote, "--client-workers", "0"]) == 2
     assert "--client-workers must be >= 1" in capsys.readouterr().err
@@ -373,11 +383,15 @@ def test_engine_flags_reach_the_local_servers():
     config = EngineConfig(model_path="/m", device="cpu", max_total_tokens=4096, disable_overlap_schedule=True)
     assert engine_flags(config) == ["--model-path", "/m", "--device", "cpu", "--max-total-tokens", "4096",
                                     "--disable-overlap-schedule"]
-    assert memory_split(config, "cpu") == (config, [config])
-    decode, [prefill] = memory_split(EngineConfig(model_path="/m"), "cuda")
-    assert (decode.mem_fraction_static, prefill.mem_fraction_static) == (0.425, 0.85)
-    decode, prefills = memory_split(EngineConfig(model_path="/m"), "cuda", num_prefill=3)
-    assert [c.mem_fraction_static for c in (decode, *prefills)] == [0.2125, 0.425, 0.6375, 0.85]
+    # Each server's config: its role's TP size, its device, its share of a GPU it shares (router/placement.py).
+    assert server_configs(config, plan_placement([], 1, 1, 1, 2), "cpu", {"prefill": 1, "decode": 2}) == [
+        dataclasses.replace(config, tp_size=2), config]
+    tp1 = {"prefill": 1, "decode": 1}
+    on_one_gpu = server_configs(EngineConfig(model_path="/m"), plan_placement([0], 3, 1, 1, 1), "cuda", tp1)
+    assert [(c.device, c.mem_fraction_static) for c in on_one_gpu] == [
+        ("cuda", 0.2125), ("cuda", 0.425), ("cuda", 0.6375), ("cuda", 0.85)]
+    explicit = dataclasses.replace(config, device="auto")  # --max-total-tokens: every server as given
+    assert [c.mem_fraction_static for c in server_configs(explicit, plan_placement([0], 1, 1, 1, 1), "cuda", tp1)] == [0, 0]
 
 
 def check_serve_runs(report, runs, requests, output_len):

@@ -37,20 +37,35 @@ def _kubectl() -> str:
     return found
 
 
-def render(overlay: str) -> list[dict]:
-    out = subprocess.run([_kubectl(), "kustomize", str(OVERLAYS / overlay)], capture_output=True,
-                         text=True, timeout=60)
+COMPONENTS = ROOT / "deploy" / "k8s" / "components"
+ALL_OVERLAYS = ["cpu-demo", "gpu", "gpu-tp", "rdma"]
+
+
+def render(overlay: str, tmp_path: Path | None = None) -> list[dict]:
+    """An overlay's documents; "OVERLAY+COMPONENT": the overlay with a component added, as an
+    operator's own overlay adds it (written under tmp_path)."""
+    root = OVERLAYS / overlay
+    if "+" in overlay:
+        base, component = overlay.split("+")
+        root = tmp_path / "composed"
+        root.mkdir()
+        # kustomize takes only relative paths to other kustomizations.
+        (root / "kustomization.yaml").write_text(yaml.safe_dump({
+            "resources": [os.path.relpath(OVERLAYS / base, root)],
+            "components": [os.path.relpath(COMPONENTS / component, root)]}))
+    out = subprocess.run([_kubectl(), "kustomize", str(root)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"kubectl kustomize {overlay} failed:\n{out.stderr}"
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
 def test_overlays_exist():
-    assert sorted(p.name for p in OVERLAYS.iterdir() if p.is_dir()) == ["cpu-demo", "gpu", "rdma"]
+    assert sorted(p.name for p in OVERLAYS.iterdir() if p.is_dir()) == ALL_OVERLAYS
+    assert sorted(p.name for p in COMPONENTS.iterdir() if p.is_dir()) == ["tensor-parallel"]
 
 
-@pytest.mark.parametrize("overlay", ["cpu-demo", "gpu", "rdma"])
-def test_overlay_validates(overlay):
-    docs = render(overlay)
+@pytest.mark.parametrize("overlay", [*ALL_OVERLAYS, "rdma+tensor-parallel"])
+def test_overlay_validates(overlay, tmp_path):
+    docs = render(overlay, tmp_path)
     errors = []
     for doc in docs:
         kn = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
@@ -83,7 +98,7 @@ def test_overlay_validates(overlay):
 SECRET_DIR = "/etc/pdserve/cluster-secret"
 
 
-@pytest.mark.parametrize("overlay", ["cpu-demo", "gpu", "rdma"])
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_overlay_guards_the_servers(overlay):
     """Every pod reads the cluster secret from the generated Secret (empty in git: the servers refuse
     an empty one), and a NetworkPolicy lets only the router reach the servers' gRPC ports, the
@@ -112,6 +127,45 @@ def test_overlay_guards_the_servers(overlay):
     for d in (d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] != "pdserve-router"):
         names = {p["name"] for p in d["spec"]["template"]["spec"]["containers"][0]["ports"]}
         assert {"grpc", "metrics"} <= names  # the policy's named ports
+
+
+GI = 2**30
+
+
+def _quantity(value) -> float:
+    """A Kubernetes quantity (8, "8", "16Gi", "500m") as a number (bytes for memory)."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": GI, "Ti": 2**40, "m": 1e-3}
+    text = str(value)
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            return float(text[:-len(unit)]) * scale
+    return float(text)
+
+
+@pytest.mark.parametrize("overlay, tp_size", [("gpu", 1), ("gpu-tp", 2), ("rdma", 1), ("rdma+tensor-parallel", 2)])
+def test_each_server_pod_has_what_its_tp_ranks_need(overlay, tp_size, tmp_path):
+    """A server pod of --tp-size N (1 without the flag) asks for N GPUs, and per rank at least what
+    the base gives a one-GPU server: 4 CPUs, 32Gi of memory, 8Gi of memory-backed /dev/shm (NCCL,
+    torch, UCX), whose use counts against the memory limit, so the limit covers it on top."""
+    tp_sizes = {}
+    for d in render(overlay, tmp_path):
+        if d["kind"] != "Deployment" or d["metadata"]["name"] == "pdserve-router":
+            continue
+        spec = d["spec"]["template"]["spec"]
+        [c] = spec["containers"]
+        args = c["args"]
+        assert args.count("--tp-size") <= 1, d["metadata"]["name"]
+        tp = int(args[args.index("--tp-size") + 1]) if "--tp-size" in args else 1
+        tp_sizes[d["metadata"]["name"]] = tp
+        requests, limits = c["resources"]["requests"], c["resources"]["limits"]
+        assert requests["nvidia.com/gpu"] == limits["nvidia.com/gpu"] == tp, (d["metadata"]["name"], c["resources"])
+        assert _quantity(requests["cpu"]) >= 4 * tp and _quantity(requests["memory"]) >= 32 * GI * tp
+        [dshm] = [v for v in spec["volumes"] if v["name"] == "dshm"]
+        assert dshm["emptyDir"]["medium"] == "Memory" and {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        shm = _quantity(dshm["emptyDir"]["sizeLimit"])
+        assert shm >= 8 * GI * tp
+        assert _quantity(limits["memory"]) >= _quantity(requests["memory"]) + shm
+    assert tp_sizes == {"pdserve-decode": tp_size, "pdserve-prefill": tp_size}
 
 
 # --- cpu-demo as local processes ---------------------------------------------------------------

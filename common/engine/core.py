@@ -22,7 +22,6 @@ are added by calls and the loops yield their outputs.
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import random
@@ -35,6 +34,7 @@ from pdserve.common.engine.batch import ForwardMode, ScheduleBatch
 from pdserve.common.engine.batch_builder import BatchBuilder
 from pdserve.common.config import EngineConfig
 from pdserve.common.detokenizer import IncrementalDetokenizer
+from pdserve.common.gc_tuning import tune_gc
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.overlap import ForwardResult
 from pdserve.common.engine.sampling import SamplingBatchInfo, to_token_logprobs
@@ -42,25 +42,6 @@ from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Req, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-YOUNG_GC_THRESHOLD = 10_000
-
-
-def tune_gc() -> None:
-    """Keep Python's cyclic collector out of the serving loop's way (process-wide settings).
-
-    NOTE: startup leaves ~300k long-lived objects (modules, model, tokenizer); the first full
-    collection after it stalled a generate for ~150 ms (2-core host). Frozen, the collector only
-    walks what serving allocates (vLLM's engine core freezes too); an object alive now that later
-    becomes cyclic garbage is never collected. And at the default threshold of 700 the youngest
-    generation was collected ~2 times per GPT-2 offline run of 128 requests, ~0.65 ms each; at
-    10,000 not once (nearly everything serving allocates is freed by reference counting first).
-    """
-    gc.collect()
-    gc.freeze()
-    young, *older = gc.get_threshold()
-    gc.set_threshold(max(young, YOUNG_GC_THRESHOLD), *older)
-
 
 class EngineCore:
     # A prefill ("sender") or decode ("receiver") server's engine: with TP, every rank runs a KV

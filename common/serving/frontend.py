@@ -19,6 +19,7 @@ import zmq.asyncio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from pdserve.common.gc_tuning import tune_gc
 from pdserve.common.serving import ipc
 from pdserve.common.config import ServerConfig
 from pdserve.common.errors import ErrorCode
@@ -271,6 +272,7 @@ async def serve(servicer_factory, add_servicer, bridge: SchedulerBridge, config:
     if bound == 0:
         raise RuntimeError(f"cannot listen on {host}:{port}")
     await server.start()
+    tune_gc()  # (the scheduler process tunes its own: the engine does)
     for name in ("", service_name):
         await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s serving on %s:%d (metrics on %s; %s, %s)", service_name, host, port, metrics_port or "off",

@@ -1,0 +1,330 @@
+"""Many streams through a router of several workers, one worker SIGKILLed mid-run (issue 17).
+
+    python -m pdserve.bench.worker_kill --streams 5000 --workers 4 [--random-weights llama/tiny]
+
+Starts a prefill and a decode server and `pdserve-router --workers N` on CPU, asks each of a few
+prompts once without streaming (the twins), then runs the streams, `--concurrency` at a time, each
+on a connection of its own. Once `--kill-at` of them have started, the worker with the most streams
+in flight is stopped (SIGSTOP), what it holds read from /proc (the router's side of each
+connection, and the connections still in accept queues), and then SIGKILLed; so the run can say
+which streams may fail. It checks:
+  - every stream that ended equals its twin token for token (the text, greedy), no answer is a 5xx;
+  - every stream that broke was the killed worker's: held by it, waiting in an accept queue, or
+    connected while it died (the kernel may give it a new connection until its socket closes);
+    the rest of the in-flight streams, and every later one, succeed;
+  - the supervisor has a new worker listening within 5 s (then 4 × N requests in a row succeed).
+Prints one JSON line (and --json writes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h11
+
+from pdserve.common.ports import free_port
+
+TWINS = 32
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", *args], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    import urllib.request
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        assert proc.poll() is None, f"{proc.args} exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready in {timeout_s} s")
+
+
+def wait_grpc(port: int, timeout_s: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1:
+                    return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server on {port} not ready in {timeout_s} s")
+
+
+def workers_of(supervisor: int) -> set[int]:
+    out = subprocess.run(["pgrep", "-P", str(supervisor)], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def sockets_of(pid: int, port: int) -> list[tuple[str, int]]:
+    """(TCP state, peer port) of every socket `pid` holds on its local `port` ("0A": listening,
+    "01": established)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            local, remote, state, inode = f[1], f[2], f[3], f[9]
+            if inode in inodes and int(local.rsplit(":", 1)[1], 16) == port:
+                found.append((state, int(remote.rsplit(":", 1)[1], 16)))
+    return found
+
+
+def peer_ports(pid: int, port: int) -> set[int]:
+    """The client ports of the connections `pid` has accepted on `port`."""
+    return {peer for state, peer in sockets_of(pid, port) if state == "01"}
+
+
+def unaccepted_peers(port: int) -> set[int]:
+    """Client ports of connections to `port` still in a listening socket's accept queue (no process
+    holds them yet: their inode is 0); the kernel has given each to one worker's queue already."""
+    peers = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "01" and f[9] == "0" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                peers.add(int(f[2].rsplit(":", 1)[1], 16))
+    return peers
+
+
+def holds_files(pid: int) -> bool:
+    try:
+        return any(True for _ in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:  # gone (a zombie's fd directory cannot be read)
+        return False
+
+
+def listening(pid: int, port: int) -> bool:
+    try:
+        return any(state == "0A" for state, _ in sockets_of(pid, port))
+    except OSError:  # not started yet, or gone
+        return False
+
+
+class Stream:
+    def __init__(self, index: int):
+        self.index, self.local_port, self.text, self.status, self.error = index, None, "", None, None
+        self.started = self.done = False
+        self.connecting_at = self.connected_at = None
+
+
+async def run_stream(stream: Stream, port: int, body: bytes) -> None:
+    """POST a streamed completion on a connection of its own; collect the text of its chunks."""
+    try:
+        stream.connecting_at = time.monotonic()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        stream.local_port, stream.connected_at = writer.get_extra_info("sockname")[1], time.monotonic()
+        conn = h11.Connection(h11.CLIENT)
+        writer.write(conn.send(h11.Request(method="POST", target="/v1/completions", headers=[
+            ("Host", f"127.0.0.1:{port}"), ("Content-Type", "application/json"), ("Content-Length", str(len(body)))])))
+        writer.write(conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+        stream.started = True
+        buffer, finished = b"", False
+        while not finished:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await asyncio.wait_for(reader.read(1 << 16), 120)
+                conn.receive_data(data)
+                if not data:
+                    break
+            elif isinstance(event, h11.Response):
+                stream.status = event.status_code
+            elif isinstance(event, h11.Data):
+                buffer += event.data
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    line = line.strip()
+                    if line.startswith(b"data:") and line != b"data: [DONE]":
+                        chunk = json.loads(line[5:])
+                        stream.text += "".join(c.get("text", "") for c in chunk.get("choices", []))
+                    finished |= line == b"data: [DONE]"
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                break
+        if not finished:
+            stream.error = "the stream ended without [DONE]"
+        writer.close()
+    except (OSError, asyncio.TimeoutError, h11.RemoteProtocolError) as e:
+        stream.error = f"{type(e).__name__}: {e}"
+    finally:
+        stream.done = True
+
+
+def completion(port: int, body: dict) -> str:
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+async def drive(port: int, supervisor: int, args) -> dict:
+    loop = asyncio.get_running_loop()
+    base = {"model": args.model_path, "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+    prompts = [f"stream {i}: " + "the quick brown fox " * (i % 7) for i in range(TWINS)]
+    twins = [await loop.run_in_executor(None, completion, port, {**base, "prompt": p}) for p in prompts]
+    bodies = [json.dumps({**base, "prompt": p, "stream": True}).encode() for p in prompts]
+    streams = [Stream(i) for i in range(args.streams)]
+    gate = asyncio.Semaphore(args.concurrency)
+    kill_at = int(args.kill_at * args.streams)
+    report: dict = {}
+
+    async def one(stream: Stream) -> None:
+        async with gate:
+            await run_stream(stream, port, bodies[stream.index % TWINS])
+
+    async def killer() -> None:
+        while sum(s.started for s in streams) < kill_at:
+            await asyncio.sleep(0.01)
+        pids = workers_of(supervisor)  # (with multiprocessing's resource tracker, which holds no socket)
+        counts = {pid: len(peer_ports(pid, port)) for pid in pids}
+        victim = max(pids, key=counts.get)
+        # Stopped first, so that what it holds can be read at leisure and cannot change: its streams
+        # make no progress, and new connections the kernel gives it wait in its accept queue.
+        os.kill(victim, signal.SIGSTOP)
+        held = {pid: peer_ports(pid, port) for pid in pids}
+        queued = unaccepted_peers(port)
+        open_ = [s for s in streams if s.local_port is not None and not s.done]
+        stopped_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        report.update(victim=victim, in_flight_at_kill=len(open_),
+                      held_by_victim={s.index for s in open_ if s.local_port in held[victim]},
+                      unaccepted={s.index for s in open_ if s.local_port in queued},
+                      held_per_worker=sorted(len(p) for p in held.values()))
+        while holds_files(victim):  # its sockets close as it exits (after its memory is torn down)
+            await asyncio.sleep(0.001)
+        closed_at = time.monotonic()
+        report["sockets_closed_after_s"] = closed_at - killed_at
+        # Connections made from the stop until its socket closed may be given to it by the kernel.
+        report["connected_while_dying"] = {
+            s.index for s in streams
+            if s.connecting_at is not None and s.connecting_at <= closed_at and (s.connected_at or closed_at) >= stopped_at}
+        while not (new := workers_of(supervisor) - pids):
+            await asyncio.sleep(0.005)
+        report["replaced_after_s"] = time.monotonic() - killed_at
+        while not listening(min(new), port):
+            await asyncio.sleep(0.005)
+        report["listening_after_s"] = time.monotonic() - killed_at
+        # Then 4 × workers requests in a row answered (each on a new connection, which the kernel
+        # spreads over the listening workers, the new one included).
+        body, in_a_row, refused = {**base, "prompt": prompts[0], "max_tokens": 2}, 0, []
+        while in_a_row < 4 * args.workers and time.monotonic() - killed_at < 60:
+            try:
+                await loop.run_in_executor(None, completion, port, body)
+                in_a_row += 1
+            except OSError as e:
+                refused.append(f"{time.monotonic() - killed_at:.3f} s: {e}")
+                in_a_row = 0
+        report["serving_after_s"] = time.monotonic() - killed_at
+        report["probes_refused_after_kill"] = refused
+
+    started = time.monotonic()
+    kill = asyncio.create_task(killer())
+    await asyncio.gather(*(one(s) for s in streams))
+    await asyncio.wait_for(kill, 60)
+    report["duration_s"] = time.monotonic() - started
+    return {"streams": streams, "twins": twins, **report}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.worker_kill", description=__doc__.split("\n")[0])
+    parser.add_argument("--model-path")
+    parser.add_argument("--random-weights", default="llama/tiny")
+    parser.add_argument("--streams", type=int, default=5000)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--kill-at", type=float, default=0.5, help="fraction of the streams started before the kill")
+    parser.add_argument("--server-torch-threads", type=int, help="each CPU server's torch threads (default: torch's)")
+    parser.add_argument("--log-dir", default="/tmp/pdserve-worker-kill")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    if args.model_path is None:
+        from pdserve.bench.random_weights import random_weight_checkpoint
+
+        args.model_path = str(random_weight_checkpoint(args.random_weights))
+    logs = Path(args.log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    p_port, d_port, r_port = free_port(), free_port(), free_port()
+    procs = []
+    try:
+        for role, port in (("prefill", p_port), ("decode", d_port)):
+            procs.append(start([f"pdserve.{role}.cli", "--model-path", args.model_path, "--device", "cpu",
+                                "--port", str(port), "--log-level", "warning",
+                                *(["--torch-threads", str(args.server_torch_threads)] if args.server_torch_threads else [])],
+                               logs / f"{role}.log"))
+        for port in (p_port, d_port):
+            wait_grpc(port, 300)
+        router = start(["pdserve.router.cli", "--model-path", args.model_path, "--port", str(r_port),
+                        "--workers", str(args.workers), "--max-inflight", str(4 * args.concurrency),
+                        "--prefill", f"127.0.0.1:{p_port}", "--decode", f"127.0.0.1:{d_port}",
+                        "--log-level", "info"], logs / "router.log")
+        procs.append(router)
+        wait_ready(f"http://127.0.0.1:{r_port}/readiness", router, 120)
+        while len(workers_of(router.pid)) < args.workers:
+            time.sleep(0.2)
+        run = asyncio.run(drive(r_port, router.pid, args))
+    finally:
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGTERM)
+        for proc in reversed(procs):
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    streams, twins, held, unaccepted = run["streams"], run["twins"], run["held_by_victim"], run["unaccepted"]
+    dying = run["connected_while_dying"]
+    broke = {s.index for s in streams if s.error is not None}
+    http_errors = sorted({s.status for s in streams if s.status is not None and s.status != 200})
+    mismatched = [s.index for s in streams if s.error is None and s.text != twins[s.index % TWINS]]
+    result = {
+        "streams": len(streams), "workers": args.workers, "concurrency": args.concurrency, "output_len": args.output_len,
+        "duration_s": round(run["duration_s"], 1), "in_flight_at_kill": run["in_flight_at_kill"],
+        "held_per_worker_at_kill": run["held_per_worker"], "held_by_killed_worker": len(held),
+        "unaccepted_at_kill": len(unaccepted), "broken_streams": len(broke),
+        "broken_held_by_the_killed_worker": len(broke & held), "broken_unaccepted_at_kill": len(broke & unaccepted),
+        "broken_connected_while_it_died": len((broke - held - unaccepted) & dying),
+        "broken_elsewhere": sorted(broke - held - unaccepted - dying)[:10],
+        "errors_elsewhere": sorted({streams[i].error for i in broke - held - unaccepted - dying})[:5],
+        "succeeded": len(streams) - len(broke), "equal_to_twin": len(streams) - len(broke) - len(mismatched),
+        "mismatched": mismatched[:10], "http_errors": http_errors,
+        "sockets_closed_after_s": round(run["sockets_closed_after_s"], 3), "replaced_after_s": round(run["replaced_after_s"], 2),
+        "listening_again_after_s": round(run["listening_after_s"], 2), "probes_refused_after_kill": run["probes_refused_after_kill"], "serving_again_after_s": round(run["serving_after_s"], 2),
+    }
+    result["ok"] = (not result["broken_elsewhere"] and not mismatched and not http_errors
+                    and result["listening_again_after_s"] < 5)
+    print(json.dumps(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
