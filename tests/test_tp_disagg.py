@@ -13,9 +13,7 @@ import asyncio
 import random
 import signal
 import subprocess
-import sys
 import time
-import urllib.request
 
 import grpc
 import openai
@@ -33,12 +31,12 @@ from pdserve.common.kv_transfer.rank_duty import ReceiverDuty, SenderDuty
 from pdserve.common.kv_transfer.sender import KVSender
 from pdserve.common.kv_transfer.server import ServerKV
 from pdserve.common.kv_transfer.tp_plan import Write, plan_writes
-from pdserve.common.ports import free_port
 from pdserve.common.tiny_model import make_tiny_model
 from pdserve.common.types import FinishReason, SamplingParams
 from pdserve.decode.arrivals import KVArrivals, Refused
 from pdserve.decode.engine import DecodeEngine
 from pdserve.prefill.engine import PrefillEngine
+from tests.router_stack import RouterProcess
 from tests.test_disagg_engines import Stepper, drive, hf_greedy, make_prompts
 from tests.test_servers import Server, wait_idle
 
@@ -200,39 +198,6 @@ def test_an_incompatible_pairing_is_refused_with_a_clear_error(engines, tiny_mod
 ONE_THREAD = ("--torch-threads", "1")  # see one_thread
 
 
-class Router:
-    """`pdserve-router` in front of one prefill and one decode server."""
-
-    def __init__(self, model: str, prefill: Server, decode: Server):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.router.cli", "--model-path", model, "--port", str(self.port),
-             "--prefill", prefill.address, "--decode", decode.address, "--log-level", "warning"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/readiness", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            assert self.proc.poll() is None, "router exited:\n" + self.proc.stdout.read()
-            assert time.monotonic() < deadline, "router not ready"
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def clusters(tiny_models):
     """Two routers, each in front of one prefill and one decode server: P TP1 -> D TP2 and P TP2 -> D TP1."""
@@ -244,7 +209,7 @@ def clusters(tiny_models):
         for s in servers.values():
             s.wait_ready()
         for p, d in ((1, 2), (2, 1)):
-            routers[(p, d)] = Router(model, servers[("prefill", p)], servers[("decode", d)])
+            routers[(p, d)] = RouterProcess(model, [servers[("prefill", p)]], [servers[("decode", d)]])
         for r in routers.values():
             r.wait_ready()
         yield model, servers, routers
