@@ -52,13 +52,17 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: no logprobs; 0: the sampled token's; n: plus the top n
     skip_special_tokens: bool = True
+    # The prompt tokens' logprobs (each given the tokens before it), with the top n: None for none.
+    # Such a prompt is computed whole: its prefix-cache hit would have no logits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            bad(f"max_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        # 0: the prompt is only computed (its prompt logprobs, say); nothing is generated.
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            bad(f"max_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
         if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             bad(f"min_tokens must be between 0 and max_tokens ({self.max_new_tokens}), got {self.min_new_tokens!r}")
         if not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 100.0:
@@ -85,6 +89,10 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
         ):
             bad(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            bad(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -109,6 +117,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs; vLLM's rank)
 
 
 @dataclass
@@ -122,6 +131,8 @@ class Completion:
     finish_reason: FinishReason
     matched_stop: int | str | None = None  # the EOS/stop token id or stop string that ended it
     logprobs: list[TokenLogprob] | None = None
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing before it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # why an aborted sequence failed (None: cancelled, or not aborted)
     error_code: ErrorCode | None = None  # set with `error`
@@ -143,6 +154,11 @@ class Req:
         self.seed = seed  # always set: drawn by the engine when params.seed is None
         self.output_ids: list[int] = []
         self.output_logprobs: list[TokenLogprob] = []
+        # Asked for prompt logprobs: entry p is prompt token p's (None for p = 0); filled as the
+        # prefill's results arrive. `prompt_logprobs_planned`: positions whose logits a launched
+        # batch computes (position p's logits give entry p + 1).
+        self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if params.prompt_logprobs is not None else None
+        self.prompt_logprobs_planned = 0
         self.text = ""  # detokenized output so far (stop strings already cut)
         self.finish_reason: FinishReason | None = None
         self.matched_stop: int | str | None = None

@@ -120,6 +120,8 @@ class PrefillEngine(EngineCore):
                 r.rid, r.first_token, (lp.token_id, lp.logprob, lp.top) if lp is not None else None,
                 r.prompt_tokens, r.cached_tokens, queue_s=r.queue_s, prefill_s=r.prefill_s,
                 transfer_s=r.transfer_s, transfer_bytes=r.transfer_bytes, error=r.error, error_code=r.error_code,
+                prompt_logprobs=None if r.prompt_logprobs is None else
+                [(p.token_id, p.logprob, p.top, p.rank) for p in r.prompt_logprobs[1:]],
             ))
         return done
 

@@ -63,6 +63,7 @@ class PrefillResult:
     error_code: ErrorCode | None = None  # set with `error`
     queue_s: float = 0.0  # from its arrival to its first prefill batch
     prefill_s: float = 0.0  # from its first prefill batch to its end, the transfer excluded
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: one per prompt token, None first
 
 
 @dataclass
@@ -168,6 +169,9 @@ class PrefillScheduler:
             if req.finish_reason is FinishReason.ABORT:  # aborted while its last chunk ran: answered then
                 self._finish(req)
                 continue
+            if req.params.max_new_tokens == 0:  # only the prompt was asked for: no KV goes anywhere
+                self._finish(req)
+                continue
             req.output_ids.append(token)
             if lp is not None:
                 req.output_logprobs.append(lp)
@@ -258,7 +262,7 @@ class PrefillScheduler:
             PrefillResult(
                 rid=req.rid,
                 room=req.room,
-                first_token=req.output_ids[0] if ok else None,
+                first_token=req.output_ids[0] if ok and req.output_ids else None,
                 first_logprob=req.output_logprobs[0] if ok and req.output_logprobs else None,
                 prompt_tokens=len(req.prompt_ids),
                 cached_tokens=req.cached_tokens,
@@ -268,6 +272,7 @@ class PrefillScheduler:
                 error_code=error_code,
                 queue_s=max(req.admitted - req.arrived, 0.0) if req.admitted else 0.0,
                 prefill_s=max(time.monotonic() - req.admitted - transfer_s, 0.0) if req.admitted else 0.0,
+                prompt_logprobs=req.prompt_logprobs if ok else None,
             )
         )
 

@@ -73,9 +73,12 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
             if msg.error is not None:
                 response.error.CopyFrom(error_to_proto(msg.error_code, msg.error))
                 return response
-            response.first_token_id = msg.first_token
+            if msg.first_token is not None:  # None: max_new_tokens 0, only the prompt was computed
+                response.first_token_id = msg.first_token
             if msg.first_logprob is not None:
                 response.first_logprob.CopyFrom(logprob_to_proto(msg.first_logprob))
+            if msg.prompt_logprobs is not None:
+                response.prompt_logprobs.extend(logprob_to_proto(lp) for lp in msg.prompt_logprobs)
             return response
         finally:
             if forward is not None:

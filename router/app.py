@@ -38,7 +38,7 @@ from pdserve.router.http_answers import (
     upstream_response,
 )
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pairing import UpstreamError, fix_seed, paired_generate
+from pdserve.router.pairing import UpstreamError, fix_seed, paired_generate, prefill_only, prompt_logprobs_of
 from pdserve.router.policies import make_policy
 from pdserve.router.workers import WorkerRegistry, resolve_dns
 
@@ -101,15 +101,14 @@ class Router:
     def ready(self) -> dict:
         return {role: [v.url for v in self.registry.views(role) if v.healthy] for role in ("prefill", "decode")}
 
-    async def choice(self, prompt_ids: list[int], params, on_text=None) -> Completion:
+    async def choice(self, prompt_ids: list[int], params, on_text=None, on_prompt=None) -> Completion:
         """Run one choice through a prefill/decode pair; `on_text(delta, logprobs)` sees text as it
-        becomes final, with the logprobs of the tokens that produced it (when requested)."""
+        becomes final, with the logprobs of the tokens that produced it (when requested), and
+        `on_prompt(prompt_logprobs)` is called once, when the prefill has answered (before any text;
+        None unless asked for)."""
         req = Req(secrets.token_hex(8), prompt_ids, params, params.seed or 0)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         req.stream_text = True
-        decode = self.pick("decode", prompt_ids)
-        if decode is None:
-            raise UpstreamError("no healthy decode server", 503)
         workers = self.registry.workers
 
         def pick_prefill(tried):
@@ -118,6 +117,11 @@ class Router:
             url = self.pick("prefill", prompt_ids, exclude=tried)
             return None if url is None else (url, workers[url].channel)
 
+        if params.max_new_tokens == 0:
+            return await self._prompt_only(req, pick_prefill, on_prompt)
+        decode = self.pick("decode", prompt_ids)
+        if decode is None:
+            raise UpstreamError("no healthy decode server", 503)
         decode_worker = workers[decode]
         stream = paired_generate(self.decode_target(decode), pick_prefill, self.registry.record, prompt_ids, params, self.config)
         decode_worker.inflight += 1
@@ -134,8 +138,11 @@ class Router:
                     else:
                         self.metrics.itl.observe((now - last) / len(event.token_ids))
                     last = now
-                if event.cached_tokens is not None:  # the prefix cache is the prefill server's
-                    req.cached_tokens = event.cached_tokens
+                if event.cached_tokens is not None:  # the first event: the prefill's answer
+                    req.cached_tokens = event.cached_tokens  # (the prefix cache is the prefill server's)
+                    req.prompt_logprobs = event.prompt_logprobs
+                    if on_prompt is not None:
+                        await on_prompt(req.prompt_logprobs)
                 logprobs = event.logprobs if params.logprobs is not None else []
                 for i, token in enumerate(event.token_ids):
                     append_token(req, token, logprobs[i] if i < len(logprobs) else None, self.eos, self.context_len)
@@ -167,6 +174,19 @@ class Router:
         if on_text is not None and (len(completion.text) > emitted or len(req.output_logprobs) > reported):
             await on_text(completion.text[emitted:], req.output_logprobs[reported:])
         return completion
+
+
+    async def _prompt_only(self, req: Req, pick_prefill, on_prompt) -> Completion:
+        """A choice of no new tokens (its prompt scored, say): a prefill alone, no decode server."""
+        started = time.monotonic()
+        response = await prefill_only(pick_prefill, self.registry.record, req.prompt_ids, req.params, self.config)
+        req.cached_tokens = response.cached_tokens
+        req.prompt_logprobs = prompt_logprobs_of(response, req.params)
+        req.finish_reason = FinishReason.LENGTH
+        if on_prompt is not None:
+            await on_prompt(req.prompt_logprobs)
+        self.metrics.e2e.observe(time.monotonic() - started)
+        return finalize(req)
 
 
 def create_app(router: Router) -> FastAPI:
@@ -269,12 +289,25 @@ def create_app(router: Router) -> FastAPI:
             return json.dumps({"id": prefix + request_id, "object": kind, "created": created, "model": parsed.model,
                                "choices": [body]})
 
+        def echo_chunk(index: int, ids: list[int], prompt_logprobs) -> str:
+            lp = None
+            if parsed.logprobs is not None:
+                lp = completion_logprobs([], parsed.logprobs, token_text, (ids, prompt_logprobs or [None]))
+            body = {"index": index, "text": parsed.prompt_texts[index // parsed.n], "logprobs": lp, "finish_reason": None}
+            return json.dumps({"id": prefix + request_id, "object": kind, "created": created, "model": parsed.model,
+                               "choices": [body]})
+
         async def run(index: int, ids, params):
             async def on_text(delta: str, logprobs):
                 await queue.put(chunk(index, delta, None, logprobs=logprobs))
 
+            async def on_prompt(prompt_logprobs):
+                """Echo: the prompt leads the choice's stream, with its logprobs when asked."""
+                if parsed.echo:
+                    await queue.put(echo_chunk(index, ids, prompt_logprobs))
+
             try:
-                completion = await router.choice(ids, params, on_text)
+                completion = await router.choice(ids, params, on_text, on_prompt)
                 await queue.put(chunk(index, None, completion.finish_reason.value))
                 return completion
             except UpstreamError as e:

@@ -75,6 +75,8 @@ class Event:
     index: int = 0
     logprobs: list = field(default_factory=list)  # TokenLogprob per token, when requested
     cached_tokens: int | None = None  # on the first token: prompt tokens the prefill server had cached
+    # On the first token, when asked for: the prompt's logprobs (None for its first token).
+    prompt_logprobs: list | None = None
 
 
 def proto_params(p: SamplingParams) -> pb.SamplingParams:
@@ -98,6 +100,8 @@ def _proto_params(p: SamplingParams) -> pb.SamplingParams:
         out.seed = p.seed % 2**64
     if p.logprobs is not None:
         out.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        out.prompt_logprobs = p.prompt_logprobs
     return out
 
 
@@ -113,7 +117,25 @@ def rpc_timeout(limit_s: float, deadline_unix_s: float) -> float:
 
 
 def _logprob(lp: pb.TokenLogprob) -> TokenLogprob:
-    return TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+    return TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top],
+                        lp.rank if lp.HasField("rank") else None)
+
+
+def prompt_logprobs_of(response: pb.PrefillResponse, params: SamplingParams) -> list | None:
+    """The prompt's logprobs from a prefill's answer, None first (nothing comes before token 0)."""
+    if params.prompt_logprobs is None:
+        return None
+    return [None, *(_logprob(lp) for lp in response.prompt_logprobs)]
+
+
+async def prefill_only(pick_prefill, report, prompt_ids: list[int], params: SamplingParams,
+                       config: RouterConfig) -> pb.PrefillResponse:
+    """A request for no new tokens (max_new_tokens 0: its prompt scored, say) needs no decode server:
+    one prefill, with retries as any, and no KV destination; nothing is transferred."""
+    deadline = time.time() + config.request_timeout
+    req = pb.GenerateRequest(request_id=secrets.token_hex(12), prompt_token_ids=prompt_ids, params=proto_params(params),
+                             bootstrap_room=random.getrandbits(63), deadline_unix_s=deadline)
+    return await _prefill_with_retries(pick_prefill, report, pb.PrefillRequest(request=req), config)
 
 
 def open_generate(decode, request: pb.GenerateRequest, timeout: float):
@@ -164,7 +186,8 @@ async def paired_generate(decode: DecodeStreams | grpc.aio.Channel, pick_prefill
                                              config, early))
         sent = 1
         first_lp = [_logprob(response.first_logprob)] if response.HasField("first_logprob") else []
-        yield Event("tokens", [response.first_token_id], 0, first_lp, cached_tokens=response.cached_tokens)
+        yield Event("tokens", [response.first_token_id], 0, first_lp, cached_tokens=response.cached_tokens,
+                    prompt_logprobs=prompt_logprobs_of(response, params))
         pending = next_read  # the decode stream's read started while the prefill ran
         while True:
             if pending is not None:

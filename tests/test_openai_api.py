@@ -97,8 +97,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "temperature": float("nan")}, 400, "finite"),
     ({"prompt": "hi", "top_p": 0}, 400, "'top_p' must be in (0, 1]"),
     ({"prompt": "hi", "top_p": 1.5}, 400, "'top_p'"),
-    ({"prompt": "hi", "max_tokens": 0}, 400, "'max_tokens' must be >= 1"),
-    ({"prompt": "hi", "max_tokens": -3}, 400, "'max_tokens' must be >= 1"),
+    ({"prompt": "hi", "max_tokens": -3}, 400, "'max_tokens' must be >= 0"),
+    ({"prompt": "hi", "prompt_logprobs": -1}, 400, "-1, the whole vocabulary, is not supported"),
+    ({"prompt": "hi", "prompt_logprobs": 21}, 400, "'prompt_logprobs' must be between 0 and 20"),
     ({"prompt": "hi", "max_tokens": 4.0}, 400, "'max_tokens' must be an integer, got number"),
     ({"prompt": "hi", "max_tokens": True}, 400, "'max_tokens' must be an integer, got boolean"),
     ({"prompt": "hi", "max_tokens": 10**9}, 400, "maximum context length is 128 tokens"),
@@ -107,7 +108,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "n": 129}, 400, "'n' must be between 1 and 128"),
     ({"prompt": "hi", "logprobs": 6}, 400, "'logprobs' must be between 0 and 5"),
     ({"prompt": "hi", "logprobs": True}, 400, "'logprobs' must be an integer, got boolean"),
-    ({"prompt": "hi", "echo": True, "logprobs": 1}, 400, "not supported"),
     ({"prompt": "hi", "stream": True}, 400, "'stream'"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "'stream_options'"),
     ({"prompt": "hi", "best_of": 2}, 400, "'best_of' must be 1"),
@@ -489,3 +489,46 @@ def test_openai_modules_do_not_import_torch():
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_completion_echo_with_logprobs_leads_with_the_prompt(tokenizer):
+    from pdserve.common.types import TokenLogprob
+
+    parsed = parse_completion(tokenizer, prompt="the quick brown fox", max_tokens=2, echo=True, logprobs=1)
+    assert all(p.prompt_logprobs == 1 for p in parsed.params)
+    ids = parsed.prompts[0]
+    prompt_lps = [None] + [TokenLogprob(t, -1.5 - i, [(7, -0.5), (8, -0.75)], rank=3) for i, t in enumerate(ids[1:])]
+    completions = fake_completions(tokenizer, [ids], parsed.params)
+    completions[0].prompt_logprobs = prompt_lps
+    body = format_completion_response(parsed, completions, tokenizer, "abc", 1)
+    lp = body["choices"][0]["logprobs"]
+    n = len(ids)
+    assert lp["tokens"][:n] == [tokenizer.decode([t]) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:n] == [-1.5 - i for i in range(n - 1)]
+    assert lp["top_logprobs"][1] == {tokenizer.decode([7]): -0.5, tokenizer.decode([ids[1]]): -1.5}
+    assert len(lp["tokens"]) == n + 2  # then the two generated tokens
+    assert lp["text_offset"][:2] == [0, len(tokenizer.decode([ids[0]]))]
+    assert body["choices"][0]["text"].startswith("the quick brown fox")
+
+
+def test_prompt_logprobs_are_not_streamed(tokenizer):
+    with pytest.raises(OpenAIError, match="not available when 'stream'"):
+        parse_completion_request({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, tokenizer, MODEL, CONTEXT,
+                                 allow_stream=True)
+
+
+def test_vllm_prompt_logprobs_field(tokenizer):
+    from pdserve.common.types import TokenLogprob
+
+    parsed = parse_completion(tokenizer, prompt="hello world", max_tokens=0, prompt_logprobs=1)
+    assert parsed.params[0].max_new_tokens == 0 and parsed.params[0].prompt_logprobs == 1
+    ids = parsed.prompts[0]
+    completions = fake_completions(tokenizer, [ids], parsed.params)
+    completions[0].prompt_logprobs = [None] + [TokenLogprob(t, -2.0, [(5, -0.1)], rank=4) for t in ids[1:]]
+    body = format_completion_response(parsed, completions, tokenizer, "abc", 1)
+    field = body["choices"][0]["prompt_logprobs"]
+    assert field[0] is None and len(field) == len(ids)
+    assert field[1] == {str(ids[1]): {"logprob": -2.0, "rank": 4, "decoded_token": tokenizer.decode([ids[1]])},
+                        "5": {"logprob": -0.1, "rank": 1, "decoded_token": tokenizer.decode([5])}}
+    assert body["choices"][0]["logprobs"] is None  # prompt_logprobs alone asks for no legacy object

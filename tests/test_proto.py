@@ -269,6 +269,7 @@ def test_sampling_params_all_fields():
         include_stop_str_in_output=True,
         logprobs=5,
         skip_special_tokens=True,
+        prompt_logprobs=2,
     )
     back = _rt(params)
     # Doubles: a Python float survives exactly.

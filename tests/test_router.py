@@ -182,3 +182,44 @@ def test_streamed_logprobs_cover_every_token(deployment):
                                                temperature=0, logprobs=True, stream=True, extra_body={"ignore_eos": True}))
     entries = [e for c in chat if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert len(entries) == 5
+
+
+def _hf_prompt_scores(model: str, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_echo_with_logprobs_scores_the_prompt_on_the_prefill_server(deployment):
+    """lm-eval's loglikelihood request: echo + logprobs, max_tokens 0 and 1; prompt logprobs equal
+    transformers' log-softmax, the first prompt token's is null; and vLLM's prompt_logprobs."""
+    model, _, client = deployment
+    ids = [0, 11, 22, 33, 44, 55, 66, 77]
+    scores = _hf_prompt_scores(model, ids)
+    want = [scores[p - 1, ids[p]].item() for p in range(1, len(ids))]
+    for max_tokens in (0, 1):
+        out = client.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0, echo=True,
+                                        logprobs=1)
+        lp = out.choices[0].logprobs
+        assert len(lp.tokens) == len(ids) + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(abs(a - b) < 1e-4 for a, b in zip(lp.token_logprobs[1 : len(ids)], want)), (lp.token_logprobs, want)
+        assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+        assert out.usage.completion_tokens == max_tokens and out.choices[0].finish_reason == "length"
+    out = client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    field = out.choices[0].model_extra["prompt_logprobs"]
+    assert field[0] is None and len(field) == len(ids)
+    for p in range(1, len(ids)):
+        entry = field[p][str(ids[p])]
+        assert abs(entry["logprob"] - want[p - 1]) < 1e-4
+        assert entry["rank"] == 1 + int((scores[p - 1] > scores[p - 1, ids[p]]).sum())
+        assert 2 <= len(field[p]) <= 3
+    # Streamed echo: the prompt's text and logprobs lead, then the generated tokens'.
+    chunks = list(client.completions.create(model=model, prompt=ids, max_tokens=3, temperature=0, echo=True,
+                                            logprobs=0, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and len(streamed) == len(ids) + 3
+    assert all(abs(a - b) < 1e-4 for a, b in zip(streamed[1 : len(ids)], want))

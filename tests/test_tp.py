@@ -119,6 +119,13 @@ def test_tp2_serial_loop_matches_transformers_and_seeded_sampling_matches_tp1(ch
     single = make_engine("llama", max_total_tokens=8192)
     prompts = [ids for ids, _, _ in cases]
     assert [o.output_ids for o in engine.generate(prompts, sampled)] == [o.output_ids for o in single.generate(prompts, sampled)]
+    # Prompt logprobs: every rank runs the same scoring forward (its LM head all-gathers); chunked.
+    scored = [SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=2)] * len(prompts)
+    for tp2, tp1 in zip(engine.generate(prompts, scored), single.generate(prompts, scored)):
+        assert len(tp2.prompt_logprobs) == len(tp2.prompt_ids)
+        for a, b in zip(tp2.prompt_logprobs[1:], tp1.prompt_logprobs[1:]):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4 and a.rank == b.rank
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
 def test_tp2_run_batch_matches_transformers(checkpoints, tmp_path):

@@ -50,6 +50,9 @@ class ScheduleBatch:
     # Rows to fill before this forward, in the order they were decided (a row freed and handed out
     # again is written again later in the list, so the last write wins).
     row_writes: list[RowWrite] = field(default_factory=list)
+    # Prompt logprobs to compute (extend only): (request index, first position, end position); the
+    # logits at position p score prompt token p + 1.
+    prompt_logprobs: list[tuple[int, int, int]] = field(default_factory=list)
     seq: int = 0  # launch order, set when launched (for traces and tests)
 
     @property
@@ -75,6 +78,10 @@ class BatchPlan:
     has_placeholders: bool
     row_writes: np.ndarray | None  # [3, N] int64 (rows, positions, slots) to write first, or None
     seq: int = 0
+    # Prompt logprobs: [2, M] int64 (flat token index whose logits score, the prompt token they
+    # score) and the largest top-n asked for; None when no request of the batch asked.
+    prompt_logprobs: np.ndarray | None = None
+    prompt_top_n: int = 0
 
 
 @dataclass
@@ -99,6 +106,11 @@ class ForwardBatch:
     # extend: [3, T] int64 (input_ids, positions, out_cache_loc).
     packed: torch.Tensor | None = None
     seq: int = 0  # its ScheduleBatch's launch order (for traces and tests)
+    # Prompt logprobs (see BatchPlan): the flat token indices and the tokens they score, on the
+    # device, and the top-n; None when no request of the batch asked (no CUDA graph runs it then).
+    prompt_logprob_index: torch.Tensor | None = None
+    prompt_logprob_targets: torch.Tensor | None = None
+    prompt_top_n: int = 0
     plan: BatchPlan | None = None  # what it was built from (a TP server sends it to its other ranks)
 
     @property

@@ -56,6 +56,7 @@ class BatchBuilder:
             rows, last, lens = packed[4 * t : 4 * t + b], packed[4 * t + b : 4 * t + 2 * b], packed[4 * t + 2 * b :]
             self.req_to_token_pool.write_slots(tok_rows, pos, loc)
             fields = dict(packed=packed[: 3 * t].view(3, t))
+        scored = None if plan.prompt_logprobs is None else h2d_array(plan.prompt_logprobs, self.device)
         return ForwardBatch(
             mode=plan.mode,
             reqs=list(reqs),
@@ -72,6 +73,9 @@ class BatchBuilder:
             has_placeholders=plan.has_placeholders,
             seq_lens_dev=lens,
             seq=plan.seq,
+            prompt_logprob_index=None if scored is None else scored[0],
+            prompt_logprob_targets=None if scored is None else scored[1],
+            prompt_top_n=plan.prompt_top_n,
             plan=plan,
             **fields,
         )
@@ -127,7 +131,21 @@ class BatchBuilder:
             has_placeholders=False,  # a prefill feeds only tokens the host knows
             row_writes=row_writes,
             seq=batch.seq,
+            prompt_logprobs=self._prompt_logprob_rows(batch, extend_starts),
+            prompt_top_n=max((batch.reqs[i].params.prompt_logprobs for i, _, _ in batch.prompt_logprobs), default=0),
         )
+
+    @staticmethod
+    def _prompt_logprob_rows(batch: ScheduleBatch, extend_starts: list[int]) -> np.ndarray | None:
+        """[2, M]: the flat index of each position whose logits score a prompt token, and that token."""
+        if not batch.prompt_logprobs:
+            return None
+        index, targets = [], []
+        for i, first, end in batch.prompt_logprobs:
+            base = extend_starts[i] - batch.starts[i]  # flat index of position 0 of request i
+            index += range(base + first, base + end)
+            targets += batch.reqs[i].prompt_ids[first + 1 : end + 1]
+        return np.array([index, targets], dtype=np.int64)
 
     def _plan_decode(self, batch: ScheduleBatch, row_writes) -> BatchPlan:
         """One new token per request, at position seq_len - 1; the hot path of every decode step."""

@@ -38,6 +38,7 @@ from pdserve.common.gc_tuning import tune_gc
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.overlap import ForwardResult
 from pdserve.common.engine.sampling import SamplingBatchInfo, to_token_logprobs
+from pdserve.common.scheduling.output_processor import add_prompt_logprobs
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Req, SamplingParams
 
@@ -205,6 +206,8 @@ class EngineCore:
         self.trace.append(("process", batch.seq))
         host = self.runner.host_sample_output(result)
         next_ids, logprobs = host.next_token_ids.tolist(), to_token_logprobs(host, batch.reqs)
+        if result.prompt_logprobs is not None:
+            add_prompt_logprobs(batch, result.prompt_logprobs)
         self.runner.release(result)
         self.outputs += self.scheduler.process_batch_result(batch, next_ids, logprobs)
 

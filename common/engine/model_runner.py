@@ -23,6 +23,7 @@ from pdserve.common.engine.batch import ForwardBatch, ForwardMode
 from pdserve.common.config import EngineConfig, model_kv_heads_of, read_hf_config
 from pdserve.common.engine.cuda_graph import CudaGraphRunner
 from pdserve.common.engine.prefill_graph import PrefillGraphRunner
+from pdserve.common.engine.prompt_logprobs import score_prompt
 from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.engine.models.loader import load_model
 from pdserve.common.engine.models.parallel import kv_heads_of_rank
@@ -186,11 +187,17 @@ class ModelRunner:
         return budget
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
-        """Next-token logits [batch_size, vocab] in the model's dtype, run eagerly."""
+    def forward(self, batch: ForwardBatch, input_ids: torch.Tensor, scored: list | None = None) -> torch.Tensor:
+        """Next-token logits [batch_size, vocab] in the model's dtype, run eagerly. A batch scoring
+        prompt tokens also appends their PromptLogprobs to `scored`."""
         self.attn.init_forward(batch)
         hidden = self.model(input_ids, batch.positions, batch, self.attn)
         if batch.mode is ForwardMode.EXTEND:
+            if batch.prompt_logprob_index is not None:
+                result = score_prompt(self.model, hidden, batch.prompt_logprob_index, batch.prompt_logprob_targets,
+                                      batch.prompt_top_n)
+                if scored is not None:
+                    scored.append(result)
             hidden = hidden[batch.last_indices]  # decode has one token per request already
         return self.model.compute_logits(hidden)
 
@@ -206,7 +213,8 @@ class ModelRunner:
             streams.forward_stream.wait_stream(streams.schedule_stream)
             if self.before_forward is not None:
                 self.before_forward(batch)
-            out = sample(self._logits(batch), info)
+            scored: list = []
+            out = sample(self._logits(batch, scored), info)
             if self.tp.size > 1:
                 out.next_token_ids = self.tp.broadcast(out.next_token_ids.contiguous())  # to launch_replica
             self.future_map.store(future_slots, out.next_token_ids)
@@ -222,9 +230,11 @@ class ModelRunner:
             if k:
                 host.top_ids[:bs, :k].copy_(out.top_logprob_ids, non_blocking=True)
                 host.top_logprobs[:bs, :k].copy_(out.top_logprobs, non_blocking=True)
+            prompt = scored[0].to_host() if scored else None  # rare: into fresh pinned memory
             copy_done = streams.event()
             copy_done.record(streams.d2h_stream)
-        return ForwardResult(host, bs, out.logprobs is not None, k, copy_done, published, keep_alive=[batch, info, out])
+        return ForwardResult(host, bs, out.logprobs is not None, k, copy_done, published,
+                             keep_alive=[batch, info, out, scored], prompt_logprobs=prompt)
 
     @torch.inference_mode()
     def launch_replica(self, batch: ForwardBatch, future_slots: list[int]):
@@ -241,15 +251,16 @@ class ModelRunner:
             done.record(streams.forward_stream)
         return done
 
-    def _logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """Next-token logits of `batch`: a graph replay where one fits, else eager. Call on the
-        forward stream."""
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+    def _logits(self, batch: ForwardBatch, scored: list | None = None) -> torch.Tensor:
+        """Next-token logits of `batch`: a graph replay where one fits, else eager (always when it
+        scores prompt tokens: `scored` gets their PromptLogprobs). Call on the forward stream."""
+        graphs = batch.prompt_logprob_index is None
+        if graphs and self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.replay(batch)  # resolves placeholders inside the graph
-        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+        if graphs and self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
             return self.prefill_graphs.replay(batch)
         input_ids = self.future_map.resolve(batch.input_ids) if batch.has_placeholders else batch.input_ids
-        return self.forward(batch, input_ids)
+        return self.forward(batch, input_ids, scored)
 
     def host_sample_output(self, result: ForwardResult) -> SampleOutput:
         """The result's host copies, as a SampleOutput (call after copy_done.synchronize())."""

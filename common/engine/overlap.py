@@ -122,6 +122,8 @@ class ForwardResult:
     published: object  # recorded on the forward stream once forward + sample are queued before it
     # Device tensors the copies read from: kept alive until the result is processed.
     keep_alive: list = field(default_factory=list)
+    # Prompt logprobs of the requests that asked (host copies, common/engine/prompt_logprobs.py), or None.
+    prompt_logprobs: object = None
 
 
 class PinnedOutputs:

@@ -15,7 +15,7 @@ from pdserve.common.openai.fields import (  # OpenAIError: callers import it fro
     INT32_MAX, MASK64, UINT32_MAX, OpenAIError, _boolean, _check_unicode, _integer, _is_int, _json_type, _number,
     _reject_unless_empty, _stop, _stop_token_ids, _wrong_type,
 )
-from pdserve.common.types import SamplingParams
+from pdserve.common.types import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_N = 128
 MAX_LOGPROBS = 5  # completions' logprobs
@@ -24,7 +24,7 @@ SAMPLING_FIELDS = frozenset({
     "presence_penalty", "stream", "stream_options", "logit_bias",
     # vLLM / SGLang extensions
     "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens",
-    "skip_special_tokens", "include_stop_str_in_output", "return_token_ids",
+    "skip_special_tokens", "include_stop_str_in_output", "return_token_ids", "prompt_logprobs",
 })  # fmt: skip
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = SAMPLING_FIELDS | {
@@ -51,7 +51,8 @@ class ParsedRequest:
     n: int
     params: list[SamplingParams]
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus the top k
-    echo: bool = False
+    echo: bool = False  # with logprobs: the prompt tokens' logprobs lead the logprobs object
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the prompt tokens' with the top k
     return_token_ids: bool = False
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
@@ -142,6 +143,8 @@ def _shared(body: Any, served_model_name: str, accepted: frozenset, allow_stream
     _check_fields(body, accepted)
     _check_model(body, served_model_name)
     stream, include_usage = _stream_options(body, allow_stream)
+    if stream and body.get("prompt_logprobs") is not None:  # as vLLM: they are not streamed
+        raise OpenAIError("'prompt_logprobs' is not available when 'stream' is true", param="prompt_logprobs")
     return {
         "n": _integer(body, "n", 1, lambda v: 1 <= v <= MAX_N, f"between 1 and {MAX_N}"),
         "seed": _integer(body, "seed", None, lambda v: -(2**63) <= v <= MASK64, "a 64-bit integer"),
@@ -149,6 +152,8 @@ def _shared(body: Any, served_model_name: str, accepted: frozenset, allow_stream
         "stream": stream,
         "include_usage": include_usage,
         "return_token_ids": _boolean(body, "return_token_ids", False),
+        "prompt_logprobs": _integer(body, "prompt_logprobs", None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+                                    f"between 0 and {MAX_TOP_LOGPROBS} (-1, the whole vocabulary, is not supported)"),
     }
 
 
@@ -158,6 +163,10 @@ def _build(
 ) -> ParsedRequest:  # fmt: skip
     """One SamplingParams per (prompt, choice), after the context-length check."""
     n, seed = shared["n"], shared["seed"]
+    # The prompt tokens' logprobs, computed once with the largest top-k asked: for echo with
+    # logprobs (the legacy object's prompt part) and for vLLM's prompt_logprobs.
+    asked = [k for k in (shared["prompt_logprobs"], logprobs if extra.get("echo") else None) if k is not None]
+    prompt_logprobs = max(asked) if asked else None
     prompt_word = "prompt" if kind == "completion" else "messages"
     params = []
     for prompt in prompts:
@@ -180,13 +189,15 @@ def _build(
             try:
                 seed_of_choice = choice_seed(seed, choice)
                 params.append(
-                    SamplingParams(max_new_tokens=max_new, seed=seed_of_choice, logprobs=logprobs, **shared["sampling"])
+                    SamplingParams(max_new_tokens=max_new, seed=seed_of_choice, logprobs=logprobs,
+                                   prompt_logprobs=prompt_logprobs, **shared["sampling"])
                 )
             except ValueError as e:
                 raise OpenAIError(str(e)) from None
     return ParsedRequest(
         kind, model, prompts, texts, n, params, logprobs, return_token_ids=shared["return_token_ids"],
-        stream=shared["stream"], include_usage=shared["include_usage"], **extra,
+        stream=shared["stream"], include_usage=shared["include_usage"], prompt_logprobs=shared["prompt_logprobs"],
+        **extra,
     )  # fmt: skip
 
 
@@ -206,8 +217,8 @@ def _tokenize(tokenizer, text: str, add_special_tokens: bool, param: str) -> lis
     return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
-def _max_tokens(body: dict, name: str) -> int | None:
-    return _integer(body, name, None, lambda v: v >= 1, ">= 1")
+def _max_tokens(body: dict, name: str, least: int = 1) -> int | None:
+    return _integer(body, name, None, lambda v: v >= least, f">= {least}")
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------
@@ -265,9 +276,8 @@ def parse_completion_request(
         raise OpenAIError("'suffix' is not supported", param="suffix")
     logprobs = _integer(body, "logprobs", None, lambda v: 0 <= v <= MAX_LOGPROBS, f"between 0 and {MAX_LOGPROBS}")
     echo = _boolean(body, "echo", False)
-    if echo and logprobs is not None:
-        raise OpenAIError("'echo' together with 'logprobs' is not supported", param="echo")
-    max_tokens = _max_tokens(body, "max_tokens")
+    # 0: only the prompt is computed (scoring it: echo with logprobs, or prompt_logprobs).
+    max_tokens = _max_tokens(body, "max_tokens", least=0)
     prompts, texts = _completion_prompts(body.get("prompt"), tokenizer, vocab_size)
     return _build(
         "completion", shared, served_model_name, prompts, texts, max_tokens, logprobs, max_context_len, echo=echo

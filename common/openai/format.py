@@ -60,14 +60,45 @@ def _token_ids(parsed: ParsedRequest, completion: Completion) -> dict:
     return {"prompt_token_ids": list(completion.prompt_ids), "token_ids": list(completion.output_ids)}
 
 
+def vllm_prompt_logprobs(parsed: ParsedRequest, completion: Completion, token_text: Callable[[int], str]) -> dict:
+    """vLLM's `prompt_logprobs` field: per prompt token (null for the first) a map from token id to
+    {logprob, rank, decoded_token}, holding the prompt token and the top `prompt_logprobs`."""
+    if parsed.prompt_logprobs is None:
+        return {}
+    k, out = parsed.prompt_logprobs, []
+    for entry in completion.prompt_logprobs or [None]:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = {entry.token_id: (entry.logprob, entry.rank)}
+        for rank, (token_id, lp) in enumerate(entry.top[:k], start=1):
+            ranked.setdefault(token_id, (lp, rank))
+        out.append({str(t): {"logprob": _logprob(lp), "rank": r, "decoded_token": token_text(t)}
+                    for t, (lp, r) in ranked.items()})
+    return {"prompt_logprobs": out}
+
+
 # ---- /v1/completions ----------------------------------------------------------------------------
 
 
-def completion_logprobs(logprobs: list[TokenLogprob], top_n: int, token_text: Callable[[int], str]) -> dict:
+def completion_logprobs(logprobs: list[TokenLogprob], top_n: int, token_text: Callable[[int], str],
+                        prompt: tuple[list[int], list[TokenLogprob | None]] | None = None) -> dict:
     """The legacy logprobs object: per token its text, logprob, the top `top_n` plus the sampled
-    token (so up to top_n + 1 entries, as OpenAI documents), and its offset in the output text."""
+    token (so up to top_n + 1 entries, as OpenAI documents), and its offset in the text.
+
+    `prompt` (echo): the prompt's ids and logprobs, which lead, as OpenAI's echo does; the first
+    prompt token has nothing before it, so its logprob and top are null."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     offset = 0
+    if prompt is not None:
+        ids, scored = prompt
+        text = token_text(ids[0])
+        tokens.append(text)
+        token_logprobs.append(None)
+        top_logprobs.append(None)
+        text_offset.append(0)
+        offset = len(text)
+        logprobs = [entry for entry in scored[1:] if entry is not None] + list(logprobs)
     for entry in logprobs:
         text = token_text(entry.token_id)
         tokens.append(text)
@@ -98,8 +129,10 @@ def format_completion_response(
             text = parsed.prompt_texts[index // parsed.n] + text
         logprobs = None
         if parsed.logprobs is not None:
-            logprobs = completion_logprobs(completion.logprobs or [], parsed.logprobs, token_text)
+            prompt = (completion.prompt_ids, completion.prompt_logprobs) if parsed.echo else None
+            logprobs = completion_logprobs(completion.logprobs or [], parsed.logprobs, token_text, prompt)
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason.value}
+        choice |= vllm_prompt_logprobs(parsed, completion, token_text)
         choices.append(choice | _token_ids(parsed, completion))
     return {
         "id": f"cmpl-{request_id}",
@@ -145,7 +178,7 @@ def format_chat_response(
             "finish_reason": completion.finish_reason.value,
         }
         choices.append(choice | _token_ids(parsed, completion))
-    return {
+    body = {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion",
         "created": created,
@@ -153,6 +186,9 @@ def format_chat_response(
         "choices": choices,
         "usage": usage(parsed, completions),
     }
+    if completions:  # vLLM puts the (one) prompt's at the top of a chat answer
+        body |= vllm_prompt_logprobs(parsed, completions[0], token_text)
+    return body
 
 
 def format_response(

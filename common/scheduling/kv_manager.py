@@ -51,14 +51,14 @@ class KVManager:
 
     def match(self, req: Req):
         """Cached pages for the request's tokens (locked), leaving at least one token to compute."""
-        if self.tree_cache is None:
+        if self.tree_cache is None or _needs_whole_prompt(req):
             return [], None
         pages, node = self.tree_cache.match_prefix(req.fill_ids()[: req.seq_len - 1])
         self.tree_cache.inc_lock_ref(node)
         return pages, node
 
     def cached_prefix_len(self, req: Req) -> int:
-        if self.tree_cache is None:
+        if self.tree_cache is None or _needs_whole_prompt(req):
             return 0
         return self.tree_cache.cached_prefix_len(req.fill_ids()[: req.seq_len - 1])
 
@@ -146,3 +146,9 @@ class KVManager:
             and locked == 0
             and self.kv_pool.num_free_pages() + cached == self.kv_pool.capacity_pages
         )
+
+
+def _needs_whole_prompt(req: Req) -> bool:
+    """A request scoring its prompt needs the logits of every prompt position: a cached prefix
+    would skip them (so it is computed whole, and its KV cached afterwards as anyone's)."""
+    return req.prompt_logprobs is not None and req.prompt_logprobs_planned < len(req.prompt_ids) - 1

@@ -33,6 +33,22 @@ def append_token(
         req.finish_reason = FinishReason.LENGTH
 
 
+def add_prompt_logprobs(batch, scored) -> None:
+    """Give each request the prompt logprobs a prefill batch computed for it (host copies of
+    common/engine/prompt_logprobs.PromptLogprobs, in the order of batch.prompt_logprobs)."""
+    logprobs, ranks = scored.logprobs.tolist(), scored.ranks.tolist()
+    top_ids = scored.top_ids.tolist() if scored.top_ids is not None else None
+    top_lps = scored.top_logprobs.tolist() if scored.top_logprobs is not None else None
+    row = 0
+    for i, first, end in batch.prompt_logprobs:
+        req = batch.reqs[i]
+        n = req.params.prompt_logprobs
+        for position in range(first, end):
+            top = list(zip(top_ids[row][:n], top_lps[row][:n])) if n else []
+            req.prompt_logprobs.append(TokenLogprob(req.prompt_ids[position + 1], logprobs[row], top, ranks[row]))
+            row += 1
+
+
 def _append_text(req: Req, delta: str) -> None:
     if not delta:
         return
@@ -78,6 +94,7 @@ def finalize_all(reqs: list[Req]) -> list[Completion]:
             finish_reason=req.finish_reason,
             matched_stop=req.matched_stop,
             logprobs=req.output_logprobs if req.params.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs,
             cached_tokens=req.cached_tokens,
             error=req.error,
             error_code=req.error_code,

@@ -45,7 +45,24 @@ def extend_batch(spans, kv: KVManager) -> ScheduleBatch:
     """The prefill ScheduleBatch of (req, start, end) spans, carrying the rows decided since the last one."""
     reqs = [req for req, _, _ in spans]
     return ScheduleBatch(ForwardMode.EXTEND, reqs, [s for _, s, _ in spans], [e for _, _, e in spans],
-                         [end == req.seq_len for req, _, end in spans], kv.take_row_writes())
+                         [end == req.seq_len for req, _, end in spans], kv.take_row_writes(),
+                         prompt_logprobs=prompt_logprob_spans(spans))
+
+
+def prompt_logprob_spans(spans) -> list[tuple[int, int, int]]:
+    """(index, first, end) of the positions in each span whose logits score a prompt token not
+    scored yet, for the requests that asked; marks them planned. Position p scores token p + 1, so
+    a prompt of n tokens needs positions [0, n - 1). A prompt prefilled again (retracted, or
+    resumed) is not scored twice."""
+    out = []
+    for i, (req, start, end) in enumerate(spans):
+        if req.prompt_logprobs is None:
+            continue
+        first, last = max(start, req.prompt_logprobs_planned), min(end, len(req.prompt_ids) - 1)
+        if last > first:
+            out.append((i, first, last))
+            req.prompt_logprobs_planned = last
+    return out
 
 
 def on_launched(batch: ScheduleBatch, future_slots: list[int]) -> None:
@@ -178,7 +195,10 @@ class Scheduler:
             if req.discard:
                 req.discard -= 1
                 continue
-            append_token(req, token, lp, self.eos_token_ids, self.config.context_length)
+            if req.params.max_new_tokens == 0:  # only the prompt was asked for (its logprobs, say)
+                req.finish_reason = FinishReason.LENGTH
+            else:
+                append_token(req, token, lp, self.eos_token_ids, self.config.context_length)
             if req.finished:
                 self.kv.cache_and_release(req)
                 req.discard = req.pending  # a step launched after this one is dropped

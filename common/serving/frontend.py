@@ -234,6 +234,7 @@ def params_from_proto(p: pb.SamplingParams) -> ipc.Params:
         include_stop_str_in_output=p.include_stop_str_in_output,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         skip_special_tokens=p.skip_special_tokens,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -242,10 +243,14 @@ def layout_to_proto(layout: dict) -> pb.KVLayout:
 
 
 def logprob_to_proto(lp) -> pb.TokenLogprob | None:
+    """(token id, logprob, top n) or, for a prompt token, (token id, logprob, top n, rank)."""
     if lp is None:
         return None
-    token_id, logprob, top = lp
-    return pb.TokenLogprob(token_id=token_id, logprob=logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
+    token_id, logprob, top, *rank = lp
+    out = pb.TokenLogprob(token_id=token_id, logprob=logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
+    if rank:
+        out.rank = rank[0]
+    return out
 
 
 def error_to_proto(code: ErrorCode | None, message: str) -> pb.Error:

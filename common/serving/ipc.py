@@ -35,6 +35,7 @@ class Params(msgspec.Struct, frozen=True):
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
 
 def sampling_params(p: Params) -> SamplingParams:
@@ -146,6 +147,8 @@ class PrefillDone(msgspec.Struct, tag=True):
     transfer_bytes: int
     error: str | None = None
     error_code: ErrorCode | None = None
+    # Asked for: prompt tokens 1..n-1's (token id, logprob, top n, rank), in order.
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]], int]] | None = None
 
 
 class LoadReport(msgspec.Struct, tag=True):
