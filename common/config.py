@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.common import gguf_checkpoint
+
 
 # What CUDA graphs, activations and the sampling buffers get is the rest of the GPU's memory.
 DEFAULT_MEM_FRACTION_STATIC = 0.85
@@ -29,7 +31,10 @@ def option(default: Any, help: str, **kw: Any) -> Any:
 class EngineConfig:
     """Everything the colocated engine needs to start. Flags are `--field-name`."""
 
-    model_path: str = option("", "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer).")
+    model_path: str = option(
+        "", "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer), or a GGUF file (or a "
+        "directory holding one), dequantized at load."
+    )
     served_model_name: str = option("", "Model name clients must use; default: --model-path as given.")
     device: str = option("auto", "cpu, cuda or cuda:N; auto picks cuda when available.")
     dtype: str = option("auto", "float32, float16 or bfloat16; auto: float32 on CPU, bfloat16 on CUDA.")
@@ -83,8 +88,7 @@ class EngineConfig:
         """Fill every auto value; the result is what the engine runs with."""
         if not self.model_path:
             raise ValueError("--model-path is required")
-        if not (Path(self.model_path) / "config.json").is_file():
-            raise ValueError(f"--model-path {self.model_path!r} has no config.json")
+        check_model_path(self.model_path)
         device = self.device
         if device == "auto":
             import torch
@@ -176,7 +180,18 @@ def model_kv_heads_of(hf: dict) -> int:
     return hf.get("num_key_value_heads") or hf.get("num_attention_heads") or hf.get("n_head")
 
 
+def check_model_path(model_path: str) -> None:
+    """ValueError unless `model_path` is a checkpoint: a directory with config.json, or GGUF."""
+    if (Path(model_path) / "config.json").is_file() or gguf_checkpoint.gguf_file(model_path) is not None:
+        return
+    raise ValueError(f"--model-path {model_path!r} has no config.json and is not a .gguf file (or a directory holding one)")
+
+
 def read_hf_config(model_path: str) -> dict:
+    """config.json's fields; for a GGUF checkpoint the same fields from its metadata."""
+    gguf = gguf_checkpoint.gguf_file(model_path)
+    if gguf is not None:
+        return gguf_checkpoint.hf_config(gguf)
     with open(os.path.join(model_path, "config.json")) as f:
         return json.load(f)
 

@@ -20,7 +20,7 @@ class RouterConfig(TrustConfig):
     """Everything `pdserve-router` takes. Flags are `--field-name`; durations are in seconds. The
     cluster secret and TLS flags (TrustConfig) come last."""
 
-    model_path: str = option("", "Checkpoint directory: the tokenizer, chat template and limits come from it.", required=True)
+    model_path: str = option("", "Checkpoint directory, or GGUF file: the tokenizer, chat template and limits come from it.", required=True)
     prefill: tuple[str, ...] = option((), "Prefill servers (gRPC).", metavar="HOST:PORT")
     decode: tuple[str, ...] = option((), "Decode servers (gRPC).", metavar="HOST:PORT")
     prefill_dns: tuple[str, ...] = option(
@@ -70,6 +70,9 @@ class RouterConfig(TrustConfig):
            "under a supervisor that restarts them; 1: one process, no supervisor. 0: half the usable CPU cores "
            "(the rest left to the servers and clients on the host), from 1 to 8 (every process health-checks "
            "every server and holds its own tokenizer).")
+    no_warm_spare: bool = option(
+        False, "With --workers > 1, keep no warm spare: by default one more process, built but not listening, "
+               "takes a dead worker's place at once (a worker started afresh takes seconds to listen).")
     log_level: str = option("info", "Logging level.")
 
     def check(self) -> None:

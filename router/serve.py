@@ -6,7 +6,9 @@ kernel spreads new connections over the listening sockets (by address hash), and
 with the process that accepted it — so a worker that dies takes only its own connections along.
 
 The port is bound before the Router is built (tokenizer, chat template), so a port in use fails
-at once.
+at once. The supervisor's warm spare (`run_spare`) builds first and binds only once it is promoted
+into a dead worker's slot: a socket bound with SO_REUSEPORT gets its share of the connections, and
+a spare must get none.
 """
 
 from __future__ import annotations
@@ -17,9 +19,14 @@ import signal
 import socket
 import sys
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
+from pdserve.common.config import check_model_path
 from pdserve.common.gc_tuning import tune_gc
 from pdserve.router.config import RouterConfig
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +39,24 @@ MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # least this long has passed since the last call: so once a second, and at once when it starts.
 HEARTBEAT_S = 0.5
 
+# What `ps`, `top` and the tests see of a supervised process (/proc/PID/comm, 15 bytes at most).
+WORKER_NAME = "pdserve-worker"  # a worker slot's process, starting or serving
+WARMING_NAME = "pdserve-warming"  # the spare, building
+SPARE_NAME = "pdserve-spare"  # the spare, built: waits to be promoted
+
 
 def configure_logging(level: str, who: str) -> None:
-    logging.basicConfig(level=level.upper(), format=f"%(asctime)s %(levelname)s {who}: %(message)s")
+    # force: a promoted spare names itself anew ("router spare" -> "router worker N")
+    logging.basicConfig(level=level.upper(), format=f"%(asctime)s %(levelname)s {who}: %(message)s", force=True)
+
+
+def name_process(name: str) -> None:
+    """Show `name` as this process's command name (Linux; nothing elsewhere)."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name)
+    except OSError:
+        pass
 
 
 def bind(host: str, port: int, reuse_port: bool) -> socket.socket:
@@ -55,6 +77,14 @@ def bind(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
+def bind_or_say_why(config: RouterConfig, reuse_port: bool) -> socket.socket | None:
+    try:
+        return bind(config.host, config.port, reuse_port)
+    except OSError as e:
+        print(f"error: cannot listen on {config.host}:{config.port}: {e.strerror or e}", file=sys.stderr)
+        return None
+
+
 def event_loop_and_http() -> tuple[str, str]:
     """uvloop and httptools when they import (the faster pair), else asyncio and h11."""
     try:
@@ -70,20 +100,23 @@ def event_loop_and_http() -> tuple[str, str]:
     return loop, http
 
 
-def serve(config: RouterConfig, supervisor: Connection | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (uvicorn drains the open connections); the exit code.
+def build(config: RouterConfig, supervisor: Connection | None) -> uvicorn.Server | None:
+    """The uvicorn server of a Router, ready to run on a socket; None (the error printed) when the
+    model path or tokenizer is unusable.
 
     `supervisor`: the pipe a supervised worker says "ready" on once it serves; such a worker also
-    writes its metrics gauges every second and stops when the supervisor is gone."""
-    parent = os.getppid()
+    writes its metrics gauges every second and stops when the supervisor is gone.
+
+    NOTE: a spare runs this long before it may serve: nothing here may talk to a server or show in
+    /metrics as serving. Router() loads the tokenizer and writes zeros (its counters, histograms and
+    in-flight gauge: nothing added to the sums); its channels and health checks start with the app's
+    lifespan, when uvicorn runs, and pdserve_router_worker_healthy (a `pid` series per serving
+    process) with the first heartbeat."""
     try:
-        sock = bind(config.host, config.port, reuse_port=supervisor is not None)
-    except OSError as e:
-        print(f"error: cannot listen on {config.host}:{config.port}: {e.strerror or e}", file=sys.stderr)
-        return 2
-    if not os.path.isfile(os.path.join(config.model_path, "config.json")):
-        print(f"error: --model-path {config.model_path!r} has no config.json", file=sys.stderr)
-        return 2
+        check_model_path(config.model_path)  # a directory with config.json, or a GGUF file
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
     import uvicorn
 
     from pdserve.router.app import Router, create_app
@@ -92,7 +125,8 @@ def serve(config: RouterConfig, supervisor: Connection | None = None) -> int:
         router = Router(config)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return None
+    parent = os.getppid()
     announced = False
 
     async def heartbeat() -> None:
@@ -109,20 +143,80 @@ def serve(config: RouterConfig, supervisor: Connection | None = None) -> int:
             server.should_exit = True
 
     loop, http = event_loop_and_http()
-    app = create_app(router)
-    tune_gc()  # the tokenizer and the web stack are the start-up heap
     server = uvicorn.Server(uvicorn.Config(
-        app, loop=loop, http=http, log_level=config.log_level.lower(),
+        create_app(router), loop=loop, http=http, log_level=config.log_level.lower(),
         callback_notify=None if supervisor is None else heartbeat, timeout_notify=HEARTBEAT_S))
+    server.config.load()  # uvicorn's protocol and lifespan imports: now, not when the socket listens
+    tune_gc()  # the tokenizer and the web stack are the start-up heap
+    return server
+
+
+def run_server(server: uvicorn.Server, sock: socket.socket) -> int:
+    """Serve on `sock` until SIGTERM/SIGINT (uvicorn drains the open connections); the exit code."""
     server.run(sockets=[sock])
     return 0 if server.started else 3  # 3: the start-up failed (uvicorn's own code for it)
 
 
-def run_worker(config: RouterConfig, index: int, supervisor: Connection, metrics_dir: str) -> None:
-    """A supervised worker process's entry (multiprocessing spawn); its metrics go to `metrics_dir`."""
+def serve(config: RouterConfig, supervisor: Connection | None = None) -> int:
+    """Bind, build, serve (`build` says what `supervisor` is for); the exit code."""
+    sock = bind_or_say_why(config, reuse_port=supervisor is not None)
+    if sock is None:
+        return 2
+    server = build(config, supervisor)
+    if server is None:
+        return 2
+    return run_server(server, sock)
+
+
+def supervised(config: RouterConfig, metrics_dir: str, name: str, who: str) -> None:
+    """What every supervised process does first (a worker's or the spare's entry)."""
     os.environ[MULTIPROC_DIR_ENV] = metrics_dir
     # Ctrl-C at a terminal reaches the whole process group; the supervisor passes it on as SIGTERM.
     # Ignored here until uvicorn takes over the handler (a worker still starting has nothing to drain).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    configure_logging(config.log_level, f"router worker {index}")
+    name_process(name)
+    configure_logging(config.log_level, who)
+
+
+def run_worker(config: RouterConfig, index: int, supervisor: Connection, metrics_dir: str) -> None:
+    """A supervised worker process's entry (multiprocessing spawn); its metrics go to `metrics_dir`."""
+    supervised(config, metrics_dir, WORKER_NAME, f"router worker {index}")
     sys.exit(serve(config, supervisor))
+
+
+def run_spare(config: RouterConfig, supervisor: Connection, metrics_dir: str) -> None:
+    """The warm spare's entry: build what a worker builds, say "warm", wait; once the supervisor
+    sends a slot index, bind and serve as that slot's worker (saying "ready" on the same pipe).
+    A SIGTERM before then ends it at once (the default action: it holds nothing to drain)."""
+    supervised(config, metrics_dir, WARMING_NAME, "router spare")
+    server = build(config, supervisor)
+    if server is None:
+        sys.exit(2)
+    name_process(SPARE_NAME)
+    index = wait_for_promotion(supervisor)
+    if index is None:
+        log.warning("the supervisor is gone; stopping")
+        sys.exit(0)
+    name_process(WORKER_NAME)
+    configure_logging(config.log_level, f"router worker {index}")
+    sock = bind_or_say_why(config, reuse_port=True)
+    sys.exit(2 if sock is None else run_server(server, sock))
+
+
+def wait_for_promotion(supervisor: Connection) -> int | None:
+    """Say "warm"; the slot index the supervisor sends then; None once the supervisor is gone.
+
+    NOTE: the pipe shows EOF when the supervisor dies; the parent check is the heartbeat's, for a
+    supervisor that is gone while something else still holds its end."""
+    parent = os.getppid()
+    try:
+        supervisor.send("warm")
+    except OSError:
+        return None
+    while os.getppid() == parent:
+        try:
+            if supervisor.poll(HEARTBEAT_S):
+                return supervisor.recv()
+        except (EOFError, OSError):
+            return None
+    return None

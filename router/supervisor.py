@@ -7,12 +7,21 @@
   each policy behaves across processes).
 - /metrics, in any worker, reports all of them: prometheus_client's multiprocess mode, in a fresh
   directory made here and removed at exit (router/metrics.py).
-- A worker that dies is started again at once. A worker that dies before it serves is a failed
-  start: at the first start that ends the router (everything runs the same flags, so the next
-  try fails alike: a bad --model-path, say); later, MAX_FAILED_STARTS in a row of one worker do.
+- Once every worker serves, one more process is kept: the warm spare (router/serve.py's
+  run_spare; --no-warm-spare: none). It has imported the web stack and built its Router (the
+  tokenizer: seconds, far more on a loaded host) but not bound the port — bound, the kernel would
+  give it connections — and says "warm". A worker that dies is replaced by the spare at once: sent
+  the slot's index, it binds and serves, and another spare is started. Without a warm spare (it is
+  still warming, or gone) the slot gets a worker started afresh, as it would without spares.
+- A worker that dies before it serves is a failed start: at the first start that ends the router
+  (everything runs the same flags, so the next try fails alike: a bad --model-path, say); later,
+  MAX_FAILED_STARTS in a row of one worker do. A spare that dies is started again; one that dies
+  before it is warm is a failed start, and MAX_FAILED_STARTS of them in a row end the spares (not
+  the router: its workers still serve), dead workers then being started afresh.
 - SIGTERM and SIGINT are passed on to the workers as SIGTERM (uvicorn drains their connections),
   and this process exits 0 when they are gone; a SIGINT after that is passed on as SIGINT,
-  uvicorn's "stop now".
+  uvicorn's "stop now". The spare gets SIGTERM too (it has nothing to drain) and is never promoted
+  once a stop is asked.
 
 NOTE: workers are spawned, never forked: a forked child would inherit the parent's threads' locks
 (grpc's, the tokenizer's) in whatever state they were.
@@ -33,11 +42,11 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.serve import bind, run_worker
+from pdserve.router.serve import bind, run_spare, run_worker
 
 log = logging.getLogger(__name__)
 
-MAX_FAILED_STARTS = 5  # in a row, of one worker, once the router has served
+MAX_FAILED_STARTS = 5  # in a row, of one worker (or of the spare), once the router has served
 STOP_TIMEOUT_S = 10.0  # after a failed start: how long the other workers get before SIGKILL
 
 
@@ -47,10 +56,19 @@ class Worker:
 
     index: int
     process: BaseProcess
-    ready: Connection  # read end
+    ready: Connection  # read end (a promoted spare's: its two-way pipe)
     serving: bool = False  # said ready
     exited: bool = False  # death seen and handled
     failed_starts: int = 0  # consecutive deaths before serving, of this slot
+
+
+@dataclass
+class Spare:
+    """The warm spare: a process built as a worker is, waiting for a slot's index on its pipe."""
+
+    process: BaseProcess
+    pipe: Connection  # two-way: it says "warm" (and, once promoted, "ready"); we send the index
+    warm: bool = False  # said warm
 
 
 def describe_exit(code: int) -> str:
@@ -58,12 +76,16 @@ def describe_exit(code: int) -> str:
 
 
 class Supervisor:
-    def __init__(self, config: RouterConfig, target=run_worker):
-        """`target(config, index, ready_connection, metrics_dir)` is what a worker process runs (tests swap it)."""
+    def __init__(self, config: RouterConfig, target=run_worker, spare_target=run_spare):
+        """`target(config, index, ready_connection, metrics_dir)` is what a worker process runs, and
+        `spare_target(config, connection, metrics_dir)` what the spare runs (tests swap them)."""
         self.config = config
         self.target = target
+        self.spare_target = spare_target
         self.context = multiprocessing.get_context("spawn")
         self.workers: list[Worker] = []
+        self.spare: Spare | None = None
+        self.spare_failed_starts = 0  # in a row; at MAX_FAILED_STARTS no more spares
         self.received: list[int] = []  # SIGTERM/SIGINT not yet passed on
         self.stopping = False
         self.all_served = False  # every slot has served once: the first start is over
@@ -104,12 +126,23 @@ class Supervisor:
         ready_in_child.close()  # the child holds its own copy: our read end sees EOF when it dies
         return Worker(index, process, ready, failed_starts=failed_starts)
 
+    def _start_spare(self) -> Spare:
+        pipe, pipe_in_child = self.context.Pipe(duplex=True)
+        process = self.context.Process(target=self.spare_target, args=(self.config, pipe_in_child, self.metrics_dir),
+                                       name="pdserve-router-spare", daemon=True)
+        process.start()
+        pipe_in_child.close()  # as in _start: EOF when it dies
+        return Spare(process, pipe)
+
     def _watch(self, wake: socket.socket) -> int:
         while True:
             alive = [w for w in self.workers if not w.exited]
-            if self.stopping and not alive:
+            spare = self.spare
+            if self.stopping and not alive and spare is None:
                 return 0
             waiting = [wake] + [w.process.sentinel for w in alive] + [w.ready for w in alive if not w.serving]
+            if spare is not None:
+                waiting += [spare.process.sentinel] + ([] if spare.warm else [spare.pipe])
             woken = wait(waiting)
             if wake in woken:
                 wake.recv(4096)
@@ -117,11 +150,16 @@ class Supervisor:
             for w in alive:
                 if not w.serving and w.ready in woken:
                     self._note_ready(w)
+            if spare is not None and spare.pipe in woken:
+                self._note_warm(spare)
+            if spare is not None and spare.process.sentinel in woken:
+                self._on_spare_exit(spare)  # before the workers': a dead spare is never promoted
             for w in alive:
                 if w.process.sentinel in woken:
                     code = self._on_exit(w)
                     if code is not None:
                         return code
+            self._keep_a_spare()
 
     def _forward_stop_signals(self) -> None:
         """The first signal goes on as SIGTERM; a SIGINT after it as SIGINT. NOTE: uvicorn's own
@@ -135,12 +173,14 @@ class Supervisor:
             if not self.stopping:
                 log.info("stopping %d workers", len(self.workers))
             self.stopping = True
-            for w in self.workers:
-                if not w.exited:
-                    try:
-                        os.kill(w.process.pid, sig)
-                    except ProcessLookupError:
-                        pass  # exited; its sentinel says so next
+            pids = [w.process.pid for w in self.workers if not w.exited]
+            if self.spare is not None:
+                pids.append(self.spare.process.pid)  # (it ignores SIGINT: SIGTERM has ended it)
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass  # exited; its sentinel says so next
 
     def _note_ready(self, w: Worker) -> None:
         try:
@@ -152,14 +192,18 @@ class Supervisor:
             self.all_served = True
             log.info("%d workers serving http://%s:%d", len(self.workers), self.config.host, self.config.port)
 
-    def _on_exit(self, w: Worker) -> int | None:
-        """Handle the death of w's process: start it again, or say why not (the exit code)."""
-        from prometheus_client.multiprocess import mark_process_dead
+    def _note_warm(self, spare: Spare) -> None:
+        try:
+            spare.pipe.recv()
+        except EOFError:
+            return  # it died while warming: its sentinel says so
+        spare.warm, self.spare_failed_starts = True, 0
+        log.info("spare (pid %d) warm", spare.process.pid)
 
-        w.process.join()
+    def _on_exit(self, w: Worker) -> int | None:
+        """Handle the death of w's process: replace it, or say why not (the exit code)."""
+        self._reap(w.process, w.ready)
         w.exited = True
-        w.ready.close()
-        mark_process_dead(w.process.pid, self.metrics_dir)  # its live gauges (in flight, health) leave /metrics
         if self.stopping or self.received:
             return None
         how = f"worker {w.index} (pid {w.process.pid}) {describe_exit(w.process.exitcode)}"
@@ -171,18 +215,66 @@ class Supervisor:
             if w.failed_starts >= MAX_FAILED_STARTS:
                 print(f"error: router {how}, its {w.failed_starts}th failed start in a row; stopping", file=sys.stderr)
                 return 1
-        log.warning("%s; starting it again", how)
-        self.workers[w.index] = self._start(w.index, w.failed_starts)
+        replacement = self._promote(w.index, w.failed_starts)
+        if replacement is not None:
+            log.warning("%s; the warm spare (pid %d) takes its place", how, replacement.process.pid)
+        else:
+            log.warning("%s; starting it again", how)
+            replacement = self._start(w.index, w.failed_starts)
+        self.workers[w.index] = replacement
         return None
+
+    def _promote(self, index: int, failed_starts: int) -> Worker | None:
+        """The warm spare, told to serve as slot `index`; None when there is none to tell."""
+        spare = self.spare
+        if spare is None or not spare.warm:
+            return None
+        try:
+            spare.pipe.send(index)
+        except OSError:
+            return None  # it died just now: its sentinel says so next
+        self.spare = None
+        return Worker(index, spare.process, spare.pipe, failed_starts=failed_starts)
+
+    def _on_spare_exit(self, spare: Spare) -> None:
+        """A spare that dies is started again (by _keep_a_spare), unless it keeps failing to warm."""
+        self._reap(spare.process, spare.pipe)
+        self.spare = None
+        if self.stopping or self.received:
+            return
+        how = f"spare (pid {spare.process.pid}) {describe_exit(spare.process.exitcode)}"
+        if spare.warm:
+            log.warning("%s; starting another", how)
+            return
+        self.spare_failed_starts += 1
+        if self.spare_failed_starts >= MAX_FAILED_STARTS:
+            log.error("%s while warming, its %dth time in a row; no spare from now on (a dead worker is started "
+                      "afresh)", how, self.spare_failed_starts)
+        else:
+            log.warning("%s while warming; starting another", how)
+
+    def _keep_a_spare(self) -> None:
+        """Start a spare when there is none, the first start is over, and nothing stops us."""
+        if (self.spare is None and self.all_served and not self.config.no_warm_spare and not self.stopping
+                and not self.received and self.spare_failed_starts < MAX_FAILED_STARTS):
+            self.spare = self._start_spare()
+
+    def _reap(self, process: BaseProcess, pipe: Connection) -> None:
+        from prometheus_client.multiprocess import mark_process_dead
+
+        process.join()
+        pipe.close()
+        mark_process_dead(process.pid, self.metrics_dir)  # its live gauges (in flight, health) leave /metrics
 
     def _stop_all(self) -> None:
         """SIGTERM what is still running, SIGKILL what outlives STOP_TIMEOUT_S (after a failure only:
         a stop asked by a signal has already waited for every worker)."""
-        for w in self.workers:
-            if w.process.is_alive():
-                w.process.terminate()
-        for w in self.workers:
-            w.process.join(STOP_TIMEOUT_S)
-            if w.process.is_alive():
-                w.process.kill()
-                w.process.join()
+        processes = [w.process for w in self.workers] + ([self.spare.process] if self.spare is not None else [])
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        for process in processes:
+            process.join(STOP_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+                process.join()

@@ -163,7 +163,7 @@ def _interrupt(*_) -> None:
 def add_parser(sub) -> None:
     """`pdserve up` on the `pdserve` command's sub-parsers (entry point group pdserve.commands)."""
     local = sub.add_parser("up", help="Start a local router + prefill + decode deployment (Ctrl-C stops it).")
-    local.add_argument("--model-path", default=None, help="Checkpoint directory; default: a tiny llama made on the fly.")
+    local.add_argument("--model-path", default=None, help="Checkpoint directory or GGUF file; default: a tiny llama made on the fly.")
     local.add_argument("--num-prefill", type=int, default=1, help="Prefill servers to start.")
     local.add_argument("--num-decode", type=int, default=1, help="Decode servers to start.")
     local.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when a GPU is visible).")

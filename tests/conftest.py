@@ -14,6 +14,9 @@ import pytest  # noqa: E402
 
 from pdserve.common.tiny_model import ARCHS, make_tiny_model  # noqa: E402
 
+# The real-model fixture (SmolLM2 GGUF and its transformers reference), for any test module.
+pytest_plugins = ("tests.real_model",)
+
 
 @pytest.fixture(autouse=True)
 def unfreeze_gc():

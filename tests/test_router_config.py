@@ -24,7 +24,7 @@ FLAGS = ["--model-path", "--prefill", "--decode", "--prefill-dns", "--decode-dns
          "--prefill-policy", "--decode-policy", "--decode-stream", "--max-inflight", "--max-queued",
          "--queue-timeout", "--max-choices", "--max-choices-at-once", "--request-timeout", "--prefill-timeout",
          "--decode-timeout", "--max-prefill-attempts", "--health-check-interval", "--health-check-timeout",
-         "--dns-interval", "--circuit-failures", "--circuit-open-time", "--host", "--port", "--workers",
+         "--dns-interval", "--circuit-failures", "--circuit-open-time", "--host", "--port", "--workers", "--no-warm-spare",
          "--log-level", "--cluster-secret-file", "--tls-cert", "--tls-key", "--tls-ca", "--allow-unauthenticated"]
 SERVERS = ["--prefill", "p:1", "p:2", "--decode", "d:1"]
 

@@ -1,7 +1,8 @@
-"""Build a model from a Hugging Face checkpoint directory: config.json + *.safetensors.
+"""Build a model from a Hugging Face checkpoint directory (config.json + *.safetensors) or a GGUF file.
 
 With tensor parallelism each rank builds its shard of the model and reads only its slices of the
-checkpoint (safetensors slices: `tp_shards` on the parallel layers, models/parallel.py).
+checkpoint (safetensors slices: `tp_shards` on the parallel layers, models/parallel.py). A GGUF file
+is read through GGUFWeights (models/gguf_weights.py), which offers the same keys, shapes and slices.
 """
 
 from __future__ import annotations
@@ -9,15 +10,18 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
 
 from pdserve.common.config import read_hf_config
 from pdserve.common.engine.models import MODEL_REGISTRY
+from pdserve.common.engine.models.gguf_weights import GGUFWeights
 from pdserve.common.engine.models.gpt2 import TRANSPOSED
 from pdserve.common.engine.models.parallel import Shard
 from pdserve.common.engine.tp import TPGroup
+from pdserve.common.gguf_checkpoint import gguf_file
 
 # Checkpoint entries that are not weights (cached buffers some exporters save).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
@@ -62,27 +66,37 @@ def _checkpoint_files(model_path: str) -> list[str]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_path}")
 
 
+def _checkpoint_sources(model_path: str, cfg: dict) -> Iterator[tuple[str, object]]:
+    """(file, its tensors) for each weight file: a safetensors handle, or a GGUF file's GGUFWeights."""
+    gguf = gguf_file(model_path)
+    if gguf is not None:
+        yield gguf, GGUFWeights(gguf, cfg)
+        return
+    for path in _checkpoint_files(model_path):
+        with safe_open(path, framework="pt") as f:
+            yield path, f
+
+
 def _load_weights(model: torch.nn.Module, model_path: str, cfg: dict) -> None:
     params = dict(model.named_parameters())  # tied weights appear once, under the first name
     is_gpt2 = "GPT2LMHeadModel" in cfg.get("architectures", [])
     loaded: set[str] = set()
-    for path in _checkpoint_files(model_path):
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                if key.endswith(_IGNORED_SUFFIXES):
-                    continue
-                name = "transformer." + key if is_gpt2 and not key.startswith(("transformer.", "lm_head.")) else key
-                if name not in params:
-                    if name == "lm_head.weight" and "lm_head.weight" not in params:
-                        continue  # tied: the embedding already holds it
-                    raise ValueError(f"unexpected weight {key!r} in {path}")
-                transposed = is_gpt2 and name.endswith(TRANSPOSED)
-                tensor = _read(f, key, _shard_of(model, name), transposed, params[name])
-                if tensor.shape != params[name].shape:
-                    raise ValueError(f"weight {key!r}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
-                with torch.no_grad():
-                    params[name].copy_(tensor)
-                loaded.add(name)
+    for path, f in _checkpoint_sources(model_path, cfg):
+        for key in f.keys():
+            if key.endswith(_IGNORED_SUFFIXES):
+                continue
+            name = "transformer." + key if is_gpt2 and not key.startswith(("transformer.", "lm_head.")) else key
+            if name not in params:
+                if name == "lm_head.weight" and "lm_head.weight" not in params:
+                    continue  # tied: the embedding already holds it
+                raise ValueError(f"unexpected weight {key!r} in {path}")
+            transposed = is_gpt2 and name.endswith(TRANSPOSED)
+            tensor = _read(f, key, _shard_of(model, name), transposed, params[name])
+            if tensor.shape != params[name].shape:
+                raise ValueError(f"weight {key!r}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_path} lacks weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
@@ -95,7 +109,8 @@ def _shard_of(model: torch.nn.Module, name: str) -> Shard | None:
 
 def _read(f, key: str, shard: Shard | None, transposed: bool, param: torch.Tensor) -> torch.Tensor:
     """This rank's part of checkpoint tensor `key`, in the parameter's layout; only the shard's
-    slices are read. `transposed`: stored as [in, out] (GPT-2's Conv1D)."""
+    slices are read. `transposed`: stored as [in, out] (GPT-2's Conv1D). `f`: a safetensors handle
+    or GGUFWeights (keys, get_slice(key)[index], get_slice(key).get_shape(), get_tensor)."""
     if shard is not None and shard.zeros:
         return torch.zeros(param.shape, dtype=param.dtype)
     sliced = f.get_slice(key)

@@ -1,0 +1,165 @@
+"""A GGUF file's weights as the loader reads a safetensors file: the same keys, shapes and layouts.
+
+    GGUFWeights(path, cfg): keys(), get_slice(key)[index], get_slice(key).get_shape(), get_tensor(key)
+
+so the loader's one sharding path (loader._read) serves both. What llama.cpp's converter changed is
+undone here, per tensor, as its rows are read (gguf.quants.dequantize, to float32):
+
+    names      blk.N.attn_q.weight -> model.layers.N.self_attn.q_proj.weight, ... (tables below)
+    rope rows  llama-arch Q and K (biases too) are permuted for llama.cpp's interleaved RoPE; Qwen's
+               are not (transformers' LlamaTensorProcessor undoes the same)
+    Conv1D     GPT-2's projections were transposed to [out, in]; shown again as HF's [in, out]
+
+A shard reads only its rows of the file (the rows of a ggml tensor are its output features, and
+quantization blocks never cross a row); a slice of the input features dequantizes the whole tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.common.engine.models.gpt2 import TRANSPOSED
+
+# llama.cpp's tensor names -> Hugging Face's, per architecture family: the names outside the
+# layers, then those of layer N ("blk.N.<leaf>" -> "<prefix>.N.<hf leaf>").
+LLAMA_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LLAMA_LAYER_PREFIX = "model.layers"
+LLAMA_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GPT2_NAMES = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe", "output_norm": "transformer.ln_f",
+              "output": "lm_head"}
+GPT2_LAYER_PREFIX = "transformer.h"
+GPT2_LAYER_NAMES = {
+    "attn_norm": "ln_1",
+    "attn_qkv": "attn.c_attn",
+    "attn_output": "attn.c_proj",
+    "ffn_norm": "ln_2",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
+}
+# Not weights: read into the config (Llama 3's RoPE frequency factors, gguf_checkpoint.py).
+NOT_WEIGHTS = ("rope_freqs.weight",)
+
+
+def hf_name(gguf_name: str, gpt2: bool) -> str:
+    """The Hugging Face name of a llama.cpp tensor name; ValueError for one not in the tables."""
+    names, prefix, layer_names = (GPT2_NAMES, GPT2_LAYER_PREFIX, GPT2_LAYER_NAMES) if gpt2 else (
+        LLAMA_NAMES, LLAMA_LAYER_PREFIX, LLAMA_LAYER_NAMES)
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"{prefix}.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in names:
+        return f"{names[parts[0]]}.{parts[1]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} is not one of the {'gpt2' if gpt2 else 'llama-family'} tensors pdserve knows")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    tensor: object  # gguf's ReaderTensor: data is the file's bytes (quantized) or values, rows first
+    shape: tuple[int, ...]  # Hugging Face's shape
+    rope_heads: int  # > 0: rows permuted by llama.cpp, this many heads of them
+    conv1d: bool  # shown transposed: HF's [in, out] of the file's [out, in]
+
+    @property
+    def num_rows(self) -> int:
+        """The file's rows: the output features (HF's dim 0, or dim 1 of a Conv1D)."""
+        return self.shape[1] if self.conv1d else self.shape[0]
+
+
+class GGUFWeights:
+    """The tensors of GGUF file `path` under Hugging Face names; `cfg` is its hf_config."""
+
+    def __init__(self, path: str, cfg: dict):
+        from gguf import GGUFReader
+
+        gpt2 = cfg["architectures"][0] == "GPT2LMHeadModel"
+        # NOTE: only llama-arch files are permuted: Mistral converts as llama, Qwen2/3 do not.
+        permuted = cfg.get("model_type") in ("llama", "mistral")
+        heads = cfg.get("num_attention_heads")
+        rope_heads = {"attn_q": heads, "attn_k": cfg.get("num_key_value_heads") or heads}
+        self.entries: dict[str, _Entry] = {}
+        for tensor in GGUFReader(path).tensors:
+            if tensor.name in NOT_WEIGHTS:
+                continue
+            name = hf_name(tensor.name, gpt2)
+            shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the innermost dimension first
+            leaf = tensor.name.split(".")[-2]
+            conv1d = gpt2 and name.endswith(TRANSPOSED)
+            self.entries[name] = _Entry(
+                tensor, shape[::-1] if conv1d else shape, rope_heads[leaf] if permuted and leaf in rope_heads else 0, conv1d
+            )
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def get_slice(self, key: str) -> "_Slice":
+        return _Slice(self, key)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        entry = self.entries[key]
+        rows = self.rows(entry, 0, entry.num_rows)
+        return rows.t() if entry.conv1d else rows
+
+    def rows(self, entry: _Entry, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the file's tensor (output features), dequantized, permutation undone."""
+        from gguf.quants import dequantize
+
+        data = entry.tensor.data
+        if entry.rope_heads:
+            head_dim = entry.num_rows // entry.rope_heads
+            if start % head_dim or stop % head_dim:  # not whole heads: unpermute all, then cut
+                return self.rows(entry, 0, entry.num_rows)[start:stop]
+        packed_1d = data.ndim == 1 and data.dtype == np.uint8  # a quantized vector's data is bytes, not rows
+        values = dequantize(data if packed_1d else data[start:stop], entry.tensor.tensor_type)
+        if not values.flags.writeable:  # an F32 tensor's values are the read-only mapped file
+            values = values.copy()
+        values = torch.from_numpy(values.astype(np.float32, copy=False))
+        if packed_1d:
+            values = values[start:stop]
+        if entry.rope_heads:
+            values = unpermute_rope_rows(values, (stop - start) // head_dim)
+        return values
+
+
+class _Slice:
+    """safetensors' slice object for one tensor: get_shape() and [index] in Hugging Face's layout."""
+
+    def __init__(self, weights: GGUFWeights, key: str):
+        self.weights, self.entry = weights, weights.entries[key]
+        self.key = key
+
+    def get_shape(self) -> list[int]:
+        return list(self.entry.shape)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        row_dim = 1 if self.entry.conv1d else 0  # where the file's rows are in HF's layout
+        rows = index[row_dim] if len(index) > row_dim else slice(None)
+        others = [s for d, s in enumerate(index) if d != row_dim]
+        if rows.step is None and all(s == slice(None) for s in others):
+            start, stop, _ = rows.indices(self.entry.num_rows)
+            block = self.weights.rows(self.entry, start, stop)
+            return block.t() if self.entry.conv1d else block
+        return self.weights.get_tensor(self.key)[index]
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's `permute` of Q/K rows (weight or bias) for `n_head` whole heads.
+
+    llama.cpp: w.reshape(n_head, 2, head_dim // 2, ...).swapaxes(1, 2): each head's two rotary halves
+    interleaved (its RoPE pairs neighbours; transformers' rotate_half pairs i and i + head_dim/2)."""
+    head_dim = w.shape[0] // n_head
+    return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

