@@ -121,3 +121,21 @@ def openai_error_problem(answer: Answer) -> str | None:
     if not isinstance(error.get("type"), str) or not {"param", "code"} <= error.keys():
         return f"{answer.status} error body lacks type/param/code: {body}"
     return None
+
+
+def pdserve_up(model: str, *flags: str, timeout: float = 180.0) -> tuple[subprocess.Popen, int, str]:
+    """`pdserve up --model-path MODEL --device cpu` on a free port: (the process, the router's port,
+    the line that says it is up). Stop it with SIGINT (Ctrl-C), then wait for exit code 0."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.common.cli", "up", "--model-path", model, "--device", "cpu",
+                             "--port", str(port), *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, "pdserve up exited:\n" + "".join(lines)
+        lines.append(line)
+        if "pdserve is up" in line:
+            return proc, port, line
+    proc.kill()
+    raise TimeoutError("pdserve up not ready:\n" + "".join(lines))

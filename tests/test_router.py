@@ -3,9 +3,6 @@ by the official `openai` client."""
 
 import json
 import re
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -14,28 +11,14 @@ import pytest
 import torch
 
 from pdserve.common.tokenizer import load_tokenizer
-from pdserve.common.ports import free_port
+from tests.router_stack import pdserve_up
 
 
 @pytest.fixture(scope="module")
 def up(tiny_models):
     """`pdserve up`: (model, router port, client, the line that says it is up)."""
     model = tiny_models("qwen3")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.common.cli", "up", "--model-path", model, "--device", "cpu",
-                             "--port", str(port), "--prefill-policy", "cache_aware"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 180
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, "pdserve up exited:\n" + "".join(lines)
-        lines.append(line)
-        if "pdserve is up" in line:
-            break
-    else:
-        proc.kill()
-        raise TimeoutError("pdserve up not ready:\n" + "".join(lines))
+    proc, port, line = pdserve_up(model, "--prefill-policy", "cache_aware")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
     yield model, port, client, line
     proc.send_signal(2)  # Ctrl-C
