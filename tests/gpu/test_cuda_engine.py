@@ -89,13 +89,13 @@ def test_timeline_host_work_for_n_plus_1_overlaps_device_work_for_n(tiny_models)
     engine = Engine(model_path=tiny_models("gpt2"), device="cuda", max_total_tokens=8192, disable_cuda_graph=True)
     spans = {}  # batch seq -> (device start event, device end event) of its forward
 
-    def slow_forward(batch, ids, forward=engine.runner.forward):
+    def slow_forward(batch, ids, scored=None, forward=engine.runner.forward):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         # ~10 ms of device time per forward, so the device is the bottleneck (the torch-native
         # backend's kernel launches alone take the host ~3 ms per step on this tiny model)
         torch.cuda._sleep(20_000_000)
-        logits = forward(batch, ids)
+        logits = forward(batch, ids, scored)
         end.record()
         spans[batch.seq] = (start, end)
         return logits
