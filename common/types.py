@@ -55,6 +55,8 @@ class SamplingParams:
     # The prompt tokens' logprobs (each given the tokens before it), with the top n: None for none.
     # Such a prompt is computed whole: its prefix-cache hit would have no logits.
     prompt_logprobs: int | None = None
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias, in [-100, 100]).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -93,6 +95,10 @@ class SamplingParams:
             not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
         ):
             bad(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.prompt_logprobs!r}")
+        for pair in self.logit_bias:
+            if (not isinstance(pair, tuple) or len(pair) != 2 or not isinstance(pair[0], int) or pair[0] < 0
+                    or not isinstance(pair[1], (int, float)) or not -100 <= pair[1] <= 100):
+                bad(f"logit_bias must map token ids to numbers in [-100, 100], got {pair!r}")
 
     @property
     def greedy(self) -> bool:
@@ -101,7 +107,8 @@ class SamplingParams:
     @functools.cached_property  # read for every request of every decode step
     def plain_greedy(self) -> bool:
         """The argmax of the raw logits is all this request's sampling needs (no tensor at all)."""
-        return self.greedy and not self.has_penalties and self.min_new_tokens == 0 and self.logprobs is None
+        return (self.greedy and not self.has_penalties and self.min_new_tokens == 0 and self.logprobs is None
+                and not self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:

@@ -26,7 +26,7 @@ from pdserve.common.config import read_hf_config
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.openai.api import OpenAIError, ParsedRequest, parse_completion_request
 from pdserve.common.openai.chat import parse_chat_request
-from pdserve.common.openai.format import chat_logprobs, completion_logprobs, format_response, token_text_of, usage
+from pdserve.common.openai.format import format_response
 from pdserve.common.scheduling.output_processor import append_token, finalize
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Completion, FinishReason, Req
@@ -40,6 +40,7 @@ from pdserve.router.http_answers import (
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import UpstreamError, fix_seed, paired_generate, prefill_only, prompt_logprobs_of
 from pdserve.router.policies import make_policy
+from pdserve.router.stream_chunks import StreamChunks
 from pdserve.router.workers import WorkerRegistry, resolve_dns
 
 log = logging.getLogger(__name__)
@@ -271,52 +272,29 @@ def create_app(router: Router) -> FastAPI:
             router.inflight -= 1
 
     async def stream(parsed: ParsedRequest, choices, lanes: int, request_id: str, created: int):
-        chat = parsed.kind == "chat"
-        prefix, kind = ("chatcmpl-", "chat.completion.chunk") if chat else ("cmpl-", "text_completion")
+        chunks = StreamChunks(parsed, router.tokenizer, request_id, created)
         queue: asyncio.Queue = asyncio.Queue()
-
-        token_text = token_text_of(router.tokenizer)
-
-        def chunk(index: int, text: str | None, finish: str | None, role: bool = False, logprobs=None) -> str:
-            lp = None
-            if logprobs and parsed.logprobs is not None:
-                lp = (chat_logprobs if chat else completion_logprobs)(logprobs, parsed.logprobs, token_text)
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                body = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            else:
-                body = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
-            return json.dumps({"id": prefix + request_id, "object": kind, "created": created, "model": parsed.model,
-                               "choices": [body]})
-
-        def echo_chunk(index: int, ids: list[int], prompt_logprobs) -> str:
-            lp = None
-            if parsed.logprobs is not None:
-                lp = completion_logprobs([], parsed.logprobs, token_text, (ids, prompt_logprobs or [None]))
-            body = {"index": index, "text": parsed.prompt_texts[index // parsed.n], "logprobs": lp, "finish_reason": None}
-            return json.dumps({"id": prefix + request_id, "object": kind, "created": created, "model": parsed.model,
-                               "choices": [body]})
 
         async def run(index: int, ids, params):
             async def on_text(delta: str, logprobs):
-                await queue.put(chunk(index, delta, None, logprobs=logprobs))
+                await queue.put(chunks.choice(index, delta, None, logprobs=logprobs))
 
             async def on_prompt(prompt_logprobs):
                 """Echo: the prompt leads the choice's stream, with its logprobs when asked."""
                 if parsed.echo:
-                    await queue.put(echo_chunk(index, ids, prompt_logprobs))
+                    await queue.put(chunks.echo(index, ids, prompt_logprobs))
 
             try:
                 completion = await router.choice(ids, params, on_text, on_prompt)
-                await queue.put(chunk(index, None, completion.finish_reason.value))
+                await queue.put(chunks.choice(index, None, completion.finish_reason.value))
                 return completion
             except UpstreamError as e:
                 await queue.put(json.dumps(OpenAIError(str(e), status_code=e.status).to_body()))
                 return None
 
-        if chat:
+        if chunks.chat:
             for i in range(len(choices)):
-                yield f"data: {chunk(i, None, None, role=True)}\n\n"
+                yield f"data: {chunks.choice(i, None, None, role=True)}\n\n"
         # One task runs every choice, `lanes` at a time (run() answers a failed choice in the stream).
         tasks = [asyncio.create_task(run_choices(choices, lanes, run))]
         try:
@@ -324,8 +302,7 @@ def create_app(router: Router) -> FastAPI:
                 yield "".join(f"data: {item}\n\n" for item in items)
             [completions] = [task.result() for task in tasks]
             if parsed.include_usage and all(c is not None for c in completions):
-                yield "data: " + json.dumps({"id": prefix + request_id, "object": kind, "created": created,
-                                             "model": parsed.model, "choices": [], "usage": usage(parsed, completions)}) + "\n\n"
+                yield f"data: {chunks.usage(completions)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             for task in tasks:  # the client went away: cancel both sides of every choice

@@ -102,6 +102,7 @@ def _proto_params(p: SamplingParams) -> pb.SamplingParams:
         out.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         out.prompt_logprobs = p.prompt_logprobs
+    out.logit_bias.extend(pb.LogitBias(token_id=t, bias=b) for t, b in p.logit_bias)
     return out
 
 

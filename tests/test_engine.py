@@ -122,7 +122,7 @@ def test_bad_requests_are_refused_and_leave_nothing_queued(make_engine):
 
 
 def test_sampling_params_validation():
-    for bad in (dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(min_p=2),
+    for bad in (dict(max_new_tokens=-1), dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(min_p=2),
                 dict(logprobs=21), dict(min_new_tokens=5, max_new_tokens=2), dict(stop=("",))):
         with pytest.raises(ValueError):
             SamplingParams(**bad)

@@ -270,6 +270,7 @@ def test_sampling_params_all_fields():
         logprobs=5,
         skip_special_tokens=True,
         prompt_logprobs=2,
+        logit_bias=[pb.LogitBias(token_id=7, bias=-100.0), pb.LogitBias(token_id=2**32 - 1, bias=2.5)],
     )
     back = _rt(params)
     # Doubles: a Python float survives exactly.

@@ -206,3 +206,11 @@ def test_echo_with_logprobs_scores_the_prompt_on_the_prefill_server(deployment):
     streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert streamed[0] is None and len(streamed) == len(ids) + 3
     assert all(abs(a - b) < 1e-4 for a, b in zip(streamed[1 : len(ids)], want))
+
+
+def test_logit_bias_reaches_both_servers(deployment):
+    """The prefill server samples the first token, the decode server the rest: both apply the bias."""
+    model, _, client = deployment
+    out = client.completions.create(model=model, prompt="Hello", max_tokens=5, temperature=0,
+                                    logit_bias={"17": 100}, extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert out.choices[0].model_extra["token_ids"] == [17] * 5

@@ -74,6 +74,8 @@ class SamplingBatchInfo:
     banned_token_idx: torch.Tensor | None  # [K] flat indices masked to -inf by min_new_tokens
     want_logprobs: bool
     top_logprobs_k: int  # the largest top-n asked for in the batch; 0 for none
+    bias_idx: torch.Tensor | None = None  # [L] flat indices of logit_bias tokens
+    bias_values: torch.Tensor | None = None  # [L] float32: their biases
 
     @classmethod
     def from_reqs(
@@ -117,9 +119,13 @@ class SamplingBatchInfo:
         top_ps = [p.top_p if s and p.top_p < 1.0 else float("inf") for p, s in zip(params, sampled)]
         min_ps = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
 
-        seen, counted, banned = [], [], []
+        seen, counted, banned, biased, biases = [], [], [], [], []
         for row, req in enumerate(reqs):
             base, p = row * vocab_size, req.params
+            for token, bias in p.logit_bias:
+                if token < vocab_size:  # (the API checks ids against the vocabulary)
+                    biased.append(base + token)
+                    biases.append(bias)
             if p.repetition_penalty != 1.0:
                 seen += [base + t for t in set(req.prompt_ids) | set(req.output_ids)]
             if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
@@ -146,6 +152,8 @@ class SamplingBatchInfo:
             banned_token_idx=upload(bool(banned), banned, torch.int64),
             want_logprobs=any(p.logprobs is not None for p in params),
             top_logprobs_k=min(max((p.logprobs or 0 for p in params), default=0), vocab_size),
+            bias_idx=upload(bool(biased), biased, torch.int64),
+            bias_values=upload(bool(biased), biases, torch.float32),
         )
 
 
@@ -158,7 +166,8 @@ class SampleOutput:
 
 
 def process_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Steps 1-2: penalties, then min_new_tokens masking. Returns a new tensor; `logits` is untouched."""
+    """Steps 1-3: penalties, logit_bias, then min_new_tokens masking. Returns a new tensor; `logits` is
+    untouched (logprobs are of the raw distribution)."""
     batch, vocab = logits.shape
     if info.seen_token_idx is not None:
         seen = torch.zeros(batch * vocab, dtype=torch.bool, device=logits.device)
@@ -170,6 +179,8 @@ def process_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tenso
         ones = torch.ones_like(info.output_token_idx, dtype=torch.float32)
         counts = counts.index_add_(0, info.output_token_idx, ones).view(batch, vocab)
         logits = logits - counts * info.frequency_penalties - (counts > 0) * info.presence_penalties
+    if info.bias_idx is not None:
+        logits = logits.flatten().index_add(0, info.bias_idx, info.bias_values).view(batch, vocab)
     if info.banned_token_idx is not None:
         logits = logits.flatten().index_fill(0, info.banned_token_idx, float("-inf")).view(batch, vocab)
     return logits
@@ -215,7 +226,7 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
     """Next token per row of `logits` [B, V], any float dtype (rows in the order of the batch's
     reqs); no host sync. Logprobs and sampling work in float32."""
     plain_greedy = info.all_greedy and not info.want_logprobs and info.seen_token_idx is None
-    if plain_greedy and info.output_token_idx is None and info.banned_token_idx is None:
+    if plain_greedy and info.output_token_idx is None and info.banned_token_idx is None and info.bias_idx is None:
         # Upcasting is exact, so the argmax of the model-dtype logits is the float32 one's; it
         # reads half the bytes and skips the cast (a 128 x 128k-vocab batch: ~70 us per step).
         return SampleOutput(greedy_argmax(logits), None, None, None)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.common.openai.fields import (  # OpenAIError: callers import it from here too
-    INT32_MAX, MASK64, UINT32_MAX, OpenAIError, _boolean, _check_unicode, _integer, _is_int, _json_type, _number,
-    _reject_unless_empty, _stop, _stop_token_ids, _wrong_type,
+    INT32_MAX, MASK64, UINT32_MAX, OpenAIError, _boolean, _check_unicode, _integer, _is_int, _json_type, _logit_bias, _number,
+    _stop, _stop_token_ids, _wrong_type,
 )
 from pdserve.common.types import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -108,8 +108,8 @@ def _stream_options(body: dict, allow_stream: bool) -> tuple[bool, bool]:
 
 def _sampling_fields(body: dict, vocab_size: int) -> dict:
     """SamplingParams keyword arguments common to both endpoints (not max tokens, seed, logprobs)."""
-    _reject_unless_empty(body, "logit_bias")
     return {
+        "logit_bias": _logit_bias(body, vocab_size),
         "temperature": _number(body, "temperature", 1.0, lambda v: 0 <= v <= 2, "between 0 and 2"),
         "top_p": _number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
         "top_k": _integer(body, "top_k", -1, lambda v: -1 <= v <= INT32_MAX,

@@ -148,3 +148,27 @@ def _check_unicode(text: str, param: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError:  # json.loads lets lone surrogates (\ud800) through; tokenizers and protobuf raise
         raise OpenAIError(f"'{param}' is not valid Unicode (it holds a lone surrogate)", param=param) from None
+
+
+MAX_LOGIT_BIAS_TOKENS = 1024
+
+
+def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]}, as sorted (id, bias) pairs."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise _wrong_type("logit_bias", "an object mapping token ids to numbers", value)
+    if len(value) > MAX_LOGIT_BIAS_TOKENS:
+        raise OpenAIError(f"'logit_bias' takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(value)}", param="logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        if token is None or not 0 <= token < vocab_size:
+            raise OpenAIError(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {key!r}", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise OpenAIError(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r} for token {token}",
+                              param="logit_bias")
+        pairs.append((token, float(bias)))
+    return tuple(sorted(pairs))

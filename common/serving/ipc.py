@@ -36,11 +36,14 @@ class Params(msgspec.Struct, frozen=True):
     logprobs: int | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 def sampling_params(p: Params) -> SamplingParams:
     """Validated SamplingParams (ValueError with a message for the client)."""
-    return SamplingParams(**{f: getattr(p, f) for f in p.__struct_fields__})
+    fields = {f: getattr(p, f) for f in p.__struct_fields__}
+    fields["logit_bias"] = tuple(tuple(pair) for pair in p.logit_bias)  # msgpack gives lists
+    return SamplingParams(**fields)
 
 
 class NewRequest(msgspec.Struct, tag=True):
