@@ -18,6 +18,11 @@ SHAPES: dict[str, tuple[str, dict]] = {
     "llama/1b": ("llama", {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
                            "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 8192, "vocab_size": 128256,
                            "max_position_embeddings": 4096, "tie_word_embeddings": True}),
+    # Llama-3.1-8B's shape (8.03B parameters, untied), for tensor parallelism's TP1/TP2 comparison
+    # (16 GB of bf16 weights: the checkpoint is built once on the GPU host's disk).
+    "llama/8b": ("llama", {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                           "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 14336, "vocab_size": 128256,
+                           "max_position_embeddings": 4096, "tie_word_embeddings": False}),
 }  # fmt: skip
 
 TINY = "tiny"

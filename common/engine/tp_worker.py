@@ -198,7 +198,14 @@ class TPWorkers:
                 raise RuntimeError(f"TP rank {rank} exited with code {code}")
 
     def close(self, kill: bool = False) -> None:
-        """Stop every other rank (kill: at once; else they finish what they were sent, then exit)."""
+        """Stop every other rank (kill: at once; else they finish what they were sent, then exit).
+
+        NOTE (two H200s, 2026-11-24, open): rank 0's ProcessGroupNCCL outlives this close. A second
+        TP engine built in the same process then hung at start-up, and a process whose TP engine
+        had closed hung at exit; calling `backend.abort()` here once the other ranks had exited hung
+        as well. Ending the communicators while every rank is still alive (each rank's `shutdown()`
+        on Stop, rank 0's alongside) is the next thing to try. Not yet checked: whether a TP server's
+        scheduler process on CUDA exits cleanly after a drain (it runs one engine per process)."""
         if self.closed:
             return
         self.closed = True
