@@ -260,6 +260,15 @@ def broken_spare(config, pipe, metrics_dir):
     sys.exit(2)
 
 
+def alive(pid: int) -> bool:
+    """Whether `pid` exists (a zombie its parent has not reaped yet counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def supervise(tmp_path, worker, spare) -> subprocess.Popen:
     code = ("import sys; from pdserve.router.config import RouterConfig; from pdserve.router.supervisor import Supervisor; "
             f"from tests.test_router_workers import {worker}, {spare}; "
@@ -293,8 +302,11 @@ def test_a_dead_worker_is_replaced_by_the_warm_spare(tmp_path):
     wait_for("another warm spare", lambda: len(seen("spare", "warm")) == 2, 30)
     second = seen("spare", "warm")[1]
 
-    # the warm spare dies, and with it worker 1: the next spare is still warming, so slot 1 starts afresh
+    # the warm spare dies, and then worker 1: the next spare is still warming, so slot 1 starts afresh
     os.kill(second, signal.SIGKILL)
+    # NOTE: once the supervisor has reaped the dead spare (it joins it), it knows it is gone: killed
+    # at once, worker 1 could die first in the supervisor's eyes and be handed the dead spare.
+    wait_for("the dead spare reaped", lambda: not alive(second), 10)
     [one] = seen("1", "start")
     os.kill(one, signal.SIGKILL)
     wait_for("a fresh worker 1", lambda: len(seen("1", "ready")) == 2, 30)
