@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pdserve.common.errors import ErrorCode
 
 MAX_TOP_LOGPROBS = 20
+# SamplingParams.grammar kinds: what the grammar engine compiles (common/engine/grammar.py).
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 
 # A KV destination expires when the decode server stops waiting for its WRITE (it answers the
 # client with a timeout then). A prefill server starts no WRITE after the expiry, and gives up on
@@ -57,6 +59,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias, in [-100, 100]).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Structured output: (kind, spec) with kind one of GRAMMAR_KINDS; the spec is the kind's source
+    # text (a JSON schema, a regex, EBNF, an xgrammar structural tag as JSON; "" for json_object).
+    # Compiled by the servers (common/engine/grammar.py); None: unconstrained.
+    grammar: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -99,6 +105,11 @@ class SamplingParams:
             if (not isinstance(pair, tuple) or len(pair) != 2 or not isinstance(pair[0], int) or pair[0] < 0
                     or not isinstance(pair[1], (int, float)) or not -100 <= pair[1] <= 100):
                 bad(f"logit_bias must map token ids to numbers in [-100, 100], got {pair!r}")
+        if self.grammar is not None and (
+            not isinstance(self.grammar, tuple) or len(self.grammar) != 2 or self.grammar[0] not in GRAMMAR_KINDS
+            or not isinstance(self.grammar[1], str)
+        ):
+            bad(f"grammar must be (kind, spec) with kind one of {', '.join(GRAMMAR_KINDS)}, got {self.grammar!r}")
 
     @property
     def greedy(self) -> bool:
@@ -108,7 +119,7 @@ class SamplingParams:
     def plain_greedy(self) -> bool:
         """The argmax of the raw logits is all this request's sampling needs (no tensor at all)."""
         return (self.greedy and not self.has_penalties and self.min_new_tokens == 0 and self.logprobs is None
-                and not self.logit_bias)
+                and not self.logit_bias and self.grammar is None)
 
     @property
     def has_penalties(self) -> bool:
@@ -195,6 +206,9 @@ class Req:
         # Detokenize each token as it arrives (the router streams text). Otherwise text is only
         # built per token when stop strings need it, and in one decode at the end when not.
         self.stream_text = False
+        # Structured output: its matcher (common/engine/grammar.RequestGrammar), set by the engine
+        # that samples it (rank 0), which accepts every token the request keeps.
+        self.grammar = None
 
     @property
     def seq_len(self) -> int:

@@ -103,6 +103,8 @@ def _proto_params(p: SamplingParams) -> pb.SamplingParams:
     if p.prompt_logprobs is not None:
         out.prompt_logprobs = p.prompt_logprobs
     out.logit_bias.extend(pb.LogitBias(token_id=t, bias=b) for t, b in p.logit_bias)
+    if p.grammar is not None:
+        out.grammar.kind, out.grammar.spec = p.grammar
     return out
 
 

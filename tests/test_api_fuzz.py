@@ -92,11 +92,14 @@ SAMPLING = {  # name: (valid, careless)
                        st.fixed_dictionaries({}, optional={"include_usage": st.booleans(), "other": st.booleans()})),
     "user": (GOOD_TEXT, TEXT),
 }
+# Well-formed, but the grammar engine refuses it: the servers answer 400.
+BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
 COMPLETION_ONLY = {"logprobs": (st.integers(0, 5), st.integers(-1, 6)), "echo": (st.booleans(), st.booleans()),
                    "best_of": (st.just(1), INTS)}
 CHAT_ONLY = {"max_completion_tokens": (MAX_TOKENS["valid"], MAX_TOKENS["careless"]),
              "logprobs": (st.booleans(), st.booleans()), "top_logprobs": (st.integers(0, 20), st.integers(-1, 21)),
-             "response_format": (st.just({"type": "text"}), st.just({"type": "json_object"})),
+             "response_format": (st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+                                 st.one_of(st.sampled_from([{"type": "xml"}, {"type": "json_schema"}, BAD_SCHEMA]), JUNK)),
              "tool_choice": (st.just("none"), st.just("auto"))}
 # Fields that only a junk body sets (they are unsupported or ignored).
 JUNK_ONLY = {"logit_bias": JUNK, "metadata": JUNK, "suffix": JUNK, "tools": JUNK, "functions": JUNK}

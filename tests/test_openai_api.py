@@ -180,7 +180,11 @@ BAD_CHATS = [
     ({"messages": USER, "stream": True}, 400, "'stream'"),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "'tools' is not supported"),
     ({"messages": USER, "tool_choice": "auto"}, 400, "'tool_choice' is not supported"),
-    ({"messages": USER, "response_format": {"type": "json_object"}}, 400, "'response_format'"),
+    ({"messages": USER, "response_format": {"type": "json"}}, 400, "'response_format.type' must be one of"),
+    ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}}, 400,
+     "'response_format' must be a JSON schema"),
+    ({"messages": USER, "guided_json": "{not json"}, 400, "'guided_json' is not valid JSON"),
+    ({"messages": USER, "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "takes one constraint"),
     ({"messages": USER, "prompt": "x"}, 400, "unknown field(s): 'prompt'"),
     ({"messages": USER, "echo": True}, 400, "unknown field(s): 'echo'"),
 ]

@@ -271,8 +271,10 @@ def test_sampling_params_all_fields():
         skip_special_tokens=True,
         prompt_logprobs=2,
         logit_bias=[pb.LogitBias(token_id=7, bias=-100.0), pb.LogitBias(token_id=2**32 - 1, bias=2.5)],
+        grammar=pb.Grammar(kind="json_schema", spec='{"type": "object"}'),
     )
     back = _rt(params)
+    assert (back.grammar.kind, back.grammar.spec) == ("json_schema", '{"type": "object"}')
     # Doubles: a Python float survives exactly.
     assert back.temperature == 0.7 and back.top_p == 0.9 and back.repetition_penalty == 1.1
     assert back.top_k == -1

@@ -248,3 +248,16 @@ def test_a_server_whose_tp_size_does_not_divide_the_model_refuses_to_start(tiny_
            "--port", "1", "--tp-size", "3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--tp-size 3 does not divide the model's 4 attention heads" in proc.stderr
+
+
+def test_tp2_grammar_outputs_equal_tp1_in_the_overlap_loop(checkpoints, tp_engine, make_engine):
+    """Rank 0 samples under the grammar once the previous step is processed (a deferred sampling);
+    the other ranks wait for its ids in the broadcast, as for every step."""
+    from tests.test_grammar import _batch
+
+    prompts = [ids for ids, _, _ in hf_cases(checkpoints("llama"))][:4]
+    params = _batch(len(prompts), max_new_tokens=60)
+    tp2 = tp_engine("llama").generate(prompts, params)
+    tp1 = make_engine("llama", max_total_tokens=8192).generate(prompts, params)
+    assert [o.output_ids for o in tp2] == [o.output_ids for o in tp1]
+    assert all(o.finish_reason.value == "stop" for o in tp2)

@@ -22,12 +22,14 @@ are added by calls and the loops yield their outputs.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
 import time
 import weakref
 from collections import deque
+from dataclasses import dataclass
 from typing import Sequence
 
 from pdserve.common.engine.batch import ForwardMode, ScheduleBatch
@@ -36,13 +38,24 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.gc_tuning import tune_gc
 from pdserve.common.engine.model_runner import ModelRunner
-from pdserve.common.engine.overlap import ForwardResult
+from pdserve.common.engine.grammar import Grammars, grammar_bitmask
+from pdserve.common.engine.overlap import ForwardResult, QueuedForward
 from pdserve.common.engine.sampling import SamplingBatchInfo, to_token_logprobs
 from pdserve.common.scheduling.output_processor import add_prompt_logprobs
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Req, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DeferredSample:
+    """A launched batch whose forward is queued and whose sampling waits for grammar masks."""
+
+    forward_batch: object  # the ForwardBatch
+    info: SamplingBatchInfo
+    slots: list[int]
+    queued: QueuedForward
 
 class EngineCore:
     # A prefill ("sender") or decode ("receiver") server's engine: with TP, every rank runs a KV
@@ -124,6 +137,13 @@ class EngineCore:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         self.scheduler.check_request(prompt_ids, params)
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)  # cached: build_req's matcher takes it from there
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Structured output's compiler and cache; made on first use (xgrammar loads its kernels)."""
+        return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def make_req(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None,
                  detokenize: bool = True) -> Req:
@@ -136,6 +156,8 @@ class EngineCore:
         """make_req without the checks (the caller made them)."""
         seed = params.seed % 2**64 if params.seed is not None else self._rng.getrandbits(64)
         req = Req(rid, prompt_ids, params, seed)  # Req copies the ids
+        if params.grammar is not None:
+            req.grammar = self.grammars.matcher(params.grammar)
         if detokenize:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.skip_special_tokens)
         return req
@@ -189,7 +211,12 @@ class EngineCore:
         if self.tp_workers is not None:
             self.tp_workers.send(forward_batch.plan, slots)  # the other ranks run the same forward
         try:
-            result = self.runner.launch(forward_batch, info, slots)
+            if any(r.grammar is not None and r.pending for r in batch.reqs):
+                # A grammar's mask needs the token still in flight: sampled once it is processed.
+                result = DeferredSample(forward_batch, info, slots, self.runner.launch_forward(forward_batch))
+            else:
+                mask = grammar_bitmask(batch.reqs, batch.samples, self.vocab_size)
+                result = self.runner.launch(forward_batch, info, slots, mask)
         except RuntimeError:
             if self.tp_workers is not None:
                 self.tp_workers.check_alive()  # a collective failed: name the rank that died, if one did
@@ -198,7 +225,27 @@ class EngineCore:
         self.trace.append(("launch", batch.seq))
         return result
 
+    def sample_deferred(self, batch: ScheduleBatch, deferred: "DeferredSample") -> ForwardResult:
+        """Launch the sampling of a batch whose forward is queued (run_batch), with its grammar
+        masks. Call once every earlier result is processed: each matcher has then accepted every
+        token but the one this batch samples.
+
+        NOTE the overlap this keeps: the device runs batch N's forward while the host processes
+        N-1 (its matchers accept N-1's tokens) and fills N's masks; only the sampling, a few
+        small kernels, waits for the host. The matcher lags the device by one step, as the
+        tokens do, and the mask is filled after the lag is made up, so it is the right one.
+        """
+        mask = grammar_bitmask(batch.reqs, batch.samples, self.vocab_size)
+        try:
+            return self.runner.launch_sample(deferred.forward_batch, deferred.info, deferred.slots, deferred.queued, mask)
+        except RuntimeError:
+            if self.tp_workers is not None:
+                self.tp_workers.check_alive()
+            raise
+
     def process_batch_result(self, batch: ScheduleBatch, result: ForwardResult) -> None:
+        if isinstance(result, DeferredSample):  # (a loop that processes it before sampling it)
+            result = self.sample_deferred(batch, result)
         if self.tp_workers is None:
             result.copy_done.synchronize()  # the one place the host waits for the device
         else:
@@ -216,6 +263,9 @@ class EngineCore:
         one when nothing was launched this iteration."""
         while self.result_queue and self.result_queue[0][0] is not batch:
             self.process_batch_result(*self.result_queue.popleft())
+        if self.result_queue and isinstance(self.result_queue[0][1], DeferredSample):
+            launched, deferred = self.result_queue[0]
+            self.result_queue[0] = (launched, self.sample_deferred(launched, deferred))
 
     def must_run_serially(self, batch: ScheduleBatch) -> bool:
         """Cases where overlapping with the previous batch would be wrong or hurt.

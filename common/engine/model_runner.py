@@ -27,7 +27,7 @@ from pdserve.common.engine.prompt_logprobs import score_prompt
 from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.engine.models.loader import load_model
 from pdserve.common.engine.models.parallel import kv_heads_of_rank
-from pdserve.common.engine.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs
+from pdserve.common.engine.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs, QueuedForward, h2d_array
 from pdserve.common.engine.sampling import SampleOutput, SamplingBatchInfo, sample
 from pdserve.common.engine.tp import TPGroup
 from pdserve.common.types import MAX_TOP_LOGPROBS
@@ -202,19 +202,39 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def launch(self, batch: ForwardBatch, info: SamplingBatchInfo, future_slots: list[int]) -> ForwardResult:
+    def launch(self, batch: ForwardBatch, info: SamplingBatchInfo, future_slots: list[int],
+               grammar_mask: torch.Tensor | None = None) -> ForwardResult:
         """Queue forward + sample of `batch` and the copy of its results to pinned host memory.
 
         Returns at once; the host may read the result after `result.copy_done.synchronize()`.
         Sampled ids also go to the FutureMap slots `future_slots`, where later batches read them.
+        `grammar_mask`: the rows' allowed tokens (host int32, common/engine/grammar.py), or None.
         """
+        return self.launch_sample(batch, info, future_slots, self.launch_forward(batch), grammar_mask)
+
+    @torch.inference_mode()
+    def launch_forward(self, batch: ForwardBatch) -> "QueuedForward":
+        """The first half of `launch`: queue the forward alone. Its logits wait on the device for
+        `launch_sample` (a batch sampled under grammars whose masks the host is still computing)."""
         streams = self.streams
         with streams.use(streams.forward_stream):
             streams.forward_stream.wait_stream(streams.schedule_stream)
             if self.before_forward is not None:
                 self.before_forward(batch)
             scored: list = []
-            out = sample(self._logits(batch, scored), info)
+            logits = self._logits(batch, scored)
+        return QueuedForward(logits, scored)
+
+    @torch.inference_mode()
+    def launch_sample(self, batch: ForwardBatch, info: SamplingBatchInfo, future_slots: list[int],
+                      queued: "QueuedForward", grammar_mask: torch.Tensor | None = None) -> ForwardResult:
+        """The second half of `launch`: sample the queued forward's logits, then copy to the host.
+        A graph's logits live in its output buffer until the next replay, which the forward stream
+        orders after this sample."""
+        streams, scored = self.streams, queued.scored
+        with streams.use(streams.forward_stream):
+            mask = h2d_array(grammar_mask.numpy(), self.device) if grammar_mask is not None else None
+            out = sample(queued.logits, info, mask)
             if self.tp.size > 1:
                 out.next_token_ids = self.tp.broadcast(out.next_token_ids.contiguous())  # to launch_replica
             self.future_map.store(future_slots, out.next_token_ids)
@@ -234,7 +254,7 @@ class ModelRunner:
             copy_done = streams.event()
             copy_done.record(streams.d2h_stream)
         return ForwardResult(host, bs, out.logprobs is not None, k, copy_done, published,
-                             keep_alive=[batch, info, out, scored], prompt_logprobs=prompt)
+                             keep_alive=[batch, info, out, scored, mask], prompt_logprobs=prompt)
 
     @torch.inference_mode()
     def launch_replica(self, batch: ForwardBatch, future_slots: list[int]):

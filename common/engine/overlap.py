@@ -126,6 +126,14 @@ class ForwardResult:
     prompt_logprobs: object = None
 
 
+@dataclass
+class QueuedForward:
+    """A forward queued on the forward stream whose sampling is not queued yet (ModelRunner.launch_forward)."""
+
+    logits: torch.Tensor  # [B, V] on the device
+    scored: list  # the prompt logprobs it computes (0 or 1 PromptLogprobs)
+
+
 class PinnedOutputs:
     """A small ring of HostOutputs: at most two results are ever unprocessed (N-1 and N)."""
 

@@ -2,9 +2,9 @@
 
 `SamplingBatchInfo.from_reqs` turns the requests' parameters into device tensors once per batch,
 plus host-side flags that let `sample` skip whatever no row needs (an all-greedy batch is one
-argmax). Per row, in order: repetition/frequency/presence penalties -> min_new_tokens masking of
-EOS and stop ids -> greedy rows take the argmax; the others: temperature -> top-k -> top-p ->
-min-p -> the exponential race `argmax(p / q)`, q ~ Exp(1). Logprobs are of the raw logits.
+argmax). Per row, in order: repetition/frequency/presence penalties -> logit_bias -> the grammar's
+token mask -> min_new_tokens masking of EOS and stop ids -> greedy rows take the argmax; the
+others: temperature -> top-k -> top-p -> min-p -> the exponential race `argmax(p / q)`, q ~ Exp(1). Logprobs are of the raw logits.
 
 The noise q is a counter-based hash of (seed, step, token id) computed with int64 tensor ops, so a
 seeded request draws the same tokens whatever else is in the batch and in whatever order.
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.common.engine.grammar import apply_bitmask
 from pdserve.common.engine.overlap import h2d
 from pdserve.common.types import Req, SamplingParams, TokenLogprob
 
@@ -165,9 +166,9 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None  # [B, K] float32, descending
 
 
-def process_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Steps 1-3: penalties, logit_bias, then min_new_tokens masking. Returns a new tensor; `logits` is
-    untouched (logprobs are of the raw distribution)."""
+def process_logits(logits: torch.Tensor, info: SamplingBatchInfo, grammar_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Steps 1-4: penalties, logit_bias, the grammar's token mask, then min_new_tokens masking.
+    Returns a new tensor; `logits` is untouched (logprobs are of the raw distribution)."""
     batch, vocab = logits.shape
     if info.seen_token_idx is not None:
         seen = torch.zeros(batch * vocab, dtype=torch.bool, device=logits.device)
@@ -181,8 +182,15 @@ def process_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tenso
         logits = logits - counts * info.frequency_penalties - (counts > 0) * info.presence_penalties
     if info.bias_idx is not None:
         logits = logits.flatten().index_add(0, info.bias_idx, info.bias_values).view(batch, vocab)
+    if grammar_mask is not None:
+        logits = apply_bitmask(logits, grammar_mask)
     if info.banned_token_idx is not None:
-        logits = logits.flatten().index_fill(0, info.banned_token_idx, float("-inf")).view(batch, vocab)
+        banned = logits.flatten().index_fill(0, info.banned_token_idx, float("-inf")).view(batch, vocab)
+        if grammar_mask is None:
+            return banned
+        # A complete grammar allows only EOS, which min_tokens bans: such a row would have no token
+        # left. The grammar wins there (the output stays valid; it ends before min_tokens).
+        return torch.where(torch.isneginf(banned).all(dim=-1, keepdim=True), logits, banned)
     return logits
 
 
@@ -222,16 +230,17 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
+def sample(logits: torch.Tensor, info: SamplingBatchInfo, grammar_mask: torch.Tensor | None = None) -> SampleOutput:
     """Next token per row of `logits` [B, V], any float dtype (rows in the order of the batch's
-    reqs); no host sync. Logprobs and sampling work in float32."""
-    plain_greedy = info.all_greedy and not info.want_logprobs and info.seen_token_idx is None
+    reqs); no host sync. Logprobs and sampling work in float32. `grammar_mask`: the allowed
+    tokens per row as an int32 bitmask [B, ceil(V / 32)] on the device (common/engine/grammar.py)."""
+    plain_greedy = info.all_greedy and not info.want_logprobs and info.seen_token_idx is None and grammar_mask is None
     if plain_greedy and info.output_token_idx is None and info.banned_token_idx is None and info.bias_idx is None:
         # Upcasting is exact, so the argmax of the model-dtype logits is the float32 one's; it
         # reads half the bytes and skips the cast (a 128 x 128k-vocab batch: ~70 us per step).
         return SampleOutput(greedy_argmax(logits), None, None, None)
     raw = logits.float()
-    logits = process_logits(raw, info)
+    logits = process_logits(raw, info, grammar_mask)
     if info.all_greedy:
         next_ids = logits.argmax(dim=-1)
     else:

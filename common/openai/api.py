@@ -15,6 +15,7 @@ from pdserve.common.openai.fields import (  # OpenAIError: callers import it fro
     INT32_MAX, MASK64, UINT32_MAX, OpenAIError, _boolean, _check_unicode, _integer, _is_int, _json_type, _logit_bias, _number,
     _stop, _stop_token_ids, _wrong_type,
 )
+from pdserve.common.openai.structured import GUIDED_FIELDS, grammar_of
 from pdserve.common.types import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_N = 128
@@ -25,10 +26,11 @@ SAMPLING_FIELDS = frozenset({
     # vLLM / SGLang extensions
     "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens",
     "skip_special_tokens", "include_stop_str_in_output", "return_token_ids", "prompt_logprobs",
-})  # fmt: skip
+    "response_format",  # (vLLM takes it on completions too)
+}) | GUIDED_FIELDS  # fmt: skip
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = SAMPLING_FIELDS | {
-    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs",
     "tools", "tool_choice", "functions", "function_call",
 }  # fmt: skip
 # Accepted and ignored: they do not change what is generated.
@@ -57,6 +59,11 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
     messages: list[dict] = field(default_factory=list)  # chat only, as given to the chat template
+    # Chat only (tools.py): the validated tools ({"type": "function", "function": {...}}), None without;
+    # tool_choice "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.
+    # Unless it is "none", calls are parsed out of the answers (tool_parser.py).
+    tools: list[dict] | None = None
+    tool_choice: str | dict = "none"
 
     def engine_requests(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt ids, params) for every choice, in choice-index order."""
@@ -152,6 +159,7 @@ def _shared(body: Any, served_model_name: str, accepted: frozenset, allow_stream
         "stream": stream,
         "include_usage": include_usage,
         "return_token_ids": _boolean(body, "return_token_ids", False),
+        "grammar": grammar_of(body),
         "prompt_logprobs": _integer(body, "prompt_logprobs", None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
                                     f"between 0 and {MAX_TOP_LOGPROBS} (-1, the whole vocabulary, is not supported)"),
     }
@@ -159,10 +167,13 @@ def _shared(body: Any, served_model_name: str, accepted: frozenset, allow_stream
 
 def _build(
     kind: str, shared: dict, model: str, prompts: list[list[int]], texts: list[str],
-    max_tokens: int | None, logprobs: int | None, max_context_len: int, **extra: Any,
+    max_tokens: int | None, logprobs: int | None, max_context_len: int, grammar: tuple[str, str] | None = None,
+    **extra: Any,
 ) -> ParsedRequest:  # fmt: skip
-    """One SamplingParams per (prompt, choice), after the context-length check."""
+    """One SamplingParams per (prompt, choice), after the context-length check; `grammar`
+    (SamplingParams.grammar; default: the request's structured-output fields) constrains every choice."""
     n, seed = shared["n"], shared["seed"]
+    grammar = grammar if grammar is not None else shared["grammar"]
     # The prompt tokens' logprobs, computed once with the largest top-k asked: for echo with
     # logprobs (the legacy object's prompt part) and for vLLM's prompt_logprobs.
     asked = [k for k in (shared["prompt_logprobs"], logprobs if extra.get("echo") else None) if k is not None]
@@ -190,7 +201,7 @@ def _build(
                 seed_of_choice = choice_seed(seed, choice)
                 params.append(
                     SamplingParams(max_new_tokens=max_new, seed=seed_of_choice, logprobs=logprobs,
-                                   prompt_logprobs=prompt_logprobs, **shared["sampling"])
+                                   prompt_logprobs=prompt_logprobs, grammar=grammar, **shared["sampling"])
                 )
             except ValueError as e:
                 raise OpenAIError(str(e)) from None

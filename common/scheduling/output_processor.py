@@ -1,6 +1,7 @@
 """What a newly sampled token does to a request: output ids, text, logprobs, and whether it stops.
 
 Stop rules, checked in this order after each token:
+    a grammar (structured output) terminated     -> "stop": its EOS accepted (even with ignore_eos)
     EOS (unless ignore_eos) or a stop_token_id   -> "stop"; the token is kept in output_ids but
                                                     adds no text
     a stop string in the text (after min_tokens) -> "stop"; the text is cut before it (or after,
@@ -12,6 +13,7 @@ min_new_tokens is enforced at sampling time (EOS and stop ids are masked until i
 from __future__ import annotations
 
 from pdserve.common.detokenizer import find_stop_string, flush_all
+from pdserve.common.errors import ErrorCode
 from pdserve.common.types import Completion, FinishReason, Req, TokenLogprob
 
 
@@ -22,6 +24,14 @@ def append_token(
     req.output_ids.append(token)
     if logprob is not None:
         req.output_logprobs.append(logprob)
+    if req.grammar is not None:
+        if not req.grammar.accept(token):  # the mask allowed only what it accepts: a bug if reached
+            req.finish_reason, req.error = FinishReason.ABORT, f"token {token} is outside the request's grammar"
+            req.error_code = ErrorCode.INTERNAL
+            return
+        if req.grammar.terminated:  # complete, and its stop token (EOS) accepted: nothing may follow
+            req.finish_reason, req.matched_stop = FinishReason.STOP, token
+            return
     if (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids:
         req.finish_reason, req.matched_stop = FinishReason.STOP, token
         return

@@ -37,12 +37,14 @@ class Params(msgspec.Struct, frozen=True):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: tuple[str, str] | None = None
 
 
 def sampling_params(p: Params) -> SamplingParams:
     """Validated SamplingParams (ValueError with a message for the client)."""
     fields = {f: getattr(p, f) for f in p.__struct_fields__}
     fields["logit_bias"] = tuple(tuple(pair) for pair in p.logit_bias)  # msgpack gives lists
+    fields["grammar"] = tuple(p.grammar) if p.grammar is not None else None
     return SamplingParams(**fields)
 
 

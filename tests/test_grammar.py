@@ -1,0 +1,139 @@
+"""Grammar-constrained sampling in the engine (common/engine/grammar.py): masks on the device, the
+matcher one step behind in the overlap loop, the same tokens overlapped and serial, and the edges
+(min_tokens, ignore_eos, logprobs, a bad grammar). Through the servers: test_structured_outputs.py."""
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from pdserve.common.engine.grammar import allowed_tokens, apply_bitmask, bitmask_words
+from pdserve.common.openai.structured import choice_ebnf
+from pdserve.common.types import FinishReason, SamplingParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 5},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+}
+JSON = ("json_schema", json.dumps(SCHEMA))
+
+
+def _batch(n: int, **kw) -> list[SamplingParams]:
+    kw.setdefault("max_new_tokens", 120)
+    return [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0, seed=i, grammar=JSON, **kw) for i in range(n)]
+
+
+def test_outputs_validate_and_overlap_equals_serial(make_engine):
+    prompts = [[5, 6, 7], [9] * 20, [11, 12], [40, 41, 42, 43]]
+    outs = {}
+    for overlap in (True, False):
+        engine = make_engine("llama", disable_overlap_schedule=not overlap)
+        outs[overlap] = engine.generate(prompts, _batch(4))
+    assert [c.output_ids for c in outs[True]] == [c.output_ids for c in outs[False]]
+    for c in outs[True]:
+        assert c.finish_reason is FinishReason.STOP
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+def test_overlap_keeps_launching_before_processing(make_engine):
+    """The grammar batches stay overlapped: batch N is launched before N-1 is processed (its
+    sampling waits for N-1's tokens; the forward does not)."""
+    engine = make_engine("llama")
+    engine.generate([[5, 6, 7], [8, 9]], _batch(2))
+    trace = list(engine.trace)
+    launches = [seq for kind, seq in trace if kind == "launch"]
+    assert len(launches) > 10
+    overlapped = sum(trace.index(("launch", n + 1)) < trace.index(("process", n)) for n in launches[:-1])
+    assert overlapped >= len(launches) - 3, trace
+
+
+def test_the_mask_allows_exactly_what_the_matcher_allows(make_engine):
+    engine = make_engine("llama")
+    vocab = engine.vocab_size
+    matcher = engine.grammars.matcher(("ebnf", choice_ebnf(["ab", "cd"])))
+    bitmask = torch.full((2, bitmask_words(vocab)), -1, dtype=torch.int32)
+    matcher.fill(bitmask, 1)
+    allowed = allowed_tokens(bitmask.numpy(), 1, vocab)
+    assert allowed and len(allowed) < vocab
+    assert allowed_tokens(bitmask.numpy(), 0, vocab) == list(range(vocab))  # the untouched row
+    for token in allowed:
+        assert engine.tokenizer.decode([token]) in ("a", "ab", "c", "cd"), token
+    logits = torch.randn(2, vocab)
+    masked = apply_bitmask(logits, bitmask)
+    assert torch.equal(masked[0], logits[0])
+    assert torch.isfinite(masked[1]).nonzero().flatten().tolist() == allowed
+
+
+def test_strings_hold_no_raw_control_characters(make_engine):
+    """xgrammar lets a string with maxLength hold raw control characters, which JSON forbids; the
+    grammar is rewritten so that it cannot (json.loads refused such outputs)."""
+    engine = make_engine("llama")
+    control = [t for t in range(engine.vocab_size) if engine.tokenizer.decode([t]) in ("\x12", "\x01", "\t")]
+    assert control
+    matcher = engine.grammars.matcher(JSON)
+    assert matcher.matcher.accept_string('{"name": "a')
+    bitmask = torch.full((1, bitmask_words(engine.vocab_size)), -1, dtype=torch.int32)
+    matcher.fill(bitmask, 0)
+    assert not set(control) & set(allowed_tokens(bitmask.numpy(), 0, engine.vocab_size))
+
+
+def test_grammar_wins_over_min_tokens_and_ends_with_ignore_eos(make_engine):
+    engine = make_engine("llama")
+    choice = ("ebnf", choice_ebnf(["yes", "no"]))
+    outs = engine.generate([[5, 6], [7, 8], [9, 10]], [
+        SamplingParams(max_new_tokens=20, temperature=0, grammar=choice, min_new_tokens=10),
+        SamplingParams(max_new_tokens=20, temperature=0, grammar=choice, ignore_eos=True),
+        SamplingParams(max_new_tokens=20, temperature=0, grammar=choice, logprobs=2),
+    ])
+    for c in outs:
+        assert c.text in ("yes", "no") and c.finish_reason is FinishReason.STOP
+        assert c.output_ids[-1] in engine.eos_token_ids and c.matched_stop == c.output_ids[-1]
+    # Logprobs stay those of the raw distribution: the grammar's tokens need not be the model's top.
+    raw = engine.generate([[9, 10]], [SamplingParams(max_new_tokens=1, temperature=0, logprobs=2)])[0]
+    got, want = outs[2].logprobs[0].top, raw.logprobs[0].top
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert np.allclose([lp for _, lp in got], [lp for _, lp in want], atol=1e-5)
+
+
+def test_a_bad_grammar_is_refused_before_anything_is_queued(make_engine):
+    engine = make_engine("llama")
+    with pytest.raises(ValueError, match="cannot be compiled"):
+        engine.add_request([1, 2, 3], SamplingParams(grammar=("json_schema", '{"type": "nonsense"}')))
+    with pytest.raises(ValueError, match="cannot be compiled"):
+        engine.generate([[1, 2]], [SamplingParams(grammar=("regex", "(unclosed"))])
+    assert engine.is_idle()
+
+
+def test_requests_without_grammar_are_unchanged_beside_grammar_ones(make_engine):
+    engine = make_engine("llama")
+    plain = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    alone = engine.generate([[3, 4, 5]], [plain])[0].output_ids
+    mixed = engine.generate([[3, 4, 5], [6, 7], [8, 9, 10]], [plain, *_batch(2)])
+    assert mixed[0].output_ids == alone
+
+
+def test_aborted_grammar_requests_free_their_kv(make_engine):
+    engine = make_engine("llama")
+    rids = [engine.add_request([5, 6, 7], p) for p in _batch(3)]
+    loop = engine.event_loop()
+    for _ in range(4):
+        next(loop)
+    for rid in rids:
+        engine.abort(rid)
+    while engine.busy():
+        next(loop)
+    assert engine.is_idle()
+
+
+def test_allowed_tokens_reads_bit_31():
+    words = np.zeros((1, 2), dtype=np.int32)
+    words[0, 0] = np.int32(-2**31)  # bit 31: token 31
+    words[0, 1] = 1  # token 32
+    assert allowed_tokens(words, 0, 40) == [31, 32]
