@@ -277,7 +277,8 @@ def create_app(router: Router) -> FastAPI:
 
         async def run(index: int, ids, params):
             async def on_text(delta: str, logprobs):
-                await queue.put(chunks.choice(index, delta, None, logprobs=logprobs))
+                for chunk in chunks.text(index, delta, logprobs):  # none while a tool call is held back
+                    await queue.put(chunk)
 
             async def on_prompt(prompt_logprobs):
                 """Echo: the prompt leads the choice's stream, with its logprobs when asked."""
@@ -286,7 +287,8 @@ def create_app(router: Router) -> FastAPI:
 
             try:
                 completion = await router.choice(ids, params, on_text, on_prompt)
-                await queue.put(chunks.choice(index, None, completion.finish_reason.value))
+                for chunk in chunks.finish(index, completion.finish_reason.value):
+                    await queue.put(chunk)
                 return completion
             except UpstreamError as e:
                 await queue.put(json.dumps(OpenAIError(str(e), status_code=e.status).to_body()))

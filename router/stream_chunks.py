@@ -1,6 +1,10 @@
 """The JSON of each server-sent event of a streamed answer (OpenAI's `chat.completion.chunk` and
 streamed `text_completion` objects), for one request: its id, model and creation time are in
-every chunk."""
+every chunk.
+
+With tools (and tool_choice not "none") a chat choice's text goes through its own ToolCallStream
+(common/openai/tool_parser.py): content streams as it comes, except what could still be a call; a
+call is sent whole, in one delta, once its "</tool_call>" has arrived."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import json
 
 from pdserve.common.openai.api import ParsedRequest
 from pdserve.common.openai.format import chat_logprobs, completion_logprobs, token_text_of, usage
+from pdserve.common.openai.tool_parser import ToolCallStream, finish_reason, tool_names
 
 
 class StreamChunks:
@@ -17,17 +22,59 @@ class StreamChunks:
         prefix, self.kind = ("chatcmpl-", "chat.completion.chunk") if self.chat else ("cmpl-", "text_completion")
         self.head = {"id": prefix + request_id, "object": self.kind, "created": created, "model": parsed.model}
         self.token_text = token_text_of(tokenizer)
+        self.tools = tool_names(parsed) if self.chat else None
+        self.tool_streams: dict[int, ToolCallStream] = {}  # choice index -> its parser, from its first text
 
     def choice(self, index: int, text: str | None, finish: str | None, role: bool = False, logprobs=None) -> str:
         """A choice's delta: its role (chat's first chunk), new text with its tokens' logprobs, or its finish."""
-        parsed, lp = self.parsed, None
-        if logprobs and parsed.logprobs is not None:
-            lp = (chat_logprobs if self.chat else completion_logprobs)(logprobs, parsed.logprobs, self.token_text)
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            body = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        else:
-            body = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            return self._chat_chunk(index, delta, logprobs, finish)
+        parsed, lp = self.parsed, None
+        if logprobs and parsed.logprobs is not None:
+            lp = completion_logprobs(logprobs, parsed.logprobs, self.token_text)
+        body = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
+        return json.dumps(self.head | {"choices": [body]})
+
+    def text(self, index: int, text: str, logprobs=None) -> list[str]:
+        """A choice's new text: its chunk, or with tool calls parsed, as many chunks as it finished
+        (none while it is held back; its logprobs then come in a chunk of their own, with no text)."""
+        if self.tools is None:
+            return [self.choice(index, text, None, logprobs=logprobs)]
+        stream = self.tool_streams.setdefault(index, ToolCallStream(self.tools))
+        chunks = self._tool_chunks(index, stream, stream.feed(text), logprobs)
+        if not chunks and logprobs and self.parsed.logprobs is not None:
+            chunks = [self._chat_chunk(index, {}, logprobs, None)]
+        return chunks
+
+    def finish(self, index: int, finish: str) -> list[str]:
+        """A choice's last chunks: what its tool-call parser still held, then its finish_reason
+        ("tool_calls" for an answer with calls that ended by itself)."""
+        stream = self.tool_streams.pop(index, None) if self.tools is not None else None
+        if stream is None:
+            return [self.choice(index, None, finish)]
+        chunks = self._tool_chunks(index, stream, stream.finish(), None)
+        return chunks + [self.choice(index, None, finish_reason(finish, called=stream.called > 0))]
+
+    def _tool_chunks(self, index: int, stream: ToolCallStream, items: list, logprobs) -> list[str]:
+        """One chunk per content piece or call (numbered in the choice's calls); the logprobs ride the first."""
+        chunks = []
+        first_call = stream.called - sum(isinstance(item, dict) for item in items)
+        for item in items:
+            if isinstance(item, str):
+                delta = {"content": item}
+            else:
+                delta = {"tool_calls": [{"index": first_call} | item]}
+                first_call += 1
+            chunks.append(self._chat_chunk(index, delta, logprobs, None))
+            logprobs = None
+        return chunks
+
+    def _chat_chunk(self, index: int, delta: dict, logprobs, finish: str | None) -> str:
+        lp = None
+        if logprobs and self.parsed.logprobs is not None:
+            lp = chat_logprobs(logprobs, self.parsed.logprobs, self.token_text)
+        body = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return json.dumps(self.head | {"choices": [body]})
 
     def echo(self, index: int, ids: list[int], prompt_logprobs) -> str:

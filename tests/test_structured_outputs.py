@@ -186,3 +186,37 @@ def test_bad_grammars_get_a_400_that_says_why(stack, body, problem):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
                                        extra_body=body)
     assert problem in str(bad.value)
+
+
+@pytest.mark.parametrize("tool_choice, only", [
+    ("required", None), ({"type": "function", "function": {"name": "get_weather"}}, "get_weather"),
+])
+def test_forced_tool_calls_through_the_openai_client_streamed_and_not(stack, tool_choice, only):
+    """tool_choice "required" or a named function: the grammar makes the whole answer calls of the
+    given tools, so even random weights give message.tool_calls; the stream carries the same calls."""
+    from tests.test_tool_calls import TOOLS, check_forced_answer, merge_stream
+
+    model, client = stack
+    for parallel in (False, True):
+        kwargs = dict(model=model, messages=[{"role": "user", "content": "The weather in Paris?"}], tools=TOOLS,
+                      tool_choice=tool_choice, parallel_tool_calls=parallel, max_tokens=200, temperature=1.0,
+                      seed=int(parallel), n=2)
+        out = client.chat.completions.create(**kwargs)
+        streamed = merge_stream([chunk.model_dump() for chunk in client.chat.completions.create(stream=True, **kwargs)])
+        for i, choice in enumerate(out.choices):
+            check_forced_answer(choice.message.model_dump(), choice.finish_reason, TOOLS, only=only, parallel=parallel)
+            check_forced_answer(streamed[i], streamed[i]["finish_reason"], TOOLS, only=only, parallel=parallel)
+            assert [c["function"] for c in streamed[i]["tool_calls"]] == \
+                [c.function.model_dump() for c in choice.message.tool_calls]
+
+
+def test_a_forced_tool_call_needs_tools_and_no_other_grammar(stack):
+    from tests.test_tool_calls import TOOLS
+
+    model, client = stack
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(openai.BadRequestError, match="requires 'tools'"):
+        client.chat.completions.create(model=model, messages=messages, tool_choice="required", max_tokens=5)
+    with pytest.raises(openai.BadRequestError, match="cannot combine"):
+        client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="required",
+                                       max_tokens=5, response_format={"type": "json_object"})

@@ -38,7 +38,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.gc_tuning import tune_gc
 from pdserve.common.engine.model_runner import ModelRunner
-from pdserve.common.engine.grammar import Grammars, grammar_bitmask
+from pdserve.common.engine.grammar import Grammars
 from pdserve.common.engine.overlap import ForwardResult, QueuedForward
 from pdserve.common.engine.sampling import SamplingBatchInfo, to_token_logprobs
 from pdserve.common.scheduling.output_processor import add_prompt_logprobs
@@ -215,8 +215,7 @@ class EngineCore:
                 # A grammar's mask needs the token still in flight: sampled once it is processed.
                 result = DeferredSample(forward_batch, info, slots, self.runner.launch_forward(forward_batch))
             else:
-                mask = grammar_bitmask(batch.reqs, batch.samples, self.vocab_size)
-                result = self.runner.launch(forward_batch, info, slots, mask)
+                result = self.runner.launch(forward_batch, info, slots, self.grammar_bitmask(batch))
         except RuntimeError:
             if self.tp_workers is not None:
                 self.tp_workers.check_alive()  # a collective failed: name the rank that died, if one did
@@ -235,13 +234,19 @@ class EngineCore:
         small kernels, waits for the host. The matcher lags the device by one step, as the
         tokens do, and the mask is filled after the lag is made up, so it is the right one.
         """
-        mask = grammar_bitmask(batch.reqs, batch.samples, self.vocab_size)
+        mask = self.grammar_bitmask(batch)
         try:
             return self.runner.launch_sample(deferred.forward_batch, deferred.info, deferred.slots, deferred.queued, mask)
         except RuntimeError:
             if self.tp_workers is not None:
                 self.tp_workers.check_alive()
             raise
+
+    def grammar_bitmask(self, batch: ScheduleBatch):
+        """The batch's grammar masks (host), or None when none of its requests has a grammar."""
+        if not any(r.grammar is not None for r in batch.reqs):
+            return None
+        return self.grammars.bitmask(batch.reqs, batch.samples)
 
     def process_batch_result(self, batch: ScheduleBatch, result: ForwardResult) -> None:
         if isinstance(result, DeferredSample):  # (a loop that processes it before sampling it)

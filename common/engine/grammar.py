@@ -2,7 +2,7 @@
 
     grammars = Grammars(tokenizer, vocab_size, eos_token_ids)    # one per engine (TP rank 0)
     req.grammar = grammars.matcher(params.grammar)               # ValueError: the library refused it
-    mask = grammar_bitmask(reqs, rows, vocab_size)               # host int32 [B, ceil(V / 32)]
+    mask = grammars.bitmask(reqs, samples)                       # host int32 [B, ceil(V / 32)]
     logits = apply_bitmask(logits, device_mask)                  # on the device, in sample()
 
 Why xgrammar (docs/architecture.md): on this engine's tokenizers it fills a request's mask in ~3 us
@@ -18,6 +18,7 @@ terminates the matcher and finishes the request (even with ignore_eos: nothing e
 
 from __future__ import annotations
 
+import os
 import re
 from collections import OrderedDict
 
@@ -26,6 +27,10 @@ import torch
 
 # How many compiled grammars a server keeps (by kind and text), least recently used out first.
 CACHE_ENTRIES = 512
+# Threads that fill a batch's masks (at most the cores this process may use, less two), from this
+# many grammar rows on.
+FILL_THREADS = 4
+PARALLEL_ROWS = 16
 MAX_ERROR_CHARS = 400
 # xgrammar's messages start with "[03:59:31] /project/cpp/regex_converter.cc:83: " and may hold
 # "Check failed: (...) is false: ": noise for the client.
@@ -43,6 +48,10 @@ class Grammars:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)  # ours is below
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        threads = min(FILL_THREADS, len(os.sched_getaffinity(0)) - 2)  # leave the loop and the frontend theirs
+        self.threads = max(1, threads)
+        self._serial = xgr.BatchGrammarMatcher(max_threads=1)  # one C++ call, no Python loop
+        self._parallel = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else self._serial
 
     def compile(self, grammar: tuple[str, str]):
         """The CompiledGrammar of (kind, spec); ValueError with the library's reason if it refuses."""
@@ -79,6 +88,31 @@ class Grammars:
 
     def matcher(self, grammar: tuple[str, str]) -> "RequestGrammar":
         return RequestGrammar(self._xgr.GrammarMatcher(self.compile(grammar)))
+
+    def bitmask(self, reqs, samples: list[bool]) -> torch.Tensor | None:
+        """The batch's allowed tokens as a host int32 bitmask [B, words] (bit j of word w: token
+        32 w + j), or None when no row samples under a grammar. Rows without one allow everything.
+
+        Call when every grammar request's matcher has accepted all its tokens but the one this
+        batch samples: in the overlap loop that is after the previous batch's results are
+        processed (EngineCore.sample_deferred). A request that finished meanwhile keeps an
+        all-ones row: its token is dropped on arrival.
+        """
+        rows = [i for i, (req, s) in enumerate(zip(reqs, samples)) if s and req.grammar is not None and not req.finished]
+        if not rows:
+            return None
+        for i in rows:
+            req = reqs[i]
+            # NOTE the matcher must be exactly one token behind this sample: a mask filled one
+            # token early would constrain the wrong position.
+            assert req.grammar.accepted == len(req.output_ids), (req.rid, req.grammar.accepted, len(req.output_ids))
+        bitmask = torch.full((len(reqs), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+        # Most states fill in a few microseconds, but some cost far more (near a string's
+        # maxLength: ~0.9 ms on a 128k vocabulary), so a large batch's rows are filled on several
+        # threads; a small one's on this thread (handing work to threads costs ~0.1 ms).
+        fill = self._parallel if len(rows) >= PARALLEL_ROWS else self._serial
+        fill.batch_fill_next_token_bitmask([reqs[i].grammar.matcher for i in rows], bitmask, rows)
+        return bitmask
 
 
 # xgrammar 0.2.8 writes a string with maxLength as `[^"\\\r\n]{0, n}`: raw control characters
@@ -123,42 +157,28 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def grammar_bitmask(reqs, samples: list[bool], vocab_size: int) -> torch.Tensor | None:
-    """The batch's allowed tokens as a host int32 bitmask [B, words] (bit j of word w: token
-    32 w + j), or None when no row samples under a grammar. Rows without one allow everything.
-
-    Call when every grammar request's matcher has accepted all its tokens but the one this batch
-    samples: in the overlap loop that is after the previous batch's results are processed (see
-    EngineCore.run_batch). A request that finished meanwhile keeps an all-ones row: its token is
-    dropped on arrival.
-    """
-    rows = [i for i, (req, s) in enumerate(zip(reqs, samples)) if s and req.grammar is not None and not req.finished]
-    if not rows:
-        return None
-    bitmask = torch.full((len(reqs), bitmask_words(vocab_size)), -1, dtype=torch.int32)
-    for i in rows:
-        req = reqs[i]
-        # NOTE the matcher must be exactly one token behind this sample: a mask filled one token
-        # early would constrain the wrong position.
-        assert req.grammar.accepted == len(req.output_ids), (req.rid, req.grammar.accepted, len(req.output_ids))
-        req.grammar.fill(bitmask, i)
-    return bitmask
-
-
 _BITS = {}
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` [B, V] float with the tokens `bitmask` [B, ceil(V / 32)] int32 (on the device) does
-    not allow set to -inf; a new tensor. Rows whose every token is masked would sample garbage:
-    the grammar guarantees at least one allowed token (EOS once it is complete)."""
+    """`logits` [B, V] (any float dtype) with the tokens `bitmask` [B, ceil(V / 32)] int32 (on the
+    same device) does not allow set to -inf, as a new tensor. The grammar always allows a token
+    (EOS once it is complete), so no row is left without one."""
+    masked = logits.clone()
+    if logits.is_cuda:
+        # xgrammar's Triton kernel: one pass over the logits (the torch expression below writes
+        # and reads an int32 per vocabulary id and row).
+        from xgrammar.kernels.apply_token_bitmask_inplace_triton import apply_token_bitmask_inplace_triton
+
+        apply_token_bitmask_inplace_triton(masked, bitmask)
+        return masked
     batch, vocab = logits.shape
     bits = _BITS.get(logits.device)
     if bits is None:
         bits = _BITS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
     # An arithmetic shift of a word with bit 31 set fills with ones; `& 1` keeps only bit j.
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(batch, -1)[:, :vocab]
-    return logits.masked_fill(allowed == 0, float("-inf"))
+    return masked.masked_fill_(allowed == 0, float("-inf"))
 
 
 def allowed_tokens(bitmask: np.ndarray, row: int, vocab_size: int) -> list[int]:

@@ -31,10 +31,10 @@ SAMPLING_FIELDS = frozenset({
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = SAMPLING_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs",
-    "tools", "tool_choice", "functions", "function_call",
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
 }  # fmt: skip
 # Accepted and ignored: they do not change what is generated.
-HARMLESS_FIELDS = {"user": str, "metadata": dict, "store": bool, "service_tier": str, "parallel_tool_calls": bool}
+HARMLESS_FIELDS = {"user": str, "metadata": dict, "store": bool, "service_tier": str}
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 

@@ -3,6 +3,7 @@ chat template applied (the shared field rules are in api.py)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 # The field rules both endpoints share (package-internal: api.py and this module are one parser).
@@ -10,6 +11,7 @@ from pdserve.common.openai.api import (
     CHAT_FIELDS, CHAT_ROLES, ParsedRequest, _build, _max_tokens, _shared, _tokenize, check_fan_out,
 )
 from pdserve.common.openai.fields import OpenAIError, _boolean, _integer, _json_type, _reject_unless_empty, _wrong_type
+from pdserve.common.openai.tools import CALL_BEGIN, forced_call_grammar, parse_tool_choice, parse_tools
 from pdserve.common.types import MAX_TOP_LOGPROBS
 
 
@@ -31,8 +33,52 @@ def _message_content(content: Any, index: int) -> str:
     return "".join(part["text"] for part in content)
 
 
+# The roles of api.py, and "tool": a tool's result, answering an assistant's call by its id.
+ROLES = CHAT_ROLES | {"tool": "tool"}
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+
+
+def _call_arguments(arguments: Any, where: str, index: int) -> dict:
+    """A call's arguments as a dict, as chat templates take them (they write `arguments | tojson`);
+    the OpenAI API sends them as a string of JSON."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            raise _message_error(index, f"{where}.function.arguments' must be a JSON object (as a string)") from None
+    if not isinstance(arguments, dict):
+        raise _message_error(index, f"{where}.function.arguments' must be a JSON object, got {_json_type(arguments)}")
+    return arguments
+
+
+def _tool_calls(calls: Any, index: int) -> list[dict]:
+    """An assistant's earlier calls: {id, type: "function", function: {name, arguments: dict}}."""
+    if not isinstance(calls, list):
+        raise _message_error(index, f".tool_calls' must be an array, got {_json_type(calls)}")
+    result = []
+    for j, call in enumerate(calls):
+        where = f".tool_calls[{j}]"
+        if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(call.get("function"), dict):
+            raise _message_error(index, f"{where}' must be {{\"id\", \"type\": \"function\", \"function\": {{...}}}}")
+        for part, fields, allowed in ((where, call, {"id", "type", "function"}),
+                                      (f"{where}.function", call["function"], {"name", "arguments"})):
+            unknown = sorted(set(fields) - allowed)
+            if unknown:
+                raise _message_error(index, f"{part}' has unsupported field(s): {', '.join(unknown)}")
+        if not isinstance(call.get("id"), str):
+            raise _message_error(index, f"{where}.id' must be a string, got {_json_type(call.get('id'))}")
+        function = call["function"]
+        if not isinstance(function.get("name"), str):
+            raise _message_error(index, f"{where}.function.name' must be a string, got {_json_type(function.get('name'))}")
+        arguments = _call_arguments(function.get("arguments"), where, index)
+        result.append({"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return result
+
+
 def _chat_messages(messages: Any) -> list[dict]:
-    """The conversation as the chat template sees it: {role, content: str[, name]}."""
+    """The conversation as the chat template sees it: {role, content: str[, name]}; an assistant's
+    calls as `tool_calls` (arguments a dict) with content "" when it had none (as vLLM); a tool's
+    result as {role: "tool", content, tool_call_id}."""
     if messages is None:
         raise OpenAIError("'messages' is required", param="messages")
     if not isinstance(messages, list):
@@ -43,15 +89,30 @@ def _chat_messages(messages: Any) -> list[dict]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise _message_error(i, f"' must be an object, got {_json_type(message)}")
-        unknown = sorted(set(message) - {"role", "content", "name"})
+        unknown = sorted(set(message) - MESSAGE_FIELDS)
         if unknown:
             raise _message_error(i, f"' has unsupported field(s): {', '.join(unknown)}")
         role = message.get("role")
-        if not isinstance(role, str) or role not in CHAT_ROLES:  # (a dict or a list is not hashable)
-            raise _message_error(i, f".role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
-        if message.get("content") is None:
+        if not isinstance(role, str) or role not in ROLES:  # (a dict or a list is not hashable)
+            raise _message_error(i, f".role' must be one of {', '.join(ROLES)}, got {role!r}")
+        calls = []
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise _message_error(i, ".tool_calls' is only allowed on assistant messages")
+            calls = _tool_calls(message["tool_calls"], i)
+        if message.get("content") is None and not calls:
             raise _message_error(i, ".content' is required")
-        entry = {"role": CHAT_ROLES[role], "content": _message_content(message["content"], i)}
+        content = message.get("content")
+        entry = {"role": ROLES[role], "content": "" if content is None else _message_content(content, i)}
+        if calls:
+            entry["tool_calls"] = calls
+        if role == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise _message_error(i, f".tool_call_id' must be a string (the call answered), got "
+                                        f"{_json_type(message.get('tool_call_id'))}")
+            entry["tool_call_id"] = message["tool_call_id"]
+        elif message.get("tool_call_id") is not None:
+            raise _message_error(i, ".tool_call_id' is only allowed on tool messages")
         if message.get("name") is not None:
             if not isinstance(message["name"], str):
                 raise _message_error(i, f".name' must be a string, got {_json_type(message['name'])}")
@@ -77,34 +138,55 @@ def _chat_max_tokens(body: dict) -> int | None:
     return current if current is not None else legacy
 
 
+def _keep_call_tags(body: dict, shared: dict, tokenizer) -> None:
+    """A tokenizer that makes "<tool_call>" a special token would have skip_special_tokens erase the
+    tags the calls are parsed by (vLLM's Hermes parser turns it off too); a client's own setting wins.
+
+    NOTE: decode skips every added token marked special, not only those in all_special_tokens."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    if body.get("skip_special_tokens") is None and any(
+        getattr(token, "special", False) and str(token) == CALL_BEGIN for token in added.values()
+    ):
+        shared["sampling"]["skip_special_tokens"] = False
+
+
 def parse_chat_request(
     body: dict, tokenizer, served_model_name: str, max_context_len: int, *, allow_stream: bool = False,
     max_choices: int | None = None, vocab_size: int | None = None,
 ) -> ParsedRequest:  # fmt: skip
     """Validate a /v1/chat/completions body and render its conversation. Raises OpenAIError.
 
-    `max_choices` and `vocab_size` as in parse_completion_request."""
+    `max_choices` and `vocab_size` as in parse_completion_request. Tools: see tools.py (the legacy
+    `functions` and `function_call` are refused unless they ask for nothing: their answer has
+    another shape, message.function_call)."""
     vocab_size = len(tokenizer) if vocab_size is None else vocab_size
     shared = _shared(body, served_model_name, CHAT_FIELDS, allow_stream, vocab_size)
     check_fan_out(1, shared["n"], max_choices, "n")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise OpenAIError("'response_format' is not supported (only {\"type\": \"text\"})", param="response_format")
-    for name in ("tools", "functions"):
-        _reject_unless_empty(body, name)
-    for name in ("tool_choice", "function_call"):
-        _reject_unless_empty(body, name, allowed=("none",))
+    structured = shared.get("grammar")  # response_format and vLLM's structured outputs (structured.py)
+    _reject_unless_empty(body, "functions")
+    _reject_unless_empty(body, "function_call", allowed=("none",))
+    tools = parse_tools(body)
+    tool_choice = parse_tool_choice(body, tools)
+    forced = forced_call_grammar(tools, tool_choice, _boolean(body, "parallel_tool_calls", True))
+    if forced is not None and structured is not None:
+        raise OpenAIError("cannot combine a structured-output constraint ('response_format', 'structured_outputs' or "
+                          "'guided_*') with a 'tool_choice' that forces a call (\"required\" or a named function): "
+                          "both constrain the whole answer", param="tool_choice")
+    if tool_choice != "none":
+        _keep_call_tags(body, shared, tokenizer)
     logprobs = _chat_logprobs(body)
     max_tokens = _chat_max_tokens(body)
     messages = _chat_messages(body.get("messages"))
     if not getattr(tokenizer, "chat_template", None):
         raise OpenAIError("this model has no chat template; use /v1/completions")
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    try:  # tools=None renders as before tools existed; a template without tools support ignores them
+        text = tokenizer.apply_chat_template(messages, tools=tools if tool_choice != "none" else None,
+                                             add_generation_prompt=True, tokenize=False)
     except Exception as e:  # templates raise (jinja's raise_exception) on conversations they refuse
         raise OpenAIError(f"the chat template rejected the messages: {e}", param="messages") from None
     # The template already carries BOS; adding special tokens again would double it.
     prompt = _tokenize(tokenizer, text, False, "messages")
     return _build(
-        "chat", shared, served_model_name, [prompt], [text], max_tokens, logprobs, max_context_len, messages=messages
-    )
+        "chat", shared, served_model_name, [prompt], [text], max_tokens, logprobs, max_context_len,
+        grammar=forced or structured, messages=messages, tools=tools, tool_choice=tool_choice,
+    )  # fmt: skip

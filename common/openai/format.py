@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from pdserve.common.openai.api import ParsedRequest
+from pdserve.common.openai.tool_parser import finish_reason, parse_tool_calls, tool_names
 from pdserve.common.types import Completion, TokenLogprob
 
 # JSON has no -inf (or NaN): a token the model gave zero probability is reported with this, as vLLM does.
@@ -166,17 +167,19 @@ def format_chat_response(
     """The /v1/chat/completions body; its id is "chatcmpl-" + request_id."""
     _check_count(parsed, completions)
     token_text = token_text_of(tokenizer)
+    tools = tool_names(parsed)
     choices = []
     for index, completion in enumerate(completions):
         logprobs = None
         if parsed.logprobs is not None:
             logprobs = chat_logprobs(completion.logprobs or [], parsed.logprobs, token_text)
-        choice = {
-            "index": index,
-            "message": {"role": "assistant", "content": completion.text},
-            "logprobs": logprobs,
-            "finish_reason": completion.finish_reason.value,
-        }
+        message, finish = {"role": "assistant", "content": completion.text}, completion.finish_reason.value
+        if tools is not None:  # the calls out of the text (tool_parser.py); the rest is the content
+            message["content"], calls = parse_tool_calls(completion.text, tools)
+            if calls:
+                message["tool_calls"] = calls
+                finish = finish_reason(finish, called=True)
+        choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
         choices.append(choice | _token_ids(parsed, completion))
     body = {
         "id": f"chatcmpl-{request_id}",
