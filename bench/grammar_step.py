@@ -54,30 +54,33 @@ class LoopTimer:
     def __init__(self, engine):
         self.stamps: list[float] = []
         self.host_s = dict.fromkeys(self.HOST_PARTS, 0.0)
-        self.sample_events: list = []
+        self.events: dict[str, list] = {"device_forward": [], "device_sample": []}
         for name in self.HOST_PARTS:
             setattr(engine, name, self._timed(name, getattr(engine, name)))
         runner = engine.runner
         if runner.device.type == "cuda":
-            launch_sample, stream = runner.launch_sample, runner.streams.forward_stream
+            for name, method in (("device_forward", "launch_forward"), ("device_sample", "launch_sample")):
+                setattr(runner, method, self._device_timed(name, getattr(runner, method), runner.streams.forward_stream))
 
-            def timed_sample(*args, **kwargs):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                result = launch_sample(*args, **kwargs)
-                end.record(stream)
-                self.sample_events.append((start, end))
-                return result
+    def _device_timed(self, name, launch, stream):
+        def timed(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            result = launch(*args, **kwargs)
+            end.record(stream)
+            if args[0].mode.value == "decode":
+                self.events[name].append((start, end))
+            return result
 
-            runner.launch_sample = timed_sample
+        return timed
 
     def _timed(self, name, method):
-        def timed(*args):
+        def timed(*args, **kwargs):
             if name == "run_batch" and args[0].mode.value == "decode":
                 self.stamps.append(time.perf_counter())
             start = time.perf_counter()
             try:
-                return method(*args)
+                return method(*args, **kwargs)
             finally:
                 self.host_s[name] += time.perf_counter() - start
 
@@ -87,15 +90,18 @@ class LoopTimer:
         """(loop step intervals in ms, ms per decode step of each host part and of the sampling on
         the device) of one run."""
         self.stamps.clear()
-        self.sample_events.clear()
+        for events in self.events.values():
+            events.clear()
         self.host_s = dict.fromkeys(self.HOST_PARTS, 0.0)
         outs = engine.generate(prompts, params)
         assert all(len(o.output_ids) == params.max_new_tokens for o in outs), "a request stopped early"
         steps = [(b - a) * 1e3 for a, b in zip(self.stamps, self.stamps[1:])]
         per_step = {name: s * 1e3 / max(1, len(self.stamps)) for name, s in self.host_s.items()}
-        if self.sample_events:
+        if self.events["device_sample"]:
             torch.cuda.synchronize()
-            per_step["device_sample"] = statistics.median(a.elapsed_time(b) for a, b in self.sample_events)
+        for name, events in self.events.items():
+            if events:  # (a forward's start fires when the device reaches it: its span is the device's)
+                per_step[name] = statistics.median(a.elapsed_time(b) for a, b in events[2:])
         return steps[2:], per_step  # the batch is in after 2 steps
 
 

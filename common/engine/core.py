@@ -29,6 +29,7 @@ import random
 import time
 import weakref
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -56,6 +57,7 @@ class DeferredSample:
     info: SamplingBatchInfo
     slots: list[int]
     queued: QueuedForward
+    masks: Future | None = None  # being filled once the tokens before it are accepted (Grammars.bitmask)
 
 class EngineCore:
     # A prefill ("sender") or decode ("receiver") server's engine: with TP, every rank runs a KV
@@ -201,6 +203,7 @@ class EngineCore:
         """Queue batch N's forward + sample and the copy of its results to pinned memory; returns
         at once. The batch's device inputs are built here, on the current (schedule) stream."""
         batch.seq = next(self._launches)
+        self.launch_deferred()  # the previous batch's sampling: this forward reads its tokens
         forward_batch = self.builder.build(batch)
         # NOTE: built before the previous result is processed: that may finish (and free) a
         # request of this batch, whose token is then discarded (Scheduler.on_launched).
@@ -215,7 +218,7 @@ class EngineCore:
                 # A grammar's mask needs the token still in flight: sampled once it is processed.
                 result = DeferredSample(forward_batch, info, slots, self.runner.launch_forward(forward_batch))
             else:
-                result = self.runner.launch(forward_batch, info, slots, self.grammar_bitmask(batch))
+                result = self.runner.launch(forward_batch, info, slots, self.grammar_bitmask(batch, launched=False).result())
         except RuntimeError:
             if self.tp_workers is not None:
                 self.tp_workers.check_alive()  # a collective failed: name the rank that died, if one did
@@ -224,29 +227,41 @@ class EngineCore:
         self.trace.append(("launch", batch.seq))
         return result
 
-    def sample_deferred(self, batch: ScheduleBatch, deferred: "DeferredSample") -> ForwardResult:
+    def sample_deferred(self, batch: ScheduleBatch, deferred: DeferredSample) -> ForwardResult:
         """Launch the sampling of a batch whose forward is queued (run_batch), with its grammar
-        masks. Call once every earlier result is processed: each matcher has then accepted every
-        token but the one this batch samples.
+        masks. Its masks are filled once every earlier batch's tokens are on the host and accepted
+        by the matchers: each has then accepted every token but the one this batch samples.
 
-        NOTE the overlap this keeps: the device runs batch N's forward while the host processes
-        N-1 (its matchers accept N-1's tokens) and fills N's masks; only the sampling, a few
-        small kernels, waits for the host. The matcher lags the device by one step, as the
-        tokens do, and the mask is filled after the lag is made up, so it is the right one.
+        NOTE the overlap this keeps: the device runs batch N's forward while the host reads N-1's
+        tokens, advances the matchers by them and fills N's masks (on a worker thread, while this
+        thread finishes processing N-1 and schedules N+1); only the sampling, a few small
+        kernels, waits for the host, and it is launched before N+1's forward, which reads its
+        tokens. The matcher lags the device by one step, as the tokens do, and the mask is
+        filled after the lag is made up, so it is the right one.
         """
-        mask = self.grammar_bitmask(batch)
+        masks = deferred.masks if deferred.masks is not None else self.grammar_bitmask(batch, launched=True)
         try:
-            return self.runner.launch_sample(deferred.forward_batch, deferred.info, deferred.slots, deferred.queued, mask)
+            return self.runner.launch_sample(deferred.forward_batch, deferred.info, deferred.slots, deferred.queued,
+                                             masks.result())
         except RuntimeError:
             if self.tp_workers is not None:
                 self.tp_workers.check_alive()
             raise
 
-    def grammar_bitmask(self, batch: ScheduleBatch):
-        """The batch's grammar masks (host), or None when none of its requests has a grammar."""
+    def launch_deferred(self) -> None:
+        """Launch the sampling of queued batches whose masks are being filled."""
+        for i, (launched, result) in enumerate(self.result_queue):
+            if isinstance(result, DeferredSample) and result.masks is not None:
+                self.result_queue[i] = (launched, self.sample_deferred(launched, result))
+
+    def grammar_bitmask(self, batch: ScheduleBatch, launched: bool) -> Future:
+        """The batch's grammar masks (host), filling; None (in the Future) when none of its
+        requests has a grammar."""
         if not any(r.grammar is not None for r in batch.reqs):
-            return None
-        return self.grammars.bitmask(batch.reqs, batch.samples)
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        return self.grammars.bitmask(batch.reqs, batch.samples, launched)
 
     def process_batch_result(self, batch: ScheduleBatch, result: ForwardResult) -> None:
         if isinstance(result, DeferredSample):  # (a loop that processes it before sampling it)
@@ -257,7 +272,15 @@ class EngineCore:
             self.tp_workers.wait(result.copy_done)  # the same wait, noticing a rank that dies meanwhile
         self.trace.append(("process", batch.seq))
         host = self.runner.host_sample_output(result)
-        next_ids, logprobs = host.next_token_ids.tolist(), to_token_logprobs(host, batch.reqs)
+        next_ids = host.next_token_ids.tolist()
+        if self.result_queue and isinstance(self.result_queue[0][1], DeferredSample):
+            # The next batch's sampling waits for these tokens' grammar masks: accept them and
+            # start filling; the scheduler's processing below overlaps the filling, and the
+            # sampling is launched before anything reads its tokens (launch_deferred).
+            self.grammars.accept_tokens(batch.reqs, batch.samples, next_ids)
+            waiting, deferred = self.result_queue[0]
+            deferred.masks = self.grammar_bitmask(waiting, launched=True)
+        logprobs = to_token_logprobs(host, batch.reqs)
         if result.prompt_logprobs is not None:
             add_prompt_logprobs(batch, result.prompt_logprobs)
         self.runner.release(result)
@@ -268,9 +291,6 @@ class EngineCore:
         one when nothing was launched this iteration."""
         while self.result_queue and self.result_queue[0][0] is not batch:
             self.process_batch_result(*self.result_queue.popleft())
-        if self.result_queue and isinstance(self.result_queue[0][1], DeferredSample):
-            launched, deferred = self.result_queue[0]
-            self.result_queue[0] = (launched, self.sample_deferred(launched, deferred))
 
     def must_run_serially(self, batch: ScheduleBatch) -> bool:
         """Cases where overlapping with the previous batch would be wrong or hurt.

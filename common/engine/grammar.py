@@ -2,7 +2,7 @@
 
     grammars = Grammars(tokenizer, vocab_size, eos_token_ids)    # one per engine (TP rank 0)
     req.grammar = grammars.matcher(params.grammar)               # ValueError: the library refused it
-    mask = grammars.bitmask(reqs, samples)                       # host int32 [B, ceil(V / 32)]
+    mask = grammars.bitmask(reqs, samples, launched).result()   # host int32 [B, ceil(V / 32)]
     logits = apply_bitmask(logits, device_mask)                  # on the device, in sample()
 
 Why xgrammar (docs/architecture.md): on this engine's tokenizers it fills a request's mask in ~3 us
@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -52,6 +53,7 @@ class Grammars:
         self.threads = max(1, threads)
         self._serial = xgr.BatchGrammarMatcher(max_threads=1)  # one C++ call, no Python loop
         self._parallel = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else self._serial
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
     def compile(self, grammar: tuple[str, str]):
         """The CompiledGrammar of (kind, spec); ValueError with the library's reason if it refuses."""
@@ -89,30 +91,65 @@ class Grammars:
     def matcher(self, grammar: tuple[str, str]) -> "RequestGrammar":
         return RequestGrammar(self._xgr.GrammarMatcher(self.compile(grammar)))
 
-    def bitmask(self, reqs, samples: list[bool]) -> torch.Tensor | None:
+    def bitmask(self, reqs, samples: list[bool], launched: bool) -> Future:
         """The batch's allowed tokens as a host int32 bitmask [B, words] (bit j of word w: token
-        32 w + j), or None when no row samples under a grammar. Rows without one allow everything.
+        32 w + j), or None when no row samples under a grammar, as a Future: the masks are filled
+        on a worker thread (xgrammar releases the GIL), so the caller's Python work overlaps it.
+        Rows without a grammar allow everything.
 
         Call when every grammar request's matcher has accepted all its tokens but the one this
-        batch samples: in the overlap loop that is after the previous batch's results are
-        processed (EngineCore.sample_deferred). A request that finished meanwhile keeps an
-        all-ones row: its token is dropped on arrival.
+        batch samples (`launched`: the batch's own token is already counted as pending); in the
+        overlap loop that is once the previous batch's tokens are accepted (EngineCore
+        .process_batch_result). A row whose matcher is terminated, or refused a token, keeps an
+        all-ones row: its request is finished or failed, and its token is dropped on arrival.
+        The matchers must not advance until the Future is done.
         """
-        rows = [i for i, (req, s) in enumerate(zip(reqs, samples)) if s and req.grammar is not None and not req.finished]
+        rows = []
+        for i, (req, sampling) in enumerate(zip(reqs, samples)):
+            grammar = req.grammar
+            if not sampling or grammar is None or req.finished or grammar.refused or grammar.terminated:
+                continue
+            # NOTE the matcher must have accepted exactly the tokens before the one this row
+            # samples: the kept ones, and those in flight that will be kept (accepted ahead by
+            # accept_tokens). A mask filled one token off would constrain the wrong position.
+            before = len(req.output_ids) + req.pending - req.discard - (1 if launched else 0)
+            assert grammar.accepted == before, (req.rid, grammar.accepted, before)
+            rows.append(i)
         if not rows:
-            return None
-        for i in rows:
-            req = reqs[i]
-            # NOTE the matcher must be exactly one token behind this sample: a mask filled one
-            # token early would constrain the wrong position.
-            assert req.grammar.accepted == len(req.output_ids), (req.rid, req.grammar.accepted, len(req.output_ids))
+            done: Future = Future()
+            done.set_result(None)
+            return done
         bitmask = torch.full((len(reqs), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
         # Most states fill in a few microseconds, but some cost far more (near a string's
         # maxLength: ~0.9 ms on a 128k vocabulary), so a large batch's rows are filled on several
-        # threads; a small one's on this thread (handing work to threads costs ~0.1 ms).
+        # threads; a small one's on one (handing work to threads costs ~0.1 ms).
         fill = self._parallel if len(rows) >= PARALLEL_ROWS else self._serial
-        fill.batch_fill_next_token_bitmask([reqs[i].grammar.matcher for i in rows], bitmask, rows)
-        return bitmask
+        matchers = [reqs[i].grammar.matcher for i in rows]
+
+        def filled() -> torch.Tensor:
+            fill.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+            return bitmask
+
+        return self._filler.submit(filled)
+
+    def accept_tokens(self, reqs, samples: list[bool], token_ids: list[int]) -> None:
+        """Advance the matchers of a processed batch's grammar rows by their new tokens, in one
+        call, before the scheduler processes the batch (it then finds them accepted: see
+        output_processor.append_token). Rows the scheduler will drop (not sampling, or results
+        to discard) are left alone."""
+        rows = [i for i, (req, sampling) in enumerate(zip(reqs, samples))
+                if sampling and req.grammar is not None and not req.discard and not req.finished
+                and not req.grammar.refused and req.params.max_new_tokens > 0]
+        if not rows:
+            return
+        accepted = self._serial.batch_accept_token([reqs[i].grammar.matcher for i in rows],
+                                                   [token_ids[i] for i in rows])
+        for i, ok in zip(rows, accepted):
+            grammar = reqs[i].grammar
+            if ok:
+                grammar.accepted += 1
+            else:
+                grammar.refused = token_ids[i]
 
 
 # xgrammar 0.2.8 writes a string with maxLength as `[^"\\\r\n]{0, n}`: raw control characters
@@ -131,15 +168,22 @@ def _no_raw_control_characters(grammar) -> str:
 class RequestGrammar:
     """One request's matcher: where its output is inside the grammar."""
 
-    __slots__ = ("matcher", "accepted")
+    __slots__ = ("matcher", "accepted", "refused")
 
     def __init__(self, matcher):
         self.matcher = matcher
-        self.accepted = 0  # tokens accepted: equals len(req.output_ids) while the request runs
+        # Tokens accepted: len(req.output_ids), or one more when the engine accepted the newest
+        # token ahead of the scheduler's processing (Grammars.accept_tokens).
+        self.accepted = 0
+        self.refused: int | None = None  # a token the grammar did not allow (a bug if ever set)
 
-    def accept(self, token: int) -> bool:
-        """Advance by `token`; False (and no change) when the grammar does not allow it."""
-        if not self.matcher.accept_token(token):
+    def accept(self, token: int, position: int) -> bool:
+        """Advance by `token`, output token number `position` (0-based), unless that one was
+        accepted already; False when the grammar does not allow it."""
+        if self.accepted > position:
+            return True
+        if self.refused is not None or not self.matcher.accept_token(token):
+            self.refused = token
             return False
         self.accepted += 1
         return True

@@ -25,7 +25,7 @@ def append_token(
     if logprob is not None:
         req.output_logprobs.append(logprob)
     if req.grammar is not None:
-        if not req.grammar.accept(token):  # the mask allowed only what it accepts: a bug if reached
+        if not req.grammar.accept(token, len(req.output_ids) - 1):  # the mask allowed only what it accepts: a bug if reached
             req.finish_reason, req.error = FinishReason.ABORT, f"token {token} is outside the request's grammar"
             req.error_code = ErrorCode.INTERNAL
             return
