@@ -28,7 +28,7 @@ from pdserve.common.engine.core import EngineCore
 from pdserve.common.engine.tp_messages import Notifs, Watch
 from pdserve.common.kv_transfer import KVLayout
 from pdserve.common.kv_transfer.server import ServerKV
-from pdserve.common.types import Completion, SamplingParams
+from pdserve.common.types import Completion, Req, SamplingParams
 from pdserve.decode.arrivals import KVArrivals, Refused
 from pdserve.decode.scheduler import DecodeScheduler
 
@@ -81,6 +81,16 @@ class DecodeEngine(EngineCore):
         """Queue a request whose KV a prefill server will write; ValueError when it cannot run here.
         Its text is built only where stop strings need it: the router detokenizes the stream."""
         return self._add(prompt_ids, params, room, rid).rid
+
+    def add_local_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None) -> Req:
+        """Queue a request this server prefills itself (no KV transfer); ValueError when it cannot
+        run here. Prompt logprobs are a prefill server's: asked for, the router sends it remote."""
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are computed by prefill servers: this request cannot be prefilled locally")
+        req = self.make_req(prompt_ids, params, rid, detokenize=bool(params.stop))
+        req.arrived = time.monotonic()
+        self.scheduler.add_local_request(req)
+        return req
 
     def _add(self, prompt_ids: Sequence[int], params: SamplingParams, room: int, rid: str | None):
         req = self.make_req(prompt_ids, params, rid, detokenize=bool(params.stop))
@@ -158,7 +168,11 @@ class DecodeEngine(EngineCore):
         for msg in msgs:
             if isinstance(msg, ipc.NewRequest):
                 try:
-                    req = self._add(msg.prompt_ids, ipc.sampling_params(msg.params), msg.room, msg.rid)
+                    params = ipc.sampling_params(msg.params)
+                    if msg.local:
+                        req = self.add_local_request(msg.prompt_ids, params, msg.rid)
+                    else:
+                        req = self._add(msg.prompt_ids, params, msg.room, msg.rid)
                 except ValueError as e:
                     self.channel.send(ipc.Rejected(msg.rid, str(e)))
                     continue

@@ -12,7 +12,8 @@ DEADLINE_PASSED = pb.Error(code=pb.Error.ABORTED, message="the request's deadlin
 
 
 def new_request(rid: str, request: pb.GenerateRequest) -> ipc.NewRequest:
-    return ipc.NewRequest(rid, list(request.prompt_token_ids), params_from_proto(request.params), request.bootstrap_room)
+    return ipc.NewRequest(rid, list(request.prompt_token_ids), params_from_proto(request.params), request.bootstrap_room,
+                          local=request.local_prefill)
 
 
 def is_last(msg) -> bool:

@@ -11,7 +11,10 @@ Queues, in the order a request passes through them (DESIGN.md "Life of a request
                   the grace).
     running       the KV and the first token arrived: it decodes like any colocated request,
                   joining the batch without a forward pass of its own
-    waiting       only requests retracted under KV pressure: they are prefilled again locally
+    waiting       local prefills (GenerateRequest.local_prefill: the router chose not to
+                  disaggregate it), and requests retracted under KV pressure: both prefilled
+                  here, in chunks, each chunk followed by a decode step of the running requests
+                  (so they wait at most one chunk for their next token)
 
 The decode server keeps no prefix cache: its pages are filled by other servers' transfers. Host
 only, like the colocated scheduler it extends: a preallocated request's row is queued as a
@@ -24,6 +27,7 @@ from collections import deque
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.errors import ErrorCode
+from pdserve.common.engine.batch import ForwardMode, ScheduleBatch
 from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.scheduling.output_processor import append_token, finalize
 from pdserve.common.scheduling.scheduler import Scheduler
@@ -41,6 +45,23 @@ class DecodeScheduler(Scheduler):
         # (a retried prefill's late copy is still a granted one): room -> pages, and (forget at, room).
         self.served: dict[int, int] = {}
         self._served_order: deque[tuple[float, int]] = deque()
+        self._after_prefill = False  # the last batch was a prefill (chunk)
+
+    def add_local_request(self, req: Req) -> None:
+        """A request this server prefills itself: it waits with the colocated scheduler's queue."""
+        super().add_request(req)
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        # NOTE local prefills alternate with decode steps: after a prefill chunk, the running
+        # requests take a step before the next chunk, so no stream stalls for a whole prompt.
+        if self._after_prefill and self.decode.running:
+            self._after_prefill = False
+            batch = self.decode_step()
+            if batch is not None:
+                return batch
+        batch = super().get_next_batch_to_run()
+        self._after_prefill = batch is not None and batch.mode is ForwardMode.EXTEND
+        return batch
 
     def add_request(self, req: Req) -> None:
         self.check_request(req.prompt_ids, req.params)

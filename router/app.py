@@ -38,7 +38,8 @@ from pdserve.router.http_answers import (
     upstream_response,
 )
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pairing import UpstreamError, fix_seed, paired_generate, prefill_only, prompt_logprobs_of
+from pdserve.router.disagg import decide
+from pdserve.router.pairing import UpstreamError, fix_seed, local_generate, paired_generate, prefill_only, prompt_logprobs_of
 from pdserve.router.policies import make_policy
 from pdserve.router.stream_chunks import StreamChunks
 from pdserve.router.workers import WorkerRegistry, resolve_dns
@@ -102,6 +103,11 @@ class Router:
     def ready(self) -> dict:
         return {role: [v.url for v in self.registry.views(role) if v.healthy] for role in ("prefill", "decode")}
 
+    def serving(self) -> bool:
+        """A healthy decode server, and a healthy prefill server unless decode servers may prefill."""
+        ready = self.ready()
+        return bool(ready["decode"] and (ready["prefill"] or self.config.disagg_policy != "always"))
+
     async def choice(self, prompt_ids: list[int], params, on_text=None, on_prompt=None) -> Completion:
         """Run one choice through a prefill/decode pair; `on_text(delta, logprobs)` sees text as it
         becomes final, with the logprobs of the tokens that produced it (when requested), and
@@ -123,8 +129,12 @@ class Router:
         decode = self.pick("decode", prompt_ids)
         if decode is None:
             raise UpstreamError("no healthy decode server", 503)
-        decode_worker = workers[decode]
-        stream = paired_generate(self.decode_target(decode), pick_prefill, self.registry.record, prompt_ids, params, self.config)
+        decode_worker, c = workers[decode], self.config
+        where, why = decide(c.disagg_policy, prompt_ids, params.prompt_logprobs is not None, self.registry.views("prefill"),
+                            c.local_prefill_max_tokens, c.prefill_queue_threshold)
+        self.metrics.prefill_decisions.labels(where, why).inc()
+        stream = (local_generate(self.decode_target(decode), prompt_ids, params, c) if where == "local" else
+                  paired_generate(self.decode_target(decode), pick_prefill, self.registry.record, prompt_ids, params, c))
         decode_worker.inflight += 1
         started, last, reported, emitted = time.monotonic(), None, 0, 0
         # Text a stop string could still claim is held back until the stop is ruled out (vLLM's
@@ -175,7 +185,6 @@ class Router:
         if on_text is not None and (len(completion.text) > emitted or len(req.output_logprobs) > reported):
             await on_text(completion.text[emitted:], req.output_logprobs[reported:])
         return completion
-
 
     async def _prompt_only(self, req: Req, pick_prefill, on_prompt) -> Completion:
         """A choice of no new tokens (its prompt scored, say): a prefill alone, no decode server."""
@@ -238,7 +247,7 @@ def create_app(router: Router) -> FastAPI:
             parsed = parse_body(parse, await body_of(request))
         except OpenAIError as e:
             return error_response(e)
-        if not (router.ready()["prefill"] and router.ready()["decode"]):
+        if not router.serving():
             return error_response(OpenAIError("no healthy prefill or decode server", status_code=503))
         choices = [(ids, fix_seed(p)) for ids, p in parsed.engine_requests()]
         try:
@@ -385,8 +394,6 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/readiness")
     async def readiness():
-        ready = router.ready()
-        ok = bool(ready["prefill"] and ready["decode"])
-        return JSONResponse({"ready": ok, **ready}, status_code=200 if ok else 503)
+        return JSONResponse({"ready": router.serving(), **router.ready()}, status_code=200 if router.serving() else 503)
 
     return app

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, replace
 
 from pdserve.common.config import TrustConfig, option
+from pdserve.router.disagg import POLICIES
 from pdserve.router.policies import make_policy
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # what both logging and uvicorn take
@@ -58,6 +59,17 @@ class RouterConfig(TrustConfig):
              "(never past it).")
     decode_timeout: float = option(0.0, "Seconds the decode call may take; 0: the request's deadline (never past it).")
     max_prefill_attempts: int = option(3, "Prefill servers a request is tried on before it fails.")
+    disagg_policy: str = option(
+        "always", "always: every request is prefilled on a prefill server and its KV sent to the decode server; "
+                  "never: decode servers prefill every request themselves (colocated replicas; no prefill server "
+                  "needed); auto: locally when the prompt is at most --local-prefill-max-tokens or the prefill "
+                  "servers are all loaded past --prefill-queue-threshold, remotely otherwise (router/disagg.py).")
+    local_prefill_max_tokens: int = option(
+        256, "With --disagg-policy auto: prompts of at most this many uncached tokens are prefilled by the decode "
+             "server (decode servers keep no prefix cache yet: the whole prompt counts).")
+    prefill_queue_threshold: int = option(
+        64, "With --disagg-policy auto: when every healthy prefill server reports at least this many running + "
+            "waiting requests (plus this router's in flight), requests are prefilled locally.")
     health_check_interval: float = option(1.0, "Seconds between two health checks (gRPC health + GetLoad) of a worker.")
     health_check_timeout: float = option(2.0, "Seconds each health-check RPC may take.")
     dns_interval: float = option(2.0, "Seconds between two resolutions of the --prefill-dns / --decode-dns names.")
@@ -79,8 +91,15 @@ class RouterConfig(TrustConfig):
         """Raise ValueError, naming the flag, for the first value the router cannot run with."""
         if not self.model_path:
             raise ValueError("--model-path is required")
-        if not (self.prefill or self.prefill_dns) or not (self.decode or self.decode_dns):
-            raise ValueError("give prefill servers (--prefill or --prefill-dns) and decode servers (--decode or --decode-dns)")
+        if self.disagg_policy not in POLICIES:
+            raise ValueError(f"--disagg-policy must be always, never or auto, got {self.disagg_policy!r}")
+        if not (self.decode or self.decode_dns):
+            raise ValueError("give decode servers (--decode or --decode-dns)")
+        if not (self.prefill or self.prefill_dns) and self.disagg_policy != "never":
+            raise ValueError("give prefill servers (--prefill or --prefill-dns), or --disagg-policy never "
+                             "(decode servers prefill every request themselves)")
+        if self.local_prefill_max_tokens < 0 or self.prefill_queue_threshold < 1:
+            raise ValueError("--local-prefill-max-tokens must be >= 0 and --prefill-queue-threshold >= 1")
         for spec in self.prefill_dns + self.decode_dns:
             name_port(spec)
         for role, name in (("prefill", self.prefill_policy), ("decode", self.decode_policy)):

@@ -43,6 +43,9 @@ class RouterMetrics:
         self.inflight = Gauge("pdserve_router_inflight_requests", "Requests in flight.", registry=r,
                               multiprocess_mode="livesum")
         self.retries = Counter("pdserve_router_prefill_retries", "Prefill attempts retried on another server.", registry=r)
+        self.prefill_decisions = Counter(
+            "pdserve_router_prefill_decisions", "Where choices were prefilled (router/disagg.py): local (the decode "
+            "server) or remote (a prefill server), and why.", ["where", "reason"], registry=r)
         self.worker_errors = Gauge("pdserve_router_worker_errors", "Failed requests and health checks per worker.",
                                    ["worker", "role"], registry=r, multiprocess_mode="sum")
         self.worker_healthy = Gauge("pdserve_router_worker_healthy", "1 when the worker is routable.", ["worker", "role"],

@@ -225,6 +225,42 @@ async def paired_generate(decode: DecodeStreams | grpc.aio.Channel, pick_prefill
             early[2].cancel()  # a no-op once it answered
 
 
+async def local_generate(decode: DecodeStreams | grpc.aio.Channel, prompt_ids: list[int], params: SamplingParams,
+                         config: RouterConfig):
+    """paired_generate's events for a choice the decode server prefills itself
+    (GenerateRequest.local_prefill, router/disagg.py): no prefill server, no destination, no KV
+    transfer; every token, the first included, comes on the decode stream."""
+    deadline = time.time() + config.request_timeout
+    req = pb.GenerateRequest(request_id=secrets.token_hex(12), prompt_token_ids=prompt_ids, params=proto_params(params),
+                             deadline_unix_s=deadline, local_prefill=True)
+    call = open_generate(decode, req, rpc_timeout(config.decode_timeout, deadline))
+    sent = 0
+    try:
+        while True:
+            msg = await call.read()
+            if msg is grpc.aio.EOF:
+                raise UpstreamError("the decode stream ended without a finish", decode_failed=True)
+            kind = msg.WhichOneof("response")
+            if kind == "tokens":
+                chunk = msg.tokens
+                new = list(chunk.token_ids)[max(sent - chunk.index, 0):]
+                if new:
+                    lps = [_logprob(lp) for lp in chunk.logprobs[max(sent - chunk.index, 0):]]
+                    # The first event says what the prefill had cached: a decode server caches nothing yet.
+                    yield Event("tokens", new, sent, lps, cached_tokens=0 if sent == 0 else None)
+                    sent += len(new)
+            elif kind == "finish":
+                yield Event("finish", [])
+                return
+            else:
+                raise _error(msg)
+    except grpc.aio.AioRpcError as e:
+        raise UpstreamError(f"decode server: {e.code().name}: {e.details()}", rpc_status(e.code()),
+                            decode_failed=server_fault(e.code())) from e
+    finally:
+        call.cancel()
+
+
 async def _prefill_while_decode_waits(decode_read: asyncio.Future, attempts) -> pb.PrefillResponse:
     """Run the prefill `attempts` while watching the decode stream. Its next message is normally
     the first token chunk, which can come before the prefill's answer (kept in `decode_read` for

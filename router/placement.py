@@ -40,10 +40,11 @@ def plan_placement(gpus: Sequence[int], num_prefill: int, prefill_tp: int, num_d
     one GPU that is server i of n asking for fraction × (i + 1) / n; with no sharing, `fraction`.
     Every share on a GPU is at most fraction / (the servers on it), so no GPU is asked for more.
     """
-    for flag, value in (("--num-prefill", num_prefill), ("--num-decode", num_decode),
-                        ("--prefill-tp", prefill_tp), ("--decode-tp", decode_tp)):
+    for flag, value in (("--num-decode", num_decode), ("--prefill-tp", prefill_tp), ("--decode-tp", decode_tp)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    if num_prefill < 0:  # (0: decode servers prefill every request, `pdserve up --disagg-policy never`)
+        raise ValueError(f"--num-prefill must be >= 0, got {num_prefill}")
     if len(set(gpus)) != len(gpus):
         raise ValueError(f"--gpus names a GPU twice: {','.join(map(str, gpus))}")
     if not 0 < fraction < 1:

@@ -22,6 +22,7 @@ from pdserve.router.placement import (
     ROLES_IN_START_ORDER, ServerPlacement, describe, plan_placement, rank_threads, resolve_gpus, server_env,
     usable_cores, visible_gpu_names,
 )
+from pdserve.router.disagg import POLICIES
 from pdserve.router.policies import POLICY_NAMES
 
 READY_TIMEOUT_S = 300
@@ -90,8 +91,10 @@ def start_servers(plan: list[ServerPlacement], command: Callable[[ServerPlacemen
 
 def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, port: int, host: str,
        prefill_policy: str = "round_robin", decode_policy: str = "round_robin", router_workers: int = 0,
-       gpus: str | None = None, prefill_tp: int = 1, decode_tp: int = 1) -> int:
+       gpus: str | None = None, prefill_tp: int = 1, decode_tp: int = 1, disagg_policy: str = "always") -> int:
     """`gpus`: --gpus as given (None: every visible GPU)."""
+    if num_prefill == 0 and disagg_policy != "never":
+        raise ValueError("--num-prefill 0 needs --disagg-policy never (decode servers then prefill every request)")
     visible = visible_gpu_names() if device != "cpu" else []
     device, placed_on = resolve_gpus(device, gpus, visible)
     plan = plan_placement(placed_on, num_prefill, prefill_tp, num_decode, decode_tp)
@@ -127,10 +130,11 @@ def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, p
     try:
         servers = start_servers(plan, command, visible, procs)
         prefill, decode = servers["prefill"], servers["decode"]
-        procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", model_path, "--prefill", *prefill,
+        prefill_flags = ["--prefill", *prefill] if prefill else []
+        procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", model_path, *prefill_flags,
                                        "--decode", *decode, "--prefill-policy", prefill_policy, "--decode-policy",
-                                       decode_policy, "--host", host, "--port", str(port), "--workers", str(router_workers),
-                                       "--log-level", "warning", *secret]))
+                                       decode_policy, "--disagg-policy", disagg_policy, "--host", host, "--port", str(port),
+                                       "--workers", str(router_workers), "--log-level", "warning", *secret]))
         base = f"http://{host}:{port}"
         _wait_ready(base + "/readiness", procs)
         print(f"pdserve is up: {base}  (model {model_path}; prefill {' '.join(prefill)}; decode {' '.join(decode)})")
@@ -178,6 +182,10 @@ def add_parser(sub) -> None:
                        help="How the router picks a prefill server (cache_aware, prefix_hash: by prompt prefix).")
     local.add_argument("--decode-policy", default="round_robin", choices=("round_robin", "least_load"),
                        help="How the router picks a decode server.")
+    local.add_argument("--disagg-policy", default="always", choices=POLICIES,
+                       help="always: prefill servers prefill every request; never: decode servers do (colocated "
+                            "replicas; with --num-prefill 0); auto: decode servers take short prompts (pdserve-router "
+                            "--help).")
     local.add_argument("--router-workers", type=int, default=0,
                        help="The router's --workers: its processes; 0: from the CPU cores (see pdserve-router --help).")
     local.set_defaults(func=_up)
@@ -187,7 +195,7 @@ def _up(args) -> int:
     try:
         return up(args.model_path, args.num_prefill, args.num_decode, args.device, args.port, args.host,
                   args.prefill_policy, args.decode_policy, args.router_workers, args.gpus, args.prefill_tp,
-                  args.decode_tp)
+                  args.decode_tp, args.disagg_policy)
     except ValueError as e:  # bad flags (placement, device): up() checks them before it starts anything
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -29,7 +29,7 @@ class RouterProcess:
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.router.cli", "--model-path", model, "--port", str(self.port), "--workers", "1",
-             "--prefill", *(p.address for p in prefills), "--decode", *(d.address for d in decodes),
+             *(["--prefill", *(p.address for p in prefills)] if prefills else []), "--decode", *(d.address for d in decodes),
              "--log-level", "warning", *flags],
             stdout=self.log, stderr=subprocess.STDOUT, text=True)
 

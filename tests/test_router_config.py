@@ -23,7 +23,8 @@ from tests.test_pairing import TIMEOUT_S, FakeDecode, StreamedPrefill
 FLAGS = ["--model-path", "--prefill", "--decode", "--prefill-dns", "--decode-dns", "--served-model-name", "--api-key",
          "--prefill-policy", "--decode-policy", "--decode-stream", "--max-inflight", "--max-queued",
          "--queue-timeout", "--max-choices", "--max-choices-at-once", "--request-timeout", "--prefill-timeout",
-         "--decode-timeout", "--max-prefill-attempts", "--health-check-interval", "--health-check-timeout",
+         "--decode-timeout", "--max-prefill-attempts", "--disagg-policy", "--local-prefill-max-tokens",
+         "--prefill-queue-threshold", "--health-check-interval", "--health-check-timeout",
          "--dns-interval", "--circuit-failures", "--circuit-open-time", "--host", "--port", "--workers", "--no-warm-spare",
          "--log-level", "--cluster-secret-file", "--tls-cert", "--tls-key", "--tls-ca", "--allow-unauthenticated"]
 SERVERS = ["--prefill", "p:1", "p:2", "--decode", "d:1"]
@@ -68,6 +69,8 @@ def test_a_command_line_gives_a_frozen_config():
     (["--queue-timeout", "0"], "--queue-timeout must be > 0"),
     (["--max-choices", "0"], "--max-choices must be >= 1"),
     (["--max-choices-at-once", "0"], "--max-choices-at-once must be >= 1"),
+    (["--disagg-policy", "sometimes"], "--disagg-policy must be always, never or auto"),
+    (["--prefill-queue-threshold", "0"], "--prefill-queue-threshold >= 1"),
 ])
 def test_a_bad_value_exits_2_with_a_message(capsys, extra, message):
     assert main(["--model-path", "/m", *SERVERS, *extra]) == 2

@@ -156,6 +156,10 @@ class Scheduler:
         self.decode.running += completed
         if spans:
             return extend_batch(spans, self.kv)
+        return self.decode_step()
+
+    def decode_step(self) -> ScheduleBatch | None:
+        """A decode step of the running requests, or None when none runs (or none fits)."""
         if not self.decode.running:
             return None
         reqs, ends = self.decode.schedule()

@@ -59,6 +59,7 @@ class NewRequest(msgspec.Struct, tag=True):
     peer_metadata: bytes = b""
     page_ids: list[int] = []
     expires_unix_s: float = 0.0  # the destination's expiry; 0: none
+    local: bool = False  # a decode server prefills it itself (GenerateRequest.local_prefill)
 
 
 class SetDestination(msgspec.Struct, tag=True):

@@ -1,0 +1,112 @@
+"""--disagg-policy through real servers and the router (issue 22's first step): with `auto`, short
+prompts are prefilled by the decode server itself and long ones by the prefill server, in one run;
+with `never`, decode servers alone serve (no prefill server at all). Greedy outputs equal
+transformers' either way; every decision is counted on /metrics."""
+
+import re
+
+import openai
+import pytest
+
+from tests.router_stack import RouterProcess
+from tests.test_disagg_engines import hf_greedy
+from tests.test_servers import Server
+
+LOCAL_MAX = 24
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_models):
+    model = tiny_models("llama")
+    prefill, decode = Server("prefill", model), Server("decode", model, "--chunked-prefill-size", "16")
+    routers = []
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+
+        def router(prefills, *flags):
+            r = RouterProcess(model, prefills, [decode], *flags)
+            routers.append(r)
+            r.wait_ready()
+            return r, openai.OpenAI(base_url=f"{r.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+        yield model, prefill, router
+    finally:
+        for r in routers:
+            r.stop()
+        prefill.stop()
+        decode.stop()
+
+
+def decisions(router) -> dict[tuple[str, str], float]:
+    found = re.findall(r'pdserve_router_prefill_decisions_total\{reason="(\w+)",where="(\w+)"\} (\S+)', router.metrics())
+    return {(where, reason): float(n) for reason, where, n in found}
+
+
+def prompts_of(lengths: list[int]) -> list[list[int]]:
+    return [[0] + [5 + (7 * i + 3 * j) % 500 for j in range(n - 1)] for i, n in enumerate(lengths)]
+
+
+def test_auto_prefills_short_prompts_locally_and_long_ones_remotely(servers):
+    model, prefill, router = servers
+    r, client = router([prefill], "--disagg-policy", "auto", "--local-prefill-max-tokens", str(LOCAL_MAX))
+    prompts = prompts_of([5, 60, 12, 90, 24, 25])
+    expected = hf_greedy(model, prompts, 8)
+    out = client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [c.model_extra["token_ids"] for c in sorted(out.choices, key=lambda c: c.index)] == expected
+    assert decisions(r) == {("local", "short_prompt"): 3.0, ("remote", "long_prompt"): 3.0}
+    # Streamed from a local prefill: the same tokens, the first one included.
+    kwargs = dict(model=model, prompt=prompts[0], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0].text
+    assert "".join(c.text for chunk in client.completions.create(stream=True, **kwargs) for c in chunk.choices) == whole
+    # Prompt logprobs are a prefill server's work, whatever the prompt's length.
+    client.completions.create(model=model, prompt=prompts[0], max_tokens=2, extra_body={"prompt_logprobs": 1})
+    assert decisions(r)[("remote", "prompt_logprobs")] == 1.0 and decisions(r)[("local", "short_prompt")] == 5.0
+
+
+def test_never_serves_with_decode_servers_alone(servers):
+    model, _, router = servers
+    r, client = router([], "--disagg-policy", "never")
+    prompts = prompts_of([7, 70])
+    expected = hf_greedy(model, prompts, 6)
+    for ids, want in zip(prompts, expected):
+        out = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert out.choices[0].model_extra["token_ids"] == want
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          temperature=0)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert decisions(r) == {("local", "never"): 3.0}
+
+
+def test_a_router_without_prefill_servers_needs_never(tiny_models):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "pdserve.router.cli", "--model-path", tiny_models("llama"),
+                           "--decode", "127.0.0.1:1", "--workers", "1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--disagg-policy never" in proc.stderr + proc.stdout
+
+
+def test_pdserve_up_with_decode_servers_alone(tiny_models):
+    import subprocess
+    import sys
+
+    from tests.router_stack import pdserve_up
+
+    model = tiny_models("llama")
+    refused = subprocess.run([sys.executable, "-m", "pdserve.common.cli", "up", "--model-path", model, "--device", "cpu",
+                              "--num-prefill", "0"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--num-prefill 0 needs --disagg-policy never" in refused.stderr
+    proc, port, _ = pdserve_up(model, "--num-prefill", "0", "--disagg-policy", "never", "--router-workers", "1")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+        ids = prompts_of([9])[0]
+        out = client.completions.create(model=model, prompt=ids, max_tokens=5, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert out.choices[0].model_extra["token_ids"] == hf_greedy(model, [ids], 5)[0]
+    finally:
+        proc.send_signal(2)
+        proc.wait(90)
+    assert proc.returncode == 0
