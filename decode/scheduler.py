@@ -16,9 +16,12 @@ Queues, in the order a request passes through them (DESIGN.md "Life of a request
                   here, in chunks, each chunk followed by a decode step of the running requests
                   (so they wait at most one chunk for their next token)
 
-The decode server keeps no prefix cache: its pages are filled by other servers' transfers. Host
-only, like the colocated scheduler it extends: a preallocated request's row is queued as a
-RowWrite, and the batch builder writes it on the schedule stream before the request's first step.
+The decode server keeps a prefix cache (unless --disable-radix-cache): a finished request's KV,
+transferred or computed here, is cached like a colocated one's, and a local prefill (or a retracted
+request's) starts from its longest cached prefix. A transfer always fills pages of its own (the
+prefill server writes the whole prompt). Host only, like the colocated scheduler it extends: a
+preallocated request's row is queued as a RowWrite, and the batch builder writes it on the
+schedule stream before the request's first step.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from pdserve.common.types import KV_WRITE_GRACE_S, Completion, FinishReason, Req
 class DecodeScheduler(Scheduler):
     def __init__(self, config: EngineConfig, req_to_token_pool: ReqToTokenPool, kv_pool: PagedKVPool,
                  eos_token_ids: tuple[int, ...], kv_transfer_timeout: float):
-        super().__init__(config, req_to_token_pool, kv_pool, eos_token_ids, prefix_cache=False)
+        super().__init__(config, req_to_token_pool, kv_pool, eos_token_ids)  # prefix cache: unless --disable-radix-cache
         self.kv_transfer_timeout = kv_transfer_timeout
         self.prealloc: deque[Req] = deque()
         self.transferring: dict[int, Req] = {}  # room -> request

@@ -38,7 +38,7 @@ from pdserve.router.http_answers import (
     upstream_response,
 )
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.disagg import decide
+from pdserve.router.disagg import Disaggregation
 from pdserve.router.pairing import UpstreamError, fix_seed, local_generate, paired_generate, prefill_only, prompt_logprobs_of
 from pdserve.router.policies import make_policy
 from pdserve.router.stream_chunks import StreamChunks
@@ -65,6 +65,7 @@ class Router:
         self.inflight = 0
         self.policies = {"prefill": make_policy(config.prefill_policy, "prefill"),
                          "decode": make_policy(config.decode_policy, "decode")}
+        self.disagg = Disaggregation(config.disagg_policy, config.local_prefill_max_tokens, config.prefill_queue_threshold)
 
     async def start(self) -> None:
         await self.registry.start()
@@ -130,8 +131,8 @@ class Router:
         if decode is None:
             raise UpstreamError("no healthy decode server", 503)
         decode_worker, c = workers[decode], self.config
-        where, why = decide(c.disagg_policy, prompt_ids, params.prompt_logprobs is not None, self.registry.views("prefill"),
-                            c.local_prefill_max_tokens, c.prefill_queue_threshold)
+        where, why = self.disagg.decide(decode, prompt_ids, params.prompt_logprobs is not None,
+                                        lambda: self.registry.views("prefill"))
         self.metrics.prefill_decisions.labels(where, why).inc()
         stream = (local_generate(self.decode_target(decode), prompt_ids, params, c) if where == "local" else
                   paired_generate(self.decode_target(decode), pick_prefill, self.registry.record, prompt_ids, params, c))
@@ -149,10 +150,10 @@ class Router:
                     else:
                         self.metrics.itl.observe((now - last) / len(event.token_ids))
                     last = now
-                if event.cached_tokens is not None:  # the first event: the prefill's answer
-                    req.cached_tokens = event.cached_tokens  # (the prefix cache is the prefill server's)
+                if event.cached_tokens is not None:  # the first event (the prefill's answer), or a local prefill's finish
+                    req.cached_tokens = event.cached_tokens
                     req.prompt_logprobs = event.prompt_logprobs
-                    if on_prompt is not None:
+                    if on_prompt is not None and event.kind == "tokens":
                         await on_prompt(req.prompt_logprobs)
                 logprobs = event.logprobs if params.logprobs is not None else []
                 for i, token in enumerate(event.token_ids):
@@ -165,7 +166,7 @@ class Router:
                 if on_text is not None and final > emitted:
                     await on_text(req.text[emitted:final], req.output_logprobs[reported:])
                     emitted, reported = final, len(req.output_logprobs)
-                if req.finished or event.kind == "finish":
+                if event.kind == "finish" or (req.finished and where == "remote"):  # (local: its cached tokens come last)
                     break
         except UpstreamError as e:
             if e.decode_failed and decode in workers:

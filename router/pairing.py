@@ -246,11 +246,12 @@ async def local_generate(decode: DecodeStreams | grpc.aio.Channel, prompt_ids: l
                 new = list(chunk.token_ids)[max(sent - chunk.index, 0):]
                 if new:
                     lps = [_logprob(lp) for lp in chunk.logprobs[max(sent - chunk.index, 0):]]
-                    # The first event says what the prefill had cached: a decode server caches nothing yet.
+                    # The first event stands for the prefill's answer; what the decode server's
+                    # prefix cache held comes with the finish.
                     yield Event("tokens", new, sent, lps, cached_tokens=0 if sent == 0 else None)
                     sent += len(new)
             elif kind == "finish":
-                yield Event("finish", [])
+                yield Event("finish", [], cached_tokens=msg.finish.usage.cached_tokens)
                 return
             else:
                 raise _error(msg)

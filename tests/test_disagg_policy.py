@@ -43,8 +43,9 @@ def decisions(router) -> dict[tuple[str, str], float]:
     return {(where, reason): float(n) for reason, where, n in found}
 
 
-def prompts_of(lengths: list[int]) -> list[list[int]]:
-    return [[0] + [5 + (7 * i + 3 * j) % 500 for j in range(n - 1)] for i, n in enumerate(lengths)]
+def prompts_of(lengths: list[int], first: int = 0) -> list[list[int]]:
+    """Prompts sharing no first token (so no prefix), of these lengths."""
+    return [[5 + first + i] + [5 + (7 * i + 3 * j) % 500 for j in range(n - 1)] for i, n in enumerate(lengths)]
 
 
 def test_auto_prefills_short_prompts_locally_and_long_ones_remotely(servers):
@@ -62,7 +63,23 @@ def test_auto_prefills_short_prompts_locally_and_long_ones_remotely(servers):
     assert "".join(c.text for chunk in client.completions.create(stream=True, **kwargs) for c in chunk.choices) == whole
     # Prompt logprobs are a prefill server's work, whatever the prompt's length.
     client.completions.create(model=model, prompt=prompts[0], max_tokens=2, extra_body={"prompt_logprobs": 1})
-    assert decisions(r)[("remote", "prompt_logprobs")] == 1.0 and decisions(r)[("local", "short_prompt")] == 5.0
+    assert decisions(r) == {("local", "short_prompt"): 3.0, ("remote", "long_prompt"): 3.0,
+                            ("local", "cached_prefix"): 2.0, ("remote", "prompt_logprobs"): 1.0}
+
+
+def test_auto_keeps_a_conversations_next_turn_on_its_decode_server(servers):
+    """The next turn's prompt is the last one plus a few tokens: the decode server holds the rest in
+    its prefix cache (the router remembers what it sent there), so it prefills the turn itself."""
+    model, prefill, router = servers
+    r, client = router([prefill], "--disagg-policy", "auto", "--local-prefill-max-tokens", str(LOCAL_MAX))
+    turn1 = prompts_of([80], first=300)[0]
+    turn2 = turn1 + [17, 18, 19, 20, 21, 22]
+    expected = hf_greedy(model, [turn1, turn2], 6)
+    outs = [client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True}) for ids in (turn1, turn2)]
+    assert [o.choices[0].model_extra["token_ids"] for o in outs] == expected
+    assert decisions(r) == {("remote", "long_prompt"): 1.0, ("local", "cached_prefix"): 1.0}
+    assert outs[1].usage.prompt_tokens_details.cached_tokens >= len(turn1) - 16  # (whole pages of it)
 
 
 def test_never_serves_with_decode_servers_alone(servers):
@@ -110,3 +127,19 @@ def test_pdserve_up_with_decode_servers_alone(tiny_models):
         proc.send_signal(2)
         proc.wait(90)
     assert proc.returncode == 0
+
+
+def test_auto_goes_local_when_no_prefill_server_can_take_the_prompt_soon():
+    from pdserve.router.disagg import Disaggregation
+    from pdserve.router.policies import WorkerView
+
+    auto = Disaggregation("auto", local_max_tokens=4, queue_threshold=3)
+    busy = [WorkerView("p:1", True, load=2, inflight=1), WorkerView("p:2", True, load=5, inflight=0)]
+    free = [WorkerView("p:1", True, load=1, inflight=0), WorkerView("p:2", False, load=0, inflight=0)]
+    long = list(range(10, 40))
+    assert auto.decide("d:1", long, False, lambda: free) == ("remote", "long_prompt")
+    assert auto.decide("d:2", long[::-1], False, lambda: busy) == ("local", "prefill_saturated")
+    assert auto.decide("d:3", long, False, lambda: [free[1]]) == ("local", "no_prefill_server")
+    assert auto.decide("d:1", long + [1, 2], False, lambda: free) == ("local", "cached_prefix")  # d:1 holds `long`
+    assert auto.decide("d:1", long + [1, 2], True, lambda: free) == ("remote", "prompt_logprobs")
+    assert auto.decide("d:9", [1, 2, 3], False, lambda: free) == ("local", "short_prompt")

@@ -89,3 +89,24 @@ def test_prompt_logprobs_are_refused_for_a_local_prefill(tiny_models):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         decode.add_local_request([0, 5, 6], SamplingParams(prompt_logprobs=1))
     assert decode.is_idle()
+
+
+def test_a_local_prefill_starts_from_the_decode_servers_prefix_cache(tiny_models):
+    """What a request left in the decode server's cache (transferred or computed there) serves a
+    later local prefill of the same prefix."""
+    path = tiny_models("qwen2")
+    prefill, decode = engines(path, decode_kw=dict(chunked_prefill_size=16))
+    shared = make_prompts(1, seed=9)[0] + list(range(100, 140))
+    first, second = shared + [7, 8], shared + [9, 10, 11]
+    expected = hf_greedy(path, [first, second], 6)
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    completions, _ = drive(prefill, decode, [first], [params])  # remote: its KV came by transfer
+    assert completions["r0"].output_ids == expected[0]
+    decode.add_local_request(second, params, rid="local")
+    loop, done = Stepper(decode), {}
+    while decode.busy():
+        for c in loop.step():
+            done[c.rid] = c
+    assert done["local"].output_ids == expected[1]
+    assert done["local"].cached_tokens >= len(shared) - decode.config.page_size
+    assert prefill.is_idle() and decode.is_idle()
