@@ -88,6 +88,15 @@ def add_bench_parser(sub) -> None:
                        help="Local stack: GPUs to place the servers on, as `pdserve up --gpus`; default: every visible one.")
     serve.add_argument("--prefill-policy", default="round_robin", choices=("round_robin", "least_load", "cache_aware"),
                        help="Local stack: the router's --prefill-policy.")
+    serve.add_argument("--disagg-policy", default="always", choices=("always", "never", "auto"),
+                       help="Local stack: the router's --disagg-policy (never: --num-prefill may be 0).")
+    serve.add_argument("--stacks", nargs="+", default=[], metavar="NAME=PREFILL:DECODE:POLICY",
+                       help="Several local stacks, one after another, each running every --request-rate on the same "
+                            "prompts (bench/sweep.py): e.g. 1p1d=1:1:always replicas=0:2:never auto=1:1:auto.")
+    serve.add_argument("--attainment", type=float, default=0.9,
+                       help="With --goodput: a stack's goodput is the highest rate with at least this SLO attainment.")
+    serve.add_argument("--plot", default=None, metavar="PNG",
+                       help="With --stacks: write SLO attainment, p90 TTFT and p90 TPOT against the rate here (matplotlib).")
     serve.add_argument("--server-torch-threads", type=int, default=0,
                        help="Local stack: --torch-threads of each server; 0: torch's default (one thread per core).")
     serve.add_argument("--model", default=None, help="Model name to request; default: the first of GET /v1/models.")

@@ -110,6 +110,9 @@ def summarize(results: list[RequestResult], duration_s: float, slos_ms: dict[str
     if ok and all(r.cached_tokens is not None for r in ok):
         summary["total_cached_tokens"] = sum(r.cached_tokens for r in ok)
         summary["prefix_cache_hit_rate"] = summary["total_cached_tokens"] / input_tokens
+    summary["slo_attainment"] = None
     if slos_ms:
-        summary["request_goodput"] = sum(1 for r in ok if is_good(r, slos_ms)) / duration_s
+        good = sum(1 for r in ok if is_good(r, slos_ms))
+        summary["request_goodput"] = good / duration_s
+        summary["slo_attainment"] = good / len(results) if results else None  # failed requests miss them
     return summary

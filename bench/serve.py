@@ -22,6 +22,7 @@ from pdserve.bench.loadgen import OpenAIBackend, run_schedule, timed_request
 from pdserve.bench.metrics import parse_goodput, summarize
 from pdserve.bench.random_weights import model_path_from_args
 from pdserve.bench.report import command_line, device_name, emit, table
+from pdserve.bench.sweep import StackSpec, goodput_rate, parse_stack, plot_sweep
 from pdserve.bench.workload import random_prompts, token_pool
 from pdserve.common.config import EngineConfig, from_cli_args
 from pdserve.common.gc_tuning import tune_gc
@@ -38,8 +39,15 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("give --base-url, or --model-path / --random-weights to start a local stack")
     if not args.vocab_size and not model_path:
         raise ValueError("prompt ids need a vocabulary: give --vocab-size, --model-path or --random-weights")
-    if args.num_prefill < 1:
-        raise ValueError("--num-prefill must be >= 1")
+    if args.num_prefill < (0 if args.disagg_policy == "never" else 1):
+        raise ValueError("--num-prefill must be >= 1 (0 with --disagg-policy never)")
+    stacks = [parse_stack(spec) for spec in args.stacks]
+    if stacks and (args.base_url or args.backend == "hf"):
+        raise ValueError("--stacks starts local stacks: no --base-url, no --backend hf")
+    if args.plot and not stacks:
+        raise ValueError("--plot draws the --stacks sweep: give --stacks")
+    if not 0 < args.attainment <= 1:
+        raise ValueError("--attainment must be in (0, 1]")
     if (args.base_url or args.backend == "hf") and (args.num_prefill != 1 or args.prefill_policy != "round_robin"
                                                     or args.num_decode != 1 or args.prefill_tp or args.decode_tp
                                                     or args.gpus is not None):
@@ -52,6 +60,8 @@ def run_serve(args: argparse.Namespace) -> int:
     config = from_cli_args(args, EngineConfig)
     local = config.resolve() if not args.base_url else None  # the device and dtype this machine serves with
     router_pid = args.router_pid  # the router whose CPU time (with its children's) each run reports
+    if stacks:
+        return run_stacks(args, stacks, config, local, pool, slos)
     with ExitStack() as cleanup:
         if args.backend == "hf":
             backend, model = hf_backend(args, local, cleanup), f"transformers:{model_path}"
@@ -64,7 +74,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 stack = cleanup.enter_context(local_stack(config, local.device, max_inflight, args.num_prefill,
                                                           args.prefill_policy, args.server_torch_threads,
                                                           num_decode=args.num_decode, prefill_tp=args.prefill_tp,
-                                                          decode_tp=args.decode_tp, gpus=args.gpus))
+                                                          decode_tp=args.decode_tp, gpus=args.gpus,
+                                                          disagg_policy=args.disagg_policy))
                 base_url, router_pid = stack.base_url, stack.router_pid
             headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
             model = args.model or asyncio.run(get_json(base_url + "/v1/models", headers))["data"][0]["id"]
@@ -95,6 +106,49 @@ def run_serve(args: argparse.Namespace) -> int:
     print_summary(report)
     emit(report, args.output_json)
     return 1 if any(run["failed"] for run in runs) else 0
+
+
+def run_stacks(args: argparse.Namespace, stacks: list[StackSpec], config, local, pool: list[int], slos: dict) -> int:
+    """Every --request-rate on each local stack in turn (bench/sweep.py): one report, a plot."""
+    from pdserve.bench.stack import local_stack
+
+    results = []
+    for spec in stacks:
+        print(f"\n######## stack {spec.name}: {spec.num_prefill} prefill, {spec.num_decode} decode, "
+              f"--disagg-policy {spec.disagg_policy} ########", flush=True)
+        with local_stack(config, local.device, max(1024, args.num_prompts), spec.num_prefill, args.prefill_policy,
+                         args.server_torch_threads, num_decode=spec.num_decode, prefill_tp=args.prefill_tp,
+                         decode_tp=args.decode_tp, gpus=args.gpus, disagg_policy=spec.disagg_policy) as stack:
+            headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+            model = args.model or asyncio.run(get_json(stack.base_url + "/v1/models", headers))["data"][0]["id"]
+            tune_gc()
+            runs = asyncio.run(bench_runs(OpenAIBackend(stack.base_url, model, args.api_key), args, pool, slos,
+                                          stack.router_pid))
+        results.append({"name": spec.name, "num_prefill": spec.num_prefill, "num_decode": spec.num_decode,
+                        "disagg_policy": spec.disagg_policy, "goodput_rate": goodput_rate(runs, args.attainment),
+                        "runs": runs})
+    report = {
+        "bench": "serve", "command": command_line(args.argv), "device": device_name(local.device), "dtype": local.dtype,
+        "model_path": config.model_path, "random_weights": args.random_weights, "num_prompts": args.num_prompts,
+        "input_len": args.input_len, "output_len": args.output_len, "prefix_groups": args.prefix_groups,
+        "prefix_len": args.prefix_len, "goodput_slos_ms": slos, "attainment": args.attainment, "stacks": results,
+    }
+    header = ["stack", "rate", "ok", "failed", "SLO attainment", "out tok/s", "TTFT p90", "TPOT p90"]
+    rows = [[r["name"], run["request_rate"], run["completed"], run["failed"],
+             "-" if run["slo_attainment"] is None else f"{run['slo_attainment']:.0%}", f"{run['output_throughput']:.1f}",
+             f"{run['ttft_ms']['p90']:.1f}", f"{run['tpot_ms']['p90']:.2f}"] for r in results for run in r["runs"]]
+    print("\n" + table(header, rows) + "\n  (latencies in ms)", flush=True)
+    for r in results:
+        print(f"goodput of {r['name']}: " + ("no rate meets the SLOs" if r["goodput_rate"] is None else
+                                             f"{r['goodput_rate']:g} req/s (SLO attainment >= {args.attainment:.0%})"))
+    if args.plot:
+        slo_text = ", ".join(f"{k} {v:g} ms" for k, v in slos.items()) or "no SLOs"
+        plot_sweep({r["name"]: r["runs"] for r in results}, {r["name"]: r["goodput_rate"] for r in results},
+                   args.attainment, f"{report['device']}: {args.input_len} -> {args.output_len} tokens; SLOs {slo_text}",
+                   args.plot)
+        print(f"plot: {args.plot}")
+    emit(report, args.output_json)
+    return 1 if any(run["failed"] for r in results for run in r["runs"]) else 0
 
 
 def hf_backend(args: argparse.Namespace, config, cleanup: ExitStack):

@@ -60,7 +60,7 @@ def server_configs(config: EngineConfig, plan: list[ServerPlacement], device: st
 @dataclasses.dataclass(frozen=True)
 class LocalStack:
     base_url: str  # the router's
-    prefill: str  # HOST:PORT of the (first) prefill server's gRPC service
+    prefill: str | None  # HOST:PORT of the (first) prefill server's gRPC service (None: none, --disagg-policy never)
     decode: str  # HOST:PORT of the (first) decode server's
     router_pid: int = 0  # the router's process, for its CPU time (with router_workers > 1: the supervisor's only)
     cluster_secret_file: str = ""  # the run's secret, which every server RPC but health needs (common/trust.py)
@@ -70,14 +70,15 @@ class LocalStack:
 def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefill: int = 1,
                 prefill_policy: str = "round_robin", torch_threads: int = 0,
                 router_workers: int = 1, num_decode: int = 1, prefill_tp: int = 0, decode_tp: int = 0,
-                gpus: str | None = None) -> Iterator[LocalStack]:
+                gpus: str | None = None, disagg_policy: str = "always") -> Iterator[LocalStack]:
     """Start `num_decode` decode servers, `num_prefill` prefill servers and a router, placed as
     `pdserve up` places them (router/placement.py; `gpus`: --gpus as given, None: every visible
     GPU), wait until all are routable, yield where they listen; stop them at the end.
     `device`: the resolved --device. `prefill_tp` / `decode_tp`: each role's --tp-size (0: the
     config's). `torch_threads` > 0 is each server's --torch-threads (0: torch's default, but a TP
     server on CPU gets the cores split among all local ranks). `router_workers` is the router's
-    --workers (1, the default here: one process, whose CPU time router_pid measures)."""
+    --workers (1, the default here: one process, whose CPU time router_pid measures);
+    `disagg_policy` its --disagg-policy (`never` runs with no prefill server)."""
     py = sys.executable
     tp_of = {"prefill": prefill_tp or config.tp_size, "decode": decode_tp or config.tp_size}
     visible = visible_gpu_names() if device != "cpu" else []
@@ -106,9 +107,10 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefil
     try:
         print("local stack placement:\n" + "\n".join(describe(plan, tp_of, visible)), flush=True)
         servers = start_servers(plan, command, visible, procs)
+        prefill_flags = ["--prefill", *servers["prefill"]] if servers["prefill"] else []
         procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", config.model_path,
-                                       "--prefill", *servers["prefill"], "--decode", *servers["decode"],
-                                       "--prefill-policy", prefill_policy,
+                                       *prefill_flags, "--decode", *servers["decode"],
+                                       "--prefill-policy", prefill_policy, "--disagg-policy", disagg_policy,
                                        "--served-model-name", config.served_model_name, "--port", str(router),
                                        "--max-inflight", str(max_inflight), "--workers", str(router_workers),
                                        "--log-level", "warning", *secret]))
@@ -116,7 +118,7 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefil
                     and len(state["decode"]) == num_decode, "the local stack")
         print(f"local stack up: router {base}, prefill {' '.join(servers['prefill'])}, "
               f"decode {' '.join(servers['decode'])}", flush=True)
-        yield LocalStack(base, servers["prefill"][0], servers["decode"][0], router_pid=procs[-1].pid,
+        yield LocalStack(base, (servers["prefill"] or [None])[0], servers["decode"][0], router_pid=procs[-1].pid,
                          cluster_secret_file=secret_file)
     finally:
         for p in procs:
