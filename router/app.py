@@ -64,7 +64,7 @@ class Router:
         self.metrics = RouterMetrics(self.registry)
         self.inflight = 0
         self.policies = {"prefill": make_policy(config.prefill_policy, "prefill"),
-                         "decode": make_policy(config.decode_policy, "decode")}
+                         "decode": make_policy(config.decode_policy, "decode", config.disagg_policy != "always")}
         self.disagg = Disaggregation(config.disagg_policy, config.local_prefill_max_tokens, config.prefill_queue_threshold)
 
     async def start(self) -> None:

@@ -34,7 +34,9 @@ class RouterConfig(TrustConfig):
         "round_robin", "round_robin, least_load, cache_aware (a radix tree of the prompts this process routed) or "
                        "prefix_hash (rendezvous hashing of the prompt's first 64 tokens: every router process and "
                        "replica decides alike). With --workers > 1, cache_aware runs as prefix_hash.")
-    decode_policy: str = option("round_robin", "round_robin or least_load.")
+    decode_policy: str = option(
+        "round_robin", "round_robin or least_load; with --disagg-policy auto or never (decode servers prefill, and "
+                       "keep prompts in their prefix cache) also cache_aware or prefix_hash.")
     decode_stream: str = option(
         "shared", "How requests reach a decode server: 'shared' (one GenerateMany call per decode server carries "
                   "every request, one message per step) or 'per-request' (a Generate call each; for servers "
@@ -104,7 +106,7 @@ class RouterConfig(TrustConfig):
             name_port(spec)
         for role, name in (("prefill", self.prefill_policy), ("decode", self.decode_policy)):
             try:
-                make_policy(name, role)
+                make_policy(name, role, decode_prefills=self.disagg_policy != "always")
             except ValueError as e:
                 raise ValueError(f"--{role}-policy: {e}") from None
         if self.decode_stream not in ("shared", "per-request"):
@@ -132,8 +134,12 @@ class RouterConfig(TrustConfig):
         """Fill the auto values: --workers 0 from the cores, and cache_aware's form for several
         processes (a per-process radix tree would send one prefix to as many servers as processes)."""
         workers = self.workers or default_workers()
-        policy = "prefix_hash" if workers > 1 and self.prefill_policy == "cache_aware" else self.prefill_policy
-        return replace(self, workers=workers, prefill_policy=policy)
+
+        def across(policy: str) -> str:
+            return "prefix_hash" if workers > 1 and policy == "cache_aware" else policy
+
+        return replace(self, workers=workers, prefill_policy=across(self.prefill_policy),
+                       decode_policy=across(self.decode_policy))
 
 
 def default_workers() -> int:

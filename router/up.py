@@ -180,7 +180,7 @@ def add_parser(sub) -> None:
     local.add_argument("--port", type=int, default=8000, help="Router HTTP port.")
     local.add_argument("--prefill-policy", default="round_robin", choices=POLICY_NAMES,
                        help="How the router picks a prefill server (cache_aware, prefix_hash: by prompt prefix).")
-    local.add_argument("--decode-policy", default="round_robin", choices=("round_robin", "least_load"),
+    local.add_argument("--decode-policy", default="round_robin", choices=POLICY_NAMES,
                        help="How the router picks a decode server.")
     local.add_argument("--disagg-policy", default="always", choices=POLICIES,
                        help="always: prefill servers prefill every request; never: decode servers do (colocated "

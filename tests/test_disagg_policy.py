@@ -143,3 +143,16 @@ def test_auto_goes_local_when_no_prefill_server_can_take_the_prompt_soon():
     assert auto.decide("d:1", long + [1, 2], False, lambda: free) == ("local", "cached_prefix")  # d:1 holds `long`
     assert auto.decide("d:1", long + [1, 2], True, lambda: free) == ("remote", "prompt_logprobs")
     assert auto.decide("d:9", [1, 2, 3], False, lambda: free) == ("local", "short_prompt")
+
+
+def test_prefix_policies_route_decode_servers_that_prefill():
+    from pdserve.router.config import RouterConfig
+
+    config = RouterConfig(model_path="/m", decode=("d:1", "d:2"), decode_policy="cache_aware", disagg_policy="never",
+                          workers=1)
+    config.check()
+    assert config.resolve().decode_policy == "cache_aware"
+    assert RouterConfig(model_path="/m", decode=("d:1",), decode_policy="cache_aware", disagg_policy="never",
+                        workers=2).resolve().decode_policy == "prefix_hash"  # one tree per process would scatter it
+    with pytest.raises(ValueError, match="decode workers that prefill"):
+        RouterConfig(model_path="/m", prefill=("p:1",), decode=("d:1",), decode_policy="cache_aware").check()

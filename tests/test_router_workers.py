@@ -109,6 +109,7 @@ def test_prefix_hash_is_for_prefill_only():
     assert isinstance(make_policy("prefix_hash", "prefill"), PrefixHash)
     with pytest.raises(ValueError, match="prefill workers only"):
         make_policy("prefix_hash", "decode")
+    assert isinstance(make_policy("prefix_hash", "decode", decode_prefills=True), PrefixHash)  # --disagg-policy auto
 
 
 # --- config ------------------------------------------------------------------------------------
