@@ -138,7 +138,7 @@ def main() -> None:
     for name, schema in SCHEMAS.items():
         grammar = ("json_schema", json.dumps(schema))
         start = time.perf_counter()
-        engine.grammars.compile(grammar)
+        engine.grammars.compile(grammar).result()
         compile_ms[name] = (time.perf_counter() - start) * 1e3
         modes[name] = SamplingParams(max_new_tokens=args.output_len, temperature=0, grammar=grammar)
     timer = LoopTimer(engine)

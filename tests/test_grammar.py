@@ -138,3 +138,24 @@ def test_allowed_tokens_reads_bit_31():
     words[0, 0] = np.int32(-2**31)  # bit 31: token 31
     words[0, 1] = 1  # token 32
     assert allowed_tokens(words, 0, 40) == [31, 32]
+
+
+def test_grammars_compile_once_off_the_loop_and_a_failed_compile_fails_only_its_request(make_engine, monkeypatch):
+    engine = make_engine("llama")
+    grammars = engine.grammars
+    assert grammars.compile(JSON) is grammars.compile(JSON), "one compilation per spec"
+    good = ("ebnf", choice_ebnf(["yes", "no"]))
+    bad = ("ebnf", choice_ebnf(["never", "compiled"]))
+    compile_grammar, refused = grammars._compiler.compile_grammar, str(grammars._source(bad))
+
+    def compile_or_fail(source):  # `bad` parses, and fails on the compiling thread
+        if str(source) == refused:
+            raise ValueError("the ebnf grammar cannot be compiled: out of memory (a test)")
+        return compile_grammar(source)
+
+    monkeypatch.setattr(grammars._compiler, "compile_grammar", compile_or_fail)
+    outs = engine.generate([[5, 6], [7, 8]], [SamplingParams(max_new_tokens=10, temperature=0, grammar=bad),
+                                              SamplingParams(max_new_tokens=10, temperature=0, grammar=good)])
+    assert outs[0].finish_reason is FinishReason.ABORT and "out of memory (a test)" in outs[0].error
+    assert outs[1].text in ("yes", "no") and outs[1].finish_reason is FinishReason.STOP
+    assert engine.is_idle()

@@ -140,7 +140,7 @@ class EngineCore:
             raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         self.scheduler.check_request(prompt_ids, params)
         if params.grammar is not None:
-            self.grammars.compile(params.grammar)  # cached: build_req's matcher takes it from there
+            self.grammars.check(params.grammar)  # parsed here; compiled off the loop (Grammars.compile)
 
     @functools.cached_property
     def grammars(self) -> Grammars:

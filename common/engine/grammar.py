@@ -48,48 +48,63 @@ class Grammars:
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)  # ours is below
-        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         threads = min(FILL_THREADS, len(os.sched_getaffinity(0)) - 2)  # leave the loop and the frontend theirs
         self.threads = max(1, threads)
         self._serial = xgr.BatchGrammarMatcher(max_threads=1)  # one C++ call, no Python loop
         self._parallel = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else self._serial
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
-    def compile(self, grammar: tuple[str, str]):
-        """The CompiledGrammar of (kind, spec); ValueError with the library's reason if it refuses."""
-        compiled = self._cache.get(grammar)
-        if compiled is not None:
-            self._cache.move_to_end(grammar)
-            return compiled
+    def check(self, grammar: tuple[str, str]) -> None:
+        """ValueError, with the library's reason, for a grammar it refuses. Fast (the grammar is
+        only parsed); compiling it against the vocabulary is `matcher`'s, off this thread."""
+        if grammar not in self._compiled:
+            self._source(grammar)
+
+    def _source(self, grammar: tuple[str, str]):
+        """(kind, spec) parsed into an xgrammar Grammar (or its EBNF text); ValueError if refused."""
         kind, spec = grammar
-        compiler = self._compiler
+        xgr = self._xgr
         try:
             if kind == "json_object":
-                compiled = compiler.compile_builtin_json_grammar()
-            elif kind == "json_schema":
+                return xgr.Grammar.builtin_json_grammar()
+            if kind == "json_schema":
                 # Compact JSON (no free whitespace): a weak or random model could otherwise emit
                 # whitespace until max_tokens and never close the object. strict_mode: no
                 # properties or items beyond the schema's, as OpenAI's strict mode.
-                grammar_ = self._xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)
-                compiled = compiler.compile_grammar(_no_raw_control_characters(grammar_))
-            elif kind == "regex":
-                compiled = compiler.compile_regex(spec)
-            elif kind == "ebnf":
-                compiled = compiler.compile_grammar(spec)
-            elif kind == "structural_tag":
-                compiled = compiler.compile_grammar(_no_raw_control_characters(self._xgr.Grammar.from_structural_tag(spec)))
-            else:
-                raise ValueError(f"unknown grammar kind {kind!r}")
+                return _no_raw_control_characters(xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True))
+            if kind == "regex":
+                return xgr.Grammar.from_regex(spec)
+            if kind == "ebnf":
+                return xgr.Grammar.from_ebnf(spec)
+            if kind == "structural_tag":
+                return _no_raw_control_characters(xgr.Grammar.from_structural_tag(spec))
         except Exception as e:  # xgrammar raises RuntimeError, ValueError or its own InvalidJSONError
             reason = _LOCATION.sub("", " ".join(str(e).split()))[:MAX_ERROR_CHARS]
             raise ValueError(f"the {kind} grammar cannot be compiled: {reason}") from None
-        self._cache[grammar] = compiled
-        if len(self._cache) > CACHE_ENTRIES:
-            self._cache.popitem(last=False)
-        return compiled
+        raise ValueError(f"unknown grammar kind {kind!r}")
+
+    def compile(self, grammar: tuple[str, str]) -> Future:
+        """The CompiledGrammar of (kind, spec), as a Future: compiled once per spec (cached, the
+        least recently used out past CACHE_ENTRIES) on a worker thread, since building the token
+        masks of a 128k vocabulary takes up to ~1 s (docs/benchmarks.md) and the event loop must
+        not stop for it. It raises ValueError if the library refuses the grammar."""
+        future = self._compiled.get(grammar)
+        if future is not None:
+            self._compiled.move_to_end(grammar)
+            return future
+        source = self._source(grammar)
+        future = self._compile_pool.submit(self._compiler.compile_grammar, source)
+        self._compiled[grammar] = future
+        if len(self._compiled) > CACHE_ENTRIES:
+            self._compiled.popitem(last=False)
+        return future
 
     def matcher(self, grammar: tuple[str, str]) -> "RequestGrammar":
-        return RequestGrammar(self._xgr.GrammarMatcher(self.compile(grammar)))
+        """A request's matcher; it is made when first used (by then its grammar is compiled: the
+        compilation runs while the request queues and its prompt is computed)."""
+        return RequestGrammar(self.compile(grammar), self._xgr.GrammarMatcher)
 
     def bitmask(self, reqs, samples: list[bool], launched: bool) -> Future:
         """The batch's allowed tokens as a host int32 bitmask [B, words] (bit j of word w: token
@@ -107,7 +122,7 @@ class Grammars:
         rows = []
         for i, (req, sampling) in enumerate(zip(reqs, samples)):
             grammar = req.grammar
-            if not sampling or grammar is None or req.finished or grammar.refused or grammar.terminated:
+            if not sampling or grammar is None or req.finished or not grammar.usable() or grammar.terminated:
                 continue
             # NOTE the matcher must have accepted exactly the tokens before the one this row
             # samples: the kept ones, and those in flight that will be kept (accepted ahead by
@@ -139,7 +154,7 @@ class Grammars:
         to discard) are left alone."""
         rows = [i for i, (req, sampling) in enumerate(zip(reqs, samples))
                 if sampling and req.grammar is not None and not req.discard and not req.finished
-                and not req.grammar.refused and req.params.max_new_tokens > 0]
+                and req.grammar.usable() and req.params.max_new_tokens > 0]
         if not rows:
             return
         accepted = self._serial.batch_accept_token([reqs[i].grammar.matcher for i in rows],
@@ -166,23 +181,41 @@ def _no_raw_control_characters(grammar) -> str:
 
 
 class RequestGrammar:
-    """One request's matcher: where its output is inside the grammar."""
+    """One request's matcher: where its output is inside the grammar. Made from the compiled
+    grammar when first needed (Grammars.matcher); a grammar whose compilation failed refuses
+    every token (`failure` says why; the request then fails)."""
 
-    __slots__ = ("matcher", "accepted", "refused")
+    __slots__ = ("_compiled", "_make", "_matcher", "accepted", "refused", "failure")
 
-    def __init__(self, matcher):
-        self.matcher = matcher
+    def __init__(self, compiled: Future, make_matcher):
+        self._compiled, self._make, self._matcher = compiled, make_matcher, None
         # Tokens accepted: len(req.output_ids), or one more when the engine accepted the newest
         # token ahead of the scheduler's processing (Grammars.accept_tokens).
         self.accepted = 0
         self.refused: int | None = None  # a token the grammar did not allow (a bug if ever set)
+        self.failure: str | None = None
+
+    @property
+    def matcher(self):
+        if self._matcher is None:
+            self._matcher = self._make(self._compiled.result())  # waits only if still compiling
+        return self._matcher
+
+    def usable(self) -> bool:
+        """Compiled (waiting for it if need be) and not failed."""
+        if self.failure is None and self._matcher is None:
+            try:
+                self.matcher
+            except ValueError as e:
+                self.failure, self.refused = str(e), -1
+        return self.failure is None and self.refused is None
 
     def accept(self, token: int, position: int) -> bool:
         """Advance by `token`, output token number `position` (0-based), unless that one was
         accepted already; False when the grammar does not allow it."""
         if self.accepted > position:
             return True
-        if self.refused is not None or not self.matcher.accept_token(token):
+        if not self.usable() or not self.matcher.accept_token(token):
             self.refused = token
             return False
         self.accepted += 1
@@ -191,7 +224,7 @@ class RequestGrammar:
     @property
     def terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted."""
-        return self.matcher.is_terminated()
+        return self._matcher is not None and self._matcher.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
