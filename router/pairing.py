@@ -191,27 +191,9 @@ async def paired_generate(decode: DecodeStreams | grpc.aio.Channel, pick_prefill
         first_lp = [_logprob(response.first_logprob)] if response.HasField("first_logprob") else []
         yield Event("tokens", [response.first_token_id], 0, first_lp, cached_tokens=response.cached_tokens,
                     prompt_logprobs=prompt_logprobs_of(response, params))
-        pending = next_read  # the decode stream's read started while the prefill ran
-        while True:
-            if pending is not None:
-                msg, pending = await pending, None
-            else:
-                msg = await call.read()
-            if msg is grpc.aio.EOF:
-                raise UpstreamError("the decode stream ended without a finish", decode_failed=True)
-            kind = msg.WhichOneof("response")
-            if kind == "tokens":
-                chunk = msg.tokens
-                skip = max(sent - chunk.index, 0)  # token 0 came from prefill
-                new = list(chunk.token_ids)[skip:]
-                if new:
-                    yield Event("tokens", new, sent, [_logprob(lp) for lp in chunk.logprobs[skip:]])
-                    sent += len(new)
-            elif kind == "finish":
-                yield Event("finish", [])
-                return
-            else:
-                raise _error(msg)
+        # The decode stream's read started while the prefill ran; token 0 came from the prefill.
+        async for event in _decode_events(call, sent, pending=next_read):
+            yield event
     except grpc.aio.AioRpcError as e:  # the decode call itself broke (prefill errors are caught per attempt)
         raise UpstreamError(f"decode server: {e.code().name}: {e.details()}", rpc_status(e.code()),
                             decode_failed=server_fault(e.code())) from e
@@ -234,32 +216,42 @@ async def local_generate(decode: DecodeStreams | grpc.aio.Channel, prompt_ids: l
     req = pb.GenerateRequest(request_id=secrets.token_hex(12), prompt_token_ids=prompt_ids, params=proto_params(params),
                              deadline_unix_s=deadline, local_prefill=True)
     call = open_generate(decode, req, rpc_timeout(config.decode_timeout, deadline))
-    sent = 0
     try:
-        while True:
-            msg = await call.read()
-            if msg is grpc.aio.EOF:
-                raise UpstreamError("the decode stream ended without a finish", decode_failed=True)
-            kind = msg.WhichOneof("response")
-            if kind == "tokens":
-                chunk = msg.tokens
-                new = list(chunk.token_ids)[max(sent - chunk.index, 0):]
-                if new:
-                    lps = [_logprob(lp) for lp in chunk.logprobs[max(sent - chunk.index, 0):]]
-                    # The first event stands for the prefill's answer; what the decode server's
-                    # prefix cache held comes with the finish.
-                    yield Event("tokens", new, sent, lps, cached_tokens=0 if sent == 0 else None)
-                    sent += len(new)
-            elif kind == "finish":
-                yield Event("finish", [], cached_tokens=msg.finish.usage.cached_tokens)
-                return
-            else:
-                raise _error(msg)
+        async for event in _decode_events(call, 0, local=True):
+            yield event
     except grpc.aio.AioRpcError as e:
         raise UpstreamError(f"decode server: {e.code().name}: {e.details()}", rpc_status(e.code()),
                             decode_failed=server_fault(e.code())) from e
     finally:
         call.cancel()
+
+
+async def _decode_events(call, sent: int, pending: asyncio.Future | None = None, local: bool = False):
+    """A decode stream's tokens from output index `sent` on (earlier ones, re-sent, are skipped),
+    then its finish, as Events; `pending`: a read of `call` already started. `local`: the decode
+    server prefilled the request itself, so its first event stands for the prefill's answer
+    (cached_tokens 0) and the finish carries what its prefix cache held."""
+    while True:
+        if pending is not None:
+            msg, pending = await pending, None
+        else:
+            msg = await call.read()
+        if msg is grpc.aio.EOF:
+            raise UpstreamError("the decode stream ended without a finish", decode_failed=True)
+        kind = msg.WhichOneof("response")
+        if kind == "tokens":
+            chunk = msg.tokens
+            skip = max(sent - chunk.index, 0)
+            new = list(chunk.token_ids)[skip:]
+            if new:
+                cached = 0 if local and sent == 0 else None
+                yield Event("tokens", new, sent, [_logprob(lp) for lp in chunk.logprobs[skip:]], cached_tokens=cached)
+                sent += len(new)
+        elif kind == "finish":
+            yield Event("finish", [], cached_tokens=msg.finish.usage.cached_tokens if local else None)
+            return
+        else:
+            raise _error(msg)
 
 
 async def _prefill_while_decode_waits(decode_read: asyncio.Future, attempts) -> pb.PrefillResponse:
