@@ -59,13 +59,13 @@ class StepTimer:
         runner = engine.runner
         launch = runner.launch
 
-        def timed_launch(batch, info, slots):
+        def timed_launch(batch, *args, **kwargs):
             if batch.mode.value != "decode":
-                return launch(batch, info, slots)
+                return launch(batch, *args, **kwargs)
             stream = runner.streams.forward_stream
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
-            result = launch(batch, info, slots)
+            result = launch(batch, *args, **kwargs)
             end.record(stream)
             self.events.append((start, end))
             self.stamps.append(time.perf_counter())
@@ -103,34 +103,61 @@ def profile_decode(timer: StepTimer, prompts, params) -> None:
 def main() -> None:
     from pdserve.bench.random_weights import add_model_args, model_path_from_args
     from pdserve.common.engine.engine import Engine
-    from pdserve.common.types import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(ap)
-    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, nargs="+", default=[128],
+                    help="One engine, measured at each size in turn (--json then holds a list).")
     ap.add_argument("--input-len", type=int, default=270)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--disable-overlap-schedule", action="store_true")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--tp-size", type=int, default=1, help="Ranks on GPUs 0..N-1; the floor is one rank's shard.")
     ap.add_argument("--json", help="Also write the result here.")
     ap.add_argument("--profile", action="store_true", help="Also print the CUDA kernels of one more run, by total time.")
     args = ap.parse_args()
 
     path = model_path_from_args(args)
-    bs, ctx = args.batch_size, args.input_len + args.output_len
+    bs, ctx = max(args.batch_size), args.input_len + args.output_len
     engine = Engine(
         model_path=str(path), device="cuda", dtype="bfloat16", max_running_requests=bs,
         max_total_tokens=bs * (ctx + 16), disable_radix_cache=True, attention_backend=args.attention_backend,
         disable_overlap_schedule=args.disable_overlap_schedule, disable_cuda_graph=args.disable_cuda_graph,
+        tp_size=args.tp_size,
     )
+    results = []
+    timer = StepTimer(engine)
+    try:
+        for size in args.batch_size:
+            result = measure(timer, args, path, size)
+            results.append(result)
+            print(json.dumps(result))
+            print(f"\n{result['gpu']}: batch {size}, tp {args.tp_size}, median context {result['median_context']}, "
+                  f"weights {result['weight_gb']:.2f} GB + KV {result['kv_gb_per_step']:.2f} GB per step per rank, "
+                  f"copy rate {result['copy_rate_tb_s']:.2f} TB/s (read + write)")
+            print(f"floor {result['floor_ms']:.3f} ms | device step {result['device_step_ms']:.3f} ms "
+                  f"({result['device_over_floor']:.2f}x floor) | loop step {result['loop_step_ms']:.3f} ms "
+                  f"({result['loop_over_floor']:.2f}x floor)", flush=True)
+    finally:
+        engine.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results[0] if len(results) == 1 else results, f, indent=2)
+
+
+def measure(timer: StepTimer, args, path, bs: int) -> dict:
+    """Warm up, then the median device and loop step of `bs` requests over --repeats runs, against
+    the floor."""
+    from pdserve.common.types import SamplingParams
+
+    engine = timer.engine
     rate = copy_rate_bytes_per_s(engine.runner.device)
     vocab = engine.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(5, vocab) for _ in range(args.input_len)] for _ in range(bs)]
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
-    timer = StepTimer(engine)
     timer.run(prompts, params)  # warm-up
     device_ms, loop_ms = [], []
     for _ in range(args.repeats):
@@ -152,15 +179,9 @@ def main() -> None:
         "device_over_floor": device / floor_ms, "loop_over_floor": loop / floor_ms,
         "overlap": not args.disable_overlap_schedule, "cuda_graph": not args.disable_cuda_graph,
         "attention_backend": engine.config.attention_backend, "steps_measured": len(device_ms),
+        "tp_size": args.tp_size,
     }
-    print(json.dumps(result))
-    print(f"\n{result['gpu']}: batch {bs}, median context {median_ctx}, weights {w_bytes / 1e9:.2f} GB + "
-          f"KV {kv_bytes / 1e9:.2f} GB per step, copy rate {rate / 1e12:.2f} TB/s (read + write)")
-    print(f"floor {floor_ms:.3f} ms | device step {device:.3f} ms ({device / floor_ms:.2f}x floor) | "
-          f"loop step {loop:.3f} ms ({loop / floor_ms:.2f}x floor)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    return result
 
 
 if __name__ == "__main__":

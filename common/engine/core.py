@@ -110,6 +110,8 @@ class EngineCore:
     def close(self, kill: bool = False) -> None:
         """Stop the other TP ranks (nothing to do with tp = 1). The engine is unusable after."""
         if self.tp_workers is not None:
+            if not kill and not self.tp_workers.closed and getattr(self, "runner", None) is not None:
+                self.runner.release_graphs()  # before the communicators they captured end
             self.tp_workers.close(kill=kill)
 
     def ranks_open_transfers(self) -> list[int]:

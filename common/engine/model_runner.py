@@ -42,6 +42,10 @@ class ModelRunner:
         self.config = config
         self.tp = tp if tp is not None else TPGroup.single(torch.device(config.device))
         self.device = self.tp.device
+        if self.device.type == "cuda" and self.device.index is not None:
+            # NOTE Triton launches on the current device: an engine on cuda:1 whose process
+            # starts on cuda:0 failed its first kernel ("cannot be accessed from Triton").
+            torch.cuda.set_device(self.device)
         self.memory_report: dict | None = None  # what --mem-fraction-static measured, on CUDA
         self.dtype = DTYPES[config.dtype]
         self.model = load_model(config.model_path, self.dtype, self.device, self.tp)
@@ -77,6 +81,14 @@ class ModelRunner:
         self.before_forward = None
         self.cuda_graphs = self._capture_cuda_graphs()
         self.prefill_graphs = self._capture_prefill_graphs() if prefill_graphs else None
+
+    def release_graphs(self) -> None:
+        """Free the CUDA graphs (their memory pool included), once nothing will replay them: under
+        TP before the NCCL communicators they captured are destroyed (tp_worker.py)."""
+        self.cuda_graphs = self.prefill_graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            gc.collect()
 
     @torch.inference_mode()
     def warmup(self, chunk_tokens: int) -> float:

@@ -65,6 +65,14 @@ class TPGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         return dist.TCPStore(host, port, size, is_master=True, timeout=timeout, wait_for_workers=False)
 
+    def shutdown(self) -> None:
+        """End this rank's communicator. NCCL: every rank must call it, while every rank is alive
+        (ncclCommDestroy synchronises the ranks of a node; one rank alone hangs, and so does the
+        ProcessGroupNCCL destructor that runs when a group was never shut down). Gloo: nothing to
+        do. The group is unusable after."""
+        if self.backend is not None and self.device.type == "cuda":
+            self.backend.shutdown()
+
     # ---- collectives (identity when size == 1) ---------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

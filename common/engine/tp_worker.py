@@ -45,6 +45,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.engine import tp_messages
 from pdserve.common.engine.batch import BatchPlan
 from pdserve.common.engine.tp_messages import RankReady, Step, Stop
+from pdserve.common.lifetime import die_with_parent
 from pdserve.common.ports import free_port
 
 log = logging.getLogger(__name__)
@@ -200,26 +201,31 @@ class TPWorkers:
     def close(self, kill: bool = False) -> None:
         """Stop every other rank (kill: at once; else they finish what they were sent, then exit).
 
-        NOTE (two H200s, 2026-11-24, open): rank 0's ProcessGroupNCCL outlives this close. A second
-        TP engine built in the same process then hung at start-up, and a process whose TP engine
-        had closed hung at exit; calling `backend.abort()` here once the other ranks had exited hung
-        as well. Ending the communicators while every rank is still alive (each rank's `shutdown()`
-        on Stop, rank 0's alongside) is the next thing to try. Not yet checked: whether a TP server's
-        scheduler process on CUDA exits cleanly after a drain (it runs one engine per process)."""
+        NOTE NCCL (two H200s): a communicator must be ended by every rank together, while all are
+        alive. A rank that exited without it left rank 0's ProcessGroupNCCL to hang in its
+        destructor: when the group was dropped (a second TP engine in the same process hung at
+        start-up) or at exit, and `abort()` on rank 0 alone hung too. So on Stop each rank frees its
+        CUDA graphs and shuts its communicator down, and rank 0 does the same here (the engine
+        freed its graphs first). With `kill` no rank is left to meet, so rank 0's communicator is
+        aborted on a best-effort basis."""
         if self.closed:
             return
         self.closed = True
         if kill and self.group is not None:
             try:
-                self.group.backend.abort()  # NCCL: kernels waiting on a dead peer end (GPU run pending)
+                self.group.backend.abort()  # NCCL: kernels waiting on a dead peer end
             except (AttributeError, RuntimeError):
                 pass
-        for sock in self.sockets:
+        stopped = []
+        for rank, sock in enumerate(self.sockets, start=1):
             if not kill:
                 try:
                     sock.send(_encoder.encode(Stop()), zmq.NOBLOCK)
+                    stopped.append(rank)
                 except zmq.ZMQError:
                     pass
+        if not kill and self.group is not None and len(stopped) == len(self.sockets) and self._all_alive():
+            self.group.shutdown()  # alongside every rank's own (main's `finally`)
         for proc in self.procs:
             if kill and proc.poll() is None:
                 proc.kill()
@@ -236,21 +242,30 @@ class TPWorkers:
         shutil.rmtree(self.run_dir, ignore_errors=True)
         self.group = None
 
+    def _all_alive(self) -> bool:
+        return all(proc.poll() is None for proc in self.procs)
+
 
 # ---- ranks 1..N-1 -------------------------------------------------------------------------------
 
 
-def follow(runner, builder, recv, duty=None) -> None:
+def follow(runner, builder, recv, duty=None) -> bool:
     """Run every step rank 0 sends, as its loop launches them: the device writes on the schedule
     stream, the forward on the forward stream (waiting for them), then the WAR barrier, so the
     next plan's writes wait for this forward on the device. The host never waits except to bound
     the batches it keeps alive. Any other message goes to the rank's KV `duty`, with the event of
-    the last forward launched before it (a WRITE it orders reads that forward's KV)."""
+    the last forward launched before it (a WRITE it orders reads that forward's KV). True when
+    rank 0 sent Stop, False when rank 0 is gone."""
     streams = runner.streams
     schedule_stream, forward_stream = streams.schedule_stream, streams.forward_stream
     in_flight: deque = deque()
     last_done = None
-    while (msg := recv()) is not None:
+    while True:
+        msg = recv()
+        if msg is None or isinstance(msg, Stop):
+            for done, _ in in_flight:
+                done.synchronize()
+            return msg is not None
         if isinstance(msg, Step):
             with streams.use(schedule_stream):
                 batch = builder.apply(msg.plan())
@@ -266,7 +281,7 @@ def follow(runner, builder, recv, duty=None) -> None:
 
 
 def _receiver(sock, parent: int, duty=None):
-    """recv() for `follow`: the next message, or None on Stop or when rank 0 is gone. While it
+    """recv() for `follow`: the next message (Stop included), or None when rank 0 is gone. While it
     waits, a duty with transfers open is polled every DUTY_POLL_MS."""
 
     def recv():
@@ -279,8 +294,7 @@ def _receiver(sock, parent: int, duty=None):
                 if os.getppid() != parent:
                     log.error("rank 0 (process %d) is gone; exiting", parent)
                     return None
-        msg = _decoder.decode(sock.recv())
-        return None if isinstance(msg, tp_messages.Stop) else msg
+        return _decoder.decode(sock.recv())
 
     return recv
 
@@ -315,6 +329,7 @@ def main(argv: list[str]) -> int:
     from pdserve.common.engine.model_runner import ModelRunner
     from pdserve.common.engine.tp import TPGroup, rank_device
 
+    die_with_parent(args["parent"])  # even when stuck in a collective
     config = EngineConfig(**args["config"])
     torch.set_num_threads(args["threads"])
     ctx = zmq.Context()
@@ -324,17 +339,23 @@ def main(argv: list[str]) -> int:
     closers = []
     try:
         group = TPGroup.join(rank, config.tp_size, rank_device(config.device, rank), args["store_port"], config.dist_timeout)
-        # The same start-up as rank 0's engine, collective for collective (KV sizing, graph
-        # capture, warm-up).
+        # The same start-up as rank 0's engine (EngineCore.__init__), step for step: the runner
+        # (KV sizing and graph capture are collectives), the KV agent, then the warm-up.
+        # NOTE the agent before the warm-up: rank 0 waits for every rank's pool (its scheduler)
+        # before it warms up, so a rank warming up first waits in the warm-up's collectives for a
+        # rank 0 that waits for it (a deadlock on CUDA; CPU servers do not warm up).
         runner = ModelRunner(config, prefill_graphs=args["prefill_graphs"], tp=group)
-        if runner.device.type == "cuda":
-            chunk = config.chunked_prefill_size
-            runner.warmup(chunk if chunk > 0 else 8192)
         duty = None
         if args["kv"] is not None:
             duty, agent, out = _kv_duty(args["kv"], rank, runner, ctx, args["reports"])
             closers += [agent.close, out.close]
-        follow(runner, BatchBuilder(runner.req_to_token_pool, config.page_size), _receiver(sock, args["parent"], duty), duty)
+        if runner.device.type == "cuda":
+            chunk = config.chunked_prefill_size
+            runner.warmup(chunk if chunk > 0 else 8192)
+        stopped = follow(runner, BatchBuilder(runner.req_to_token_pool, config.page_size), _receiver(sock, args["parent"], duty), duty)
+        if stopped:  # rank 0 shuts its communicator down alongside (TPWorkers.close)
+            runner.release_graphs()
+            group.shutdown()
     except Exception:  # noqa: BLE001 - report; rank 0 sees the process end
         log.error("failed:\n%s", traceback.format_exc())
         return 1

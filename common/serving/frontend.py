@@ -162,6 +162,9 @@ class SchedulerBridge:
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(10)
+        if self.process.is_alive():  # stuck in native code: SIGTERM's handler never runs
+            self.process.kill()
+            self.process.join(10)
 
 
 class CommonRpcs:

@@ -13,6 +13,7 @@ the gRPC frontend.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import time
 import traceback
@@ -22,6 +23,7 @@ import zmq
 from pdserve.common.serving import ipc
 from pdserve.common.config import ServerConfig
 from pdserve.common.errors import ErrorCode
+from pdserve.common.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class Channel:
 def run_scheduler(make_engine, server: ServerConfig, to_scheduler: str, to_frontend: str) -> None:
     """Process entry point: build the role's engine, announce Ready, serve until drained."""
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s scheduler: %(message)s")
+    die_with_parent(multiprocessing.parent_process().pid)  # even when stuck in native code
     if server.torch_threads:
         import torch
 

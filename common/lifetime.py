@@ -1,0 +1,30 @@
+"""A child process that must not outlive its parent: a scheduler process (its server's frontend),
+a TP rank (its rank 0).
+
+Both also poll os.getppid() in their loops, but a process blocked in native code (a collective
+waiting for a peer, the NCCL start-up, a CUDA synchronize) never gets back to the loop: seen on two
+H200s, where a TP server stuck at start-up kept both GPUs' memory after `pdserve up` had exited.
+So the kernel kills it instead: Linux's PR_SET_PDEATHSIG (SGLang does the same). Elsewhere this
+is a no-op and the polls remain.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the thread that started it exits. `parent`: the pid it was
+    started by; if that one is already gone (it died before this call), exit now."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
