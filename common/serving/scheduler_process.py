@@ -81,7 +81,9 @@ class Channel:
 def run_scheduler(make_engine, server: ServerConfig, to_scheduler: str, to_frontend: str) -> None:
     """Process entry point: build the role's engine, announce Ready, serve until drained."""
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s scheduler: %(message)s")
-    die_with_parent(multiprocessing.parent_process().pid)  # even when stuck in native code
+    parent = multiprocessing.parent_process()
+    if parent is not None:  # (None: called in-process, by a test)
+        die_with_parent(parent.pid)  # even when stuck in native code
     if server.torch_threads:
         import torch
 
