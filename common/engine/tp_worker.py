@@ -26,6 +26,7 @@ second; a collective with a dead peer fails at once on gloo, and after --dist-ti
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -54,6 +55,7 @@ PARENT_POLL_MS = 1000  # how often an idle rank checks that rank 0 is still ther
 DUTY_POLL_MS = 1  # how often a rank with KV transfers open polls its agent while no step comes
 ALIVE_PERIOD_S = 0.2  # how often an idle server's rank 0 checks that the other ranks are alive
 ALIVE_CHECK_S = 0.01  # how often rank 0, waiting for a result, checks that the other ranks are alive
+ABORT_WAIT_S = 2  # how long rank 0's NCCL abort may wait for ranks that are gone (close(kill=True))
 IN_FLIGHT = 3  # batches a rank keeps alive after launching them (rank 0 has at most two unprocessed)
 
 
@@ -213,7 +215,11 @@ class TPWorkers:
         self.closed = True
         if kill and self.group is not None:
             try:
-                self.group.backend.abort()  # NCCL: kernels waiting on a dead peer end
+                # NOTE ProcessGroupNCCL.abort waits for the peers up to the group's timeout (two
+                # H200s: a TP server whose rank 1 was SIGKILLed sat 120 s in it, --dist-timeout):
+                # bound it first. Kernels waiting on the dead peer end with the abort.
+                self.group.backend._set_default_timeout(datetime.timedelta(seconds=ABORT_WAIT_S))
+                self.group.backend.abort()
             except (AttributeError, RuntimeError):
                 pass
         stopped = []

@@ -109,8 +109,18 @@ def run_scheduler(make_engine, server: ServerConfig, to_scheduler: str, to_front
         channel.send(ipc.Bye())
     except Exception:  # noqa: BLE001 - report, then let the frontend see the process end
         log.error("scheduler failed:\n%s", traceback.format_exc())
-        raise
+        if parent is None:
+            raise
+        failed = True
+    else:
+        failed = False
     finally:
         inbox.close()
         outbox.close()
         ctx.term()
+    if failed:
+        # NOTE no interpreter teardown after a failure: a TP engine whose rank died leaves an NCCL
+        # communicator whose destructor waits for that rank (up to --dist-timeout), and the
+        # server would stay up, unable to serve, all that time. The OS frees what this held.
+        logging.shutdown()
+        os._exit(1)
