@@ -108,8 +108,7 @@ class DecodeStreams:
             for rid, index, count in zip(columns.request_ids, columns.indices, columns.counts):
                 stream = self.streams.get(rid)
                 if stream is not None:
-                    chunk = pb.TokenChunk(token_ids=token_ids[start:start + count], index=index)
-                    stream.deliver(pb.GenerateResponse(tokens=chunk))
+                    stream.deliver(ColumnTokens(index, token_ids[start:start + count]))
                 start += count
         for update in later:
             if (stream := self.streams.get(update.request_id)) is not None:
@@ -125,6 +124,24 @@ class DecodeStreams:
                 await call.write(message)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             pass  # the call broke: the reader sees why
+
+
+class ColumnTokens:
+    """A request's tokens from the call's token columns, read as the GenerateResponse carrying
+    them would be (`WhichOneof`, `.tokens.index / .token_ids / .logprobs`): the hot path, once per
+    request per decode step, without building two protobuf messages for it."""
+
+    __slots__ = ("index", "token_ids", "logprobs")
+
+    def __init__(self, index: int, token_ids: list[int]):
+        self.index, self.token_ids, self.logprobs = index, token_ids, []
+
+    @property
+    def tokens(self) -> "ColumnTokens":
+        return self
+
+    def WhichOneof(self, oneof: str) -> str:  # noqa: N802 - protobuf's name
+        return "tokens"
 
 
 def _is_last(response: pb.GenerateResponse) -> bool:

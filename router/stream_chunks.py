@@ -15,6 +15,10 @@ from pdserve.common.openai.format import chat_logprobs, completion_logprobs, tok
 from pdserve.common.openai.tool_parser import ToolCallStream, finish_reason, tool_names
 
 
+_INDEX_MARK = 918273645  # placeholders in StreamChunks' text template
+_TEXT_MARK = "\x00text\x00"
+
+
 class StreamChunks:
     def __init__(self, parsed: ParsedRequest, tokenizer, request_id: str, created: int):
         self.parsed = parsed
@@ -24,9 +28,24 @@ class StreamChunks:
         self.token_text = token_text_of(tokenizer)
         self.tools = tool_names(parsed) if self.chat else None
         self.tool_streams: dict[int, ToolCallStream] = {}  # choice index -> its parser, from its first text
+        self._text_parts = self._text_template()
+
+    def _text_template(self) -> tuple[str, str, str]:
+        """A text-only chunk's JSON around its two variables (the choice index, the text): the
+        streaming hot path, once per token, then formats two values instead of encoding a dict."""
+        text = {"delta": {"content": _TEXT_MARK}} if self.chat else {"text": _TEXT_MARK}
+        body = {"index": _INDEX_MARK} | text | {"logprobs": None, "finish_reason": None}  # choice()'s order
+        encoded = json.dumps(self.head | {"choices": [body]})
+        # rpartition: the marks come after the head, whose model name the client chose.
+        before_text, _, after_text = encoded.rpartition(json.dumps(_TEXT_MARK))
+        before_index, _, between = before_text.rpartition(str(_INDEX_MARK))
+        return before_index, between, after_text
 
     def choice(self, index: int, text: str | None, finish: str | None, role: bool = False, logprobs=None) -> str:
         """A choice's delta: its role (chat's first chunk), new text with its tokens' logprobs, or its finish."""
+        if text and finish is None and not role and not (logprobs and self.parsed.logprobs is not None):
+            before_index, between, after_text = self._text_parts
+            return f"{before_index}{index}{between}{json.dumps(text)}{after_text}"
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             return self._chat_chunk(index, delta, logprobs, finish)

@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from pdserve.common.tiny_model import make_tiny_model
 from tests.router_stack import RouterProcess, openai_error_problem, send
 from tests.test_servers import Server, wait_idle
 
@@ -26,8 +27,10 @@ NORMAL = {"prompt": "hello there", "max_tokens": 2, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_models):
-    model = tiny_models("llama")
+def servers(tmp_path_factory):
+    # A long context, so that a held stream (Holder) outlasts every wait here however fast the
+    # box decodes: 1,000 tokens once finished within a 2 s queue timeout on a CI machine.
+    model = str(make_tiny_model(tmp_path_factory.mktemp("long") / "llama", "llama", 0, {"max_position_embeddings": 4096}))
     decode, prefill = Server("decode", model), Server("prefill", model)
     try:
         decode.wait_ready()
@@ -112,7 +115,7 @@ def test_overload_waits_in_the_queue_then_gets_429_with_retry_after(servers):
     """One choice slot, one place in the queue, two seconds of waiting at most."""
     model, decode, prefill = servers
     router = router_of(servers, "--max-inflight", "1", "--max-queued", "1", "--queue-timeout", "2")
-    hold = {"prompt": "a", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+    hold = {"prompt": "a", "max_tokens": 4000, "stream": True, "ignore_eos": True}
     try:
         holder = Holder(router.url, hold)  # takes the one slot until closed
         started = time.monotonic()
