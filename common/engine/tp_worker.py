@@ -231,7 +231,7 @@ class TPWorkers:
                 except zmq.ZMQError:
                     pass
         if not kill and self.group is not None and len(stopped) == len(self.sockets) and self._all_alive():
-            self.group.shutdown()  # alongside every rank's own (main's `finally`)
+            self.group.shutdown()  # alongside every rank's own (main, once follow() returns)
         for proc in self.procs:
             if kill and proc.poll() is None:
                 proc.kill()
