@@ -16,6 +16,8 @@ import argparse
 import json
 import random
 import statistics
+import sys
+import threading
 import time
 
 import torch
@@ -57,10 +59,51 @@ class LoopTimer:
         self.events: dict[str, list] = {"device_forward": [], "device_sample": []}
         for name in self.HOST_PARTS:
             setattr(engine, name, self._timed(name, getattr(engine, name)))
+        self.chain: list[tuple[str, float, float]] = []
+        self._watch_chain(engine)
         runner = engine.runner
         if runner.device.type == "cuda":
             for name, method in (("device_forward", "launch_forward"), ("device_sample", "launch_sample")):
                 setattr(runner, method, self._device_timed(name, getattr(runner, method), runner.streams.forward_stream))
+
+    def _watch_chain(self, engine) -> None:
+        """Stamp the links between one batch's tokens reaching the host and the next batch's
+        sampling: the matchers accepting them (loop thread), the masks filling (filler thread),
+        and the sampling's launch (loop thread)."""
+        grammars = engine.grammars
+
+        def stamped(kind, method):
+            def call(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    name = kind or ("accept" if threading.current_thread() is threading.main_thread() else "fill")
+                    self.chain.append((name, start, time.perf_counter()))
+            return call
+
+        grammars._in_shares = stamped(None, grammars._in_shares)
+        engine.sample_deferred = stamped("launch", engine.sample_deferred)
+
+    def chain_ms(self) -> dict[str, float]:
+        """Medians over the steps, in ms: accept (the loop thread), fill_lag (accepted → the
+        filler starts), fill, loop_ready (accepted → the loop thread asks for the masks),
+        launch_after_fill (filled → the sampling is launched), chain (tokens on the host →
+        the next sampling launched)."""
+        links: dict[str, list[float]] = {}
+        events = sorted(self.chain, key=lambda e: e[1])
+        for i, (kind, a, b) in enumerate(events):
+            if kind != "accept":
+                continue
+            fill = next((e for e in events[i + 1:] if e[0] == "fill"), None)
+            launch = next((e for e in events[i + 1:] if e[0] == "launch"), None)
+            if fill is None or launch is None:
+                continue
+            for name, value in (("accept", b - a), ("fill_lag", fill[1] - b), ("fill", fill[2] - fill[1]),
+                                ("loop_ready", launch[1] - b), ("launch_after_fill", launch[2] - fill[2]),
+                                ("chain", launch[2] - a)):
+                links.setdefault(name, []).append(value * 1e3)
+        return {name: statistics.median(values) for name, values in links.items()}
 
     def _device_timed(self, name, launch, stream):
         def timed(*args, **kwargs):
@@ -93,6 +136,7 @@ class LoopTimer:
         for events in self.events.values():
             events.clear()
         self.host_s = dict.fromkeys(self.HOST_PARTS, 0.0)
+        self.chain.clear()
         outs = engine.generate(prompts, params)
         assert all(len(o.output_ids) == params.max_new_tokens for o in outs), "a request stopped early"
         steps = [(b - a) * 1e3 for a, b in zip(self.stamps, self.stamps[1:])]
@@ -102,6 +146,7 @@ class LoopTimer:
         for name, events in self.events.items():
             if events:  # (a forward's start fires when the device reaches it: its span is the device's)
                 per_step[name] = statistics.median(a.elapsed_time(b) for a, b in events[2:])
+        per_step.update({f"chain_{name}": ms for name, ms in self.chain_ms().items()})
         return steps[2:], per_step  # the batch is in after 2 steps
 
 
@@ -118,14 +163,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fill-threads", type=int, default=None,
                     help="Threads that fill the masks (common/engine/grammar.FILL_THREADS; default: its value).")
+    ap.add_argument("--gil-switch-ms", type=float, default=None,
+                    help="Set the process's GIL switch interval (CPython's default: 5 ms).")
     ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run).")
     ap.add_argument("--json", help="Also write the result here.")
     args = ap.parse_args()
 
-    if args.fill_threads is not None:
-        import pdserve.common.engine.grammar as grammar
+    import pdserve.common.engine.grammar as grammar
 
+    if args.fill_threads is not None:
         grammar.FILL_THREADS = args.fill_threads
+    if args.gil_switch_ms is not None:
+        sys.setswitchinterval(args.gil_switch_ms / 1e3)
     path = model_path_from_args(args)
     bs, ctx = args.batch_size, args.input_len + args.output_len
     engine = Engine(model_path=str(path), device=args.device,
@@ -156,12 +205,15 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "model": str(path), "batch_size": bs,
         "input_len": args.input_len, "output_len": args.output_len, "vocab_size": engine.vocab_size,
         "plain_step_ms": plain, "steps_measured": len(steps["plain"]), "fill_threads": engine.grammars.threads,
+        "gil_switch_ms": sys.getswitchinterval() * 1e3,
     }
     def breakdown(mode: str) -> dict[str, float]:
-        return {key: statistics.median(p[key] for p in parts[mode]) for key in parts[mode][0]}
+        keys = dict.fromkeys(key for p in parts[mode] for key in p)
+        return {key: statistics.median(p[key] for p in parts[mode] if key in p) for key in keys}
 
     result["plain_parts_ms"] = breakdown("plain")
-    print(f"\n{result['gpu']}: batch {bs}, vocab {engine.vocab_size}, {engine.grammars.threads} fill threads: "
+    print(f"\n{result['gpu']}: batch {bs}, vocab {engine.vocab_size}, {engine.grammars.threads} fill threads, "
+          f"GIL switch {sys.getswitchinterval() * 1e3:g} ms: "
           f"loop step {plain:.3f} ms plain; per step {_show(result['plain_parts_ms'])}")
     for name in SCHEMAS:
         step = statistics.median(steps[name])

@@ -159,3 +159,46 @@ def test_grammars_compile_once_off_the_loop_and_a_failed_compile_fails_only_its_
     assert outs[0].finish_reason is FinishReason.ABORT and "out of memory (a test)" in outs[0].error
     assert outs[1].text in ("yes", "no") and outs[1].finish_reason is FinishReason.STOP
     assert engine.is_idle()
+
+
+def test_masks_and_accepts_in_shares_equal_one_thread(make_engine):
+    """A large batch's rows are filled and accepted in shares on several threads (this box may
+    have too few cores to choose that itself): the same masks and the same acceptances as one
+    thread, step after step, for rows in different states of different grammars."""
+    from pdserve.common.engine.grammar import PARALLEL_ROWS, Grammars
+
+    engine = make_engine("llama")
+    one = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids, threads=1)
+    three = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids, threads=3)
+    specs = [JSON, ("json_object", ""), ("regex", "[a-z]{2,9}@[a-z]{3}\\.com")]
+    n = PARALLEL_ROWS + 5
+
+    class Row:  # what Grammars reads of a request
+        def __init__(self, grammar):
+            self.grammar, self.output_ids, self.pending, self.discard, self.finished = grammar, [], 0, 0, False
+            self.params = SamplingParams(max_new_tokens=100)
+
+    rows = {g: [Row(g.matcher(specs[i % 3])) for i in range(n)] for g in (one, three)}
+    samples = [i != 4 for i in range(n)]  # one row is not sampling this batch
+    rng = np.random.default_rng(0)
+    for step in range(40):
+        masks = {g: g.bitmask(rows[g], samples, launched=False).result().numpy() for g in (one, three)}
+        np.testing.assert_array_equal(masks[one], masks[three])
+        tokens = []
+        for i in range(n):
+            allowed = allowed_tokens(masks[one], i, engine.vocab_size)
+            tokens.append(int(rng.choice(allowed)))
+        if step == 5:
+            tokens[7] = next(t for t in range(engine.vocab_size) if t not in allowed_tokens(masks[one], 7, engine.vocab_size))
+        for g in (one, three):
+            g.accept_tokens(rows[g], samples, tokens)
+            for row, sampling, token in zip(rows[g], samples, tokens):
+                if sampling and row.grammar.refused is None and not row.finished:
+                    row.output_ids.append(token)
+                    row.finished = row.grammar.terminated  # (as output_processor.append_token)
+            assert [r.grammar.terminated for r in rows[g]] == [r.grammar.matcher.is_terminated() for r in rows[g]]
+        assert [r.grammar.accepted for r in rows[one]] == [r.grammar.accepted for r in rows[three]]
+        assert [r.grammar.refused for r in rows[one]] == [r.grammar.refused for r in rows[three]]
+    assert rows[three][7].grammar.refused is not None and rows[three][8].grammar.refused is None
+    assert rows[three][4].grammar.accepted == 0
+    assert any(r.grammar.terminated for r in rows[three]), "no grammar completed: the test did not reach an end"

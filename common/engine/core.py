@@ -147,7 +147,7 @@ class EngineCore:
     @functools.cached_property
     def grammars(self) -> Grammars:
         """Structured output's compiler and cache; made on first use (xgrammar loads its kernels)."""
-        return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, pin_memory=self.runner.device.type == "cuda")
 
     def make_req(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None,
                  detokenize: bool = True) -> Req:

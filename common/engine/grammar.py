@@ -28,9 +28,14 @@ import torch
 
 # How many compiled grammars a server keeps (by kind and text), least recently used out first.
 CACHE_ENTRIES = 512
-# Threads that fill a batch's masks (at most the cores this process may use, less two), from this
-# many grammar rows on.
-FILL_THREADS = 4
+# Threads that fill a batch's masks and accept its tokens (at most the cores this process may use,
+# less two), from this many grammar rows on. Each takes every k-th row (the costly states spread
+# out) through its own one-thread BatchGrammarMatcher (xgrammar's own max_threads > 1 was slower
+# than one thread). Two: in the serving loop every thread must take the GIL back from the loop's
+# thread to convert its arguments and to return, so more did not pay (Llama-1B shape, batch 128 on
+# an H200, docs/benchmarks.md: the bounded-strings schema 5.4-6.5 ms a step with two, 7.1-7.5 with
+# one; the usual schema alike within noise; four slower than one).
+FILL_THREADS = 2
 PARALLEL_ROWS = 16
 MAX_ERROR_CHARS = 400
 # xgrammar's messages start with "[03:59:31] /project/cpp/regex_converter.cc:83: " and may hold
@@ -41,19 +46,23 @@ _LOCATION = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
 class Grammars:
     """Compiles SamplingParams.grammar specs for one tokenizer and caches them by their text."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], threads: int | None = None,
+                 pin_memory: bool = False):
         import xgrammar as xgr  # imports torch and its kernels: only servers and engines load it
 
         self._xgr = xgr
         self.vocab_size = vocab_size
+        self.pin_memory = pin_memory  # masks in page-locked memory: copied to the device as they are
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)  # ours is below
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
-        threads = min(FILL_THREADS, len(os.sched_getaffinity(0)) - 2)  # leave the loop and the frontend theirs
+        if threads is None:
+            threads = min(FILL_THREADS, len(os.sched_getaffinity(0)) - 2)  # leave the loop and the frontend theirs
         self.threads = max(1, threads)
-        self._serial = xgr.BatchGrammarMatcher(max_threads=1)  # one C++ call, no Python loop
-        self._parallel = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else self._serial
+        # One C++ call per share of rows (no Python loop), one matcher object per thread.
+        self._batch = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(self.threads)]
+        self._shares = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="grammar-rows") if self.threads > 1 else None
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
     def check(self, grammar: tuple[str, str]) -> None:
@@ -134,18 +143,40 @@ class Grammars:
             done: Future = Future()
             done.set_result(None)
             return done
-        bitmask = torch.full((len(reqs), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
-        # Most states fill in a few microseconds, but some cost far more (near a string's
-        # maxLength: ~0.9 ms on a 128k vocabulary), so a large batch's rows are filled on several
-        # threads; a small one's on one (handing work to threads costs ~0.1 ms).
-        fill = self._parallel if len(rows) >= PARALLEL_ROWS else self._serial
         matchers = [reqs[i].grammar.matcher for i in rows]
+        shape = (len(reqs), bitmask_words(self.vocab_size))
 
         def filled() -> torch.Tensor:
-            fill.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+            # (Made here, off the loop's thread: 2 MB for 128 rows of a 128k vocabulary. Pinned
+            # blocks come from torch's caching host allocator, which keeps one until the copies
+            # that read it have run.)
+            bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin_memory)
+            if len(rows) < len(reqs):
+                bitmask.fill_(-1)  # xgrammar writes whole rows: only the others need it
+
+            def fill(batch, share: slice) -> None:
+                batch.batch_fill_next_token_bitmask(matchers[share], bitmask, rows[share])
+
+            self._in_shares(len(rows), fill)
             return bitmask
 
         return self._filler.submit(filled)
+
+    def _in_shares(self, n: int, work) -> None:
+        """work(batch_matcher, rows slice) over n rows: on the calling thread alone for a small
+        batch, else in `threads` shares of every k-th row, the caller taking the first. Most
+        states fill in a few microseconds, some far more (near a string's maxLength: ~0.9 ms on
+        a 128k vocabulary); handing work to threads costs tens of microseconds."""
+        k = self.threads if n >= PARALLEL_ROWS else 1
+        if k == 1:
+            work(self._batch[0], slice(None))
+            return
+        futures = [self._shares.submit(work, self._batch[i], slice(i, None, k)) for i in range(1, k)]
+        try:
+            work(self._batch[0], slice(0, None, k))
+        finally:
+            for future in futures:
+                future.result()
 
     def accept_tokens(self, reqs, samples: list[bool], token_ids: list[int]) -> None:
         """Advance the matchers of a processed batch's grammar rows by their new tokens, in one
@@ -157,14 +188,19 @@ class Grammars:
                 and req.grammar.usable() and req.params.max_new_tokens > 0]
         if not rows:
             return
-        accepted = self._serial.batch_accept_token([reqs[i].grammar.matcher for i in rows],
-                                                   [token_ids[i] for i in rows])
-        for i, ok in zip(rows, accepted):
+        matchers, tokens = [reqs[i].grammar.matcher for i in rows], [token_ids[i] for i in rows]
+        accepted = [False] * len(rows)
+
+        def accept(batch, share: slice) -> None:
+            accepted[share] = batch.batch_accept_token(matchers[share], tokens[share])
+
+        self._in_shares(len(rows), accept)  # (the masks' filler is idle: N's masks wait for these)
+        for i, token, ok in zip(rows, tokens, accepted):
             grammar = reqs[i].grammar
             if ok:
-                grammar.accepted += 1
+                grammar.accepted_one(token)
             else:
-                grammar.refused = token_ids[i]
+                grammar.refused = token
 
 
 # xgrammar 0.2.8 writes a string with maxLength as `[^"\\\r\n]{0, n}`: raw control characters
@@ -185,7 +221,7 @@ class RequestGrammar:
     grammar when first needed (Grammars.matcher); a grammar whose compilation failed refuses
     every token (`failure` says why; the request then fails)."""
 
-    __slots__ = ("_compiled", "_make", "_matcher", "accepted", "refused", "failure")
+    __slots__ = ("_compiled", "_make", "_matcher", "_stops", "accepted", "refused", "failure", "terminated")
 
     def __init__(self, compiled: Future, make_matcher):
         self._compiled, self._make, self._matcher = compiled, make_matcher, None
@@ -194,12 +230,23 @@ class RequestGrammar:
         self.accepted = 0
         self.refused: int | None = None  # a token the grammar did not allow (a bug if ever set)
         self.failure: str | None = None
+        # The grammar is complete and its stop token was accepted: xgrammar accepts a stop token
+        # only where the grammar may end, and then terminates (the matcher's is_terminated(),
+        # kept here since it is read per row and step and each call crosses into C++).
+        self.terminated = False
+        self._stops: frozenset[int] = frozenset()
 
     @property
     def matcher(self):
         if self._matcher is None:
             self._matcher = self._make(self._compiled.result())  # waits only if still compiling
+            self._stops = frozenset(self._matcher.stop_token_ids)
         return self._matcher
+
+    def accepted_one(self, token: int) -> None:
+        self.accepted += 1
+        if token in self._stops:
+            self.terminated = True
 
     def usable(self) -> bool:
         """Compiled (waiting for it if need be) and not failed."""
@@ -218,13 +265,8 @@ class RequestGrammar:
         if not self.usable() or not self.matcher.accept_token(token):
             self.refused = token
             return False
-        self.accepted += 1
+        self.accepted_one(token)
         return True
-
-    @property
-    def terminated(self) -> bool:
-        """The grammar is complete and its stop token was accepted."""
-        return self._matcher is not None and self._matcher.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)

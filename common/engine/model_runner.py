@@ -27,7 +27,7 @@ from pdserve.common.engine.prompt_logprobs import score_prompt
 from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.engine.models.loader import load_model
 from pdserve.common.engine.models.parallel import kv_heads_of_rank
-from pdserve.common.engine.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs, QueuedForward, h2d_array
+from pdserve.common.engine.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs, QueuedForward
 from pdserve.common.engine.sampling import SampleOutput, SamplingBatchInfo, sample
 from pdserve.common.engine.tp import TPGroup
 from pdserve.common.types import MAX_TOP_LOGPROBS
@@ -245,7 +245,9 @@ class ModelRunner:
         orders after this sample."""
         streams, scored = self.streams, queued.scored
         with streams.use(streams.forward_stream):
-            mask = h2d_array(grammar_mask.numpy(), self.device) if grammar_mask is not None else None
+            mask = None
+            if grammar_mask is not None:  # (Grammars pins it on CUDA)
+                mask = grammar_mask.to(self.device, non_blocking=grammar_mask.is_pinned())
             out = sample(queued.logits, info, mask)
             if self.tp.size > 1:
                 out.next_token_ids = self.tp.broadcast(out.next_token_ids.contiguous())  # to launch_replica
