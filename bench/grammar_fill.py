@@ -81,7 +81,7 @@ def main() -> None:
             tokens = logits.masked_fill_(allowed == 0, float("-inf")).argmax(-1).tolist()
             t = args.threads[step % len(args.threads)]
             start = time.perf_counter()
-            ours[t].accept_tokens(rows, samples, tokens)
+            ours[t].accept_and_fill(rows, samples, tokens, [], []).result()  # (no masks after)
             times.setdefault(f"accept_shares_{t}", []).append(time.perf_counter() - start)
             for row, token in zip(rows, tokens):
                 assert row.grammar.refused is None

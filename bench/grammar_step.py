@@ -17,7 +17,6 @@ import json
 import random
 import statistics
 import sys
-import threading
 import time
 
 import torch
@@ -68,8 +67,9 @@ class LoopTimer:
 
     def _watch_chain(self, engine) -> None:
         """Stamp the links between one batch's tokens reaching the host and the next batch's
-        sampling: the matchers accepting them (loop thread), the masks filling (filler thread),
-        and the sampling's launch (loop thread)."""
+        sampling: the loop thread handing them over (Grammars.accept_and_fill), the matchers
+        accepting them and the masks filling (filler thread), and the sampling's launch (loop
+        thread)."""
         grammars = engine.grammars
 
         def stamped(kind, method):
@@ -78,29 +78,29 @@ class LoopTimer:
                 try:
                     return method(*args, **kwargs)
                 finally:
-                    name = kind or ("accept" if threading.current_thread() is threading.main_thread() else "fill")
-                    self.chain.append((name, start, time.perf_counter()))
+                    self.chain.append((kind, start, time.perf_counter()))
             return call
 
-        grammars._in_shares = stamped(None, grammars._in_shares)
+        grammars.accept_and_fill = stamped("handoff", grammars.accept_and_fill)
+        grammars._job = stamped("job", grammars._job)  # the filler's: accept, then fill
         engine.sample_deferred = stamped("launch", engine.sample_deferred)
 
     def chain_ms(self) -> dict[str, float]:
-        """Medians over the steps, in ms: accept (the loop thread), fill_lag (accepted → the
-        filler starts), fill, loop_ready (accepted → the loop thread asks for the masks),
-        launch_after_fill (filled → the sampling is launched), chain (tokens on the host →
-        the next sampling launched)."""
+        """Medians over the steps, in ms: handoff (the loop thread's part), start_lag (handed
+        over → the filler starts), job (the filler accepting and filling), loop_ready (handed
+        over → the loop thread asks for the masks), launch_after_fill (filled → the sampling is
+        launched), chain (tokens on the host → the next sampling launched)."""
         links: dict[str, list[float]] = {}
         events = sorted(self.chain, key=lambda e: e[1])
         for i, (kind, a, b) in enumerate(events):
-            if kind != "accept":
+            if kind != "handoff":
                 continue
-            fill = next((e for e in events[i + 1:] if e[0] == "fill"), None)
+            job = next((e for e in events[i + 1:] if e[0] == "job"), None)
             launch = next((e for e in events[i + 1:] if e[0] == "launch"), None)
-            if fill is None or launch is None:
+            if job is None or launch is None:
                 continue
-            for name, value in (("accept", b - a), ("fill_lag", fill[1] - b), ("fill", fill[2] - fill[1]),
-                                ("loop_ready", launch[1] - b), ("launch_after_fill", launch[2] - fill[2]),
+            for name, value in (("handoff", b - a), ("start_lag", job[1] - b), ("job", job[2] - job[1]),
+                                ("loop_ready", launch[1] - b), ("launch_after_fill", launch[2] - job[2]),
                                 ("chain", launch[2] - a)):
                 links.setdefault(name, []).append(value * 1e3)
         return {name: statistics.median(values) for name, values in links.items()}

@@ -162,9 +162,11 @@ def test_grammars_compile_once_off_the_loop_and_a_failed_compile_fails_only_its_
 
 
 def test_masks_and_accepts_in_shares_equal_one_thread(make_engine):
-    """A large batch's rows are filled and accepted in shares on several threads (this box may
+    """A large batch's rows are accepted and filled in shares on several threads (this box may
     have too few cores to choose that itself): the same masks and the same acceptances as one
-    thread, step after step, for rows in different states of different grammars."""
+    thread, step after step, for rows in different states of different grammars. As in the
+    overlap loop, each step's tokens are counted ahead and accepted on the worker thread with
+    the next masks (accept_and_fill), a refused token failing its row."""
     from pdserve.common.engine.grammar import PARALLEL_ROWS, Grammars
 
     engine = make_engine("llama")
@@ -181,8 +183,8 @@ def test_masks_and_accepts_in_shares_equal_one_thread(make_engine):
     rows = {g: [Row(g.matcher(specs[i % 3])) for i in range(n)] for g in (one, three)}
     samples = [i != 4 for i in range(n)]  # one row is not sampling this batch
     rng = np.random.default_rng(0)
+    masks = {g: g.bitmask(rows[g], samples, launched=False).result().numpy() for g in (one, three)}
     for step in range(40):
-        masks = {g: g.bitmask(rows[g], samples, launched=False).result().numpy() for g in (one, three)}
         np.testing.assert_array_equal(masks[one], masks[three])
         tokens = []
         for i in range(n):
@@ -191,14 +193,40 @@ def test_masks_and_accepts_in_shares_equal_one_thread(make_engine):
         if step == 5:
             tokens[7] = next(t for t in range(engine.vocab_size) if t not in allowed_tokens(masks[one], 7, engine.vocab_size))
         for g in (one, three):
-            g.accept_tokens(rows[g], samples, tokens)
+            for row in rows[g]:
+                row.pending = 2  # these tokens, and the next batch's, in flight (launched=True)
+            masks[g] = g.accept_and_fill(rows[g], samples, tokens, rows[g], samples).result().numpy()
             for row, sampling, token in zip(rows[g], samples, tokens):
-                if sampling and row.grammar.refused is None and not row.finished:
+                row.pending = 0
+                if sampling and not row.finished:  # (as output_processor.append_token)
                     row.output_ids.append(token)
-                    row.finished = row.grammar.terminated  # (as output_processor.append_token)
-            assert [r.grammar.terminated for r in rows[g]] == [r.grammar.matcher.is_terminated() for r in rows[g]]
+                    row.finished = not row.grammar.accept(token, len(row.output_ids) - 1) or row.grammar.terminated
+            kept = [r for r in rows[g] if r.grammar.refused is None]  # (a refused stop token counted as the end)
+            assert [r.grammar.terminated for r in kept] == [r.grammar.matcher.is_terminated() for r in kept]
         assert [r.grammar.accepted for r in rows[one]] == [r.grammar.accepted for r in rows[three]]
         assert [r.grammar.refused for r in rows[one]] == [r.grammar.refused for r in rows[three]]
     assert rows[three][7].grammar.refused is not None and rows[three][8].grammar.refused is None
+    assert rows[three][7].finished and not rows[three][7].grammar.accept(tokens[7], 99)
     assert rows[three][4].grammar.accepted == 0
     assert any(r.grammar.terminated for r in rows[three]), "no grammar completed: the test did not reach an end"
+
+
+def test_a_token_the_grammar_refuses_fails_its_request_and_frees_it(make_engine, monkeypatch, caplog):
+    """The masks keep every sampled token inside the grammar; were one ever outside (a bug), its
+    request fails with an error that names the token, the others go on, nothing leaks. Masks
+    switched off here, overlap on (the matchers accept on the worker thread) and off."""
+    from pdserve.common.engine import sampling
+
+    monkeypatch.setattr(sampling, "apply_bitmask", lambda logits, bitmask: logits)
+    for overlap in (True, False):
+        engine = make_engine("llama", disable_overlap_schedule=not overlap)
+        params = [SamplingParams(max_new_tokens=30, temperature=0, grammar=("regex", "[0-9]{20,40}")),
+                  SamplingParams(max_new_tokens=30, temperature=0)]
+        outs = engine.generate([[5, 6, 7], [8, 9]], params)
+        assert outs[0].finish_reason is FinishReason.ABORT, (overlap, outs[0])
+        assert "outside the request's grammar" in outs[0].error
+        assert outs[1].finish_reason is FinishReason.LENGTH and len(outs[1].output_ids) == 30
+        assert engine.is_idle() and engine.scheduler.kv_used_tokens() == 0
+        # Overlapped, the worker thread's matcher refused it (logged there), one token before the request failed.
+        assert ("a grammar refused token" in caplog.text) is overlap
+        caplog.clear()

@@ -129,3 +129,25 @@ def test_argmax_rows_matches_torch(dtype, vocab):
         x[3, vocab // 2] = float("inf")
     out = triton_ops.argmax_rows(x, block=64, num_warps=4)
     assert out.dtype == torch.int64 and torch.equal(out, x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [33, 257, 5000])
+def test_argmax_rows_under_a_bitmask_is_the_argmax_of_the_masked_logits(vocab):
+    """The greedy sampling of grammar rows: the bitmask applied as the kernel reads equals
+    apply_bitmask's masked copy then argmax (ties, NaN and rows allowing one token included)."""
+    from pdserve.common.engine.grammar import apply_bitmask, bitmask_words
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(5, vocab, generator=g).to(DEVICE, torch.bfloat16)
+    words = torch.randint(-2**31, 2**31 - 1, (5, bitmask_words(vocab)), generator=g, dtype=torch.int64).to(torch.int32)
+    words[0] = 0
+    words[0, (vocab - 1) // 32] = 1 << ((vocab - 1) % 32)  # only the last token
+    words[1] = -1  # everything: bit 31 of each word included
+    x[1, 0] = float("nan")  # allowed NaN counts as the maximum, as torch
+    x[2, 3] = float("nan")
+    words[2, 0] &= ~(1 << 3)  # a masked NaN is -inf
+    x[3] = 1.0  # a tie among the allowed tokens: the first allowed wins
+    words = words.to(DEVICE)
+    out = triton_ops.argmax_rows(x, block=64, num_warps=4, bitmask=words)
+    assert torch.equal(out, apply_bitmask(x, words).argmax(dim=-1))
+    assert out[0].item() == vocab - 1 and out[1].item() == 0

@@ -205,7 +205,6 @@ class EngineCore:
         """Queue batch N's forward + sample and the copy of its results to pinned memory; returns
         at once. The batch's device inputs are built here, on the current (schedule) stream."""
         batch.seq = next(self._launches)
-        self.launch_deferred()  # the previous batch's sampling: this forward reads its tokens
         forward_batch = self.builder.build(batch)
         # NOTE: built before the previous result is processed: that may finish (and free) a
         # request of this batch, whose token is then discarded (Scheduler.on_launched).
@@ -213,6 +212,10 @@ class EngineCore:
             self.process_results_before(None)
         info = SamplingBatchInfo.from_reqs(batch.reqs, self.vocab_size, self.eos_token_ids, self.runner.device)
         slots = self.runner.future_map.alloc(batch.batch_size)
+        # The previous batch's sampling, whose tokens this forward reads: launched only now, so
+        # this batch was built while its grammar masks were filling (the host's chain from one
+        # batch's tokens to the next one's sampling is a Llama-1B step's critical path).
+        self.launch_deferred()
         if self.tp_workers is not None:
             self.tp_workers.send(forward_batch.plan, slots)  # the other ranks run the same forward
         try:
@@ -276,12 +279,13 @@ class EngineCore:
         host = self.runner.host_sample_output(result)
         next_ids = host.next_token_ids.tolist()
         if self.result_queue and isinstance(self.result_queue[0][1], DeferredSample):
-            # The next batch's sampling waits for these tokens' grammar masks: accept them and
-            # start filling; the scheduler's processing below overlaps the filling, and the
-            # sampling is launched before anything reads its tokens (launch_deferred).
-            self.grammars.accept_tokens(batch.reqs, batch.samples, next_ids)
+            # The next batch's sampling waits for these tokens' grammar masks: the matchers
+            # accept them and fill its masks on a worker thread while the scheduler processes
+            # this batch below; the sampling is launched before anything reads its tokens
+            # (launch_deferred).
             waiting, deferred = self.result_queue[0]
-            deferred.masks = self.grammar_bitmask(waiting, launched=True)
+            deferred.masks = self.grammars.accept_and_fill(batch.reqs, batch.samples, next_ids,
+                                                           waiting.reqs, waiting.samples)
         logprobs = to_token_logprobs(host, batch.reqs)
         if result.prompt_logprobs is not None:
             add_prompt_logprobs(batch, result.prompt_logprobs)

@@ -3,6 +3,7 @@
     grammars = Grammars(tokenizer, vocab_size, eos_token_ids)    # one per engine (TP rank 0)
     req.grammar = grammars.matcher(params.grammar)               # ValueError: the library refused it
     mask = grammars.bitmask(reqs, samples, launched).result()   # host int32 [B, ceil(V / 32)]
+    masks = grammars.accept_and_fill(reqs, samples, tokens, next_reqs, next_samples)  # overlap loop
     logits = apply_bitmask(logits, device_mask)                  # on the device, in sample()
 
 Why xgrammar (docs/architecture.md): on this engine's tokenizers it fills a request's mask in ~3 us
@@ -10,14 +11,15 @@ Why xgrammar (docs/architecture.md): on this engine's tokenizers it fills a requ
 ~6 ms (llguidance ~2.5 ms), which the cache pays once per schema. The mask is a bit per vocabulary
 id (the model's vocabulary, padding ids included: they are never allowed).
 
-The matcher accepts every token the request keeps (common/scheduling/output_processor.append_token),
-the first one included: on a decode server that is the prefill server's token, sampled there under
+The matcher accepts every token the request keeps (common/scheduling/output_processor.append_token;
+in the overlap loop ahead of it, on the worker thread: Grammars.accept_and_fill), the first one included: on a decode server that is the prefill server's token, sampled there under
 the same grammar. When the grammar is complete the mask allows only the model's EOS; accepting it
 terminates the matcher and finishes the request (even with ignore_eos: nothing else could follow).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections import OrderedDict
@@ -42,6 +44,8 @@ MAX_ERROR_CHARS = 400
 # "Check failed: (...) is false: ": noise for the client.
 _LOCATION = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
 
+logger = logging.getLogger(__name__)
+
 
 class Grammars:
     """Compiles SamplingParams.grammar specs for one tokenizer and caches them by their text."""
@@ -49,8 +53,10 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], threads: int | None = None,
                  pin_memory: bool = False):
         import xgrammar as xgr  # imports torch and its kernels: only servers and engines load it
+        from xgrammar.matcher import _core
 
         self._xgr = xgr
+        self._accept_batch = _core.BatchGrammarMatcher.batch_accept_token  # (see _work)
         self.vocab_size = vocab_size
         self.pin_memory = pin_memory  # masks in page-locked memory: copied to the device as they are
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
@@ -122,85 +128,110 @@ class Grammars:
         Rows without a grammar allow everything.
 
         Call when every grammar request's matcher has accepted all its tokens but the one this
-        batch samples (`launched`: the batch's own token is already counted as pending); in the
-        overlap loop that is once the previous batch's tokens are accepted (EngineCore
-        .process_batch_result). A row whose matcher is terminated, or refused a token, keeps an
-        all-ones row: its request is finished or failed, and its token is dropped on arrival.
-        The matchers must not advance until the Future is done.
+        batch samples (`launched`: the batch's own token is already counted as pending). A row
+        whose matcher is terminated, or refused a token, keeps an all-ones row: its request is
+        finished or failed, and its token is dropped on arrival. The matchers must not advance
+        until the Future is done.
         """
+        return self._submit([], [], reqs, samples, launched)
+
+    def accept_and_fill(self, reqs, samples: list[bool], token_ids: list[int], next_reqs, next_samples: list[bool]) -> Future:
+        """Advance the matchers of a processed batch's grammar rows by their new tokens, then fill
+        the masks of the batch launched after it (`next_reqs`, whose sampling waits for them), both
+        on the worker thread; the Future's result is `bitmask`'s. Rows the scheduler will drop
+        (not sampling, or results to discard) are left alone.
+
+        The tokens are counted as accepted here, before the matchers see them, so the scheduler
+        can process the batch at once (output_processor.append_token finds them accepted; a stop
+        token terminates: the mask allowed one only where the grammar may end). A token a matcher
+        refuses (a bug: the mask allows only what it accepts) is logged, and its request fails at
+        its next token (RequestGrammar.accept).
+
+        NOTE this takes acceptance off the loop's thread: 128 accepts cost ~0.3-0.6 ms of C++,
+        as much as a Llama-1B decode step's spare host time (docs/benchmarks.md).
+        """
+        rows = [i for i, (req, sampling) in enumerate(zip(reqs, samples))
+                if sampling and req.grammar is not None and not req.discard and not req.finished
+                and req.grammar.usable() and req.params.max_new_tokens > 0]
+        accepting, tokens = [reqs[i].grammar for i in rows], [token_ids[i] for i in rows]
+        for grammar, token in zip(accepting, tokens):
+            grammar.accepted_one(token)
+        return self._submit(accepting, tokens, next_reqs, next_samples, launched=True)
+
+    def _submit(self, accepting: list, tokens: list[int], reqs, samples: list[bool], launched: bool) -> Future:
+        """Accept `tokens` into the matchers of `accepting`, then fill the masks of the batch
+        `reqs`, on the worker thread. The rows are dealt out in `threads` shares, each a request's
+        token and its row together (the fill needs the token accepted), every k-th row of the
+        batch to a share (the costly states spread out)."""
         rows = []
         for i, (req, sampling) in enumerate(zip(reqs, samples)):
             grammar = req.grammar
             if not sampling or grammar is None or req.finished or not grammar.usable() or grammar.terminated:
                 continue
             # NOTE the matcher must have accepted exactly the tokens before the one this row
-            # samples: the kept ones, and those in flight that will be kept (accepted ahead by
-            # accept_tokens). A mask filled one token off would constrain the wrong position.
+            # samples: the kept ones, and those in flight that will be kept (counted ahead by
+            # accept_and_fill). A mask filled one token off would constrain the wrong position.
             before = len(req.output_ids) + req.pending - req.discard - (1 if launched else 0)
             assert grammar.accepted == before, (req.rid, grammar.accepted, before)
             rows.append(i)
-        if not rows:
-            done: Future = Future()
-            done.set_result(None)
-            return done
-        matchers = [reqs[i].grammar.matcher for i in rows]
+        filling = [reqs[i].grammar for i in rows]
+        k = self.threads if max(len(rows), len(accepting)) >= PARALLEL_ROWS else 1
+        if k == 1:
+            shares = [_Share(accepting, tokens, filling, rows)]
+        else:
+            shares = [_Share([], [], filling[j::k], rows[j::k]) for j in range(k)]
+            share_of = {id(grammar): j % k for j, grammar in enumerate(filling)}
+            for j, (grammar, token) in enumerate(zip(accepting, tokens)):
+                share = shares[share_of.get(id(grammar), j % k)]
+                share.accepting.append(grammar)
+                share.tokens.append(token)
         shape = (len(reqs), bitmask_words(self.vocab_size))
+        return self._filler.submit(self._job, shares, shape)
 
-        def filled() -> torch.Tensor:
+    def _job(self, shares: list["_Share"], shape: tuple[int, int]) -> torch.Tensor | None:
+        """The worker thread's: every share accepted and filled, the first here, the others on
+        the share threads. NOTE each xgrammar call releases the GIL and must take it back from
+        the loop's thread, which holds it while it runs Python (CPython hands it over at most
+        every switch interval, 5 ms, or when the holder waits): so few calls per share, and
+        none per row."""
+        bitmask = None
+        if any(share.rows for share in shares):
             # (Made here, off the loop's thread: 2 MB for 128 rows of a 128k vocabulary. Pinned
             # blocks come from torch's caching host allocator, which keeps one until the copies
             # that read it have run.)
             bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin_memory)
-            if len(rows) < len(reqs):
+            if sum(len(share.rows) for share in shares) < shape[0]:
                 bitmask.fill_(-1)  # xgrammar writes whole rows: only the others need it
-
-            def fill(batch, share: slice) -> None:
-                batch.batch_fill_next_token_bitmask(matchers[share], bitmask, rows[share])
-
-            self._in_shares(len(rows), fill)
-            return bitmask
-
-        return self._filler.submit(filled)
-
-    def _in_shares(self, n: int, work) -> None:
-        """work(batch_matcher, rows slice) over n rows: on the calling thread alone for a small
-        batch, else in `threads` shares of every k-th row, the caller taking the first. Most
-        states fill in a few microseconds, some far more (near a string's maxLength: ~0.9 ms on
-        a 128k vocabulary); handing work to threads costs tens of microseconds."""
-        k = self.threads if n >= PARALLEL_ROWS else 1
-        if k == 1:
-            work(self._batch[0], slice(None))
-            return
-        futures = [self._shares.submit(work, self._batch[i], slice(i, None, k)) for i in range(1, k)]
+        futures = [self._shares.submit(self._work, self._batch[j], share, bitmask) for j, share in enumerate(shares[1:], 1)]
         try:
-            work(self._batch[0], slice(0, None, k))
+            self._work(self._batch[0], shares[0], bitmask)
         finally:
             for future in futures:
                 future.result()
+        return bitmask
 
-    def accept_tokens(self, reqs, samples: list[bool], token_ids: list[int]) -> None:
-        """Advance the matchers of a processed batch's grammar rows by their new tokens, in one
-        call, before the scheduler processes the batch (it then finds them accepted: see
-        output_processor.append_token). Rows the scheduler will drop (not sampling, or results
-        to discard) are left alone."""
-        rows = [i for i, (req, sampling) in enumerate(zip(reqs, samples))
-                if sampling and req.grammar is not None and not req.discard and not req.finished
-                and req.grammar.usable() and req.params.max_new_tokens > 0]
-        if not rows:
-            return
-        matchers, tokens = [reqs[i].grammar.matcher for i in rows], [token_ids[i] for i in rows]
-        accepted = [False] * len(rows)
+    def _work(self, batch, share: "_Share", bitmask: torch.Tensor | None) -> None:
+        """One share: its tokens accepted, then its rows filled (two xgrammar calls)."""
+        if share.accepting:
+            # xgrammar's own batch_accept_token converts its result with two calls per row, each
+            # giving the GIL up and waiting to take it back: the core function, then one test.
+            accepted = self._accept_batch([g.matcher._handle for g in share.accepting], share.tokens, False)
+            if 0 in accepted:  # (ints, 0 or 1: `False in` finds none) a bug: the masks allow only what the matchers accept
+                for grammar, token, ok in zip(share.accepting, share.tokens, list(accepted)):
+                    if not ok:
+                        grammar.refused = token
+                        logger.error("a grammar refused token %d: its request fails at its next token", token)
+        if share.rows:
+            batch.batch_fill_next_token_bitmask([g.matcher for g in share.filling], bitmask, share.rows)
 
-        def accept(batch, share: slice) -> None:
-            accepted[share] = batch.batch_accept_token(matchers[share], tokens[share])
 
-        self._in_shares(len(rows), accept)  # (the masks' filler is idle: N's masks wait for these)
-        for i, token, ok in zip(rows, tokens, accepted):
-            grammar = reqs[i].grammar
-            if ok:
-                grammar.accepted_one(token)
-            else:
-                grammar.refused = token
+class _Share:
+    """A worker's part of a step: tokens to accept, then rows to fill."""
+
+    __slots__ = ("accepting", "tokens", "filling", "rows")
+
+    def __init__(self, accepting: list, tokens: list[int], filling: list, rows: list[int]):
+        self.accepting, self.tokens, self.filling, self.rows = accepting, tokens, filling, rows
 
 
 # xgrammar 0.2.8 writes a string with maxLength as `[^"\\\r\n]{0, n}`: raw control characters
@@ -225,8 +256,9 @@ class RequestGrammar:
 
     def __init__(self, compiled: Future, make_matcher):
         self._compiled, self._make, self._matcher = compiled, make_matcher, None
-        # Tokens accepted: len(req.output_ids), or one more when the engine accepted the newest
-        # token ahead of the scheduler's processing (Grammars.accept_tokens).
+        # Tokens accepted: len(req.output_ids), or one more when the engine counted the newest
+        # token ahead of the scheduler's processing (Grammars.accept_and_fill: the matcher
+        # itself may still be accepting it on the worker thread).
         self.accepted = 0
         self.refused: int | None = None  # a token the grammar did not allow (a bug if ever set)
         self.failure: str | None = None
@@ -259,7 +291,10 @@ class RequestGrammar:
 
     def accept(self, token: int, position: int) -> bool:
         """Advance by `token`, output token number `position` (0-based), unless that one was
-        accepted already; False when the grammar does not allow it."""
+        counted already (Grammars.accept_and_fill); False when the grammar does not allow it, or
+        refused an earlier token (`refused` names it)."""
+        if self.refused is not None:
+            return False
         if self.accepted > position:
             return True
         if not self.usable() or not self.matcher.accept_token(token):

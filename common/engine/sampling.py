@@ -220,13 +220,16 @@ def _sample_rows(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     return (probs / exponential_noise(info.noise_keys, logits.shape[-1])).argmax(dim=-1)
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the vocab; on CUDA one Triton program per row (torch's reduction reads big
-    logits at a fraction of the bandwidth). Both return the first maximal index."""
+def greedy_argmax(logits: torch.Tensor, grammar_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """argmax over the vocab (of the tokens `grammar_mask` allows); on CUDA one Triton program per
+    row, which applies the mask as it reads (torch's reduction reads big logits at a fraction of
+    the bandwidth; a masked copy costs a kernel and a pass). Both return the first maximal index."""
     if logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1:
         from pdserve.common.engine.models.triton_ops import argmax_rows  # lazy: Triton reads TRITON_INTERPRET
 
-        return argmax_rows(logits)
+        return argmax_rows(logits, bitmask=grammar_mask)
+    if grammar_mask is not None:
+        logits = apply_bitmask(logits, grammar_mask)
     return logits.argmax(dim=-1)
 
 
@@ -238,9 +241,8 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo, grammar_mask: torch.Te
     if plain_greedy and info.output_token_idx is None and info.banned_token_idx is None and info.bias_idx is None:
         # Upcasting is exact, so the argmax of the model-dtype logits is the float32 one's; it
         # reads half the bytes and skips the cast (a 128 x 128k-vocab batch: ~70 us per step).
-        if grammar_mask is not None:  # masking is exact in any dtype too
-            logits = apply_bitmask(logits, grammar_mask)
-        return SampleOutput(greedy_argmax(logits), None, None, None)
+        # Masking is exact in any dtype too.
+        return SampleOutput(greedy_argmax(logits, grammar_mask), None, None, None)
     raw = logits.float()
     logits = process_logits(raw, info, grammar_mask)
     if info.all_greedy:

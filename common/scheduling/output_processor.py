@@ -27,7 +27,7 @@ def append_token(
     if req.grammar is not None:
         if not req.grammar.accept(token, len(req.output_ids) - 1):  # the mask allowed only what it accepts: a bug if reached
             req.finish_reason = FinishReason.ABORT
-            req.error = req.grammar.failure or f"token {token} is outside the request's grammar"
+            req.error = req.grammar.failure or f"token {req.grammar.refused} is outside the request's grammar"
             req.error_code = ErrorCode.INTERNAL
             return
         if req.grammar.terminated:  # complete, and its stop token (EOS) accepted: nothing may follow

@@ -11,7 +11,8 @@ roundings to the activation dtype at the same points (so fp32 agrees to rounding
                                      attention/triton_store.py's rope_store_kv also stores K and V
     silu_mul(gate_up)                silu(gate) * up of a fused gate_up projection
     gelu_tanh(x)                     GPT-2's gelu_new
-    argmax_rows(x)                   torch.argmax(x, dim=-1) of [B, V] logits, one program per row
+    argmax_rows(x, bitmask=None)     torch.argmax(x, dim=-1) of [B, V] logits, one program per row
+                                     (a grammar's token bitmask applied as it reads)
 
 NOTE: import lazily (layers.py does, when a model is fused): Triton reads TRITON_INTERPRET when a
 kernel is defined, and the CPU tests set it first.
@@ -219,10 +220,13 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _argmax_kernel(x, out, stride_x, n_cols, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+def _argmax_kernel(x, out, stride_x, n_cols, bitmask, stride_b, BLOCK: tl.constexpr, MASKED: tl.constexpr,
+                   INTERPRETED: tl.constexpr):
     # One program per row. Each lane keeps its largest value and, with strict ">", its first
     # index; the row's answer is the smallest index among lanes holding the row's maximum: the
     # first occurrence, as torch.argmax. NaN counts as +inf (torch picks NaN as the maximum).
+    # MASKED: a grammar's bitmask row (bit j of word w: token 32 w + j) sets what it does not
+    # allow to -inf first, as common/engine/grammar.apply_bitmask.
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
@@ -232,21 +236,26 @@ def _argmax_kernel(x, out, stride_x, n_cols, BLOCK: tl.constexpr, INTERPRETED: t
         # NOTE: Triton 3.6's interpreter cannot take tensor range() bounds with numpy >= 2.4
         # (triton#9171): the same chunks, walked with a while loop.
         while start < n_cols:
-            best, best_idx = _argmax_chunk(x, row * stride_x, start, n_cols, lanes, best, best_idx)
+            best, best_idx = _argmax_chunk(x, row * stride_x, start, n_cols, lanes, best, best_idx,
+                                           bitmask, row * stride_b, MASKED)
             start += BLOCK
     else:
         for start in range(0, n_cols, BLOCK):
-            best, best_idx = _argmax_chunk(x, row * stride_x, start, n_cols, lanes, best, best_idx)
+            best, best_idx = _argmax_chunk(x, row * stride_x, start, n_cols, lanes, best, best_idx,
+                                           bitmask, row * stride_b, MASKED)
     top = tl.max(best, axis=0)
     tl.store(out + row, tl.min(tl.where(best == top, best_idx, 2147483647), axis=0).to(tl.int64))
 
 
 @triton.jit
-def _argmax_chunk(x, row_offset, start, n_cols, lanes, best, best_idx):
+def _argmax_chunk(x, row_offset, start, n_cols, lanes, best, best_idx, bitmask, bitmask_offset, MASKED: tl.constexpr):
     offs = start + lanes
     mask = offs < n_cols
     v = tl.load(x + row_offset + offs, mask=mask, other=float("-inf")).to(tl.float32)
     v = tl.where(v != v, float("inf"), v)
+    if MASKED:
+        words = tl.load(bitmask + bitmask_offset + offs // 32, mask=mask, other=0)
+        v = tl.where(((words >> (offs % 32)) & 1) != 0, v, float("-inf"))
     take = mask & ((v > best) | ((best_idx == 2147483647) & (v == float("-inf"))))
     return tl.where(take, v, best), tl.where(take, offs, best_idx)
 
@@ -254,17 +263,23 @@ def _argmax_chunk(x, row_offset, start, n_cols, lanes, best, best_idx):
 _ARGMAX_INTERPRETED = not isinstance(_argmax_kernel, triton.runtime.JITFunction)
 
 
-def argmax_rows(x: torch.Tensor, block: int = 0, num_warps: int = 8) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, block: int = 0, num_warps: int = 8, bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """torch.argmax(x, dim=-1) for x [B, V] (rows may be strided), int64: one program per row
     streaming it in `block`-wide chunks. Same answer as torch, ties to the first index; NaN counts
     as +inf. On an H200 at batch 128 (bf16): vocab 50k 8.1 vs torch's 12.7 us, 128k 13.6 vs 27.4 us
-    (chunks of 4096 and 8192, 8 warps: the defaults)."""
+    (chunks of 4096 and 8192, 8 warps: the defaults). `bitmask`: a grammar's allowed tokens, int32
+    [B, ceil(V / 32)], applied as it reads (the argmax of apply_bitmask(x, bitmask), without the
+    masked copy of the logits and its kernel)."""
     rows, n = x.shape
     block = block or (4096 if n <= 65536 else 8192)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows:
         assert x.stride(1) == 1 and n > 0
+        masked = bitmask is not None
+        if masked:
+            assert bitmask.dtype == torch.int32 and bitmask.stride(1) == 1 and bitmask.shape == (rows, (n + 31) // 32)
         _argmax_kernel[(rows,)](
-            x, out, x.stride(0), n, BLOCK=block, INTERPRETED=_ARGMAX_INTERPRETED, num_warps=num_warps
+            x, out, x.stride(0), n, bitmask if masked else out, bitmask.stride(0) if masked else 0,
+            BLOCK=block, MASKED=masked, INTERPRETED=_ARGMAX_INTERPRETED, num_warps=num_warps,
         )
     return out
