@@ -150,41 +150,47 @@ class Grammars:
         NOTE this takes acceptance off the loop's thread: 128 accepts cost ~0.3-0.6 ms of C++,
         as much as a Llama-1B decode step's spare host time (docs/benchmarks.md).
         """
-        rows = [i for i, (req, sampling) in enumerate(zip(reqs, samples))
-                if sampling and req.grammar is not None and not req.discard and not req.finished
-                and req.grammar.usable() and req.params.max_new_tokens > 0]
-        accepting, tokens = [reqs[i].grammar for i in rows], [token_ids[i] for i in rows]
-        for grammar, token in zip(accepting, tokens):
+        accepting, tokens = [], []
+        for req, sampling, token in zip(reqs, samples, token_ids):
+            grammar = req.grammar
+            if grammar is None or not sampling or req.discard or req.finished or not grammar.usable() \
+                    or req.params.max_new_tokens <= 0:
+                continue
             grammar.accepted_one(token)
+            accepting.append(grammar)
+            tokens.append(token)
         return self._submit(accepting, tokens, next_reqs, next_samples, launched=True)
 
     def _submit(self, accepting: list, tokens: list[int], reqs, samples: list[bool], launched: bool) -> Future:
         """Accept `tokens` into the matchers of `accepting`, then fill the masks of the batch
-        `reqs`, on the worker thread. The rows are dealt out in `threads` shares, each a request's
-        token and its row together (the fill needs the token accepted), every k-th row of the
-        batch to a share (the costly states spread out)."""
-        rows = []
+        `reqs`, on the worker thread. The rows are dealt out in `threads` shares, every k-th row
+        of the batch to a share (the costly states spread out), a request's token to the share
+        that fills its row (the fill needs the token accepted).
+
+        NOTE this runs on the loop's thread for every grammar step: explicit loops, a few
+        attribute reads per row (128 rows: ~0.1 ms)."""
+        k = self.threads if max(len(reqs), len(accepting)) >= PARALLEL_ROWS else 1
+        shares = [_Share() for _ in range(k)]
+        in_flight = 1 if launched else 0
+        n = 0
         for i, (req, sampling) in enumerate(zip(reqs, samples)):
             grammar = req.grammar
-            if not sampling or grammar is None or req.finished or not grammar.usable() or grammar.terminated:
+            if grammar is None or not sampling or grammar.terminated or req.finished or not grammar.usable():
                 continue
             # NOTE the matcher must have accepted exactly the tokens before the one this row
             # samples: the kept ones, and those in flight that will be kept (counted ahead by
             # accept_and_fill). A mask filled one token off would constrain the wrong position.
-            before = len(req.output_ids) + req.pending - req.discard - (1 if launched else 0)
-            assert grammar.accepted == before, (req.rid, grammar.accepted, before)
-            rows.append(i)
-        filling = [reqs[i].grammar for i in rows]
-        k = self.threads if max(len(rows), len(accepting)) >= PARALLEL_ROWS else 1
-        if k == 1:
-            shares = [_Share(accepting, tokens, filling, rows)]
-        else:
-            shares = [_Share([], [], filling[j::k], rows[j::k]) for j in range(k)]
-            share_of = {id(grammar): j % k for j, grammar in enumerate(filling)}
-            for j, (grammar, token) in enumerate(zip(accepting, tokens)):
-                share = shares[share_of.get(id(grammar), j % k)]
-                share.accepting.append(grammar)
-                share.tokens.append(token)
+            assert grammar.accepted == len(req.output_ids) + req.pending - req.discard - in_flight, \
+                (req.rid, grammar.accepted, len(req.output_ids), req.pending, req.discard, in_flight)
+            grammar.share = n % k
+            share = shares[grammar.share]
+            share.filling.append(grammar)
+            share.rows.append(i)
+            n += 1
+        for grammar, token in zip(accepting, tokens):
+            share = shares[grammar.share if grammar.share < k else 0]  # (one not filled now: any share)
+            share.accepting.append(grammar)
+            share.tokens.append(token)
         shape = (len(reqs), bitmask_words(self.vocab_size))
         return self._filler.submit(self._job, shares, shape)
 
@@ -230,8 +236,11 @@ class _Share:
 
     __slots__ = ("accepting", "tokens", "filling", "rows")
 
-    def __init__(self, accepting: list, tokens: list[int], filling: list, rows: list[int]):
-        self.accepting, self.tokens, self.filling, self.rows = accepting, tokens, filling, rows
+    def __init__(self):
+        self.accepting: list[RequestGrammar] = []
+        self.tokens: list[int] = []
+        self.filling: list[RequestGrammar] = []
+        self.rows: list[int] = []
 
 
 # xgrammar 0.2.8 writes a string with maxLength as `[^"\\\r\n]{0, n}`: raw control characters
@@ -252,7 +261,7 @@ class RequestGrammar:
     grammar when first needed (Grammars.matcher); a grammar whose compilation failed refuses
     every token (`failure` says why; the request then fails)."""
 
-    __slots__ = ("_compiled", "_make", "_matcher", "_stops", "accepted", "refused", "failure", "terminated")
+    __slots__ = ("_compiled", "_make", "_matcher", "_stops", "accepted", "refused", "failure", "terminated", "share")
 
     def __init__(self, compiled: Future, make_matcher):
         self._compiled, self._make, self._matcher = compiled, make_matcher, None
@@ -267,6 +276,7 @@ class RequestGrammar:
         # kept here since it is read per row and step and each call crosses into C++).
         self.terminated = False
         self._stops: frozenset[int] = frozenset()
+        self.share = 0  # the worker share that last filled its row (Grammars._submit): it accepts its tokens
 
     @property
     def matcher(self):
