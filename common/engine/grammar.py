@@ -30,14 +30,14 @@ import torch
 
 # How many compiled grammars a server keeps (by kind and text), least recently used out first.
 CACHE_ENTRIES = 512
-# Threads that fill a batch's masks and accept its tokens (at most the cores this process may use,
+# Threads that accept a batch's tokens and fill its masks (at most the cores this process may use,
 # less two), from this many grammar rows on. Each takes every k-th row (the costly states spread
 # out) through its own one-thread BatchGrammarMatcher (xgrammar's own max_threads > 1 was slower
-# than one thread). Two: in the serving loop every thread must take the GIL back from the loop's
-# thread to convert its arguments and to return, so more did not pay (Llama-1B shape, batch 128 on
-# an H200, docs/benchmarks.md: the bounded-strings schema 5.4-6.5 ms a step with two, 7.1-7.5 with
-# one; the usual schema alike within noise; four slower than one).
-FILL_THREADS = 2
+# than one thread), two xgrammar calls a step. Every call gives the GIL up and takes it back from
+# the loop's thread, so threads pay only with few calls each: four (Llama-1B shape, batch 128 on
+# an H200, docs/benchmarks.md: the bounded-strings schema 2.5-2.8x the plain step with four,
+# 2.9-3.4x with two, 4.3x with one; the usual schema 1.10-1.19x with two or four, 1.29x with one).
+FILL_THREADS = 4
 PARALLEL_ROWS = 16
 MAX_ERROR_CHARS = 400
 # xgrammar's messages start with "[03:59:31] /project/cpp/regex_converter.cc:83: " and may hold
