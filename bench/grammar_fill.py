@@ -6,9 +6,10 @@ step by step, timing each step's token acceptance and mask filling.
 What the overlap loop must finish within one forward (docs/architecture.md, "Structured outputs"):
 N-1's tokens accepted, then N's masks filled. Each step every row takes a random allowed token
 (what the argmax of a random-weight model does: with the widened vocabulary, mostly word pieces that
-only a string allows), and both ways of spreading rows over threads are timed, taking turns step by step:
-pdserve's shares (`Grammars`, one one-thread xgrammar batch matcher per thread) and xgrammar's own
-`BatchGrammarMatcher(max_threads=t)`.
+only a string allows), and two ways are timed, taking turns step by step: pdserve's (`Grammars`: the
+grammar worker process accepts the step's tokens and fills the next masks in shares, one one-thread
+xgrammar batch matcher per thread; timed from the loop's side, the round trip included) and
+xgrammar's own `BatchGrammarMatcher(max_threads=t)` filling in this process.
 """
 
 from __future__ import annotations
@@ -54,38 +55,40 @@ def main() -> None:
 
         theirs = {t: xgr.BatchGrammarMatcher(max_threads=t) for t in args.threads}
         first = ours[args.threads[0]]
-        first.compile(grammar).result()
-        rows = [_Row(first.matcher(grammar)) for _ in range(args.batch_size)]
-        samples = [True] * len(rows)
-        index = list(range(len(rows)))
-        bitmask = torch.full((len(rows), bitmask_words(vocab)), -1, dtype=torch.int32)
+        compiled = first.compile(grammar).result()
+        rows = {t: [_Row(g.matcher(grammar)) for _ in range(args.batch_size)] for t, g in ours.items()}
+        matchers = [xgr.GrammarMatcher(compiled) for _ in range(args.batch_size)]  # xgrammar's own, in step
+        samples = [True] * args.batch_size
+        index = list(range(args.batch_size))
+        bitmask = torch.full((args.batch_size, bitmask_words(vocab)), -1, dtype=torch.int32)
         times: dict[str, list[float]] = {}
         rng = np.random.default_rng(0)
         bits = torch.arange(32, dtype=torch.int32)
-        # Each step times one way only, the first to touch the new states (a second fill of the
-        # same states would find the grammar's tables in the CPU's caches, which the engine's
-        # own work between steps evicts): the ways take turns.
+        masks = {t: g.bitmask(rows[t], samples, launched=False).result() for t, g in ours.items()}
+        # Each step times one way only (the ways take turns, so drift hits all alike); every way
+        # walks the same tokens.
         ways = [(kind, t) for t in args.threads for kind in ("shares", "xgrammar")]
         for step in range(args.steps):
-            matchers = [r.grammar.matcher for r in rows]
             kind, t = ways[step % len(ways)]
             start = time.perf_counter()
-            if kind == "shares":
-                mask = ours[t].bitmask(rows, samples, launched=False).result()
-            else:
-                theirs[t].batch_fill_next_token_bitmask(matchers, bitmask, index)
-                mask = bitmask
-            times.setdefault(f"fill_{kind}_{t}", []).append(time.perf_counter() - start)
-            allowed = ((mask.unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :vocab]
-            logits = torch.from_numpy(rng.standard_normal((len(rows), vocab), dtype=np.float32))
+            theirs[t].batch_fill_next_token_bitmask(matchers, bitmask, index)
+            if kind == "xgrammar":
+                times.setdefault(f"fill_xgrammar_{t}", []).append(time.perf_counter() - start)
+            allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(args.batch_size, -1)[:, :vocab]
+            logits = torch.from_numpy(rng.standard_normal((args.batch_size, vocab), dtype=np.float32))
             tokens = logits.masked_fill_(allowed == 0, float("-inf")).argmax(-1).tolist()
-            t = args.threads[step % len(args.threads)]
-            start = time.perf_counter()
-            ours[t].accept_and_fill(rows, samples, tokens, [], []).result()  # (no masks after)
-            times.setdefault(f"accept_shares_{t}", []).append(time.perf_counter() - start)
-            for row, token in zip(rows, tokens):
-                assert row.grammar.refused is None
-                row.output_ids.append(token)
+            assert all(xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens))
+            for u, g in ours.items():
+                for row in rows[u]:
+                    row.pending = 2  # these tokens and the next step's in flight, as in the loop
+                start = time.perf_counter()
+                masks[u] = g.accept_and_fill(rows[u], samples, tokens, rows[u], samples).result()
+                if kind == "shares" and u == t:
+                    times.setdefault(f"accept_fill_worker_{t}", []).append(time.perf_counter() - start)
+                for row, token in zip(rows[u], tokens):
+                    assert row.grammar.refused is None
+                    row.pending = 0
+                    row.output_ids.append(token)
         result[schema] = {}
         for name, values in times.items():
             ms = sorted(v * 1e3 for v in values)
@@ -105,7 +108,7 @@ class _Row:
         from pdserve.common.types import SamplingParams
 
         self.grammar, self.output_ids, self.pending, self.discard, self.finished = grammar, [], 0, 0, False
-        self.params = SamplingParams(max_new_tokens=1 << 20)
+        self.params, self.rid = SamplingParams(max_new_tokens=1 << 20), "row"
 
 
 if __name__ == "__main__":

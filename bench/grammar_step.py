@@ -67,9 +67,10 @@ class LoopTimer:
 
     def _watch_chain(self, engine) -> None:
         """Stamp the links between one batch's tokens reaching the host and the next batch's
-        sampling: the loop thread handing them over (Grammars.accept_and_fill), the matchers
-        accepting them and the masks filling (filler thread), and the sampling's launch (loop
-        thread)."""
+        sampling: the loop thread handing them to the grammar worker (Grammars.accept_and_fill),
+        waiting for its masks (MaskFuture.result), and the sampling's launch."""
+        from pdserve.common.engine import grammar
+
         grammars = engine.grammars
 
         def stamped(kind, method):
@@ -82,26 +83,25 @@ class LoopTimer:
             return call
 
         grammars.accept_and_fill = stamped("handoff", grammars.accept_and_fill)
-        grammars._job = stamped("job", grammars._job)  # the filler's: accept, then fill
+        grammar.MaskFuture.result = stamped("wait", grammar.MaskFuture.result)  # (this process only)
         engine.sample_deferred = stamped("launch", engine.sample_deferred)
 
     def chain_ms(self) -> dict[str, float]:
-        """Medians over the steps, in ms: handoff (the loop thread's part), start_lag (handed
-        over → the filler starts), job (the filler accepting and filling), loop_ready (handed
-        over → the loop thread asks for the masks), launch_after_fill (filled → the sampling is
-        launched), chain (tokens on the host → the next sampling launched)."""
+        """Medians over the steps, in ms: handoff (the loop thread's part), loop_ready (handed
+        over → the loop thread asks for the masks), wait (for the worker, once asked),
+        launch_after_wait (masks in hand → the sampling launched), chain (tokens on the host →
+        the next sampling launched)."""
         links: dict[str, list[float]] = {}
         events = sorted(self.chain, key=lambda e: e[1])
         for i, (kind, a, b) in enumerate(events):
             if kind != "handoff":
                 continue
-            job = next((e for e in events[i + 1:] if e[0] == "job"), None)
             launch = next((e for e in events[i + 1:] if e[0] == "launch"), None)
-            if job is None or launch is None:
+            wait = next((e for e in events[i + 1:] if e[0] == "wait"), None)
+            if launch is None or wait is None:
                 continue
-            for name, value in (("handoff", b - a), ("start_lag", job[1] - b), ("job", job[2] - job[1]),
-                                ("loop_ready", launch[1] - b), ("launch_after_fill", launch[2] - job[2]),
-                                ("chain", launch[2] - a)):
+            for name, value in (("handoff", b - a), ("loop_ready", launch[1] - b), ("wait", wait[2] - wait[1]),
+                                ("launch_after_wait", launch[2] - wait[2]), ("chain", launch[2] - a)):
                 links.setdefault(name, []).append(value * 1e3)
         return {name: statistics.median(values) for name, values in links.items()}
 

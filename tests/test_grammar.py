@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.common.engine.grammar import allowed_tokens, apply_bitmask, bitmask_words
+from pdserve.common.engine.grammar import allowed_tokens, apply_bitmask, bitmask_words, grammar_source
 from pdserve.common.openai.structured import choice_ebnf
 from pdserve.common.types import FinishReason, SamplingParams
 
@@ -22,6 +22,14 @@ SCHEMA = {
     "required": ["name", "age", "tags"],
 }
 JSON = ("json_schema", json.dumps(SCHEMA))
+
+
+class _Row:
+    """What Grammars reads of a request."""
+
+    def __init__(self, grammar):
+        self.grammar, self.output_ids, self.pending, self.discard, self.finished = grammar, [], 0, 0, False
+        self.params, self.rid = SamplingParams(max_new_tokens=100), "row"
 
 
 def _batch(n: int, **kw) -> list[SamplingParams]:
@@ -58,9 +66,9 @@ def test_overlap_keeps_launching_before_processing(make_engine):
 def test_the_mask_allows_exactly_what_the_matcher_allows(make_engine):
     engine = make_engine("llama")
     vocab = engine.vocab_size
-    matcher = engine.grammars.matcher(("ebnf", choice_ebnf(["ab", "cd"])))
-    bitmask = torch.full((2, bitmask_words(vocab)), -1, dtype=torch.int32)
-    matcher.fill(bitmask, 1)
+    rows = [_Row(None), _Row(engine.grammars.matcher(("ebnf", choice_ebnf(["ab", "cd"]))))]
+    bitmask = engine.grammars.bitmask(rows, [True, True], launched=False).result().clone()
+    assert bitmask.shape == (2, bitmask_words(vocab))
     allowed = allowed_tokens(bitmask.numpy(), 1, vocab)
     assert allowed and len(allowed) < vocab
     assert allowed_tokens(bitmask.numpy(), 0, vocab) == list(range(vocab))  # the untouched row
@@ -78,10 +86,12 @@ def test_strings_hold_no_raw_control_characters(make_engine):
     engine = make_engine("llama")
     control = [t for t in range(engine.vocab_size) if engine.tokenizer.decode([t]) in ("\x12", "\x01", "\t")]
     assert control
-    matcher = engine.grammars.matcher(JSON)
-    assert matcher.matcher.accept_string('{"name": "a')
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(engine.grammars.compile(JSON).result())  # (the grammar, as the worker compiles it)
+    assert matcher.accept_string('{"name": "a')
     bitmask = torch.full((1, bitmask_words(engine.vocab_size)), -1, dtype=torch.int32)
-    matcher.fill(bitmask, 0)
+    matcher.fill_next_token_bitmask(bitmask, 0)
     assert not set(control) & set(allowed_tokens(bitmask.numpy(), 0, engine.vocab_size))
 
 
@@ -146,7 +156,7 @@ def test_grammars_compile_once_off_the_loop_and_a_failed_compile_fails_only_its_
     assert grammars.compile(JSON) is grammars.compile(JSON), "one compilation per spec"
     good = ("ebnf", choice_ebnf(["yes", "no"]))
     bad = ("ebnf", choice_ebnf(["never", "compiled"]))
-    compile_grammar, refused = grammars._compiler.compile_grammar, str(grammars._source(bad))
+    compile_grammar, refused = grammars._compiler.compile_grammar, str(grammar_source(grammars._xgr, *bad))
 
     def compile_or_fail(source):  # `bad` parses, and fails on the compiling thread
         if str(source) == refused:
@@ -162,11 +172,11 @@ def test_grammars_compile_once_off_the_loop_and_a_failed_compile_fails_only_its_
 
 
 def test_masks_and_accepts_in_shares_equal_one_thread(make_engine):
-    """A large batch's rows are accepted and filled in shares on several threads (this box may
-    have too few cores to choose that itself): the same masks and the same acceptances as one
-    thread, step after step, for rows in different states of different grammars. As in the
-    overlap loop, each step's tokens are counted ahead and accepted on the worker thread with
-    the next masks (accept_and_fill), a refused token failing its row."""
+    """A large batch's rows are accepted and filled in shares on several of the grammar worker's
+    threads (this box may have too few cores to choose that itself): the same masks and the same
+    acceptances as one thread, step after step, for rows in different states of different
+    grammars. As in the overlap loop, each step's tokens are counted ahead and accepted in the
+    worker with the next masks (accept_and_fill), a refused token failing its row."""
     from pdserve.common.engine.grammar import PARALLEL_ROWS, Grammars
 
     engine = make_engine("llama")
@@ -175,12 +185,7 @@ def test_masks_and_accepts_in_shares_equal_one_thread(make_engine):
     specs = [JSON, ("json_object", ""), ("regex", "[a-z]{2,9}@[a-z]{3}\\.com")]
     n = PARALLEL_ROWS + 5
 
-    class Row:  # what Grammars reads of a request
-        def __init__(self, grammar):
-            self.grammar, self.output_ids, self.pending, self.discard, self.finished = grammar, [], 0, 0, False
-            self.params = SamplingParams(max_new_tokens=100)
-
-    rows = {g: [Row(g.matcher(specs[i % 3])) for i in range(n)] for g in (one, three)}
+    rows = {g: [_Row(g.matcher(specs[i % 3])) for i in range(n)] for g in (one, three)}
     samples = [i != 4 for i in range(n)]  # one row is not sampling this batch
     rng = np.random.default_rng(0)
     masks = {g: g.bitmask(rows[g], samples, launched=False).result().numpy() for g in (one, three)}
@@ -201,8 +206,7 @@ def test_masks_and_accepts_in_shares_equal_one_thread(make_engine):
                 if sampling and not row.finished:  # (as output_processor.append_token)
                     row.output_ids.append(token)
                     row.finished = not row.grammar.accept(token, len(row.output_ids) - 1) or row.grammar.terminated
-            kept = [r for r in rows[g] if r.grammar.refused is None]  # (a refused stop token counted as the end)
-            assert [r.grammar.terminated for r in kept] == [r.grammar.matcher.is_terminated() for r in kept]
+            assert not rows[g][7].grammar.terminated or step >= 5  # (a refused stop token counts as the end)
         assert [r.grammar.accepted for r in rows[one]] == [r.grammar.accepted for r in rows[three]]
         assert [r.grammar.refused for r in rows[one]] == [r.grammar.refused for r in rows[three]]
     assert rows[three][7].grammar.refused is not None and rows[three][8].grammar.refused is None
@@ -214,7 +218,7 @@ def test_masks_and_accepts_in_shares_equal_one_thread(make_engine):
 def test_a_token_the_grammar_refuses_fails_its_request_and_frees_it(make_engine, monkeypatch, caplog):
     """The masks keep every sampled token inside the grammar; were one ever outside (a bug), its
     request fails with an error that names the token, the others go on, nothing leaks. Masks
-    switched off here, overlap on (the matchers accept on the worker thread) and off."""
+    switched off here, overlap on and off."""
     from pdserve.common.engine import sampling
 
     monkeypatch.setattr(sampling, "apply_bitmask", lambda logits, bitmask: logits)
@@ -227,6 +231,39 @@ def test_a_token_the_grammar_refuses_fails_its_request_and_frees_it(make_engine,
         assert "outside the request's grammar" in outs[0].error
         assert outs[1].finish_reason is FinishReason.LENGTH and len(outs[1].output_ids) == 30
         assert engine.is_idle() and engine.scheduler.kv_used_tokens() == 0
-        # Overlapped, the worker thread's matcher refused it (logged there), one token before the request failed.
-        assert ("a grammar refused token" in caplog.text) is overlap
+        # The worker's matcher refused it (logged when the step's masks were taken), one token
+        # before the request failed.
+        assert "a grammar refused token" in caplog.text
         caplog.clear()
+
+
+def test_the_worker_grows_its_shared_masks_for_a_large_batch(make_engine):
+    """The masks go through shared memory sized for START_ROWS rows a slot; a larger batch grows
+    it (the worker is told), and the rows stay right across the slots after it."""
+    from pdserve.common.engine.grammar_worker import BUFFERS, START_ROWS
+
+    engine = make_engine("llama")
+    choice = ("ebnf", choice_ebnf(["ab", "cd"]))
+    n = START_ROWS + 44
+    for size in (8, n, 8, n, *[8] * BUFFERS):
+        rows = [_Row(engine.grammars.matcher(choice)) for _ in range(size)] + [_Row(None)]
+        mask = engine.grammars.bitmask(rows, [True] * len(rows), launched=False).result().numpy()
+        assert mask.shape == (size + 1, bitmask_words(engine.vocab_size))
+        assert (mask[-1] == -1).all() and not (mask[0] == -1).all()
+        assert (mask[:-1] == mask[0]).all()
+    assert engine.grammars._worker.capacity >= n
+
+
+def test_a_dead_grammar_worker_stops_the_engine_with_a_clear_error(tiny_models):
+    """As a dead TP rank does: the engine raises (its server exits), naming the worker."""
+    from pdserve.common.engine.engine import Engine
+
+    engine = Engine(model_path=tiny_models("llama"), device="cpu", max_total_tokens=16384)  # (left broken)
+    choice = ("ebnf", choice_ebnf(["yes", "no"]))
+    out = engine.generate([[5, 6]], [SamplingParams(max_new_tokens=5, temperature=0, grammar=choice)])[0]
+    assert out.text in ("yes", "no")
+    worker = engine.grammars._worker
+    worker.process.kill()
+    worker.process.wait()
+    with pytest.raises(RuntimeError, match="grammar worker"):
+        engine.generate([[7, 8]], [SamplingParams(max_new_tokens=5, temperature=0, grammar=choice)])

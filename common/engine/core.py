@@ -57,7 +57,7 @@ class DeferredSample:
     info: SamplingBatchInfo
     slots: list[int]
     queued: QueuedForward
-    masks: Future | None = None  # being filled once the tokens before it are accepted (Grammars.bitmask)
+    masks: object = None  # being filled once the tokens before it are accepted: Grammars' MaskFuture
 
 class EngineCore:
     # A prefill ("sender") or decode ("receiver") server's engine: with TP, every rank runs a KV
@@ -147,7 +147,17 @@ class EngineCore:
     @functools.cached_property
     def grammars(self) -> Grammars:
         """Structured output's compiler and cache; made on first use (xgrammar loads its kernels)."""
-        return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, pin_memory=self.runner.device.type == "cuda")
+        cuda = self.runner.device.type == "cuda"
+        return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, pin_memory=cuda,
+                        fence=self._after_queued_copies if cuda else None)
+
+    def _after_queued_copies(self):
+        """An event on the forward stream after everything queued on it so far (the grammar
+        masks' copies among it)."""
+        streams = self.runner.streams
+        event = streams.event()
+        event.record(streams.forward_stream)
+        return event
 
     def make_req(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None,
                  detokenize: bool = True) -> Req:
@@ -238,8 +248,8 @@ class EngineCore:
         by the matchers: each has then accepted every token but the one this batch samples.
 
         NOTE the overlap this keeps: the device runs batch N's forward while the host reads N-1's
-        tokens, advances the matchers by them and fills N's masks (on a worker thread, while this
-        thread finishes processing N-1 and schedules N+1); only the sampling, a few small
+        tokens, advances the matchers by them and fills N's masks (in the grammar worker process,
+        while this thread processes N-1, schedules and builds N+1); only the sampling, a few small
         kernels, waits for the host, and it is launched before N+1's forward, which reads its
         tokens. The matcher lags the device by one step, as the tokens do, and the mask is
         filled after the lag is made up, so it is the right one.
@@ -259,9 +269,9 @@ class EngineCore:
             if isinstance(result, DeferredSample) and result.masks is not None:
                 self.result_queue[i] = (launched, self.sample_deferred(launched, result))
 
-    def grammar_bitmask(self, batch: ScheduleBatch, launched: bool) -> Future:
-        """The batch's grammar masks (host), filling; None (in the Future) when none of its
-        requests has a grammar."""
+    def grammar_bitmask(self, batch: ScheduleBatch, launched: bool):
+        """The batch's grammar masks (host), filling: a future whose result() is the mask, or
+        None when none of its requests has a grammar."""
         if not any(r.grammar is not None for r in batch.reqs):
             done: Future = Future()
             done.set_result(None)
@@ -280,7 +290,7 @@ class EngineCore:
         next_ids = host.next_token_ids.tolist()
         if self.result_queue and isinstance(self.result_queue[0][1], DeferredSample):
             # The next batch's sampling waits for these tokens' grammar masks: the matchers
-            # accept them and fill its masks on a worker thread while the scheduler processes
+            # accept them and fill its masks in the grammar worker while the scheduler processes
             # this batch below; the sampling is launched before anything reads its tokens
             # (launch_deferred).
             waiting, deferred = self.result_queue[0]

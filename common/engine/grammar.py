@@ -11,17 +11,25 @@ Why xgrammar (docs/architecture.md): on this engine's tokenizers it fills a requ
 ~6 ms (llguidance ~2.5 ms), which the cache pays once per schema. The mask is a bit per vocabulary
 id (the model's vocabulary, padding ids included: they are never allowed).
 
-The matcher accepts every token the request keeps (common/scheduling/output_processor.append_token;
-in the overlap loop ahead of it, on the worker thread: Grammars.accept_and_fill), the first one included: on a decode server that is the prefill server's token, sampled there under
-the same grammar. When the grammar is complete the mask allows only the model's EOS; accepting it
-terminates the matcher and finishes the request (even with ignore_eos: nothing else could follow).
+The matchers live in the grammar worker, a process of their own (common/engine/grammar_worker.py:
+beside the event loop's thread, xgrammar calls on threads of this process waited for the GIL and
+slowed the loop). This module keeps each request's count of accepted tokens and whether it is
+terminated, so the loop never waits to know them.
+
+The matcher accepts every token the request keeps (output_processor.append_token, or ahead of it
+in the overlap loop: Grammars.accept_and_fill), the first one included: on a decode server that is
+the prefill server's token, sampled there under the same grammar. When the grammar is complete the
+mask allows only the model's EOS; accepting it terminates the matcher and finishes the request
+(even with ignore_eos: nothing else could follow).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -30,13 +38,12 @@ import torch
 
 # How many compiled grammars a server keeps (by kind and text), least recently used out first.
 CACHE_ENTRIES = 512
-# Threads that accept a batch's tokens and fill its masks (at most the cores this process may use,
-# less two), from this many grammar rows on. Each takes every k-th row (the costly states spread
-# out) through its own one-thread BatchGrammarMatcher (xgrammar's own max_threads > 1 was slower
-# than one thread), two xgrammar calls a step. Every call gives the GIL up and takes it back from
-# the loop's thread, so threads pay only with few calls each: four (Llama-1B shape, batch 128 on
-# an H200, docs/benchmarks.md: the bounded-strings schema 2.5-2.8x the plain step with four,
-# 2.9-3.4x with two, 4.3x with one; the usual schema 1.10-1.19x with two or four, 1.29x with one).
+# The grammar worker's threads that accept a batch's tokens and fill its masks (at most the cores
+# this process may use, less two), from PARALLEL_ROWS grammar rows on. Each takes every k-th row
+# (the costly states spread out) through its own one-thread BatchGrammarMatcher (xgrammar's own
+# max_threads > 1 was slower than one thread): two xgrammar calls a step. Four (Llama-1B shape,
+# batch 128 on an H200, docs/benchmarks.md, measured with the threads in the server's process: the
+# bounded-strings schema 2.5-2.8x the plain step with four, 2.9-3.4x with two, 4.3x with one).
 FILL_THREADS = 4
 PARALLEL_ROWS = 16
 MAX_ERROR_CHARS = 400
@@ -48,107 +55,100 @@ logger = logging.getLogger(__name__)
 
 
 class Grammars:
-    """Compiles SamplingParams.grammar specs for one tokenizer and caches them by their text."""
+    """Compiles SamplingParams.grammar specs for one tokenizer and caches them by their text; the
+    requests' matchers live in the grammar worker process (common/engine/grammar_worker.py)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], threads: int | None = None,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, fence=None):
         import xgrammar as xgr  # imports torch and its kernels: only servers and engines load it
-        from xgrammar.matcher import _core
+
+        from pdserve.common.engine.grammar_worker import GrammarWorker
 
         self._xgr = xgr
-        self._accept_batch = _core.BatchGrammarMatcher.batch_accept_token  # (see _work)
         self.vocab_size = vocab_size
-        self.pin_memory = pin_memory  # masks in page-locked memory: copied to the device as they are
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
+        # Compiled here too (the worker compiles its own copy): a spec that fails fails its
+        # request before it is scheduled (RequestGrammar.usable).
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)  # ours is below
-        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str], tuple[Future, int]] = OrderedDict()
         self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._stops = frozenset(info.stop_token_ids)
         if threads is None:
             threads = min(FILL_THREADS, len(os.sched_getaffinity(0)) - 2)  # leave the loop and the frontend theirs
         self.threads = max(1, threads)
-        # One C++ call per share of rows (no Python loop), one matcher object per thread.
-        self._batch = [xgr.BatchGrammarMatcher(max_threads=1) for _ in range(self.threads)]
-        self._shares = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="grammar-rows") if self.threads > 1 else None
-        self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        # `fence`: () -> an event after every mask copy queued so far (CUDA), so a shared-memory
+        # slot is filled again only once the device has read it.
+        self._worker = GrammarWorker(info.serialize_json(), vocab_size, self.threads, pin_memory, fence)
+        weakref.finalize(self, self._worker.close)
+        self._keys = itertools.count(1)
+        self._ids = itertools.count(1)
+        self._by_id: weakref.WeakValueDictionary[int, RequestGrammar] = weakref.WeakValueDictionary()
+        self._new: list[list[int]] = []  # [id, key]: matchers the worker makes with the next step
+        self._freed: list[int] = []  # ids of dropped requests, whose matchers the worker drops
+        self._queued: list[list[int]] = []  # [id, token] accepted outside a step (RequestGrammar.accept)
 
     def check(self, grammar: tuple[str, str]) -> None:
         """ValueError, with the library's reason, for a grammar it refuses. Fast (the grammar is
         only parsed); compiling it against the vocabulary is `matcher`'s, off this thread."""
         if grammar not in self._compiled:
-            self._source(grammar)
-
-    def _source(self, grammar: tuple[str, str]):
-        """(kind, spec) parsed into an xgrammar Grammar (or its EBNF text); ValueError if refused."""
-        kind, spec = grammar
-        xgr = self._xgr
-        try:
-            if kind == "json_object":
-                return xgr.Grammar.builtin_json_grammar()
-            if kind == "json_schema":
-                # Compact JSON (no free whitespace): a weak or random model could otherwise emit
-                # whitespace until max_tokens and never close the object. strict_mode: no
-                # properties or items beyond the schema's, as OpenAI's strict mode.
-                return _no_raw_control_characters(xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True))
-            if kind == "regex":
-                return xgr.Grammar.from_regex(spec)
-            if kind == "ebnf":
-                return xgr.Grammar.from_ebnf(spec)
-            if kind == "structural_tag":
-                return _no_raw_control_characters(xgr.Grammar.from_structural_tag(spec))
-        except Exception as e:  # xgrammar raises RuntimeError, ValueError or its own InvalidJSONError
-            reason = _LOCATION.sub("", " ".join(str(e).split()))[:MAX_ERROR_CHARS]
-            raise ValueError(f"the {kind} grammar cannot be compiled: {reason}") from None
-        raise ValueError(f"unknown grammar kind {kind!r}")
+            grammar_source(self._xgr, *grammar)
 
     def compile(self, grammar: tuple[str, str]) -> Future:
         """The CompiledGrammar of (kind, spec), as a Future: compiled once per spec (cached, the
         least recently used out past CACHE_ENTRIES) on a worker thread, since building the token
         masks of a 128k vocabulary takes up to ~1 s (docs/benchmarks.md) and the event loop must
-        not stop for it. It raises ValueError if the library refuses the grammar."""
-        future = self._compiled.get(grammar)
-        if future is not None:
+        not stop for it; the grammar worker compiles it alongside. It raises ValueError if the
+        library refuses the grammar."""
+        return self._compile(grammar)[0]
+
+    def _compile(self, grammar: tuple[str, str]) -> tuple[Future, int]:
+        entry = self._compiled.get(grammar)
+        if entry is not None:
             self._compiled.move_to_end(grammar)
-            return future
-        source = self._source(grammar)
-        future = self._compile_pool.submit(self._compiler.compile_grammar, source)
-        self._compiled[grammar] = future
+            return entry
+        source = grammar_source(self._xgr, *grammar)
+        entry = (self._compile_pool.submit(self._compiler.compile_grammar, source), next(self._keys))
+        self._worker.add_grammar(entry[1], grammar)
+        self._compiled[grammar] = entry
         if len(self._compiled) > CACHE_ENTRIES:
-            self._compiled.popitem(last=False)
-        return future
+            self._worker.forget_grammar(self._compiled.popitem(last=False)[1][1])
+        return entry
 
     def matcher(self, grammar: tuple[str, str]) -> "RequestGrammar":
-        """A request's matcher; it is made when first used (by then its grammar is compiled: the
-        compilation runs while the request queues and its prompt is computed)."""
-        return RequestGrammar(self.compile(grammar), self._xgr.GrammarMatcher)
+        """A request's grammar state; its matcher is made in the worker when first used (by then
+        its grammar is compiled: the compilation runs while the request queues and its prompt
+        is computed)."""
+        compiled, key = self._compile(grammar)
+        request = RequestGrammar(self, compiled, next(self._ids), key)
+        self._by_id[request.id] = request
+        weakref.finalize(request, self._freed.append, request.id)
+        return request
 
-    def bitmask(self, reqs, samples: list[bool], launched: bool) -> Future:
+    def bitmask(self, reqs, samples: list[bool], launched: bool) -> "MaskFuture":
         """The batch's allowed tokens as a host int32 bitmask [B, words] (bit j of word w: token
-        32 w + j), or None when no row samples under a grammar, as a Future: the masks are filled
-        on a worker thread (xgrammar releases the GIL), so the caller's Python work overlaps it.
-        Rows without a grammar allow everything.
+        32 w + j), or None when no row samples under a grammar, as a future (`.result()`): the
+        worker fills them while the caller goes on. Rows without a grammar allow everything.
 
         Call when every grammar request's matcher has accepted all its tokens but the one this
         batch samples (`launched`: the batch's own token is already counted as pending). A row
         whose matcher is terminated, or refused a token, keeps an all-ones row: its request is
-        finished or failed, and its token is dropped on arrival. The matchers must not advance
-        until the Future is done.
+        finished or failed, and its token is dropped on arrival. Take the result (and queue the
+        copy that reads it) before the next call.
         """
         return self._submit([], [], reqs, samples, launched)
 
-    def accept_and_fill(self, reqs, samples: list[bool], token_ids: list[int], next_reqs, next_samples: list[bool]) -> Future:
+    def accept_and_fill(self, reqs, samples: list[bool], token_ids: list[int], next_reqs,
+                        next_samples: list[bool]) -> "MaskFuture":
         """Advance the matchers of a processed batch's grammar rows by their new tokens, then fill
         the masks of the batch launched after it (`next_reqs`, whose sampling waits for them), both
-        on the worker thread; the Future's result is `bitmask`'s. Rows the scheduler will drop
-        (not sampling, or results to discard) are left alone.
+        in the worker; the result is `bitmask`'s. Rows the scheduler will drop (not sampling, or
+        results to discard) are left alone.
 
         The tokens are counted as accepted here, before the matchers see them, so the scheduler
         can process the batch at once (output_processor.append_token finds them accepted; a stop
         token terminates: the mask allowed one only where the grammar may end). A token a matcher
-        refuses (a bug: the mask allows only what it accepts) is logged, and its request fails at
-        its next token (RequestGrammar.accept).
-
-        NOTE this takes acceptance off the loop's thread: 128 accepts cost ~0.3-0.6 ms of C++,
-        as much as a Llama-1B decode step's spare host time (docs/benchmarks.md).
+        refuses (a bug: the mask allows only what it accepts) is logged when the result is taken,
+        and its request fails at its next token (RequestGrammar.accept).
         """
         accepting, tokens = [], []
         for req, sampling, token in zip(reqs, samples, token_ids):
@@ -161,18 +161,14 @@ class Grammars:
             tokens.append(token)
         return self._submit(accepting, tokens, next_reqs, next_samples, launched=True)
 
-    def _submit(self, accepting: list, tokens: list[int], reqs, samples: list[bool], launched: bool) -> Future:
-        """Accept `tokens` into the matchers of `accepting`, then fill the masks of the batch
-        `reqs`, on the worker thread. The rows are dealt out in `threads` shares, every k-th row
-        of the batch to a share (the costly states spread out), a request's token to the share
-        that fills its row (the fill needs the token accepted).
+    def _submit(self, accepting: list, tokens: list[int], reqs, samples: list[bool], launched: bool) -> "MaskFuture":
+        """Send the worker one step: `tokens` to accept into the matchers of `accepting` (after
+        any accepted outside a step), then the rows of the batch `reqs` to fill.
 
         NOTE this runs on the loop's thread for every grammar step: explicit loops, a few
         attribute reads per row (128 rows: ~0.1 ms)."""
-        k = self.threads if max(len(reqs), len(accepting)) >= PARALLEL_ROWS else 1
-        shares = [_Share() for _ in range(k)]
         in_flight = 1 if launched else 0
-        n = 0
+        fills = []
         for i, (req, sampling) in enumerate(zip(reqs, samples)):
             grammar = req.grammar
             if grammar is None or not sampling or grammar.terminated or req.finished or not grammar.usable():
@@ -182,65 +178,65 @@ class Grammars:
             # accept_and_fill). A mask filled one token off would constrain the wrong position.
             assert grammar.accepted == len(req.output_ids) + req.pending - req.discard - in_flight, \
                 (req.rid, grammar.accepted, len(req.output_ids), req.pending, req.discard, in_flight)
-            grammar.share = n % k
-            share = shares[grammar.share]
-            share.filling.append(grammar)
-            share.rows.append(i)
-            n += 1
+            if not grammar.announced:
+                self._announce(grammar)
+            fills.append([grammar.id, i])
+        accepts, self._queued = self._queued, []
         for grammar, token in zip(accepting, tokens):
-            share = shares[grammar.share if grammar.share < k else 0]  # (one not filled now: any share)
-            share.accepting.append(grammar)
-            share.tokens.append(token)
-        shape = (len(reqs), bitmask_words(self.vocab_size))
-        return self._filler.submit(self._job, shares, shape)
+            accepts.append([grammar.id, token])
+        new, self._new = self._new, []
+        freed, self._freed = self._freed, []
+        return MaskFuture(self._worker.step(new, freed, accepts, fills, len(reqs)), self._by_id)
 
-    def _job(self, shares: list["_Share"], shape: tuple[int, int]) -> torch.Tensor | None:
-        """The worker thread's: every share accepted and filled, the first here, the others on
-        the share threads. NOTE each xgrammar call releases the GIL and must take it back from
-        the loop's thread, which holds it while it runs Python (CPython hands it over at most
-        every switch interval, 5 ms, or when the holder waits): so few calls per share, and
-        none per row."""
-        bitmask = None
-        if any(share.rows for share in shares):
-            # (Made here, off the loop's thread: 2 MB for 128 rows of a 128k vocabulary. Pinned
-            # blocks come from torch's caching host allocator, which keeps one until the copies
-            # that read it have run.)
-            bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin_memory)
-            if sum(len(share.rows) for share in shares) < shape[0]:
-                bitmask.fill_(-1)  # xgrammar writes whole rows: only the others need it
-        futures = [self._shares.submit(self._work, self._batch[j], share, bitmask) for j, share in enumerate(shares[1:], 1)]
-        try:
-            self._work(self._batch[0], shares[0], bitmask)
-        finally:
-            for future in futures:
-                future.result()
-        return bitmask
+    def _announce(self, grammar: "RequestGrammar") -> None:
+        grammar.announced = True
+        self._new.append([grammar.id, grammar.key])
 
-    def _work(self, batch, share: "_Share", bitmask: torch.Tensor | None) -> None:
-        """One share: its tokens accepted, then its rows filled (two xgrammar calls)."""
-        if share.accepting:
-            # xgrammar's own batch_accept_token converts its result with two calls per row, each
-            # giving the GIL up and waiting to take it back: the core function, then one test.
-            accepted = self._accept_batch([g.matcher._handle for g in share.accepting], share.tokens, False)
-            if 0 in accepted:  # (ints, 0 or 1: `False in` finds none) a bug: the masks allow only what the matchers accept
-                for grammar, token, ok in zip(share.accepting, share.tokens, list(accepted)):
-                    if not ok:
-                        grammar.refused = token
-                        logger.error("a grammar refused token %d: its request fails at its next token", token)
-        if share.rows:
-            batch.batch_fill_next_token_bitmask([g.matcher for g in share.filling], bitmask, share.rows)
+    def queue_accept(self, grammar: "RequestGrammar", token: int) -> None:
+        """A token accepted outside a step (a decode server's first, the serial loop's): the
+        worker's matcher takes it at the start of the next step."""
+        if not grammar.announced:
+            self._announce(grammar)
+        self._queued.append([grammar.id, token])
 
 
-class _Share:
-    """A worker's part of a step: tokens to accept, then rows to fill."""
+class MaskFuture:
+    """A step's masks: `result()` waits for the worker, marks what it refused, gives the mask."""
 
-    __slots__ = ("accepting", "tokens", "filling", "rows")
+    def __init__(self, step, by_id):
+        self._step, self._by_id = step, by_id
 
-    def __init__(self):
-        self.accepting: list[RequestGrammar] = []
-        self.tokens: list[int] = []
-        self.filling: list[RequestGrammar] = []
-        self.rows: list[int] = []
+    def result(self) -> torch.Tensor | None:
+        mask, refused = self._step.result()
+        for request_id, token, reason in refused:
+            grammar = self._by_id.get(request_id)
+            if grammar is not None and grammar.refused is None:
+                grammar.refused, grammar.failure = token, reason or None
+                logger.error("a grammar refused token %d: its request fails at its next token", token)
+        return mask
+
+
+def grammar_source(xgr, kind: str, spec: str):
+    """(kind, spec) parsed into an xgrammar Grammar (or its EBNF text); ValueError, with the
+    library's reason, if refused. (The server and its grammar worker both call this.)"""
+    try:
+        if kind == "json_object":
+            return xgr.Grammar.builtin_json_grammar()
+        if kind == "json_schema":
+            # Compact JSON (no free whitespace): a weak or random model could otherwise emit
+            # whitespace until max_tokens and never close the object. strict_mode: no
+            # properties or items beyond the schema's, as OpenAI's strict mode.
+            return _no_raw_control_characters(xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True))
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec)
+        if kind == "ebnf":
+            return xgr.Grammar.from_ebnf(spec)
+        if kind == "structural_tag":
+            return _no_raw_control_characters(xgr.Grammar.from_structural_tag(spec))
+    except Exception as e:  # xgrammar raises RuntimeError, ValueError or its own InvalidJSONError
+        reason = _LOCATION.sub("", " ".join(str(e).split()))[:MAX_ERROR_CHARS]
+        raise ValueError(f"the {kind} grammar cannot be compiled: {reason}") from None
+    raise ValueError(f"unknown grammar kind {kind!r}")
 
 
 # xgrammar 0.2.8 writes a string with maxLength as `[^"\\\r\n]{0, n}`: raw control characters
@@ -257,64 +253,55 @@ def _no_raw_control_characters(grammar) -> str:
 
 
 class RequestGrammar:
-    """One request's matcher: where its output is inside the grammar. Made from the compiled
-    grammar when first needed (Grammars.matcher); a grammar whose compilation failed refuses
+    """One request's place in its grammar, as the loop's thread counts it; its matcher lives in
+    the grammar worker (made there when first used). A grammar whose compilation failed refuses
     every token (`failure` says why; the request then fails)."""
 
-    __slots__ = ("_compiled", "_make", "_matcher", "_stops", "accepted", "refused", "failure", "terminated", "share")
+    __slots__ = ("_grammars", "_compiled", "id", "key", "announced", "accepted", "refused", "failure", "terminated",
+                 "__weakref__")
 
-    def __init__(self, compiled: Future, make_matcher):
-        self._compiled, self._make, self._matcher = compiled, make_matcher, None
+    def __init__(self, grammars: Grammars, compiled: Future, request_id: int, key: int):
+        self._grammars, self._compiled = grammars, compiled
+        self.id, self.key = request_id, key  # the worker's names for its matcher and its grammar
+        self.announced = False  # the worker was told to make the matcher
         # Tokens accepted: len(req.output_ids), or one more when the engine counted the newest
-        # token ahead of the scheduler's processing (Grammars.accept_and_fill: the matcher
-        # itself may still be accepting it on the worker thread).
+        # token ahead of the scheduler's processing (Grammars.accept_and_fill: the worker's
+        # matcher may still be accepting it).
         self.accepted = 0
         self.refused: int | None = None  # a token the grammar did not allow (a bug if ever set)
         self.failure: str | None = None
         # The grammar is complete and its stop token was accepted: xgrammar accepts a stop token
-        # only where the grammar may end, and then terminates (the matcher's is_terminated(),
-        # kept here since it is read per row and step and each call crosses into C++).
+        # only where the grammar may end (the mask allows it nowhere else), and then terminates.
         self.terminated = False
-        self._stops: frozenset[int] = frozenset()
-        self.share = 0  # the worker share that last filled its row (Grammars._submit): it accepts its tokens
-
-    @property
-    def matcher(self):
-        if self._matcher is None:
-            self._matcher = self._make(self._compiled.result())  # waits only if still compiling
-            self._stops = frozenset(self._matcher.stop_token_ids)
-        return self._matcher
 
     def accepted_one(self, token: int) -> None:
         self.accepted += 1
-        if token in self._stops:
+        if token in self._grammars._stops:
             self.terminated = True
 
     def usable(self) -> bool:
         """Compiled (waiting for it if need be) and not failed."""
-        if self.failure is None and self._matcher is None:
+        if self.failure is None and not self.announced and self.refused is None:
             try:
-                self.matcher
+                self._compiled.result()
             except ValueError as e:
                 self.failure, self.refused = str(e), -1
         return self.failure is None and self.refused is None
 
     def accept(self, token: int, position: int) -> bool:
         """Advance by `token`, output token number `position` (0-based), unless that one was
-        counted already (Grammars.accept_and_fill); False when the grammar does not allow it, or
-        refused an earlier token (`refused` names it)."""
+        counted already (Grammars.accept_and_fill); False when the grammar failed or refused an
+        earlier token (`refused` names it). The worker's matcher takes the token with the next
+        step; should it refuse it (a bug: the mask allowed it), the request fails at its next."""
         if self.refused is not None:
             return False
         if self.accepted > position:
             return True
-        if not self.usable() or not self.matcher.accept_token(token):
-            self.refused = token
+        if not self.usable():
             return False
+        self._grammars.queue_accept(self, token)
         self.accepted_one(token)
         return True
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
 def bitmask_words(vocab_size: int) -> int:
