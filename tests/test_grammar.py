@@ -267,3 +267,27 @@ def test_a_dead_grammar_worker_stops_the_engine_with_a_clear_error(tiny_models):
     worker.process.wait()
     with pytest.raises(RuntimeError, match="grammar worker"):
         engine.generate([[7, 8]], [SamplingParams(max_new_tokens=5, temperature=0, grammar=choice)])
+
+
+def test_a_request_dropped_with_a_token_queued_is_forgotten_by_the_worker(make_engine):
+    """A token accepted outside a step (a decode server's first) goes with the next step; if its
+    request is gone by then (freed in that same message) the worker skips it."""
+    import gc
+
+    engine = make_engine("llama")
+    grammars = engine.grammars
+    choice = ("ebnf", choice_ebnf(["ab", "cd"]))
+    row = _Row(grammars.matcher(choice))
+    first = grammars.bitmask([row], [True], launched=False).result()
+    token = allowed_tokens(first.numpy(), 0, engine.vocab_size)[0]
+    grammar = row.grammar
+    queued = grammar.accept(token, 0)  # (not inside an assert: pytest would keep a reference)
+    assert queued and grammar.accepted == 1  # queued for the next step
+    dropped = grammar.id
+    del row, grammar
+    gc.collect()
+    assert dropped in grammars._freed and any(i == dropped for i, _ in grammars._queued)
+    other = _Row(grammars.matcher(choice))
+    mask = grammars.bitmask([other], [True], launched=False).result()
+    assert np.array_equal(mask.numpy(), first.numpy())
+    assert other.grammar.refused is None and not grammars._freed and not grammars._queued

@@ -185,7 +185,8 @@ class Grammars:
         for grammar, token in zip(accepting, tokens):
             accepts.append([grammar.id, token])
         new, self._new = self._new, []
-        freed, self._freed = self._freed, []
+        freed = self._freed.copy()  # (the same list: the finalizers hold its append)
+        self._freed.clear()
         return MaskFuture(self._worker.step(new, freed, accepts, fills, len(reqs)), self._by_id)
 
     def _announce(self, grammar: "RequestGrammar") -> None:

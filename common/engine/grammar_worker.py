@@ -251,16 +251,16 @@ def main(args: dict) -> None:
             continue
         try:
             refused: list = []
-            for i in message["free"]:
-                matchers.pop(i, None)
             for i, key in message["new"]:
                 try:
                     matchers[i] = xgr.GrammarMatcher(compiled[key].result())
                 except Exception as e:  # (the parent compiled it too: only if this one ran out of something)
                     matchers[i] = f"the grammar could not be compiled in the grammar worker: {e}"
-            # A matcher that could not be made refuses everything it is given.
-            accepts = [a for a in message["accepts"] if not isinstance(matchers.get(a[0]), str)]
-            fills = [f for f in message["fills"] if not isinstance(matchers.get(f[0]), str)]
+            # A matcher that could not be made refuses everything it is given. An id the parent
+            # dropped in this same message (a request gone since: `free`) may still have a
+            # token queued: it is skipped, and the matchers are dropped at the end.
+            accepts = [a for a in message["accepts"] if not isinstance(matchers.get(a[0], ""), str)]
+            fills = [f for f in message["fills"] if not isinstance(matchers.get(f[0], ""), str)]
             for i in {a[0] for a in message["accepts"]} | {f[0] for f in message["fills"]}:
                 if isinstance(matchers.get(i), str):
                     refused.append([i, -1, matchers[i]])
@@ -281,6 +281,8 @@ def main(args: dict) -> None:
                 work(batches[0], *parts[0], mask, refused)
                 for future in futures:
                     future.result()
+            for i in message["free"]:
+                matchers.pop(i, None)
             mask = None
             conn.send_bytes(json.dumps({"refused": refused}).encode())
         except Exception as e:  # a bug: the parent fails loudly with it
