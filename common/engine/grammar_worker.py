@@ -122,7 +122,11 @@ class GrammarWorker:
 
     def _send(self, message: dict) -> None:
         self.check_alive()
-        self.conn.send_bytes(json.dumps(message).encode())
+        try:
+            self.conn.send_bytes(json.dumps(message).encode())
+        except OSError as e:  # (it died since: a broken pipe)
+            self.check_alive()
+            raise RuntimeError(f"the grammar worker's socket failed: {e}") from e
 
     def check_alive(self) -> None:
         if self.process.poll() is not None:
