@@ -90,9 +90,17 @@ def add_bench_parser(sub) -> None:
                        help="Local stack: the router's --prefill-policy.")
     serve.add_argument("--disagg-policy", default="always", choices=("always", "never", "auto"),
                        help="Local stack: the router's --disagg-policy (never: --num-prefill may be 0).")
-    serve.add_argument("--stacks", nargs="+", default=[], metavar="NAME=PREFILL:DECODE:POLICY",
+    serve.add_argument("--stacks", nargs="+", default=[], metavar="NAME=PREFILL:DECODE:POLICY[:P/D]",
                        help="Several local stacks, one after another, each running every --request-rate on the same "
-                            "prompts (bench/sweep.py): e.g. 1p1d=1:1:always replicas=0:2:never auto=1:1:auto.")
+                            "prompts (bench/sweep.py): e.g. 1p1d=1:1:always replicas=0:2:never auto=1:1:auto; "
+                            "P/D: the SM shares of servers sharing a GPU (e.g. split60=1:1:always:60/100).")
+    serve.add_argument("--router-workers", type=int, default=1,
+                       help="Local stack: the router's --workers (0: from the CPU cores, as pdserve up starts it).")
+    serve.add_argument("--mps", default="auto", choices=("auto", "on", "off"),
+                       help="Local stack: servers sharing a GPU under a private MPS daemon (as pdserve up --mps).")
+    serve.add_argument("--sm-shares", default="auto", metavar="PREFILL:DECODE",
+                       help="Local stack: under MPS, each role's percent of a shared GPU's SMs (as pdserve up "
+                            "--sm-shares); auto: the measured default.")
     serve.add_argument("--attainment", type=float, default=0.9,
                        help="With --goodput: a stack's goodput is the highest rate with at least this SLO attainment.")
     serve.add_argument("--plot", default=None, metavar="PNG",

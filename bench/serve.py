@@ -75,7 +75,9 @@ def run_serve(args: argparse.Namespace) -> int:
                                                           args.prefill_policy, args.server_torch_threads,
                                                           num_decode=args.num_decode, prefill_tp=args.prefill_tp,
                                                           decode_tp=args.decode_tp, gpus=args.gpus,
-                                                          disagg_policy=args.disagg_policy))
+                                                          disagg_policy=args.disagg_policy, mps=args.mps,
+                                                          sm_shares=sm_shares_of(args),
+                                                          router_workers=args.router_workers))
                 base_url, router_pid = stack.base_url, stack.router_pid
             headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
             model = args.model or asyncio.run(get_json(base_url + "/v1/models", headers))["data"][0]["id"]
@@ -108,6 +110,13 @@ def run_serve(args: argparse.Namespace) -> int:
     return 1 if any(run["failed"] for run in runs) else 0
 
 
+def sm_shares_of(args: argparse.Namespace):
+    """--sm-shares as SMShares (auto: the measured default, router/gpu_sharing.py)."""
+    from pdserve.router.gpu_sharing import DEFAULT_SM_SHARES, parse_sm_shares
+
+    return DEFAULT_SM_SHARES if args.sm_shares == "auto" else parse_sm_shares(args.sm_shares)
+
+
 def run_stacks(args: argparse.Namespace, stacks: list[StackSpec], config, local, pool: list[int], slos: dict) -> int:
     """Every --request-rate on each local stack in turn (bench/sweep.py): one report, a plot."""
     from pdserve.bench.stack import local_stack
@@ -115,17 +124,20 @@ def run_stacks(args: argparse.Namespace, stacks: list[StackSpec], config, local,
     results = []
     for spec in stacks:
         print(f"\n######## stack {spec.name}: {spec.num_prefill} prefill, {spec.num_decode} decode, "
-              f"--disagg-policy {spec.disagg_policy} ########", flush=True)
+              f"--disagg-policy {spec.disagg_policy}, SM shares {spec.sm_shares or sm_shares_of(args)} ########",
+              flush=True)
         with local_stack(config, local.device, max(1024, args.num_prompts), spec.num_prefill, args.prefill_policy,
                          args.server_torch_threads, num_decode=spec.num_decode, prefill_tp=args.prefill_tp,
-                         decode_tp=args.decode_tp, gpus=args.gpus, disagg_policy=spec.disagg_policy) as stack:
+                         decode_tp=args.decode_tp, gpus=args.gpus, disagg_policy=spec.disagg_policy, mps=args.mps,
+                         sm_shares=spec.sm_shares or sm_shares_of(args), router_workers=args.router_workers) as stack:
             headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
             model = args.model or asyncio.run(get_json(stack.base_url + "/v1/models", headers))["data"][0]["id"]
             tune_gc()
             runs = asyncio.run(bench_runs(OpenAIBackend(stack.base_url, model, args.api_key), args, pool, slos,
                                           stack.router_pid))
         results.append({"name": spec.name, "num_prefill": spec.num_prefill, "num_decode": spec.num_decode,
-                        "disagg_policy": spec.disagg_policy, "goodput_rate": goodput_rate(runs, args.attainment),
+                        "disagg_policy": spec.disagg_policy, "sm_shares": str(spec.sm_shares or sm_shares_of(args)),
+                        "goodput_rate": goodput_rate(runs, args.attainment),
                         "runs": runs})
     report = {
         "bench": "serve", "command": command_line(args.argv), "device": device_name(local.device), "dtype": local.dtype,

@@ -1,6 +1,7 @@
 """`bench serve` without --base-url: a local router + prefill and decode servers, placed on the GPUs
-and started as `pdserve up` does, but with the benchmark's engine flags (so
---disable-overlap-schedule and friends apply).
+and started as `pdserve up` does (servers sharing a GPU under a private MPS daemon:
+router/gpu_sharing.py), but with the benchmark's engine flags (so --disable-overlap-schedule and
+friends apply) and the layout as given.
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,7 +24,8 @@ from pdserve.common.trust import write_secret_file
 from pdserve.router.placement import (
     ServerPlacement, describe, plan_placement, rank_threads, resolve_gpus, usable_cores, visible_gpu_names,
 )
-from pdserve.router.up import READY_TIMEOUT_S, start_servers
+from pdserve.router.gpu_sharing import DEFAULT_SM_SHARES, GpuSharing, SMShares
+from pdserve.router.up import READY_TIMEOUT_S, start_servers, stop_processes
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
@@ -70,7 +71,8 @@ class LocalStack:
 def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefill: int = 1,
                 prefill_policy: str = "round_robin", torch_threads: int = 0,
                 router_workers: int = 1, num_decode: int = 1, prefill_tp: int = 0, decode_tp: int = 0,
-                gpus: str | None = None, disagg_policy: str = "always") -> Iterator[LocalStack]:
+                gpus: str | None = None, disagg_policy: str = "always", mps: str = "auto",
+                sm_shares: SMShares = DEFAULT_SM_SHARES) -> Iterator[LocalStack]:
     """Start `num_decode` decode servers, `num_prefill` prefill servers and a router, placed as
     `pdserve up` places them (router/placement.py; `gpus`: --gpus as given, None: every visible
     GPU), wait until all are routable, yield where they listen; stop them at the end.
@@ -78,7 +80,8 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefil
     config's). `torch_threads` > 0 is each server's --torch-threads (0: torch's default, but a TP
     server on CPU gets the cores split among all local ranks). `router_workers` is the router's
     --workers (1, the default here: one process, whose CPU time router_pid measures);
-    `disagg_policy` its --disagg-policy (`never` runs with no prefill server)."""
+    `disagg_policy` its --disagg-policy (`never` runs with no prefill server). `mps`, `sm_shares`:
+    how servers sharing a GPU run (`pdserve up --mps --sm-shares`)."""
     py = sys.executable
     tp_of = {"prefill": prefill_tp or config.tp_size, "decode": decode_tp or config.tp_size}
     visible = visible_gpu_names() if device != "cpu" else []
@@ -92,8 +95,8 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefil
     procs: list[subprocess.Popen] = []
 
     # A fresh cluster secret per run, as `pdserve up` makes one: the measured path is the secured one.
-    secret_dir = tempfile.mkdtemp(prefix="pdserve-bench-")
-    secret_file = write_secret_file(secret_dir)
+    run_dir = tempfile.mkdtemp(prefix="pdserve-bench-")
+    secret_file = write_secret_file(run_dir)
     secret = ["--cluster-secret-file", secret_file]
 
     def command(server: ServerPlacement, port: int) -> list[str]:
@@ -104,9 +107,12 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefil
         return [py, "-m", f"pdserve.{server.role}.cli", *engine_flags(configs[server]), *flags, "--port", str(port),
                 "--log-level", "warning", *secret]
 
+    sharing = None
     try:
-        print("local stack placement:\n" + "\n".join(describe(plan, tp_of, visible)), flush=True)
-        servers = start_servers(plan, command, visible, procs)
+        sharing = GpuSharing.start(plan, run_dir, mps, sm_shares)
+        print("local stack placement:\n" + "\n".join(describe(plan, tp_of, visible)) + "\n" + sharing.describe(),
+              flush=True)
+        servers = start_servers(plan, command, lambda server: sharing.server_env(server, visible), procs, run_dir)
         prefill_flags = ["--prefill", *servers["prefill"]] if servers["prefill"] else []
         procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", config.model_path,
                                        *prefill_flags, "--decode", *servers["decode"],
@@ -121,16 +127,10 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefil
         yield LocalStack(base, (servers["prefill"] or [None])[0], servers["decode"][0], router_pid=procs[-1].pid,
                          cluster_secret_file=secret_file)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)  # the servers drain, the router stops
-        for p in procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        shutil.rmtree(secret_dir, ignore_errors=True)
+        stop_processes(procs)  # the servers drain, the router stops
+        if sharing is not None:
+            sharing.stop()  # after the servers (router/gpu_sharing.py)
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _readiness(base: str) -> dict:

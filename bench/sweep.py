@@ -5,8 +5,9 @@ command, with SLO attainment, goodput and a plot (issue 22's study of when disag
         --request-rate 1 2 4 8 --goodput ttft:500 tpot:40 \\
         --stacks 1p1d=1:1:always replicas=0:2:never auto=1:1:auto --plot goodput.png
 
-A stack is NAME=PREFILL:DECODE:POLICY: that many prefill and decode servers (placed on the GPUs as
-`pdserve up` places them) behind a router with that --disagg-policy. Every stack runs every rate on
+A stack is NAME=PREFILL:DECODE:POLICY[:P/D]: that many prefill and decode servers (placed on the GPUs
+as `pdserve up` places them; servers sharing a GPU under MPS with SM shares P% and D%, default
+--sm-shares) behind a router with that --disagg-policy. Every stack runs every rate on
 the same prompts. SLO attainment is the fraction of a run's requests that succeeded and met every
 --goodput SLO (DistServe's measure); a stack's goodput is the highest rate whose attainment is at
 least --attainment (0.9), as DistServe defines it: the rate it sustains within the SLOs.
@@ -18,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 from pdserve.router.disagg import POLICIES
+from pdserve.router.gpu_sharing import SMShares, parse_sm_shares
 
 
 @dataclass(frozen=True)
@@ -26,15 +28,17 @@ class StackSpec:
     num_prefill: int
     num_decode: int
     disagg_policy: str
+    sm_shares: SMShares | None = None  # servers sharing a GPU: each role's SM percent (None: --sm-shares)
 
 
 def parse_stack(spec: str) -> StackSpec:
-    """NAME=PREFILL:DECODE:POLICY -> StackSpec; ValueError naming what is wrong."""
+    """NAME=PREFILL:DECODE:POLICY[:P/D] -> StackSpec; ValueError naming what is wrong."""
     name, sep, rest = spec.partition("=")
     parts = rest.split(":")
-    if not sep or not name or len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
-        raise ValueError(f"--stacks takes NAME=PREFILL:DECODE:POLICY (e.g. 1p1d=1:1:always), got {spec!r}")
-    stack = StackSpec(name, int(parts[0]), int(parts[1]), parts[2])
+    if not sep or not name or len(parts) not in (3, 4) or not parts[0].isdigit() or not parts[1].isdigit():
+        raise ValueError(f"--stacks takes NAME=PREFILL:DECODE:POLICY[:P/D] (e.g. 1p1d=1:1:always), got {spec!r}")
+    shares = parse_sm_shares(parts[3].replace("/", ":")) if len(parts) == 4 else None
+    stack = StackSpec(name, int(parts[0]), int(parts[1]), parts[2], shares)
     if stack.disagg_policy not in POLICIES:
         raise ValueError(f"--stacks {spec!r}: the policy must be always, never or auto")
     if stack.num_decode < 1 or (stack.num_prefill < 1 and stack.disagg_policy != "never"):

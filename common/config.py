@@ -264,6 +264,14 @@ class ServerConfig(TrustConfig):
     drain_timeout: float = option(
         120.0, "Seconds a SIGTERM'd server waits for its requests in flight to finish before it exits anyway."
     )
+    startup_report: str = option(
+        "", "A file the scheduler appends its start-up phases to as they end, one JSON line each (pdserve up "
+        "reads it: a server sharing a GPU starts once the one before has allocated its KV pool); default: none. "
+        "The phases are printed once the server is up either way.")
+    gpu_after: str = option(
+        "", "Another server's --startup-report file: this server touches the GPU only once that one has "
+        "allocated its KV pool (pdserve up starts servers sharing a GPU together: each sizes its KV cache from "
+        "the memory it measures in use); default: at once.")
     agent_name: str = option("", "Unique name of this server's transfer agent; default: role-host-port-random.")
     log_level: str = option("info", "Logging level (debug, info, warning, error).")
 

@@ -21,10 +21,15 @@ _PR_SET_PDEATHSIG = 1
 def die_with_parent(parent: int) -> None:
     """SIGKILL this process when the thread that started it exits. `parent`: the pid it was
     started by; if that one is already gone (it died before this call), exit now."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
+    set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)
+
+
+def set_parent_death_signal(sig: int) -> None:
+    """Have the kernel send `sig` to this process when the thread that started it exits (Linux)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass

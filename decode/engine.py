@@ -24,6 +24,7 @@ from typing import Iterator, Sequence
 
 from pdserve.common.serving import ipc
 from pdserve.common.config import EngineConfig
+from pdserve.common.startup import StartupClock
 from pdserve.common.engine.core import EngineCore
 from pdserve.common.engine.tp_messages import Notifs, Watch
 from pdserve.common.kv_transfer import KVLayout
@@ -54,11 +55,12 @@ class KVDestination:
 class DecodeEngine(EngineCore):
     kv_duty = "receiver"
 
-    def __init__(self, config: EngineConfig, agent_name: str, kv_transfer_timeout: float = 30.0):
+    def __init__(self, config: EngineConfig, agent_name: str, kv_transfer_timeout: float = 30.0,
+                 startup: StartupClock | None = None):
         self.kv_agent_name, self.kv_transfer_timeout = agent_name, kv_transfer_timeout
         # KV arrives over NIXL (only a retracted request is prefilled again here, eagerly): no
         # prefill graphs.
-        super().__init__(config, prefill_graphs=False)
+        super().__init__(config, prefill_graphs=False, startup=startup)
         self.destinations: deque[KVDestination] = deque()
         self.streaming: dict[str, list] = {}  # rid -> [req, output tokens sent], with a channel
         self.rejected: dict[str, int] = {}  # reason -> notifications refused, not yet reported

@@ -23,9 +23,13 @@ from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 def run_decode_scheduler(config, server, agent_name, to_scheduler, to_frontend):
     """The scheduler process's entry point: a DecodeEngine running its event loop. (The engine, and
     torch with it, is imported only here: the frontend process never loads them.)"""
-    from pdserve.decode.engine import DecodeEngine
+    def make_engine(startup):
+        from pdserve.decode.engine import DecodeEngine
 
-    run_scheduler(lambda: DecodeEngine(config, agent_name, server.kv_transfer_timeout), server, to_scheduler, to_frontend)
+        startup.mark("imports")
+        return DecodeEngine(config, agent_name, server.kv_transfer_timeout, startup)
+
+    run_scheduler(make_engine, server, to_scheduler, to_frontend)
 
 
 class DecodeServicer(CommonRpcs, pb_grpc.DecodeServiceServicer):

@@ -21,6 +21,7 @@ from typing import Iterator, Sequence
 
 from pdserve.common.serving import ipc
 from pdserve.common.config import EngineConfig
+from pdserve.common.startup import StartupClock
 from pdserve.common.engine.core import EngineCore
 from pdserve.common.kv_transfer.sender import KVSender
 from pdserve.common.kv_transfer.server import ServerKV
@@ -31,9 +32,10 @@ from pdserve.prefill.scheduler import Destination, PrefillResult, PrefillSchedul
 class PrefillEngine(EngineCore):
     kv_duty = "sender"
 
-    def __init__(self, config: EngineConfig, agent_name: str, kv_transfer_timeout: float = 30.0):
+    def __init__(self, config: EngineConfig, agent_name: str, kv_transfer_timeout: float = 30.0,
+                 startup: StartupClock | None = None):
         self.kv_agent_name, self.kv_transfer_timeout = agent_name, kv_transfer_timeout
-        super().__init__(config)
+        super().__init__(config, startup=startup)
 
     def make_scheduler(self) -> PrefillScheduler:
         self.kv = ServerKV.open(self.kv_agent_name, self.runner.kv_pool, self.tp_workers)

@@ -105,9 +105,13 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
 def run_prefill_scheduler(config, server, agent_name, to_scheduler, to_frontend):
     """The scheduler process's entry point: a PrefillEngine running its event loop. (The engine, and
     torch with it, is imported only here: the frontend process never loads them.)"""
-    from pdserve.prefill.engine import PrefillEngine
+    def make_engine(startup):
+        from pdserve.prefill.engine import PrefillEngine
 
-    run_scheduler(lambda: PrefillEngine(config, agent_name, server.kv_transfer_timeout), server, to_scheduler, to_frontend)
+        startup.mark("imports")
+        return PrefillEngine(config, agent_name, server.kv_transfer_timeout, startup)
+
+    run_scheduler(make_engine, server, to_scheduler, to_frontend)
 
 
 LAUNCHER = RoleLauncher("prefill", PrefillServicer, pb_grpc.add_PrefillServiceServicer_to_server, "pdserve.v1.PrefillService", run_prefill_scheduler)

@@ -1,8 +1,11 @@
 """`pdserve up`: a local deployment in one command — decode and prefill servers and the router.
 
-Places the servers on the GPUs (router/placement.py: disjoint sets while they last), prints where,
-starts every process, waits until the router's /readiness says both roles are healthy, prints the
-URL and a curl example, and on Ctrl-C (or SIGTERM) stops everything (SIGTERM: the servers drain).
+Picks the layout (router/layout.py: on one GPU the one measured to serve the most), places the
+servers on the GPUs (router/placement.py: disjoint sets while they last), runs servers that share a
+GPU under a private MPS daemon (router/gpu_sharing.py), prints all of it, starts every process
+(printing where each server's start-up went), waits until the router's /readiness says both roles
+are healthy, prints the URL and a curl example, and on Ctrl-C (or SIGTERM, or a server that exits)
+stops everything: the servers first (SIGTERM: they drain), then the MPS daemon.
 """
 
 from __future__ import annotations
@@ -19,13 +22,18 @@ from typing import Callable
 
 from pdserve.common.ports import free_port
 from pdserve.router.placement import (
-    ROLES_IN_START_ORDER, ServerPlacement, describe, plan_placement, rank_threads, resolve_gpus, server_env,
+    ROLES_IN_START_ORDER, ServerPlacement, describe, plan_placement, rank_threads, resolve_gpus,
     usable_cores, visible_gpu_names,
 )
 from pdserve.router.disagg import POLICIES
+from pdserve.router.gpu_sharing import (
+    DEFAULT_SM_SHARES, MODES, GpuSharing, MPSUnavailable, parse_sm_shares, shared_gpus,
+)
+from pdserve.router.layout import choose_layout, without_mps
 from pdserve.router.policies import POLICY_NAMES
 
 READY_TIMEOUT_S = 300
+HEALTH_CHECK_INTERVAL_S = 1.0  # the router's default --health-check-interval, which pdserve up keeps
 
 
 def _wait_ready(url: str, procs: list[subprocess.Popen]) -> None:
@@ -66,40 +74,50 @@ def wait_serving(addr: str, procs: list[subprocess.Popen]) -> None:
 
 
 def start_servers(plan: list[ServerPlacement], command: Callable[[ServerPlacement, int], list[str]],
-                  visible: list[str], procs: list[subprocess.Popen]) -> dict[str, list[str]]:
-    """Start the planned servers in plan order, each seeing only its GPUs, and wait until every one
-    serves (the router, started next, would otherwise open circuits on the ones still loading);
-    {role: [HOST:PORT, ...]}. `command(server, port)` is its command line.
+                  env_of: Callable[[ServerPlacement], dict[str, str]], procs: list[subprocess.Popen],
+                  run_dir: str, ports: list[int] | None = None) -> dict[str, list[str]]:
+    """Start the planned servers together, each in its environment `env_of(server)` on its port
+    (`ports`, one per server; default: free ones), and wait until every one serves; print how long
+    each took. {role: [HOST:PORT, ...]}. `command(server, port)` is its command line; each also gets
+    a --startup-report file in `run_dir`.
 
-    NOTE: a server that shares a GPU with an earlier one starts only once that one serves: each
-    sizes its KV cache from the memory it measures in use (plan_placement's fractions count on it).
+    NOTE: servers on a shared GPU each size their KV cache from the memory they measure in use
+    (plan_placement's cumulative fractions count on it), so they take the GPU one after another:
+    each waits (--gpu-after) until the one before it in plan order has allocated its KV pool, and
+    does everything before that (its interpreter, imports, tokenizer: most of a start) at once.
     """
     addresses: dict[str, list[str]] = {role: [] for role in ROLES_IN_START_ORDER}
-    started: list[tuple[ServerPlacement, str]] = []
-    for server in plan:
-        for earlier, address in started:
-            if set(earlier.gpus) & set(server.gpus):
-                wait_serving(address, procs)
-        port = free_port()
-        procs.append(subprocess.Popen(command(server, port), env=server_env(server, visible)))
+    ports = ports or [free_port() for _ in plan]
+    shared = shared_gpus(plan)
+    previous_sharer = ""  # the report of the last server started on a shared GPU
+    started: list[tuple[ServerPlacement, str, float]] = []  # (server, address, launched at)
+    for server, port in zip(plan, ports):
+        report = os.path.join(run_dir, f"{server.role}-{server.index}.startup.jsonl")
+        flags = ["--startup-report", report]
+        if shared & set(server.gpus):
+            flags += ["--gpu-after", previous_sharer] if previous_sharer else []
+            previous_sharer = report
+        procs.append(subprocess.Popen([*command(server, port), *flags], env=env_of(server)))
         addresses[server.role].append(f"127.0.0.1:{port}")
-        started.append((server, addresses[server.role][-1]))
-    for _server, address in started:
+        started.append((server, addresses[server.role][-1], time.monotonic()))
+    for server, address, at in started:
         wait_serving(address, procs)
+        print(f"  {server.role} {server.index} serving {time.monotonic() - at:.1f} s after its launch", flush=True)
     return addresses
 
 
-def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, port: int, host: str,
+def up(model_path: str | None, num_prefill: int | None, num_decode: int, device: str, port: int, host: str,
        prefill_policy: str = "round_robin", decode_policy: str = "round_robin", router_workers: int = 0,
-       gpus: str | None = None, prefill_tp: int = 1, decode_tp: int = 1, disagg_policy: str = "always") -> int:
-    """`gpus`: --gpus as given (None: every visible GPU)."""
-    if num_prefill == 0 and disagg_policy != "never":
-        raise ValueError("--num-prefill 0 needs --disagg-policy never (decode servers then prefill every request)")
+       gpus: str | None = None, prefill_tp: int = 1, decode_tp: int = 1, disagg_policy: str | None = None,
+       mps: str = "auto", sm_shares: str = "auto") -> int:
+    """`gpus`: --gpus as given (None: every visible GPU); `num_prefill`, `disagg_policy`: None when
+    not given (router/layout.py picks them); `mps`, `sm_shares`: router/gpu_sharing.py."""
+    started_at = time.monotonic()
+    shares = DEFAULT_SM_SHARES if sm_shares == "auto" else parse_sm_shares(sm_shares)
     visible = visible_gpu_names() if device != "cpu" else []
     device, placed_on = resolve_gpus(device, gpus, visible)
-    plan = plan_placement(placed_on, num_prefill, prefill_tp, num_decode, decode_tp)
-    tp_of = {"prefill": prefill_tp, "decode": decode_tp}
-    threads = rank_threads(num_prefill * prefill_tp + num_decode * decode_tp, usable_cores())
+    layout = choose_layout(len(placed_on), num_prefill, disagg_policy)
+    plan = plan_placement(placed_on, layout.num_prefill, prefill_tp, num_decode, decode_tp)
     if model_path is None:
         from pdserve.common.tiny_model import make_tiny_model
 
@@ -107,37 +125,57 @@ def up(model_path: str | None, num_prefill: int, num_decode: int, device: str, p
     from pdserve.common.trust import write_secret_file
 
     py = sys.executable
-    # A fresh cluster secret for this run, in a directory only this user can read: every server
-    # requires it, the router sends it (docs/operations.md, "Trust").
-    secret_dir = tempfile.mkdtemp(prefix="pdserve-up-")
-    secret = ["--cluster-secret-file", write_secret_file(secret_dir)]
-    common = ["--model-path", model_path, "--device", device, "--log-level", "warning", *secret]
-
-    def command(server: ServerPlacement, port: int) -> list[str]:
-        tp = tp_of[server.role]
-        flags = ["--tp-size", str(tp)]
-        if server.gpus:
-            flags += ["--mem-fraction-static", str(server.mem_fraction)]
-        elif tp > 1:
-            flags += ["--torch-threads", str(threads)]  # the ranks must not fight over the cores
-        return [py, "-m", f"pdserve.{server.role}.cli", *common, *flags, "--port", str(port),
-                "--metrics-port", str(free_port())]
-
-    print(f"placement ({len(placed_on)} GPUs: {','.join(map(str, placed_on))}):" if placed_on else "placement (CPU):")
-    print("\n".join(describe(plan, tp_of, visible)), flush=True)
+    # The run's directory, only this user's: a fresh cluster secret (every server requires it, the
+    # router sends it: docs/operations.md, "Trust"), the MPS daemon's pipes, the start-up reports.
+    run_dir = tempfile.mkdtemp(prefix="pdserve-up-")
+    secret = ["--cluster-secret-file", write_secret_file(run_dir)]
     procs: list[subprocess.Popen] = []
+    sharing = None
     signal.signal(signal.SIGTERM, _interrupt)  # from here on SIGTERM stops everything, even mid-start
     try:
-        servers = start_servers(plan, command, visible, procs)
-        prefill, decode = servers["prefill"], servers["decode"]
+        sharing = GpuSharing.start(plan, run_dir, mps, shares)
+        if sharing.unavailable and without_mps(layout, sharing.unavailable) != layout:
+            layout = without_mps(layout, sharing.unavailable)
+            plan = plan_placement(placed_on, layout.num_prefill, prefill_tp, num_decode, decode_tp)
+            sharing = GpuSharing.start(plan, run_dir, mps, shares)
+        tp_of = {"prefill": prefill_tp, "decode": decode_tp}
+        threads = rank_threads(layout.num_prefill * prefill_tp + num_decode * decode_tp, usable_cores())
+        common = ["--model-path", model_path, "--device", device, "--log-level", "warning", *secret]
+
+        def command(server: ServerPlacement, port: int) -> list[str]:
+            tp = tp_of[server.role]
+            flags = ["--tp-size", str(tp)]
+            if server.gpus:
+                flags += ["--mem-fraction-static", str(server.mem_fraction)]
+            elif tp > 1:
+                flags += ["--torch-threads", str(threads)]  # the ranks must not fight over the cores
+            return [py, "-m", f"pdserve.{server.role}.cli", *common, *flags, "--port", str(port),
+                    "--metrics-port", str(free_port())]
+
+        print(f"placement ({len(placed_on)} GPUs: {','.join(map(str, placed_on))}):" if placed_on else "placement (CPU):")
+        print("\n".join(describe(plan, tp_of, visible)))
+        print(f"layout: {layout.num_prefill} prefill, {num_decode} decode, --disagg-policy {layout.disagg_policy} "
+              f"({layout.why})")
+        print(sharing.describe(), flush=True)
+        # The router starts first, beside the servers: it needs as long as a small model's server to
+        # start (its imports and tokenizer), and counts no failure against a server still starting.
+        ports = [free_port() for _ in plan]
+        prefill = [f"127.0.0.1:{p}" for server, p in zip(plan, ports) if server.role == "prefill"]
+        decode = [f"127.0.0.1:{p}" for server, p in zip(plan, ports) if server.role == "decode"]
         prefill_flags = ["--prefill", *prefill] if prefill else []
         procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", model_path, *prefill_flags,
                                        "--decode", *decode, "--prefill-policy", prefill_policy, "--decode-policy",
-                                       decode_policy, "--disagg-policy", disagg_policy, "--host", host, "--port", str(port),
-                                       "--workers", str(router_workers), "--log-level", "warning", *secret]))
+                                       decode_policy, "--disagg-policy", layout.disagg_policy, "--host", host,
+                                       "--port", str(port), "--workers", str(router_workers), "--log-level", "warning",
+                                       *secret]))
+        start_servers(plan, command, lambda server: sharing.server_env(server, visible), procs, run_dir, ports)
+        # NOTE: /readiness is answered by one router worker; each checks every server every
+        # --health-check-interval (1 s), so two intervals after the servers serve, all have seen them.
+        time.sleep(2 * HEALTH_CHECK_INTERVAL_S)
         base = f"http://{host}:{port}"
         _wait_ready(base + "/readiness", procs)
-        print(f"pdserve is up: {base}  (model {model_path}; prefill {' '.join(prefill)}; decode {' '.join(decode)})")
+        print(f"pdserve is up after {time.monotonic() - started_at:.1f} s: {base}  (model {model_path}; "
+              f"prefill {' '.join(prefill) or 'none'}; decode {' '.join(decode)})")
         print(f"""try:
   curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model_path}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 16}}'
@@ -149,15 +187,23 @@ Ctrl-C stops everything.""", flush=True)
         return 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # already stopping: a second one must not cut it short
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        shutil.rmtree(secret_dir, ignore_errors=True)
+        stop_processes(procs)
+        if sharing is not None:
+            sharing.stop()  # after the servers: an MPS client loses its GPU when the daemon goes
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 60) -> None:
+    """SIGTERM every process still running (the servers drain), then wait; kill any that outlasts `grace_s`."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _interrupt(*_) -> None:
@@ -168,7 +214,9 @@ def add_parser(sub) -> None:
     """`pdserve up` on the `pdserve` command's sub-parsers (entry point group pdserve.commands)."""
     local = sub.add_parser("up", help="Start a local router + prefill + decode deployment (Ctrl-C stops it).")
     local.add_argument("--model-path", default=None, help="Checkpoint directory or GGUF file; default: a tiny llama made on the fly.")
-    local.add_argument("--num-prefill", type=int, default=1, help="Prefill servers to start.")
+    local.add_argument("--num-prefill", type=int, default=None,
+                       help="Prefill servers to start (0: decode servers prefill every request); default: 1, but on one "
+                            "GPU the layout that served the most there, printed at start (docs/operations.md).")
     local.add_argument("--num-decode", type=int, default=1, help="Decode servers to start.")
     local.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when a GPU is visible).")
     local.add_argument("--gpus", default=None, metavar="0,1,...",
@@ -182,10 +230,17 @@ def add_parser(sub) -> None:
                        help="How the router picks a prefill server (cache_aware, prefix_hash: by prompt prefix).")
     local.add_argument("--decode-policy", default="round_robin", choices=POLICY_NAMES,
                        help="How the router picks a decode server.")
-    local.add_argument("--disagg-policy", default="always", choices=POLICIES,
+    local.add_argument("--disagg-policy", default=None, choices=POLICIES,
                        help="always: prefill servers prefill every request; never: decode servers do (colocated "
                             "replicas; with --num-prefill 0); auto: decode servers take short prompts (pdserve-router "
-                            "--help).")
+                            "--help). Default: never with no prefill server, else always.")
+    local.add_argument("--mps", default="auto", choices=MODES,
+                       help="Servers sharing a GPU run under a private NVIDIA MPS daemon, side by side instead of "
+                            "time-sliced. auto: where MPS can be had (else a warning, and the one-GPU default layout "
+                            "turns colocated); on: MPS or an error; off: never.")
+    local.add_argument("--sm-shares", default="auto", metavar="PREFILL:DECODE",
+                       help="Under MPS, the percent of a shared GPU's SMs each role's servers may occupy "
+                            f"(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); auto: {DEFAULT_SM_SHARES} (measured: docs/benchmarks.md).")
     local.add_argument("--router-workers", type=int, default=0,
                        help="The router's --workers: its processes; 0: from the CPU cores (see pdserve-router --help).")
     local.set_defaults(func=_up)
@@ -195,7 +250,10 @@ def _up(args) -> int:
     try:
         return up(args.model_path, args.num_prefill, args.num_decode, args.device, args.port, args.host,
                   args.prefill_policy, args.decode_policy, args.router_workers, args.gpus, args.prefill_tp,
-                  args.decode_tp, args.disagg_policy)
+                  args.decode_tp, args.disagg_policy, args.mps, args.sm_shares)
     except ValueError as e:  # bad flags (placement, device): up() checks them before it starts anything
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except MPSUnavailable as e:  # --mps on
+        print(f"error: --mps on, but MPS cannot be had: {e}", file=sys.stderr)
+        return 1

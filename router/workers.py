@@ -6,7 +6,8 @@ addresses are added — routable only once a health check says SERVING — and v
 
 Every `health_check_interval` each worker is asked `grpc.health.v1/Check` and `GetLoad`. A worker is
 routable when its last check said SERVING and its circuit is not open. The circuit opens after
-`circuit_failures` consecutive failed requests or checks, stays open for `circuit_open_time`, then
+`circuit_failures` consecutive failed requests or checks (checks count once the worker has answered
+one: before that it is starting, not failing), stays open for `circuit_open_time`, then
 lets requests through again (half-open); the next success closes it, the next failure reopens it.
 (The names are RouterConfig's fields.)
 
@@ -45,6 +46,7 @@ class Worker:
     inflight: int = 0
     failures: int = 0  # consecutive
     open_until: float = 0.0
+    seen: bool = False  # a check has answered: until then it is starting, and failed checks are not failures
     errors: int = 0  # total, for /metrics
 
     def routable(self, now: float) -> bool:
@@ -159,7 +161,9 @@ class WorkerRegistry:
             if w.serving:
                 log.warning("%s %s failed its health check", w.role, w.url)
             w.serving = False
-            self.record(w.url, ok=False)
+            if w.seen:  # (a server still starting, e.g. under `pdserve up`, which starts the router first)
+                self.record(w.url, ok=False)
             return
+        w.seen = True
         w.serving = reply.status == health_pb2.HealthCheckResponse.SERVING
         w.load = load.running_requests + load.waiting_requests

@@ -38,7 +38,7 @@ def _kubectl() -> str:
 
 
 COMPONENTS = ROOT / "deploy" / "k8s" / "components"
-ALL_OVERLAYS = ["cpu-demo", "gpu", "gpu-tp", "rdma"]
+ALL_OVERLAYS = ["cpu-demo", "gpu", "gpu-shared", "gpu-tp", "rdma"]
 
 
 def render(overlay: str, tmp_path: Path | None = None) -> list[dict]:
@@ -93,6 +93,24 @@ def test_overlay_validates(overlay, tmp_path):
             if role != "router":
                 assert bool(gpu) == (overlay != "cpu-demo"), (overlay, role)
                 assert spec["terminationGracePeriodSeconds"] >= 120
+
+
+def test_gpu_shared_puts_both_servers_on_mps_nodes_with_kv_sized_explicitly():
+    """Two pods on one GPU through the device plugin's MPS replicas: one replica each, only on nodes
+    that share GPUs by MPS, and a KV cache of a fixed size (a fraction of what the device has in use
+    would count the other pod's memory, whichever starts first)."""
+    docs = render("gpu-shared")
+    [config] = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("pdserve-config")]
+    assert float(config["data"]["MEM_FRACTION_STATIC"]) == 0 and float(config["data"]["KV_CACHE_MEMORY_GB"]) > 0
+    servers = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] != "pdserve-router"]
+    assert sorted(d["metadata"]["name"] for d in servers) == ["pdserve-decode", "pdserve-prefill"]
+    for d in servers:
+        spec = d["spec"]["template"]["spec"]
+        assert spec["nodeSelector"]["nvidia.com/mps.capable"] == "true"
+        [c] = spec["containers"]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        args = c["args"]
+        assert args[args.index("--mem-fraction-static") + 1] == "$(MEM_FRACTION_STATIC)"
 
 
 SECRET_DIR = "/etc/pdserve/cluster-secret"

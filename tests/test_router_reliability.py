@@ -300,3 +300,31 @@ def test_a_dead_decode_server_opens_its_circuit(tiny_models):
     finally:
         decode.stop()
         prefill.stop()
+
+
+def test_a_worker_still_starting_fails_checks_without_opening_its_circuit():
+    """`pdserve up` starts the router beside its servers: checks of a server that has never answered
+    are not failures (nothing listens yet), but once it has answered, failed checks count again."""
+    import grpc
+
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.workers import Worker, WorkerRegistry
+
+    url = f"127.0.0.1:{free_port()}"  # nothing listens there: a server still starting
+    limit = RouterConfig().circuit_failures
+    registry = WorkerRegistry(RouterConfig(prefill=(url,), decode=(url,), health_check_timeout=0.5))
+
+    async def checks() -> tuple:
+        w = registry.workers[url] = Worker(url, "prefill", grpc.aio.insecure_channel(url))
+        for _ in range(limit + 2):
+            await registry.check_all()
+        starting = (w.seen, w.serving, w.failures, w.open_until)
+        w.seen = True  # it answered once; now it is gone
+        for _ in range(limit):
+            await registry.check_all()
+        await w.channel.close()
+        return starting, w.failures, w.open_until
+
+    starting, failures, open_until = asyncio.run(checks())
+    assert starting == (False, False, 0, 0.0)
+    assert failures == limit and open_until > time.monotonic()

@@ -47,7 +47,7 @@ def test_the_scheduler_process_takes_its_torch_thread_count(tmp_path):
 
     before, seen = torch.get_num_threads(), []
 
-    def make_engine():
+    def make_engine(startup):
         seen.append(torch.get_num_threads())
         raise RuntimeError("stop here")
 

@@ -43,6 +43,7 @@ from pdserve.common.engine.grammar import Grammars
 from pdserve.common.engine.overlap import ForwardResult, QueuedForward
 from pdserve.common.engine.sampling import SamplingBatchInfo, to_token_logprobs
 from pdserve.common.scheduling.output_processor import add_prompt_logprobs
+from pdserve.common.startup import StartupClock
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Req, SamplingParams
 
@@ -65,10 +66,14 @@ class EngineCore:
     kv_duty: str | None = None
     kv_agent_name: str = ""
 
-    def __init__(self, config: EngineConfig, prefill_graphs: bool = True):
+    def __init__(self, config: EngineConfig, prefill_graphs: bool = True, startup: StartupClock | None = None):
+        """`startup`: marks the start-up phases as they end (a server prints them; common/startup.py)."""
+        startup = startup or StartupClock()
         self.config = config.resolve()
         self.tokenizer = load_tokenizer(self.config.model_path)
         self.eos_token_ids = eos_token_ids(self.config.model_path, self.tokenizer)
+        startup.mark("tokenizer")
+        startup.before_gpu()  # (a server sharing a GPU waits here for the one before: common/startup.py)
         self.tp_workers = None
         if self.config.tp_size > 1:
             from pdserve.common.engine.tp_worker import KVRanks, TPWorkers  # pyzmq and msgspec: only with TP
@@ -77,9 +82,10 @@ class EngineCore:
             self.tp_workers = TPWorkers.start(self.config, prefill_graphs, kv)
             # Stops them with the engine (garbage-collected, or at exit) unless close() came first.
             weakref.finalize(self, self.tp_workers.close)
+            startup.mark("tp_ranks")
         try:
             self.runner = ModelRunner(self.config, prefill_graphs=prefill_graphs,
-                                      tp=self.tp_workers.group if self.tp_workers else None)
+                                      tp=self.tp_workers.group if self.tp_workers else None, startup=startup)
         except BaseException:
             self.close(kill=True)
             raise
@@ -90,6 +96,7 @@ class EngineCore:
         except BaseException:
             self.close(kill=True)
             raise
+        startup.mark("scheduler")
         self.result_queue: deque[tuple[ScheduleBatch, ForwardResult]] = deque()
         self.outputs: list = []  # what this iteration finished, for send_outputs
         self.channel = None  # the scheduler process's I/O; None offline
@@ -102,6 +109,7 @@ class EngineCore:
             chunk = self.config.chunked_prefill_size
             seconds = self.runner.warmup(chunk if chunk > 0 else 8192)
             logger.info("prefill kernels warmed up in %.2f s", seconds)
+            startup.mark("warmup")
         tune_gc()
 
     def make_scheduler(self):

@@ -30,6 +30,7 @@ from pdserve.common.engine.models.parallel import kv_heads_of_rank
 from pdserve.common.engine.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs, QueuedForward
 from pdserve.common.engine.sampling import SampleOutput, SamplingBatchInfo, sample
 from pdserve.common.engine.tp import TPGroup
+from pdserve.common.startup import KV_POOL, StartupClock
 from pdserve.common.types import MAX_TOP_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,10 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, prefill_graphs: bool = True, tp: TPGroup | None = None):
+    def __init__(self, config: EngineConfig, prefill_graphs: bool = True, tp: TPGroup | None = None,
+                 startup: StartupClock | None = None):
+        """`startup`: marks the start-up phases (weights, kv_pool, graphs) as they end."""
+        startup = startup or StartupClock()
         self.config = config
         self.tp = tp if tp is not None else TPGroup.single(torch.device(config.device))
         self.device = self.tp.device
@@ -52,6 +56,7 @@ class ModelRunner:
         self.vocab_size = self.model.arch.vocab_size
         if config.attention_backend == "triton" and self.device.type == "cuda":
             self.model.fuse()  # the fast path: merged projections, fused small ops
+        startup.mark("weights")
         num_layers, kv_heads, head_dim = self.model.kv_geometry()  # this rank's KV heads
         model_kv_heads = model_kv_heads_of(read_hf_config(config.model_path))
         heads = kv_heads_of_rank(model_kv_heads, self.tp.size, self.tp.rank)
@@ -71,6 +76,7 @@ class ModelRunner:
             head_start=heads.start,
             model_kv_heads=model_kv_heads,
         )
+        startup.mark(KV_POOL)
         num_heads = self.model.local_heads()
         self.attn = create_backend(config.attention_backend, self.req_to_token_pool, self.kv_pool, num_heads, config.max_running_requests)
         self.streams = DeviceStreams(self.device)
@@ -79,8 +85,13 @@ class ModelRunner:
         # Test hook: called on the forward stream before the model runs (e.g. a GPU sleep that
         # widens race windows). None in production.
         self.before_forward = None
+        startup.mark("buffers")
         self.cuda_graphs = self._capture_cuda_graphs()
+        if self.cuda_graphs is not None:
+            startup.mark("decode_graphs")
         self.prefill_graphs = self._capture_prefill_graphs() if prefill_graphs else None
+        if self.prefill_graphs is not None:
+            startup.mark("prefill_graphs")
 
     def release_graphs(self) -> None:
         """Free the CUDA graphs (their memory pool included), once nothing will replay them: under

@@ -1,6 +1,6 @@
 """The scheduler process of a server: owns the role's engine (model, KV pools, agent) and runs its loop.
 
-    engine = make_engine()                      # PrefillEngine or DecodeEngine
+    engine = make_engine(startup)               # PrefillEngine or DecodeEngine, timing its phases
     engine.channel = Channel(...)               # the loop's recv_requests / send_outputs use it
     for _ in engine.event_loop():               # event_loop_overlap_disagg_{prefill,decode}
         channel.report_load(engine)             # the frontend's gauges, a few times a second
@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import sys
 import time
 import traceback
 
@@ -24,6 +25,7 @@ from pdserve.common.serving import ipc
 from pdserve.common.config import ServerConfig
 from pdserve.common.errors import ErrorCode
 from pdserve.common.lifetime import die_with_parent
+from pdserve.common.startup import READY, StartupClock
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +101,13 @@ def run_scheduler(make_engine, server: ServerConfig, to_scheduler: str, to_front
     outbox.connect(to_frontend)
     channel = Channel(inbox, outbox)
     try:
-        engine = make_engine()
+        startup = StartupClock(server.startup_report, server.gpu_after, server.startup_timeout)
+        engine = make_engine(startup)
         engine.channel = channel
+        startup.mark(READY)
+        # NOTE printed, not logged: `pdserve up` runs servers at --log-level warning, and this line
+        # is how a user sees where a slow start went (docs/operations.md, "Start-up").
+        print(f"{type(engine).__name__} started: {startup.summary()}", file=sys.stderr, flush=True)
         channel.send(engine.ready())
         for _ in engine.event_loop():
             channel.report_load(engine, time.monotonic())

@@ -1,0 +1,63 @@
+"""A server's start-up phases (common/startup.py): timed as they end, appended to the report file at
+once, read back by `pdserve up` to start the next server on a shared GPU (router/up.py)."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from pdserve.common.startup import KV_POOL, READY, StartupClock, read_phases
+
+
+def test_each_phase_is_timed_and_reported_as_it_ends(tmp_path):
+    report = tmp_path / "decode-0.startup.jsonl"
+    clock = StartupClock(str(report))
+    assert read_phases(str(report)) == []  # nothing yet: no file
+    time.sleep(0.05)
+    clock.mark("weights")
+    assert [p["phase"] for p in read_phases(str(report))] == ["weights"]
+    clock.mark(KV_POOL)
+    clock.mark("warmup")
+    clock.mark("warmup")  # a phase marked twice adds up
+    phases = read_phases(str(report))
+    assert [p["phase"] for p in phases] == ["weights", KV_POOL, "warmup", "warmup"]
+    assert phases[0]["seconds"] >= 0.05 and phases[-1]["at"] >= phases[0]["at"]
+    assert list(clock.phases) == ["weights", KV_POOL, "warmup"]
+    assert clock.summary().startswith("weights 0.") and clock.summary().endswith(f"total {clock.total:.1f} s")
+
+
+def test_a_line_being_written_is_left_for_the_next_read(tmp_path):
+    report = tmp_path / "r.jsonl"
+    report.write_text(json.dumps({"phase": "weights", "seconds": 1, "at": 1}) + "\n" + '{"phase": "kv_')
+    assert [p["phase"] for p in read_phases(str(report))] == ["weights"]
+
+
+def test_no_report_file_without_a_path(tmp_path):
+    clock = StartupClock()
+    clock.mark("weights")
+    assert clock.phases.keys() == {"weights"} and list(tmp_path.iterdir()) == []
+
+
+def test_a_server_sharing_a_gpu_touches_it_after_the_one_before_has_its_kv_pool(tmp_path):
+    earlier = tmp_path / "decode-0.startup.jsonl"
+    clock = StartupClock(str(tmp_path / "prefill-0.startup.jsonl"), gpu_after=str(earlier), timeout_s=10)
+    other = StartupClock(str(earlier))
+    threading.Timer(0.3, lambda: (other.mark("weights"), other.mark(KV_POOL))).start()
+    started = time.monotonic()
+    clock.before_gpu()
+    assert time.monotonic() - started >= 0.25 and "gpu_wait" in clock.phases
+    past = tmp_path / "ready.jsonl"
+    StartupClock(str(past)).mark(READY)  # (a server past the phase already counts)
+    StartupClock(gpu_after=str(past)).before_gpu()
+    StartupClock().before_gpu()  # nothing to wait for
+    with pytest.raises(TimeoutError, match="allocated no KV pool"):
+        StartupClock(gpu_after=str(tmp_path / "never.jsonl"), timeout_s=0.2).before_gpu()
+
+
+def test_the_clock_begins_when_the_process_began():
+    age = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3); from pdserve.common.startup import "
+                          "StartupClock; print(StartupClock().total)"], capture_output=True, text=True, check=True)
+    assert float(age.stdout) >= 0.3
