@@ -26,7 +26,8 @@ for stack in $stacks; do
   # (one stack per bench call: each JSON stands alone, and a stack that fails leaves the others' results)
   pdserve bench serve --random-weights "$shape" --num-prompts "$prompts" --input-len "$input_len" \
     --output-len "$output_len" --max-concurrency ${CONCURRENCY:-0 256} --client-workers "${CLIENT_WORKERS:-8}" \
-    --warmup 4 --router-workers "${ROUTER_WORKERS:-0}" --mps "${MPS:-auto}" --stacks "$stack" --output-json "$out/serve-$tag-$name.json" \
+    --warmup 4 --router-workers "${ROUTER_WORKERS:-0}" --mps "${MPS:-auto}" --stacks "$stack" \
+    --output-json "$out/serve-$tag-$name.json" \
     > "$out/serve-$tag-$name.log" 2>&1 || { echo "stack $name failed:"; tail -20 "$out/serve-$tag-$name.log"; }
   grep -h "started:\|GPU sharing\|serving .* after\|==== rate\|output: .* tok/s\|TTFT ms\|failed: [1-9]" "$out/serve-$tag-$name.log" || true
 done

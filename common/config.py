@@ -167,12 +167,29 @@ def check_tp(tp: int, dist_timeout: float, hf: dict, device: str) -> None:
     if width % tp:
         raise ValueError(f"--tp-size {tp} does not divide the model's MLP width {width}")
     if device.startswith("cuda"):
-        import torch
-
         first = int(device.partition(":")[2] or 0)
-        visible = torch.cuda.device_count()
+        visible = cuda_device_count()
         if first + tp > visible:
             raise ValueError(f"--tp-size {tp} needs GPUs {first}..{first + tp - 1} (one per rank); {visible} visible")
+
+
+def cuda_device_count() -> int:
+    """The GPUs this process may use: CUDA_VISIBLE_DEVICES's entries when it is set, else torch's count.
+
+    NOTE: a server's frontend checks its flags with this before it spawns the scheduler, and importing
+    torch there cost 3-4 s of every server's start on the H200 host; `pdserve up` always sets the
+    variable. (A listed GPU that does not exist then fails in the scheduler, at its first use.)"""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        entries = []
+        for entry in listed.split(","):
+            if not entry.strip() or entry.strip() == "-1":
+                break  # CUDA stops at the first entry that names no device
+            entries.append(entry)
+        return len(entries)
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def model_kv_heads_of(hf: dict) -> int:

@@ -1,5 +1,5 @@
 """A child process that must not outlive its parent: a scheduler process (its server's frontend),
-a TP rank (its rank 0).
+a TP rank (its rank 0), the MPS control daemon of `pdserve up` (router/gpu_sharing.py).
 
 Both also poll os.getppid() in their loops, but a process blocked in native code (a collective
 waiting for a peer, the NCCL start-up, a CUDA synchronize) never gets back to the loop: seen on two

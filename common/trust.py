@@ -208,13 +208,22 @@ def open_channel(address: str, trust: Trust, server_name: str = "") -> grpc.aio.
     """A channel to a server whose every call carries the secret, over mutual TLS when configured.
     `server_name`: the name its certificate must carry, when not the address's host (a pod IP
     found through a headless Service's DNS name)."""
+    options = list(RECONNECT_OPTIONS)
     if trust.tls:
         credentials = grpc.ssl_channel_credentials(trust.tls_ca, trust.tls_key, trust.tls_cert)
-        options = [("grpc.ssl_target_name_override", server_name)] if server_name else None
+        options += [("grpc.ssl_target_name_override", server_name)] if server_name else []
         channel = grpc.aio.secure_channel(address, credentials, options)
     else:
-        channel = grpc.aio.insecure_channel(address)
+        channel = grpc.aio.insecure_channel(address, options)
     return SecretChannel(channel, trust.secrets[0]) if trust.secrets else channel
+
+
+# NOTE: gRPC waits before reconnecting to an address that refused it, doubling the wait up to two
+# minutes by default, and calls meanwhile fail at once: a server that came up (still starting when
+# the router or `pdserve up` first called, or restarted) went unseen for ~10 s on the H200 host
+# (docs/benchmarks.md, "One GPU"). Reconnect at least as often as the health checks run (1 s).
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000))
 
 
 class SecretChannel(grpc.aio.Channel):

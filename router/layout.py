@@ -27,10 +27,11 @@ class Layout(NamedTuple):
 
 
 COLOCATED = ("never", 0)  # (--disagg-policy, --num-prefill)
-# On one H200 (GPT-2 shape, 1024 x 256 -> 256): one colocated server 86.4k output tok/s all at once and
-# 105.1k at 256 in flight; a prefill and a decode server under MPS 66.1k and 65.1k (docs/benchmarks.md).
+# On one H200 (GPT-2 shape, 1024 x 256 -> 256, one call): one colocated server 93.0k output tok/s all at
+# once and 99.2k at 256 in flight; a prefill and a decode server under MPS 53.1k and 62.2k, with SM shares
+# 70:100 53.4k and 54.5k (docs/benchmarks.md, "One GPU").
 ONE_GPU_DEFAULT = COLOCATED
-ONE_GPU_WHY = ("one GPU: one colocated server (served 1.3-1.6x a prefill + decode pair under MPS on an H200, "
+ONE_GPU_WHY = ("one GPU: one colocated server (served 1.6-1.75x a prefill + decode pair under MPS on an H200, "
                "docs/benchmarks.md); --num-prefill 1 runs the pair")
 
 

@@ -21,6 +21,7 @@ import urllib.request
 from typing import Callable
 
 from pdserve.common.ports import free_port
+from pdserve.common.trust import RECONNECT_OPTIONS
 from pdserve.router.placement import (
     ROLES_IN_START_ORDER, ServerPlacement, describe, plan_placement, rank_threads, resolve_gpus,
     usable_cores, visible_gpu_names,
@@ -58,7 +59,7 @@ def wait_serving(addr: str, procs: list[subprocess.Popen]) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + READY_TIMEOUT_S
-    with grpc.insecure_channel(addr) as channel:
+    with grpc.insecure_channel(addr, RECONNECT_OPTIONS) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             for p in procs:

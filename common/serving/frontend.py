@@ -11,6 +11,7 @@ import asyncio
 import logging
 import multiprocessing
 import signal
+import sys
 import tempfile
 
 import grpc
@@ -23,6 +24,7 @@ from pdserve.common.gc_tuning import tune_gc
 from pdserve.common.serving import ipc
 from pdserve.common.config import ServerConfig
 from pdserve.common.errors import ErrorCode
+from pdserve.common.startup import process_age
 from pdserve.common.trust import add_port, check_exposure, load_trust, server_interceptors
 from pdserve.proto import pdserve_pb2 as pb
 
@@ -272,6 +274,7 @@ async def serve(servicer_factory, add_servicer, bridge: SchedulerBridge, config:
     warning = check_exposure(trust, [host], "listening on")
     if warning:
         log.warning("%s", warning)
+    spawned_at = process_age()
     ready = await bridge.start(config.startup_timeout)
     server = grpc.aio.server(interceptors=server_interceptors(trust, lambda method: bridge.metrics.unauthenticated.inc()))
     servicer = servicer_factory(bridge, ready)
@@ -287,6 +290,9 @@ async def serve(servicer_factory, add_servicer, bridge: SchedulerBridge, config:
         await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s serving on %s:%d (metrics on %s; %s, %s)", service_name, host, port, metrics_port or "off",
              "mutual TLS" if trust.tls else "plaintext", "cluster secret required" if trust.secrets else "no secret")
+    # Printed, not logged (as the scheduler's phases are): where a slow start went, before the engine.
+    print(f"{service_name} serving {process_age():.1f} s after its process began (its scheduler process "
+          f"spawned at {spawned_at:.1f} s)", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
