@@ -113,10 +113,12 @@ def test_pdserve_up_with_decode_servers_alone(tiny_models):
     from tests.router_stack import pdserve_up
 
     model = tiny_models("llama")
+    # No prefill server and a policy that needs one is refused; --num-prefill 0 alone means never.
     refused = subprocess.run([sys.executable, "-m", "pdserve.common.cli", "up", "--model-path", model, "--device", "cpu",
-                              "--num-prefill", "0"], capture_output=True, text=True, timeout=60)
+                              "--num-prefill", "0", "--disagg-policy", "always"], capture_output=True, text=True,
+                             timeout=60)
     assert refused.returncode == 2 and "--num-prefill 0 needs --disagg-policy never" in refused.stderr
-    proc, port, _ = pdserve_up(model, "--num-prefill", "0", "--disagg-policy", "never", "--router-workers", "1")
+    proc, port, _ = pdserve_up(model, "--num-prefill", "0", "--router-workers", "1")
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
         ids = prompts_of([9])[0]
