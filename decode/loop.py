@@ -1,4 +1,4 @@
-"""The decode server's event loops (seeds/overlap-scheduler-streams.md), as its scheduler process runs them.
+"""The decode server's event loops (docs/architecture.md, "The overlapped loop"), as its scheduler process runs them.
 
 Every iteration: take the frontend's requests, then, inside the schedule stream (every device
 write scheduling issues queues there, the rows of arrived KV included): publish destinations for

@@ -1,6 +1,6 @@
 """The decode role's scheduler: KV arrives over the network instead of from a prefill forward.
 
-Queues, in the order a request passes through them (DESIGN.md "Life of a request"):
+Queues, in the order a request passes through them (docs/architecture.md, "The disaggregated request"):
     prealloc      waiting for a row and pages for its prompt (+ reserved decode tokens)
     transferring  pages handed out as a KV destination; waiting, under a deadline, for the
                   prefill server's WRITE and its notification (keyed by the request's room).

@@ -1,4 +1,4 @@
-"""The prefill server's event loops (seeds/overlap-scheduler-streams.md), as its scheduler process runs them.
+"""The prefill server's event loops (docs/architecture.md, "The overlapped loop"), as its scheduler process runs them.
 
 Every iteration: take the frontend's requests (a prompt, maybe with its KV destination; a
 destination that came later; an abort), then, inside the schedule stream: pick the next prefill

@@ -1,4 +1,4 @@
-"""The pairing protocol (DESIGN.md "Life of a request"), one choice at a time.
+"""The pairing protocol (docs/architecture.md, "The disaggregated request"), one choice at a time.
 
     decode.Generate(request)            first message: the KV destination (pages held)
     prefill.Prefill(request, dest)      the KV and the first token land at the decode server

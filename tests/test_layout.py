@@ -1,4 +1,4 @@
-"""The tree is the architecture (DESIGN.md "Layout"): checks that keep it so.
+"""The tree is the architecture (docs/architecture.md, "Layout"): checks that keep it so.
 
 - common/ never imports a role (prefill, decode, router) or the benchmarks: roles build on it.
 - The event loops are the named functions in their roles, each short enough to read as the seeds'

@@ -1,6 +1,6 @@
 """prefill-server and decode-server as real processes: real gRPC, real ZMQ IPC, real NIXL (DRAM).
 
-The client here follows the router's protocol (DESIGN.md "Life of a request"): Generate on the
+The client here follows the router's protocol (docs/architecture.md, "The disaggregated request"): Generate on the
 decode server, whose first message is the KV destination; Prefill on the prefill server with that
 destination; then the decode stream to its end.
 """

@@ -1,8 +1,8 @@
 """The runner side of the scheduler/runner seam: a ScheduleBatch becomes a ForwardBatch.
 
 Every device write that scheduling needs happens here, and the event loop calls `build` inside
-the schedule stream's context, so all of them queue on that stream (DESIGN.md, the overlap
-invariants): the req_to_token rows decided at admission (prefix hits, a decode server's reserved
+the schedule stream's context, so all of them queue on that stream (docs/architecture.md, "The
+overlapped loop"): the req_to_token rows decided at admission (prefix hits, a decode server's reserved
 pages), the rows of the batch's new tokens, and the one H2D upload of its inputs. After the WAR
 barrier these writes wait on the GPU for the forward in flight, never on the host.
 

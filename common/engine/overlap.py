@@ -1,6 +1,6 @@
 """The overlap machinery: device-agnostic streams, the FutureMap, pinned host copies.
 
-Streams (seeds/overlap-scheduler-streams.md):
+Streams (docs/architecture.md, "The overlapped loop"):
     schedule_stream  the event loop runs inside it; the GPU ops scheduling issues (req_to_token
                      writes, H2D of input ids) queue here
     forward_stream   forward + sample; first waits for schedule_stream (a GPU-side wait)

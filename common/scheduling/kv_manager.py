@@ -101,10 +101,6 @@ class KVManager:
         if missing > 0:
             req.pages += self.alloc_pages(missing)
 
-    def needs_page(self, req: Req) -> bool:
-        """Its next token (position seq_len - 1) falls past its last page."""
-        return (req.seq_len - 1) // self.page_size >= len(req.pages)
-
     # ---- release --------------------------------------------------------------------------------
 
     def cache_and_release(self, req: Req) -> None:

@@ -1,4 +1,4 @@
-"""Every device op that scheduling issues runs on schedule_stream (DESIGN.md, the overlap invariants).
+"""Every device op that scheduling issues runs on schedule_stream (docs/architecture.md, "The overlapped loop").
 
 A TorchDispatchMode sees every aten op of the loop's iterations except those inside the runner's
 launch (forward, sampling, the D2H copies: the forward and D2H streams' work) and records the
