@@ -28,8 +28,16 @@ def die_with_parent(parent: int) -> None:
 
 def set_parent_death_signal(sig: int) -> None:
     """Have the kernel send `sig` to this process when the thread that started it exits (Linux)."""
+    parent_death_signal_setter(sig)()
+
+
+def parent_death_signal_setter(sig: int):
+    """A function that does set_parent_death_signal(sig), with libc loaded now: safe to call in a
+    child between fork and exec (Popen's preexec_fn), where loading a library could deadlock."""
+    prctl = None
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
         except (OSError, AttributeError):
             pass
+    return (lambda: prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)) if prctl is not None else (lambda: None)

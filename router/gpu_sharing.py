@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+from pdserve.common.lifetime import parent_death_signal_setter
 from pdserve.router.placement import ServerPlacement, server_env
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -112,11 +113,16 @@ class MPSDaemon:
         env = _control_env(dict(os.environ), pipe_dir, log_dir)
         # Semi-PD's setting: each client context gets the SM share it asks for.
         env["CUDA_MPS_ENABLE_PER_CTX_DEVICE_MULTIPROCESSOR_PARTITIONING"] = "1"
-        launcher = os.getpid()
+        launcher, die_with_launcher = os.getpid(), parent_death_signal_setter(signal.SIGTERM)
+
+        def in_child() -> None:  # (between fork and exec: no imports, no allocation worth the name)
+            die_with_launcher()
+            if os.getppid() != launcher:
+                os._exit(1)
+
         with open(os.path.join(log_dir, "control-stdout.log"), "ab") as out:
             process = subprocess.Popen([control, "-f"], env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                       stderr=subprocess.STDOUT, start_new_session=True,
-                                       preexec_fn=lambda: _die_with(launcher))
+                                       stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=in_child)
         daemon = cls(process, control, pipe_dir, log_dir)
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(os.path.join(pipe_dir, "control")):
@@ -161,15 +167,6 @@ class MPSDaemon:
             except OSError:
                 pass
         return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
-
-
-def _die_with(parent: int) -> None:
-    """In the daemon's child before exec: SIGTERM when the launcher's thread that started it exits."""
-    from pdserve.common.lifetime import set_parent_death_signal
-
-    set_parent_death_signal(signal.SIGTERM)
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 @dataclass

@@ -303,3 +303,25 @@ def test_servers_sharing_a_gpu_start_together_and_take_it_in_turn(tmp_path, monk
         assert sum(len(v) for v in addresses.values()) == len(plan)
         for p in procs:
             p.wait()
+
+
+def test_the_daemon_dies_with_a_launcher_that_is_killed(tmp_path):
+    """`pdserve up` SIGKILLed has no finally to run: the kernel ends its daemon (PR_SET_PDEATHSIG)."""
+    control = fake_control(tmp_path)
+    launcher = subprocess.Popen([PYTHON, "-c", f"""
+import sys, time
+from pdserve.router.gpu_sharing import MPSDaemon
+daemon = MPSDaemon.start({str(tmp_path)!r}, {control!r})
+print(daemon.process.pid, flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(launcher.stdout.readline())
+        assert not gone(pid)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.monotonic() + 10
+    while not gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(pid)
