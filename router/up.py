@@ -20,6 +20,7 @@ import time
 import urllib.request
 from typing import Callable
 
+from pdserve.common.lifetime import parent_death_signal_setter
 from pdserve.common.ports import free_port
 from pdserve.common.trust import RECONNECT_OPTIONS
 from pdserve.router.placement import (
@@ -82,6 +83,9 @@ def start_servers(plan: list[ServerPlacement], command: Callable[[ServerPlacemen
     each took. {role: [HOST:PORT, ...]}. `command(server, port)` is its command line; each also gets
     a --startup-report file in `run_dir`.
 
+    Each server gets SIGTERM (and drains) if the thread that started it dies: a `pdserve up` that is
+    killed leaves no server running.
+
     NOTE: servers on a shared GPU each size their KV cache from the memory they measure in use
     (plan_placement's cumulative fractions count on it), so they take the GPU one after another:
     each waits (--gpu-after) until the one before it in plan order has allocated its KV pool, and
@@ -98,7 +102,8 @@ def start_servers(plan: list[ServerPlacement], command: Callable[[ServerPlacemen
         if shared & set(server.gpus):
             flags += ["--gpu-after", previous_sharer] if previous_sharer else []
             previous_sharer = report
-        procs.append(subprocess.Popen([*command(server, port), *flags], env=env_of(server)))
+        procs.append(subprocess.Popen([*command(server, port), *flags], env=env_of(server),
+                                      preexec_fn=parent_death_signal_setter(signal.SIGTERM)))
         addresses[server.role].append(f"127.0.0.1:{port}")
         started.append((server, addresses[server.role][-1], time.monotonic()))
     for server, address, at in started:
@@ -168,7 +173,7 @@ def up(model_path: str | None, num_prefill: int | None, num_decode: int, device:
                                        "--decode", *decode, "--prefill-policy", prefill_policy, "--decode-policy",
                                        decode_policy, "--disagg-policy", layout.disagg_policy, "--host", host,
                                        "--port", str(port), "--workers", str(router_workers), "--log-level", "warning",
-                                       *secret]))
+                                       *secret], preexec_fn=parent_death_signal_setter(signal.SIGTERM)))
         start_servers(plan, command, lambda server: sharing.server_env(server, visible), procs, run_dir, ports)
         # NOTE: /readiness is answered by one router worker; each checks every server every
         # --health-check-interval (1 s), so two intervals after the servers serve, all have seen them.

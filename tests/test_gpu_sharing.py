@@ -286,7 +286,7 @@ def test_servers_sharing_a_gpu_start_together_and_take_it_in_turn(tmp_path, monk
     launched: list[list[str]] = []
     real_popen = subprocess.Popen
     monkeypatch.setattr(up_module, "wait_serving", lambda address, procs: None)
-    monkeypatch.setattr(up_module.subprocess, "Popen", lambda argv, env: launched.append(argv) or real_popen(["true"]))
+    monkeypatch.setattr(up_module.subprocess, "Popen", lambda argv, env, **kw: launched.append(argv) or real_popen(["true"]))
     cases = ((plan_placement([0, 1], 1, 1, 1, 1), [None, None]),  # a GPU each: no waiting
              (plan_placement([0], 1, 1, 2, 1), [None, "decode-0", "decode-1"]),  # three on one GPU: a chain
              (plan_placement([0, 1, 2], 1, 1, 2, 1), [None, None, None]),
