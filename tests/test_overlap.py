@@ -6,9 +6,10 @@ late processing, discards, aborts); tests/gpu checks the real streams.
 
 import random
 
+import numpy as np
 import torch
 
-from pdserve.common.engine.overlap import FutureMap
+from pdserve.common.engine.overlap import FutureMap, PinnedStaging
 from pdserve.common.types import FinishReason, SamplingParams
 
 
@@ -122,3 +123,57 @@ def test_future_map_slots_wrap_and_resolve():
     assert fm.alloc(3) == [1, 2, 3] and fm.alloc(4) == [4, 5, 6, 7] and fm.alloc(3) == [1, 2, 3]
     fm.store([1, 2, 3], torch.tensor([70, 80, 90]))
     assert fm.resolve(torch.tensor([5, -2, 6, -3, -1])).tolist() == [5, 80, 6, 90, 70]
+
+
+class FakeCopyEvent:
+    """A CUDA event stand-in: complete once the test says so (or once waited for)."""
+
+    def __init__(self):
+        self.complete, self.waited = False, 0
+
+    def record(self):
+        self.complete = False
+
+    def query(self):
+        return self.complete
+
+    def synchronize(self):
+        self.waited += 1
+        self.complete = True
+
+
+def fake_staging(nbytes):
+    events = []
+
+    def new_event():
+        events.append(FakeCopyEvent())
+        return events[-1]
+
+    return PinnedStaging(torch.device("cpu"), nbytes, pin=False, new_event=new_event), events
+
+
+def test_pinned_staging_uploads_keep_values_dtypes_and_shapes():
+    ring, _ = fake_staging(4096)
+    for array in (np.arange(7, dtype=np.int64), np.ones((2, 3), dtype=np.int32), np.array([True, False]),
+                  np.linspace(0, 1, 5, dtype=np.float32), np.zeros((0, 4), dtype=np.int64),
+                  np.arange(12, dtype=np.int64).reshape(3, 4)[:, 1]):  # (a strided view)
+        out = ring.upload(array)
+        assert out.dtype == torch.from_numpy(array).dtype and out.shape == array.shape
+        assert np.array_equal(out.numpy(), array)
+    assert ring.head % PinnedStaging.ALIGN == 0
+
+
+def test_pinned_staging_reuses_a_region_only_after_its_copy_ran():
+    ring, events = fake_staging(1024)  # four 256-byte regions
+    first = [ring.upload(np.full(32, i, dtype=np.int64)) for i in range(4)]
+    assert ring.waits == 0 and len(ring.pending) == 4
+    # The ring is full of copies still queued: the next upload must wait for the oldest, only it.
+    ring.upload(np.full(32, 9, dtype=np.int64))
+    assert ring.waits == 1 and [e.waited for e in events] == [1, 0, 0, 0, 0]
+    # Copies that ran free their regions without a wait, and their events are used again.
+    for i in range(8):
+        for event in events:
+            event.complete = True  # the device keeps up
+        ring.upload(np.full(32, i, dtype=np.int64))
+    assert ring.waits == 1 and len(events) == 5
+    assert [t[0].item() for t in first] == [0, 1, 2, 3]  # device copies own their bytes

@@ -13,11 +13,14 @@ NOTE the WAR barrier lives in the loop (`schedule_stream.wait_stream(forward_str
 each launch): it makes the next scheduling step's writes to shared buffers (req_to_token rows,
 KV slots freed by the previous result and reused) wait until the forward that may still read them
 is done. Because of it nothing on schedule_stream may host-sync; everything the host reads comes
-through d2h_stream into pinned memory.
+through d2h_stream into pinned memory, and everything it uploads goes through pinned memory
+allocated once (PinnedStaging).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,24 +32,97 @@ _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np
 
 
 def h2d(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host list -> device tensor without making the host wait for the current stream.
+    """Host list -> device tensor without making the host wait for the current stream."""
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    if np_dtype is None:  # (no caller uploads another dtype)
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=device.type == "cuda")
+    array = np.array(values, dtype=np_dtype)
+    return staging_for(device).upload(array) if device.type == "cuda" else torch.from_numpy(array).to(device)
+
+
+def h2d_array(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A numpy array -> device tensor of its dtype, like h2d (no list-to-tensor conversion).
 
     NOTE: on CUDA a copy from pageable memory synchronizes with the stream first, which after the
-    WAR barrier means waiting for the forward in flight; pinned + non_blocking only queues it.
+    WAR barrier means waiting for the forward in flight; and `tensor.pin_memory()` per upload is no
+    better: the caching host allocator calls cudaHostAlloc for a size it has no free block of, and
+    that waits for the device (steps of 10-21 ms on an H100 where the host should have taken 3).
+    So uploads go through `PinnedStaging`: pinned memory allocated once, reused as copies finish.
     """
-    np_dtype = _NUMPY_DTYPES.get(dtype)
-    tensor = torch.from_numpy(np.array(values, dtype=np_dtype)) if np_dtype else torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
+    if device.type != "cuda":
+        return torch.from_numpy(values).to(device, copy=True)
+    return staging_for(device).upload(values)
 
 
-def h2d_array(values, device: torch.device) -> torch.Tensor:
-    """A numpy array -> device tensor of its dtype, like h2d (no list-to-tensor conversion)."""
-    tensor = torch.from_numpy(values)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device, copy=True)
+class PinnedStaging:
+    """A ring of pinned host memory every upload of the loop is staged in (allocated once).
+
+    An upload writes its bytes at the ring's head, queues the device copy on the current stream
+    and records an event after it; a region is written again only once the events of the copies
+    that read it have completed. The loop keeps at most a few steps in flight (each a few hundred
+    KB at most), so a ring of STAGING_BYTES wraps long after those copies ran and the event checks
+    never wait; if one ever must, `waits` counts it. An array larger than a quarter of the ring (none
+    the loop makes) is pinned on its own.
+    """
+
+    ALIGN = 256  # bytes: every upload starts aligned for any dtype's view
+
+    def __init__(self, device: torch.device, nbytes: int, pin: bool = True, new_event=None):
+        self.device = device
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.bytes = self.host.numpy()
+        self.capacity = nbytes
+        self.head = 0
+        self.pending: deque = deque()  # (start, end, event) of queued copies, oldest first
+        self.spare_events: list = []
+        self.waits = 0  # uploads that had to wait for a copy still reading their region
+        self._new_event = new_event or (lambda: torch.cuda.Event())
+        self._lock = threading.Lock()  # (the loop's thread uploads; a TP rank's thread may too)
+
+    def upload(self, values: np.ndarray) -> torch.Tensor:
+        values = np.ascontiguousarray(values)
+        n = values.nbytes
+        dtype = torch.from_numpy(values).dtype
+        if n == 0:
+            return torch.empty(values.shape, dtype=dtype, device=self.device)
+        if n > self.capacity // 4:
+            return torch.from_numpy(values).pin_memory().to(self.device, non_blocking=True)
+        with self._lock:
+            start = self._reserve(n)
+            self.bytes[start : start + n] = values.reshape(-1).view(np.uint8)
+            out = torch.empty(n, dtype=torch.uint8, device=self.device)
+            out.copy_(self.host[start : start + n], non_blocking=True)
+            event = self.spare_events.pop() if self.spare_events else self._new_event()
+            event.record()  # on the current stream: where the copy was queued
+            self.pending.append((start, start + n, event))
+        return out.view(dtype).view(values.shape)
+
+    def _reserve(self, n: int) -> int:
+        """The start of n free bytes at the head (wrapping to 0 when they do not fit before the end)."""
+        start = self.head if self.head + n <= self.capacity else 0
+        end = start + n
+        while self.pending and self.pending[0][2].query():  # copies that ran: their regions are free
+            self.spare_events.append(self.pending.popleft()[2])
+        for region_start, region_end, event in self.pending:
+            if region_start < end and start < region_end:  # still read by a queued copy
+                self.waits += 1
+                event.synchronize()
+        self.head = -(-end // self.ALIGN) * self.ALIGN
+        return start
+
+
+STAGING_BYTES = 32 << 20
+_staging: dict[torch.device, PinnedStaging] = {}
+
+
+def staging_for(device: torch.device) -> PinnedStaging:
+    """The process's staging ring for `device` (made on the first upload)."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    ring = _staging.get(device)
+    if ring is None:
+        ring = _staging[device] = PinnedStaging(device, STAGING_BYTES)
+    return ring
 
 
 class DeviceStreams:

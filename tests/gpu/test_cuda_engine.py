@@ -4,10 +4,12 @@ and a timeline showing the host's work for batch N+1 overlapping the device's wo
 import random
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from pdserve.common.engine.engine import Engine
+from pdserve.common.engine.overlap import PinnedStaging, staging_for
 from pdserve.common.tiny_model import ARCHS
 from pdserve.common.types import SamplingParams
 from tests.test_disagg_engines import hf_greedy
@@ -82,6 +84,20 @@ def test_steady_state_scheduling_never_syncs(tiny_models):
     engine.run_batch = strict(engine.run_batch)
     outs = engine.generate(cases, params)
     assert all(len(o.output_ids) > 0 for o in outs) and engine.is_idle()
+    # Every upload went through the pinned staging ring, and none had to wait for the device.
+    ring = staging_for(torch.device("cuda"))
+    assert ring.pending and ring.waits == 0
+
+
+def test_pinned_staging_never_overwrites_bytes_a_queued_copy_has_not_read():
+    ring = PinnedStaging(torch.device("cuda"), 1 << 16)
+    torch.cuda._sleep(100_000_000)  # the stream is busy: every copy below queues behind this
+    outs = [ring.upload(np.full(1024, i, dtype=np.int64)) for i in range(24)]  # 8 KiB each: the ring wraps
+    assert ring.waits > 0  # the host waited for the copies of the regions it wrote again
+    big = ring.upload(np.arange(1 << 14, dtype=np.int64))  # over a quarter of the ring: pinned on its own
+    torch.cuda.synchronize()
+    assert [int(o.min()) for o in outs] == [int(o.max()) for o in outs] == list(range(24))
+    assert torch.equal(big.cpu(), torch.arange(1 << 14))
 
 
 def test_timeline_host_work_for_n_plus_1_overlaps_device_work_for_n(tiny_models):
