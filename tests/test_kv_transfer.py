@@ -16,6 +16,7 @@ from pdserve.common.engine.kv_pool import PagedKVPool
 from pdserve.common.kv_transfer import KVLayout, decode_notif, encode_notif, new_room
 from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, run_descriptors
 from pdserve.common.kv_transfer.pool_metadata import PoolMetadata, decode_pool_metadata, encode_pool_metadata
+from pdserve.common.kv_transfer.same_gpu import copy_pages, page_view
 
 # Every wait that crosses a process gives up after this long.
 TIMEOUT_S = 30.0
@@ -50,6 +51,37 @@ def test_descriptors_go_layer_then_k_v_then_head_then_run():
     # Heads 1 and 2 of a pool: each its own contiguous range, 5000 bytes apart.
     sliced = run_descriptors(k_addrs[:1], v_addrs[:1], hpb, num_pages, device_id=0, heads=range(1, 3), runs=[(10, 3)])
     assert sliced == [(16_000, 300, 0), (21_000, 300, 0), (36_000, 300, 0), (41_000, 300, 0)]
+
+
+@pytest.mark.parametrize("src_heads,dst_heads", [(range(0, 2), range(0, 2)), (range(1, 2), range(0, 1))])
+def test_a_same_gpu_copy_writes_the_bytes_a_nixl_write_would(src_heads, dst_heads):
+    """copy_pages (the same-GPU path, here on CPU tensors) against run_descriptors (NIXL's) on the
+    same pages and heads: byte for byte the same destination pool."""
+    src_layout = KVLayout(page_size=4, num_layers=3, kv_heads=2, head_dim=8, dtype="float32", num_pages=12)
+    dst_layout = KVLayout(page_size=4, num_layers=3, kv_heads=len(dst_heads), head_dim=8, dtype="float32", num_pages=9,
+                          head_start=src_heads.start, model_kv_heads=2)
+    gen = torch.Generator().manual_seed(0)
+    src = [torch.rand(2, 12 * 4, 8, generator=gen) for _ in range(6)]  # K of 3 layers, then V
+    copied = [torch.zeros(dst_layout.kv_heads, 9 * 4, 8) for _ in range(6)]
+    by_descriptor = [b.clone() for b in copied]
+    src_pages, dst_pages = [3, 4, 5, 9, 1], [2, 3, 7, 8, 1]
+    copy_pages([page_view(b, src_layout) for b in src], [page_view(b, dst_layout) for b in copied],
+               src_pages, dst_pages, src_heads, range(0, len(dst_heads)))
+    runs = coalesce_runs(src_pages, dst_pages)
+    hpb = src_layout.head_page_bytes
+    src_bytes = [b.view(torch.uint8).flatten() for b in src]
+    dst_bytes = [b.view(torch.uint8).flatten() for b in by_descriptor]
+    address = lambda buffers: [1_000_000 * i for i in range(len(buffers))]  # noqa: E731 - buffer i at i MB
+    local = run_descriptors(address(src)[:3], address(src)[3:], hpb, 12, 0, src_heads, [(s, n) for s, _, n in runs])
+    remote = run_descriptors(address(copied)[:3], address(copied)[3:], hpb, 9, 0, range(0, len(dst_heads)),
+                             [(d, n) for _, d, n in runs])
+    for (s_addr, size, _), (d_addr, d_size, _) in zip(local, remote, strict=True):
+        assert size == d_size
+        s_buf, s_off = divmod(s_addr, 1_000_000)
+        d_buf, d_off = divmod(d_addr, 1_000_000)
+        dst_bytes[d_buf][d_off : d_off + size] = src_bytes[s_buf][s_off : s_off + size]
+    assert all(torch.equal(a, b) for a, b in zip(copied, by_descriptor))
+    assert any(bool(b.any()) for b in copied)
 
 
 def test_the_pool_is_head_major_so_a_heads_pages_are_contiguous():
@@ -189,6 +221,10 @@ def test_pool_metadata_round_trip():
     ranks = [make_pool_metadata(name=f"decode-0.tp{r}", layout=KVLayout(4, 3, 1, 8, "float32", 32, r, 2),
                                 transport_metadata=bytes([r]) * (r + 3)) for r in range(2)]
     assert decode_pool_metadata(encode_pool_metadata(ranks)) == ranks
+    # A CUDA pool's GPU and IPC handles (common/kv_transfer/same_gpu.py) travel too; older metadata lacks them.
+    ipc = make_pool_metadata(mem_type="VRAM", gpu_uuid="GPU-1234",
+                             ipc_buffers=(("ab01", 4096, 512, "cd", 8, "ef", True, 0),) * 6)
+    assert decode_pool_metadata(encode_pool_metadata([ipc])) == [ipc]
 
 
 def test_bad_pool_metadata_is_rejected():

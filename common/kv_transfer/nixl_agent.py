@@ -16,6 +16,7 @@ from pdserve.common.engine.kv_pool import PagedKVPool
 from pdserve.common.kv_transfer.base import KVLayout, KVTransferAgent, KVTransferError, TransferHandle, TransferState
 from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, run_descriptors
 from pdserve.common.kv_transfer.pool_metadata import PoolMetadata
+from pdserve.common.kv_transfer.same_gpu import SameGpuHandle, SameGpuPeers, gpu_uuid, share_buffers
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class NixlKVAgent(KVTransferAgent):
             raise KVTransferError(
                 f"NIXL has no {backend} backend on this machine (plugins: {self._agent.get_plugin_list()})"
             )
+        # Peers on this GPU get their pages by a device copy through CUDA IPC (common/kv_transfer/same_gpu.py).
+        self._same_gpu = SameGpuPeers(device, buffers, self.layout) if device.type == "cuda" else None
         regions = [(b.data_ptr(), b.nbytes, self._device_id, "") for b in buffers]
         self._registered = self._agent.register_memory(regions, self._mem_type)
         # Taken after registration: the agent metadata carries the registered regions' remote keys.
@@ -80,6 +83,8 @@ class NixlKVAgent(KVTransferAgent):
                 k_addrs=self._k_addrs,
                 v_addrs=self._v_addrs,
                 transport_metadata=self._agent.get_agent_metadata(),
+                gpu_uuid=gpu_uuid(device) if device.type == "cuda" else "",
+                ipc_buffers=share_buffers(buffers) if device.type == "cuda" else (),
         )
         self._peers: dict[str, PoolMetadata] = {}
         self._live: set[NixlTransferHandle] = set()
@@ -111,9 +116,13 @@ class NixlKVAgent(KVTransferAgent):
                 agent.remove_remote_agent(loaded_name)
             raise ValueError(f"peer metadata names {peer.name!r} but its NIXL agent is {loaded_name!r}")
         self._peers[peer.name] = peer
+        if self._same_gpu is not None and peer.mem_type == "VRAM":
+            self._same_gpu.add(peer.name, peer.gpu_uuid, peer.ipc_buffers, peer.layout)
         return peer.name
 
     def remove_peer(self, name: str) -> None:
+        if self._same_gpu is not None:
+            self._same_gpu.remove(name)
         if self._peers.pop(name, None) is None:
             return
         try:
@@ -136,6 +145,12 @@ class NixlKVAgent(KVTransferAgent):
             if not heads or heads.start < layout.head_start or heads.stop > layout.heads.stop:
                 raise ValueError(f"KV heads [{heads.start}, {heads.stop}) are not all in {side} pool "
                                  f"(it holds [{layout.heads.start}, {layout.heads.stop}))")
+        if self._same_gpu is not None and peer in self._same_gpu.peers:
+            handle = self._same_gpu.write(peer, src_pages, dst_pages, _local(heads, self.layout),
+                                          _local(heads, target.layout),
+                                          self.layout.transfer_bytes(len(src_pages), len(heads)), notif)
+            self._live.add(handle)
+            return handle
         runs = coalesce_runs(src_pages, dst_pages)
         hpb = self.layout.head_page_bytes
         local = run_descriptors(
@@ -172,6 +187,8 @@ class NixlKVAgent(KVTransferAgent):
         handle = self._own(handle)
         if handle.released:
             raise KVTransferError(f"{handle} was already released")
+        if isinstance(handle, SameGpuHandle):
+            return self._poll_copy(handle)
         try:
             state = self._open_agent().check_xfer_state(handle.xfer)
         except _NIXL_ERRORS as error:
@@ -183,12 +200,33 @@ class NixlKVAgent(KVTransferAgent):
         handle = self._own(handle)
         if handle.released:
             return
+        if isinstance(handle, SameGpuHandle):
+            # NOTE: a copy cannot be cancelled: wait for it (microseconds), so that pages freed
+            # after this call are not read or written by it any more.
+            handle.event.synchronize()
+            handle.released = True
+            self._live.discard(handle)
+            return
         try:
             handle.xfer.release()
         except _NIXL_ERRORS as error:
             raise KVTransferError(f"NIXL could not release (abort) {handle}: {error!r}") from error
         handle.released = True
         self._live.discard(handle)
+
+    def _poll_copy(self, handle: SameGpuHandle) -> TransferState:
+        """A same-GPU copy: DONE once it ran on the device and the peer was told (the notification
+        a NIXL WRITE would have carried)."""
+        if not handle.notified:
+            if not handle.event.query():
+                return TransferState.IN_PROGRESS
+            try:
+                self._open_agent().send_notif(handle.peer, handle.notif)
+            except _NIXL_ERRORS as error:
+                logger.warning("the notification of a copy to %r failed: %r", handle.peer, error)
+                return TransferState.FAILED
+            handle.notified = True
+        return TransferState.DONE
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
         received = self._open_agent().get_new_notifs()
@@ -204,6 +242,8 @@ class NixlKVAgent(KVTransferAgent):
         except _NIXL_ERRORS as error:
             logger.warning("NIXL could not deregister the KV pool of %r: %r", self.name, error)
         self._peers.clear()
+        if self._same_gpu is not None:
+            self._same_gpu.peers.clear()
         self._agent = None
 
     def _open_agent(self) -> nixl_agent:
@@ -211,8 +251,8 @@ class NixlKVAgent(KVTransferAgent):
             raise KVTransferError(f"KV transfer agent {self.name!r} is closed")
         return self._agent
 
-    def _own(self, handle: TransferHandle) -> NixlTransferHandle:
-        if not isinstance(handle, NixlTransferHandle):
+    def _own(self, handle: TransferHandle) -> NixlTransferHandle | SameGpuHandle:
+        if not isinstance(handle, (NixlTransferHandle, SameGpuHandle)):
             raise TypeError(f"{handle!r} is not a handle from a NixlKVAgent")
         return handle
 

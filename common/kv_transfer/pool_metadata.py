@@ -3,7 +3,8 @@ rank (each rank has its own agent and pool, holding its own KV heads).
 
 Wire format (version 2), no pickle:
     struct "!4sHI": magic b"PDKV", version, length J of the JSON part
-    J bytes of JSON: {"ranks": [{name, layout, mem_type, device_id, k_addrs, v_addrs, transport_len}, ...]}
+    J bytes of JSON: {"ranks": [{name, layout, mem_type, device_id, k_addrs, v_addrs, transport_len,
+                                 gpu_uuid, ipc_buffers}, ...]}   (the last two optional: "" and [])
     the rest: the ranks' transport metadata (opaque bytes), one after another, transport_len each
 
 Version 1 (one pool, token-major pages) is refused: its pages mean other bytes. Roll prefill and
@@ -36,6 +37,10 @@ class PoolMetadata:
     k_addrs: tuple[int, ...]
     v_addrs: tuple[int, ...]
     transport_metadata: bytes
+    # A CUDA pool's GPU (its UUID) and its buffers' CUDA IPC handles (common/kv_transfer/same_gpu.py),
+    # so that a peer on the same GPU copies pages itself; empty for DRAM pools.
+    gpu_uuid: str = ""
+    ipc_buffers: tuple = ()
 
 
 def encode_pool_metadata(ranks: Sequence[PoolMetadata]) -> bytes:
@@ -49,6 +54,8 @@ def encode_pool_metadata(ranks: Sequence[PoolMetadata]) -> bytes:
             "k_addrs": list(meta.k_addrs),
             "v_addrs": list(meta.v_addrs),
             "transport_len": len(meta.transport_metadata),
+            "gpu_uuid": meta.gpu_uuid,
+            "ipc_buffers": list(meta.ipc_buffers),
         }
         for meta in ranks
     ]
@@ -83,6 +90,8 @@ def decode_pool_metadata(data: bytes) -> list[PoolMetadata]:
                 k_addrs=tuple(fields["k_addrs"]),
                 v_addrs=tuple(fields["v_addrs"]),
                 transport_metadata=bytes(data[offset:end]),
+                gpu_uuid=str(fields.get("gpu_uuid", "")),
+                ipc_buffers=tuple(tuple(b) for b in fields.get("ipc_buffers", ())),
             ))
             offset = end
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:

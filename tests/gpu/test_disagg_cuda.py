@@ -1,4 +1,5 @@
-"""Disaggregation on one GPU: a prefill process and a decode process, KV moved VRAM -> VRAM by NIXL.
+"""Disaggregation on one GPU: a prefill process and a decode process, KV moved VRAM -> VRAM, by a
+device copy through CUDA IPC (common/kv_transfer/same_gpu.py, the default on one GPU) or by NIXL.
 
 The two engines run in their own spawned processes (each with its own CUDA context and NIXL
 agent); the test relays requests, KV destinations and results between them over pipes, as the
@@ -7,10 +8,12 @@ transfer latency and bandwidth for a long prompt on a GPT-2-small-shaped model (
 """
 
 import multiprocessing as mp
+import os
 import random
 import statistics
 import time
 
+import pytest
 
 from pdserve.common.types import SamplingParams
 from tests.test_disagg_engines import hf_greedy
@@ -18,8 +21,11 @@ from tests.test_disagg_engines import hf_greedy
 TIMEOUT_S = 300
 
 
-def worker(role: str, model: str, dtype: str, conn) -> None:
+def worker(role: str, model: str, dtype: str, path: str, conn) -> None:
     from pdserve.common.config import EngineConfig
+    from pdserve.common.kv_transfer.same_gpu import ENV
+
+    os.environ[ENV] = path
 
     config = EngineConfig(model_path=model, device="cuda", dtype=dtype, max_total_tokens=65536, page_size=16)
     if role == "decode":
@@ -36,7 +42,8 @@ def worker(role: str, model: str, dtype: str, conn) -> None:
         if conn.poll(0 if engine.busy() else 0.005):
             msg = conn.recv()
             if msg[0] == "stop":
-                conn.send(("idle", engine.is_idle()))
+                same_gpu = engine.agent._same_gpu
+                conn.send(("idle", engine.is_idle(), len(same_gpu.peers) if same_gpu is not None else 0))
                 return
             if role == "decode":
                 _, rid, prompt, params, room = msg
@@ -56,12 +63,12 @@ def worker(role: str, model: str, dtype: str, conn) -> None:
                 conn.send(("pre", r.rid, r.first_token, r.transfer_bytes, r.transfer_s, r.error))
 
 
-def run_disaggregated(model, dtype, prompts, params):
+def run_disaggregated(model, dtype, prompts, params, path="ipc"):
     ctx = mp.get_context("spawn")
     links = {}
     for role in ("decode", "prefill"):
         mine, theirs = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(role, model, dtype, theirs), daemon=True)
+        proc = ctx.Process(target=worker, args=(role, model, dtype, path, theirs), daemon=True)
         proc.start()
         links[role] = (mine, proc)
     dconn, pconn = links["decode"][0], links["prefill"][0]
@@ -88,27 +95,33 @@ def run_disaggregated(model, dtype, prompts, params):
                 elif msg[0] == "pre":
                     assert msg[5] is None, msg[5]
                     transfers[msg[1]] = (msg[3], msg[4])
-    idle = []
+    idle, mapped = [], []
     for conn in (dconn, pconn):
         conn.send(("stop",))
         assert conn.poll(60)
-        idle.append(conn.recv()[1])
+        _, is_idle, peers = conn.recv()
+        idle.append(is_idle)
+        mapped.append(peers)
+    # The prefill side mapped the decode pool (IPC) or did not (NIXL); the decode side never maps one.
+    assert mapped == [0, 1 if path == "ipc" else 0]
     for _, proc in links.values():
         proc.join(30)
     assert all(idle), "KV not back to idle on both sides"
     return [outputs[f"r{i}"] for i in range(len(prompts))], [transfers[f"r{i}"] for i in range(len(prompts))]
 
 
-def test_disaggregated_greedy_on_gpu_matches_transformers(tiny_models):
+@pytest.mark.parametrize("path", ["ipc", "nixl"])
+def test_disaggregated_greedy_on_gpu_matches_transformers(path, tiny_models):
     model = tiny_models("qwen3")
     rng = random.Random(1)
     prompts = [[0] + [rng.randrange(5, 512) for _ in range(rng.randrange(1, 90))] for _ in range(16)]
     expected = hf_greedy(model, prompts, 12, device="cuda")
-    got, _ = run_disaggregated(model, "float32", prompts, SamplingParams(max_new_tokens=12, temperature=0))
+    got, _ = run_disaggregated(model, "float32", prompts, SamplingParams(max_new_tokens=12, temperature=0), path)
     assert got == expected
 
 
-def test_kv_transfer_latency_and_bandwidth_on_gpu(tmp_path):
+@pytest.mark.parametrize("path", ["ipc", "nixl"])
+def test_kv_transfer_latency_and_bandwidth_on_gpu(path, tmp_path):
     from pdserve.common.tiny_model import make_tiny_model
 
     shape = {"n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": 3072, "vocab_size": 50257, "n_positions": 4096}
@@ -116,11 +129,11 @@ def test_kv_transfer_latency_and_bandwidth_on_gpu(tmp_path):
     rng = random.Random(2)
     for length in (512, 2048):
         prompts = [[rng.randrange(5, 50000) for _ in range(length)] for _ in range(8)]
-        _, transfers = run_disaggregated(model, "bfloat16", prompts, SamplingParams(max_new_tokens=2, temperature=0))
+        _, transfers = run_disaggregated(model, "bfloat16", prompts, SamplingParams(max_new_tokens=2, temperature=0), path)
         sizes = [b for b, _ in transfers]
         secs = [s for _, s in transfers]
         gbps = [b / s / 1e9 for b, s in transfers]
-        print(f"\nGPT-2-small bf16, {length}-token prompt: KV {statistics.median(sizes) / 2**20:.1f} MiB per request, "
+        print(f"\n{path}: GPT-2-small bf16, {length}-token prompt: KV {statistics.median(sizes) / 2**20:.1f} MiB per request, "
               f"transfer latency median {statistics.median(secs) * 1e3:.2f} ms (min {min(secs) * 1e3:.2f}, "
               f"max {max(secs) * 1e3:.2f}), bandwidth median {statistics.median(gbps):.1f} GB/s over {len(sizes)} requests")
         assert all(b == 2 * 12 * 12 * 64 * 2 * ((length + 15) // 16 * 16) for b in sizes)
