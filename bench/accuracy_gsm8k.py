@@ -18,8 +18,9 @@ from statistics import fmean
 
 from pdserve.bench.accuracy_client import OpenAIEndpoint
 
-INSTRUCTION = ("Solve the problem step by step. End with a last line of the form 'The answer is N.', "
-               "where N is the final number.")
+INSTRUCTION = (
+    "Solve the problem step by step. End with a last line of the form 'The answer is N.', where N is the final number."
+)
 STOP = "\nQuestion:"  # completions: a model going on to a next question has answered this one
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -129,10 +130,15 @@ def score(plan: GSM8KPlan, served: list[dict], ref_texts: list[str] | None) -> d
             record["same_text"] = not record["error"] and record["pdserve_text"] == record["hf_text"]
             record["prompt_ids_equal"] = answer.get("prompt_ids") == plan.prompt_ids[index]
         records.append(record)
-    summary = {"n": len(records), "endpoint": "chat" if plan.chat else "completions", "max_tokens": plan.max_tokens,
-               "failed": sum(1 for r in records if r["error"]),
-               "pdserve": {"exact_match": fmean(r["pdserve_correct"] for r in records)}, "hf": None,
-               "agreement": None}
+    summary = {
+        "n": len(records),
+        "endpoint": "chat" if plan.chat else "completions",
+        "max_tokens": plan.max_tokens,
+        "failed": sum(1 for r in records if r["error"]),
+        "pdserve": {"exact_match": fmean(r["pdserve_correct"] for r in records)},
+        "hf": None,
+        "agreement": None,
+    }
     if ref_texts is not None:
         summary["hf"] = {"exact_match": fmean(r["hf_correct"] for r in records)}
         summary["agreement"] = fmean(r["agree"] for r in records)
@@ -144,6 +150,13 @@ def score(plan: GSM8KPlan, served: list[dict], ref_texts: list[str] | None) -> d
 
 def table_rows(summary: dict) -> list[list[str]]:
     hf, agree = summary["hf"], summary["agreement"]
-    return [["gsm8k", "exact_match", f"{summary['pdserve']['exact_match']:.3f}",
-             "-" if hf is None else f"{hf['exact_match']:.3f}", "-" if agree is None else f"{agree:.1%}", "-"]]
-
+    return [
+        [
+            "gsm8k",
+            "exact_match",
+            f"{summary['pdserve']['exact_match']:.3f}",
+            "-" if hf is None else f"{hf['exact_match']:.3f}",
+            "-" if agree is None else f"{agree:.1%}",
+            "-",
+        ]
+    ]

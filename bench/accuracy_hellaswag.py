@@ -103,8 +103,10 @@ def serve(endpoint: OpenAIEndpoint, plan: HellaSwagPlan, concurrency: int) -> li
     generated token's entry; docs/lm-eval.md). NOTE: the echoed prompt leads `token_logprobs`
     (its first entry null) and nothing follows it, so the list is exactly as long as the prompt."""
     flat = [pair for pairs in plan.pairs for pair in pairs]
-    bodies = [{"prompt": context + continuation, "max_tokens": 0, "temperature": 0, "echo": True, "logprobs": 0}
-              for context, continuation in flat]
+    bodies = [
+        {"prompt": context + continuation, "max_tokens": 0, "temperature": 0, "echo": True, "logprobs": 0}
+        for context, continuation in flat
+    ]
     answers = iter(endpoint.post_all("/v1/completions", bodies, concurrency))
     served = []
     for pairs in plan.pairs:
@@ -146,26 +148,44 @@ def score(plan: HellaSwagPlan, served: list[dict], ref: list[list[float]] | None
             record["agree_norm"] = record["pdserve_pick_norm"] == record["hf_pick_norm"]
             record["max_abs_diff"] = max(abs(a - b) for a, b in zip(ll, ref[index])) if ll else None
         records.append(record)
-    summary = {"n": len(records), "failed": sum(1 for r in records if r["error"]),
-               "pdserve": _accuracies(records, "pdserve"), "hf": None, "agreement": None}
+    summary = {
+        "n": len(records),
+        "failed": sum(1 for r in records if r["error"]),
+        "pdserve": _accuracies(records, "pdserve"),
+        "hf": None,
+        "agreement": None,
+    }
     if ref is not None:
         diffs = [r["max_abs_diff"] for r in records if r["max_abs_diff"] is not None]
-        summary |= {"hf": _accuracies(records, "hf"), "agreement": fmean(r["agree"] for r in records),
-                    "agreement_norm": fmean(r["agree_norm"] for r in records),
-                    "max_abs_logprob_diff": max(diffs) if diffs else None}
+        summary |= {
+            "hf": _accuracies(records, "hf"),
+            "agreement": fmean(r["agree"] for r in records),
+            "agreement_norm": fmean(r["agree_norm"] for r in records),
+            "max_abs_logprob_diff": max(diffs) if diffs else None,
+        }
     summary["items"] = records
     return summary
 
 
 def _accuracies(records: list[dict], who: str) -> dict:
-    return {"acc": fmean(r[f"{who}_pick"] == r["gold"] for r in records),
-            "acc_norm": fmean(r[f"{who}_pick_norm"] == r["gold"] for r in records)}
+    return {
+        "acc": fmean(r[f"{who}_pick"] == r["gold"] for r in records),
+        "acc_norm": fmean(r[f"{who}_pick_norm"] == r["gold"] for r in records),
+    }
 
 
 def table_rows(summary: dict) -> list[list[str]]:
     hf, diff = summary["hf"], summary.get("max_abs_logprob_diff")
     rows = []
     for metric, agreement in (("acc", summary["agreement"]), ("acc_norm", summary.get("agreement_norm"))):
-        rows.append(["hellaswag", metric, f"{summary['pdserve'][metric]:.3f}", "-" if hf is None else f"{hf[metric]:.3f}",
-                     "-" if agreement is None else f"{agreement:.1%}", "-" if diff is None else f"{diff:.2e}"])
+        rows.append(
+            [
+                "hellaswag",
+                metric,
+                f"{summary['pdserve'][metric]:.3f}",
+                "-" if hf is None else f"{hf[metric]:.3f}",
+                "-" if agreement is None else f"{agreement:.1%}",
+                "-" if diff is None else f"{diff:.2e}",
+            ]
+        )
     return rows

@@ -32,19 +32,29 @@ def load_reference(model_path: str, device: str, dtype: str):
 
     hf_logging.disable_progress_bar()
     folder, name = os.path.split(os.path.abspath(gguf))
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype),
-                                                 quantization_config=GgufConfig(dequantize=True), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder,
+        gguf_file=name,
+        dtype=getattr(torch, dtype),
+        quantization_config=GgufConfig(dequantize=True),
+        local_files_only=True,
+    )
     return model.to(device).eval()
 
 
-def generate_greedy(model, prompts: list[list[int]], max_tokens: int, eos_ids: tuple[int, ...],
-                    device: str) -> list[list[int]]:
+def generate_greedy(
+    model, prompts: list[list[int]], max_tokens: int, eos_ids: tuple[int, ...], device: str
+) -> list[list[int]]:
     """The new tokens of greedy generation from each prompt (up to max_tokens, ending at an EOS)."""
     import torch
     from transformers import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=list(eos_ids),
-                              pad_token_id=eos_ids[0] if eos_ids else 0)
+    config = GenerationConfig(
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=list(eos_ids),
+        pad_token_id=eos_ids[0] if eos_ids else 0,
+    )
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:

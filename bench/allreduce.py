@@ -58,7 +58,9 @@ def rank_main(rank: int, args) -> None:
         expected = x.clone()
         dist.all_reduce(expected)
         work = x.clone()
-        lines.append(f"batch {bs:4d}  nccl                 {per_call_us(lambda: dist.all_reduce(work), args.calls):6.1f} us")
+        lines.append(
+            f"batch {bs:4d}  nccl                 {per_call_us(lambda: dist.all_reduce(work), args.calls):6.1f} us"
+        )
         buf = symm_mem.empty(n, dtype=torch.bfloat16, device=device)
         symm_mem.rendezvous(buf, group)
         for name in SYMM_MEM_OPS:
@@ -71,12 +73,17 @@ def rank_main(rank: int, args) -> None:
                 out = op(buf, "sum", group)
                 got = buf if out is None else out  # the in-place ops reduce into buf
                 torch.testing.assert_close(got, expected, atol=0.05, rtol=0.02)
-                lines.append(f"batch {bs:4d}  {name:20s} {per_call_us(lambda: op(buf, 'sum', group), args.calls):6.1f} us")
+                lines.append(
+                    f"batch {bs:4d}  {name:20s} {per_call_us(lambda: op(buf, 'sum', group), args.calls):6.1f} us"
+                )
             except Exception as e:  # noqa: BLE001 - report (e.g. multicast not supported) and go on
                 lines.append(f"batch {bs:4d}  {name:20s} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
     if rank == 0:
-        print(f"{torch.cuda.get_device_name()} x{args.gpus}, torch {torch.__version__}, hidden {args.hidden}, bf16, "
-              f"{args.calls} all-reduces per graph", flush=True)
+        print(
+            f"{torch.cuda.get_device_name()} x{args.gpus}, torch {torch.__version__}, hidden {args.hidden}, bf16, "
+            f"{args.calls} all-reduces per graph",
+            flush=True,
+        )
         print("\n".join(lines), flush=True)
     dist.barrier()
     dist.destroy_process_group()

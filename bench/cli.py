@@ -58,98 +58,213 @@ Prints a table and a JSON line (with per-item records); exit 1 when a request fa
 
 def add_bench_parser(sub) -> None:
     """`bench` and its sub-commands, on the `pdserve` parser's sub-parsers."""
-    bench = sub.add_parser("bench", help="Benchmarks: offline throughput (offline), online serving (serve), "
-                                         "accuracy against transformers (accuracy).")
+    bench = sub.add_parser(
+        "bench",
+        help="Benchmarks: offline throughput (offline), online serving (serve), "
+        "accuracy against transformers (accuracy).",
+    )
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
-    offline = kinds.add_parser("offline", help="Offline throughput of the engine (and transformers).",
-                               description=OFFLINE_DOC)
+    offline = kinds.add_parser(
+        "offline", help="Offline throughput of the engine (and transformers).", description=OFFLINE_DOC
+    )
     _workload_args(offline)
-    offline.add_argument("--backend", choices=("pdserve", "hf", "both"), default="pdserve",
-                         help="pdserve (the engine), hf (transformers generate) or both, on the same prompts.")
+    offline.add_argument(
+        "--backend",
+        choices=("pdserve", "hf", "both"),
+        default="pdserve",
+        help="pdserve (the engine), hf (transformers generate) or both, on the same prompts.",
+    )
     offline.add_argument("--warmup", type=int, default=1, help="Unmeasured runs first (each backend).")
     offline.add_argument("--repeats", type=int, default=3, help="Measured runs; the report gives their medians.")
     offline.add_argument("--temperature", type=float, default=0.0, help="0: greedy.")
-    offline.add_argument("--hf-batch-size", type=int, default=0, help="transformers: prompts per generate call; 0: all.")
+    offline.add_argument(
+        "--hf-batch-size", type=int, default=0, help="transformers: prompts per generate call; 0: all."
+    )
     add_cli_args(offline, EngineConfig)
     offline.set_defaults(func=_offline)
 
-    serve = kinds.add_parser("serve", help="Online serving latency and throughput over HTTP (or transformers).",
-                             description=SERVE_DOC)
+    serve = kinds.add_parser(
+        "serve", help="Online serving latency and throughput over HTTP (or transformers).", description=SERVE_DOC
+    )
     _workload_args(serve)
     serve.add_argument("--base-url", default=None, help="http://HOST:PORT of the server; default: start a local stack.")
     serve.add_argument("--num-prefill", type=int, default=1, help="Local stack: prefill servers behind the router.")
     serve.add_argument("--num-decode", type=int, default=1, help="Local stack: decode servers behind the router.")
-    serve.add_argument("--prefill-tp", type=int, default=0,
-                       help="Local stack: --tp-size of each prefill server (a GPU per rank); 0: --tp-size.")
-    serve.add_argument("--decode-tp", type=int, default=0,
-                       help="Local stack: --tp-size of each decode server (a GPU per rank); 0: --tp-size.")
-    serve.add_argument("--gpus", default=None, metavar="0,1,...",
-                       help="Local stack: GPUs to place the servers on, as `pdserve up --gpus`; default: every visible one.")
-    serve.add_argument("--prefill-policy", default="round_robin", choices=("round_robin", "least_load", "cache_aware"),
-                       help="Local stack: the router's --prefill-policy.")
-    serve.add_argument("--disagg-policy", default="always", choices=("always", "never", "auto"),
-                       help="Local stack: the router's --disagg-policy (never: --num-prefill may be 0).")
-    serve.add_argument("--stacks", nargs="+", default=[], metavar="NAME=PREFILL:DECODE:POLICY[:P/D]",
-                       help="Several local stacks, one after another, each running every --request-rate on the same "
-                            "prompts (bench/sweep.py): e.g. 1p1d=1:1:always replicas=0:2:never auto=1:1:auto; "
-                            "P/D: the SM shares of servers sharing a GPU (e.g. split60=1:1:always:60/100).")
-    serve.add_argument("--router-workers", type=int, default=1,
-                       help="Local stack: the router's --workers (0: from the CPU cores, as pdserve up starts it).")
-    serve.add_argument("--mps", default="auto", choices=("auto", "on", "off"),
-                       help="Local stack: servers sharing a GPU under a private MPS daemon (as pdserve up --mps).")
-    serve.add_argument("--sm-shares", default="auto", metavar="PREFILL:DECODE",
-                       help="Local stack: under MPS, each role's percent of a shared GPU's SMs (as pdserve up "
-                            "--sm-shares); auto: the measured default.")
-    serve.add_argument("--attainment", type=float, default=0.9,
-                       help="With --goodput: a stack's goodput is the highest rate with at least this SLO attainment.")
-    serve.add_argument("--plot", default=None, metavar="PNG",
-                       help="With --stacks: write SLO attainment, p90 TTFT and p90 TPOT against the rate here (matplotlib).")
-    serve.add_argument("--server-torch-threads", type=int, default=0,
-                       help="Local stack: --torch-threads of each server; 0: torch's default (one thread per core).")
+    serve.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=0,
+        help="Local stack: --tp-size of each prefill server (a GPU per rank); 0: --tp-size.",
+    )
+    serve.add_argument(
+        "--decode-tp",
+        type=int,
+        default=0,
+        help="Local stack: --tp-size of each decode server (a GPU per rank); 0: --tp-size.",
+    )
+    serve.add_argument(
+        "--gpus",
+        default=None,
+        metavar="0,1,...",
+        help="Local stack: GPUs to place the servers on, as `pdserve up --gpus`; default: every visible one.",
+    )
+    serve.add_argument(
+        "--prefill-policy",
+        default="round_robin",
+        choices=("round_robin", "least_load", "cache_aware"),
+        help="Local stack: the router's --prefill-policy.",
+    )
+    serve.add_argument(
+        "--disagg-policy",
+        default="always",
+        choices=("always", "never", "auto"),
+        help="Local stack: the router's --disagg-policy (never: --num-prefill may be 0).",
+    )
+    serve.add_argument(
+        "--stacks",
+        nargs="+",
+        default=[],
+        metavar="NAME=PREFILL:DECODE:POLICY[:P/D]",
+        help="Several local stacks, one after another, each running every --request-rate on the same "
+        "prompts (bench/sweep.py): e.g. 1p1d=1:1:always replicas=0:2:never auto=1:1:auto; "
+        "P/D: the SM shares of servers sharing a GPU (e.g. split60=1:1:always:60/100).",
+    )
+    serve.add_argument(
+        "--router-workers",
+        type=int,
+        default=1,
+        help="Local stack: the router's --workers (0: from the CPU cores, as pdserve up starts it).",
+    )
+    serve.add_argument(
+        "--mps",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="Local stack: servers sharing a GPU under a private MPS daemon (as pdserve up --mps).",
+    )
+    serve.add_argument(
+        "--sm-shares",
+        default="auto",
+        metavar="PREFILL:DECODE",
+        help="Local stack: under MPS, each role's percent of a shared GPU's SMs (as pdserve up "
+        "--sm-shares); auto: the measured default.",
+    )
+    serve.add_argument(
+        "--attainment",
+        type=float,
+        default=0.9,
+        help="With --goodput: a stack's goodput is the highest rate with at least this SLO attainment.",
+    )
+    serve.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="With --stacks: write SLO attainment, p90 TTFT and p90 TPOT against the rate here (matplotlib).",
+    )
+    serve.add_argument(
+        "--server-torch-threads",
+        type=int,
+        default=0,
+        help="Local stack: --torch-threads of each server; 0: torch's default (one thread per core).",
+    )
     serve.add_argument("--model", default=None, help="Model name to request; default: the first of GET /v1/models.")
-    serve.add_argument("--vocab-size", type=int, default=0,
-                       help="Draw prompt ids from [0, V); default: from the checkpoint's tokenizer and config.")
-    serve.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
-                       help="Requests per second, Poisson arrivals (inf: all at once). Several: one run each.")
-    serve.add_argument("--max-concurrency", type=int, nargs="+", default=[0],
-                       help="Most requests in flight (0: no limit); with --client-workers, split among the processes. "
-                            "Several: one run each (with every rate).")
-    serve.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
-                       help="SLOs for goodput, keys ttft, tpot, e2el in milliseconds (vllm bench serve's meaning).")
-    serve.add_argument("--backend", choices=("pdserve", "hf"), default="pdserve",
-                       help="pdserve: the HTTP endpoint (a local stack without --base-url); hf: transformers in-process.")
+    serve.add_argument(
+        "--vocab-size",
+        type=int,
+        default=0,
+        help="Draw prompt ids from [0, V); default: from the checkpoint's tokenizer and config.",
+    )
+    serve.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[float("inf")],
+        help="Requests per second, Poisson arrivals (inf: all at once). Several: one run each.",
+    )
+    serve.add_argument(
+        "--max-concurrency",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="Most requests in flight (0: no limit); with --client-workers, split among the processes. "
+        "Several: one run each (with every rate).",
+    )
+    serve.add_argument(
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="KEY:MS",
+        help="SLOs for goodput, keys ttft, tpot, e2el in milliseconds (vllm bench serve's meaning).",
+    )
+    serve.add_argument(
+        "--backend",
+        choices=("pdserve", "hf"),
+        default="pdserve",
+        help="pdserve: the HTTP endpoint (a local stack without --base-url); hf: transformers in-process.",
+    )
     serve.add_argument("--warmup", type=int, default=1, help="Requests sent one at a time before the measured runs.")
-    serve.add_argument("--hf-batch-size", type=int, default=0, help="--backend hf: most requests per generate batch; 0: no limit.")
+    serve.add_argument(
+        "--hf-batch-size", type=int, default=0, help="--backend hf: most requests per generate batch; 0: no limit."
+    )
     serve.add_argument("--api-key", default="", help="Sent as 'Authorization: Bearer KEY'.")
-    serve.add_argument("--request-timeout", type=float, default=600.0, help="Seconds a request may take before it counts as failed.")
-    serve.add_argument("--client-workers", type=int, default=1, metavar="N",
-                       help="Client processes sending the measured requests (round-robin); 1: this process. "
-                            "--max-concurrency is split among them (per process, as evenly as possible, each >= 1; "
-                            "at most that many workers are used).")
-    serve.add_argument("--router-pid", type=int, default=None, metavar="PID",
-                       help="With --base-url: a router on this host whose CPU time (with its child processes') "
-                            "each run reports; default: a local stack's router, else none.")
+    serve.add_argument(
+        "--request-timeout", type=float, default=600.0, help="Seconds a request may take before it counts as failed."
+    )
+    serve.add_argument(
+        "--client-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="Client processes sending the measured requests (round-robin); 1: this process. "
+        "--max-concurrency is split among them (per process, as evenly as possible, each >= 1; "
+        "at most that many workers are used).",
+    )
+    serve.add_argument(
+        "--router-pid",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="With --base-url: a router on this host whose CPU time (with its child processes') "
+        "each run reports; default: a local stack's router, else none.",
+    )
     add_cli_args(serve, EngineConfig)
     serve.set_defaults(func=_serve)
 
-    accuracy = kinds.add_parser("accuracy", help="GSM8K and HellaSwag accuracy over HTTP, against transformers.",
-                                description=ACCURACY_DOC)
-    accuracy.add_argument("--base-url", default=None, help="http://HOST:PORT of the server; default: start a local stack.")
+    accuracy = kinds.add_parser(
+        "accuracy", help="GSM8K and HellaSwag accuracy over HTTP, against transformers.", description=ACCURACY_DOC
+    )
+    accuracy.add_argument(
+        "--base-url", default=None, help="http://HOST:PORT of the server; default: start a local stack."
+    )
     accuracy.add_argument("--model", default=None, help="Model name to request; default: the first of GET /v1/models.")
-    accuracy.add_argument("--tasks", default="gsm8k,hellaswag",
-                          help="Comma-separated: gsm8k, hellaswag, teacher_forced (per-position top-1 agreement "
-                               "on GSM8K's worked answers, through prompt_logprobs).")
+    accuracy.add_argument(
+        "--tasks",
+        default="gsm8k,hellaswag",
+        help="Comma-separated: gsm8k, hellaswag, teacher_forced (per-position top-1 agreement "
+        "on GSM8K's worked answers, through prompt_logprobs).",
+    )
     accuracy.add_argument("--limit", type=int, default=0, help="The first N items of each task (of 100); 0: all.")
     accuracy.add_argument("--concurrency", type=int, default=16, help="Requests in flight at once.")
-    accuracy.add_argument("--reference", choices=("hf", "none"), default="hf",
-                          help="hf: transformers on the same items (--device, --dtype), compared item by item.")
-    accuracy.add_argument("--reference-dtype", choices=("float32", "float16", "bfloat16"), default=None,
-                          help="transformers' dtype; default: --dtype (the served one). float32 measures a "
-                               "bf16 server against the full-precision model.")
+    accuracy.add_argument(
+        "--reference",
+        choices=("hf", "none"),
+        default="hf",
+        help="hf: transformers on the same items (--device, --dtype), compared item by item.",
+    )
+    accuracy.add_argument(
+        "--reference-dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default=None,
+        help="transformers' dtype; default: --dtype (the served one). float32 measures a "
+        "bf16 server against the full-precision model.",
+    )
     accuracy.add_argument("--gsm8k-max-tokens", type=int, default=256, help="GSM8K: most tokens generated per answer.")
-    accuracy.add_argument("--gsm8k-endpoint", choices=("auto", "chat", "completions"), default="auto",
-                          help="GSM8K: auto is chat when the checkpoint has a chat template, else completions.")
+    accuracy.add_argument(
+        "--gsm8k-endpoint",
+        choices=("auto", "chat", "completions"),
+        default="auto",
+        help="GSM8K: auto is chat when the checkpoint has a chat template, else completions.",
+    )
     accuracy.add_argument("--api-key", default="", help="Sent as 'Authorization: Bearer KEY'.")
     accuracy.add_argument("--request-timeout", type=float, default=600.0, help="Seconds a request may take.")
     accuracy.add_argument("--output-json", default=None, metavar="FILE", help="Also write the JSON report here.")
@@ -165,8 +280,13 @@ def _workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=256, help="Prompt tokens per request.")
     parser.add_argument("--output-len", type=int, default=64, help="Output tokens per request (ignore_eos).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the prompts (and of the arrival times).")
-    parser.add_argument("--prefix-groups", type=int, default=0, metavar="G",
-                        help="Prompts share one of G prefixes of --prefix-len tokens (a prefix-cache workload); 0: none.")
+    parser.add_argument(
+        "--prefix-groups",
+        type=int,
+        default=0,
+        metavar="G",
+        help="Prompts share one of G prefixes of --prefix-len tokens (a prefix-cache workload); 0: none.",
+    )
     parser.add_argument("--prefix-len", type=int, default=0, help="Tokens of each shared prefix (< --input-len).")
     parser.add_argument("--output-json", default=None, metavar="FILE", help="Also write the JSON report here.")
 

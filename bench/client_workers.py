@@ -73,8 +73,12 @@ class ClientWorkers:
         self.pipes, self.procs = [], []
         for i in range(count):
             parent_end, worker_end = context.Pipe()
-            proc = context.Process(target=_worker_main, name=f"bench-client-{i}", daemon=True,
-                                   args=(worker_end, backend.base_url, backend.model, backend.api_key))
+            proc = context.Process(
+                target=_worker_main,
+                name=f"bench-client-{i}",
+                daemon=True,
+                args=(worker_end, backend.base_url, backend.model, backend.api_key),
+            )
             proc.start()
             worker_end.close()  # the worker holds its own copy: a dead worker reads as EOF here
             self.pipes.append(parent_end)
@@ -86,8 +90,9 @@ class ClientWorkers:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def run(self, prompts: list[list[int]], output_len: int, rate: float, max_concurrency: int, seed: int,
-            timeout_s: float) -> tuple[list[RequestResult], float, float]:
+    def run(
+        self, prompts: list[list[int]], output_len: int, rate: float, max_concurrency: int, seed: int, timeout_s: float
+    ) -> tuple[list[RequestResult], float, float]:
         """(results in prompt order, duration from the common start to the last answer, the
         workers' CPU seconds summed). Uses at most max_concurrency workers, so each has a slot."""
         offsets = arrival_times(len(prompts), rate, seed)
@@ -113,8 +118,9 @@ class ClientWorkers:
             return self.pipes[i].recv_bytes()
         except EOFError:
             self.procs[i].join(1.0)
-            raise RuntimeError(f"client worker {i} exited (code {self.procs[i].exitcode}); "
-                               "its traceback is on stderr") from None
+            raise RuntimeError(
+                f"client worker {i} exited (code {self.procs[i].exitcode}); its traceback is on stderr"
+            ) from None
 
     def close(self) -> None:
         for pipe in self.pipes:
@@ -145,8 +151,11 @@ def _worker_main(pipe, base_url: str, model: str, api_key: str) -> None:
             # NOTE: the wall clock only places the common start; times within the run are this
             # process's perf_counter, as in a single-process run.
             start = time.perf_counter() + (start_wall - time.time())
-            results = asyncio.run(send_on_schedule(backend, job.prompts, job.offsets, job.output_len,
-                                                   job.max_concurrency, job.timeout_s, start))
+            results = asyncio.run(
+                send_on_schedule(
+                    backend, job.prompts, job.offsets, job.output_len, job.max_concurrency, job.timeout_s, start
+                )
+            )
             last_answer_s = time.perf_counter() - start
             pipe.send_bytes(encoder.encode(Done(results, last_answer_s, time.process_time() - cpu)))
     except (EOFError, KeyboardInterrupt):  # the parent went away, or Ctrl-C reached the whole group

@@ -106,8 +106,13 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(ap)
-    ap.add_argument("--batch-size", type=int, nargs="+", default=[128],
-                    help="One engine, measured at each size in turn (--json then holds a list).")
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        nargs="+",
+        default=[128],
+        help="One engine, measured at each size in turn (--json then holds a list).",
+    )
     ap.add_argument("--input-len", type=int, default=270)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -116,15 +121,23 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--tp-size", type=int, default=1, help="Ranks on GPUs 0..N-1; the floor is one rank's shard.")
     ap.add_argument("--json", help="Also write the result here.")
-    ap.add_argument("--profile", action="store_true", help="Also print the CUDA kernels of one more run, by total time.")
+    ap.add_argument(
+        "--profile", action="store_true", help="Also print the CUDA kernels of one more run, by total time."
+    )
     args = ap.parse_args()
 
     path = model_path_from_args(args)
     bs, ctx = max(args.batch_size), args.input_len + args.output_len
     engine = Engine(
-        model_path=str(path), device="cuda", dtype="bfloat16", max_running_requests=bs,
-        max_total_tokens=bs * (ctx + 16), disable_radix_cache=True, attention_backend=args.attention_backend,
-        disable_overlap_schedule=args.disable_overlap_schedule, disable_cuda_graph=args.disable_cuda_graph,
+        model_path=str(path),
+        device="cuda",
+        dtype="bfloat16",
+        max_running_requests=bs,
+        max_total_tokens=bs * (ctx + 16),
+        disable_radix_cache=True,
+        attention_backend=args.attention_backend,
+        disable_overlap_schedule=args.disable_overlap_schedule,
+        disable_cuda_graph=args.disable_cuda_graph,
         tp_size=args.tp_size,
     )
     results = []
@@ -134,12 +147,17 @@ def main() -> None:
             result = measure(timer, args, path, size)
             results.append(result)
             print(json.dumps(result))
-            print(f"\n{result['gpu']}: batch {size}, tp {args.tp_size}, median context {result['median_context']}, "
-                  f"weights {result['weight_gb']:.2f} GB + KV {result['kv_gb_per_step']:.2f} GB per step per rank, "
-                  f"copy rate {result['copy_rate_tb_s']:.2f} TB/s (read + write)")
-            print(f"floor {result['floor_ms']:.3f} ms | device step {result['device_step_ms']:.3f} ms "
-                  f"({result['device_over_floor']:.2f}x floor) | loop step {result['loop_step_ms']:.3f} ms "
-                  f"({result['loop_over_floor']:.2f}x floor)", flush=True)
+            print(
+                f"\n{result['gpu']}: batch {size}, tp {args.tp_size}, median context {result['median_context']}, "
+                f"weights {result['weight_gb']:.2f} GB + KV {result['kv_gb_per_step']:.2f} GB per step per rank, "
+                f"copy rate {result['copy_rate_tb_s']:.2f} TB/s (read + write)"
+            )
+            print(
+                f"floor {result['floor_ms']:.3f} ms | device step {result['device_step_ms']:.3f} ms "
+                f"({result['device_over_floor']:.2f}x floor) | loop step {result['loop_step_ms']:.3f} ms "
+                f"({result['loop_over_floor']:.2f}x floor)",
+                flush=True,
+            )
     finally:
         engine.close()
     if args.json:
@@ -173,12 +191,22 @@ def measure(timer: StepTimer, args, path, bs: int) -> dict:
     floor_ms = (w_bytes + kv_bytes) / rate * 1e3
     device, loop = statistics.median(device_ms), statistics.median(loop_ms)
     result = {
-        "gpu": torch.cuda.get_device_name(), "model": str(path), "batch_size": bs, "median_context": median_ctx,
-        "weight_gb": w_bytes / 1e9, "kv_gb_per_step": kv_bytes / 1e9, "copy_rate_tb_s": rate / 1e12,
-        "floor_ms": floor_ms, "device_step_ms": device, "loop_step_ms": loop,
-        "device_over_floor": device / floor_ms, "loop_over_floor": loop / floor_ms,
-        "overlap": not args.disable_overlap_schedule, "cuda_graph": not args.disable_cuda_graph,
-        "attention_backend": engine.config.attention_backend, "steps_measured": len(device_ms),
+        "gpu": torch.cuda.get_device_name(),
+        "model": str(path),
+        "batch_size": bs,
+        "median_context": median_ctx,
+        "weight_gb": w_bytes / 1e9,
+        "kv_gb_per_step": kv_bytes / 1e9,
+        "copy_rate_tb_s": rate / 1e12,
+        "floor_ms": floor_ms,
+        "device_step_ms": device,
+        "loop_step_ms": loop,
+        "device_over_floor": device / floor_ms,
+        "loop_over_floor": loop / floor_ms,
+        "overlap": not args.disable_overlap_schedule,
+        "cuda_graph": not args.disable_cuda_graph,
+        "attention_backend": engine.config.attention_backend,
+        "steps_measured": len(device_ms),
         "tp_size": args.tp_size,
     }
     return result

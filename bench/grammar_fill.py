@@ -93,8 +93,10 @@ def main() -> None:
         for name, values in times.items():
             ms = sorted(v * 1e3 for v in values)
             result[schema][name] = {"median_ms": statistics.median(ms), "p90_ms": ms[int(0.9 * len(ms))]}
-        print(f"  {schema}: " + ", ".join(f"{name} {r['median_ms']:.3f} ({r['p90_ms']:.3f})"
-                                          for name, r in result[schema].items()))
+        print(
+            f"  {schema}: "
+            + ", ".join(f"{name} {r['median_ms']:.3f} ({r['p90_ms']:.3f})" for name, r in result[schema].items())
+        )
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

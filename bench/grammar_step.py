@@ -63,7 +63,9 @@ class LoopTimer:
         runner = engine.runner
         if runner.device.type == "cuda":
             for name, method in (("device_forward", "launch_forward"), ("device_sample", "launch_sample")):
-                setattr(runner, method, self._device_timed(name, getattr(runner, method), runner.streams.forward_stream))
+                setattr(
+                    runner, method, self._device_timed(name, getattr(runner, method), runner.streams.forward_stream)
+                )
 
     def _watch_chain(self, engine) -> None:
         """Stamp the links between one batch's tokens reaching the host and the next batch's
@@ -80,6 +82,7 @@ class LoopTimer:
                     return method(*args, **kwargs)
                 finally:
                     self.chain.append((kind, start, time.perf_counter()))
+
             return call
 
         grammars.accept_and_fill = stamped("handoff", grammars.accept_and_fill)
@@ -96,12 +99,17 @@ class LoopTimer:
         for i, (kind, a, b) in enumerate(events):
             if kind != "handoff":
                 continue
-            launch = next((e for e in events[i + 1:] if e[0] == "launch"), None)
-            wait = next((e for e in events[i + 1:] if e[0] == "wait"), None)
+            launch = next((e for e in events[i + 1 :] if e[0] == "launch"), None)
+            wait = next((e for e in events[i + 1 :] if e[0] == "wait"), None)
             if launch is None or wait is None:
                 continue
-            for name, value in (("handoff", b - a), ("loop_ready", launch[1] - b), ("wait", wait[2] - wait[1]),
-                                ("launch_after_wait", launch[2] - wait[2]), ("chain", launch[2] - a)):
+            for name, value in (
+                ("handoff", b - a),
+                ("loop_ready", launch[1] - b),
+                ("wait", wait[2] - wait[1]),
+                ("launch_after_wait", launch[2] - wait[2]),
+                ("chain", launch[2] - a),
+            ):
                 links.setdefault(name, []).append(value * 1e3)
         return {name: statistics.median(values) for name, values in links.items()}
 
@@ -161,10 +169,18 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--fill-threads", type=int, default=None,
-                    help="Threads that fill the masks (common/engine/grammar.FILL_THREADS; default: its value).")
-    ap.add_argument("--gil-switch-ms", type=float, default=None,
-                    help="Set the process's GIL switch interval (CPython's default: 5 ms).")
+    ap.add_argument(
+        "--fill-threads",
+        type=int,
+        default=None,
+        help="Threads that fill the masks (common/engine/grammar.FILL_THREADS; default: its value).",
+    )
+    ap.add_argument(
+        "--gil-switch-ms",
+        type=float,
+        default=None,
+        help="Set the process's GIL switch interval (CPython's default: 5 ms).",
+    )
     ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke run).")
     ap.add_argument("--json", help="Also write the result here.")
     args = ap.parse_args()
@@ -177,9 +193,15 @@ def main() -> None:
         sys.setswitchinterval(args.gil_switch_ms / 1e3)
     path = model_path_from_args(args)
     bs, ctx = args.batch_size, args.input_len + args.output_len
-    engine = Engine(model_path=str(path), device=args.device,
-                    dtype="bfloat16" if args.device == "cuda" else "float32", max_running_requests=bs,
-                    max_total_tokens=bs * (ctx + 16), context_length=ctx + 16, disable_radix_cache=True)
+    engine = Engine(
+        model_path=str(path),
+        device=args.device,
+        dtype="bfloat16" if args.device == "cuda" else "float32",
+        max_running_requests=bs,
+        max_total_tokens=bs * (ctx + 16),
+        context_length=ctx + 16,
+        disable_radix_cache=True,
+    )
     rng = random.Random(0)
     prompts = [[rng.randrange(5, engine.vocab_size) for _ in range(args.input_len)] for _ in range(bs)]
     modes = {"plain": SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)}
@@ -202,25 +224,40 @@ def main() -> None:
             parts[mode].append(per_step)
     plain = statistics.median(steps["plain"])
     result = {
-        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "model": str(path), "batch_size": bs,
-        "input_len": args.input_len, "output_len": args.output_len, "vocab_size": engine.vocab_size,
-        "plain_step_ms": plain, "steps_measured": len(steps["plain"]), "fill_threads": engine.grammars.threads,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "model": str(path),
+        "batch_size": bs,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "vocab_size": engine.vocab_size,
+        "plain_step_ms": plain,
+        "steps_measured": len(steps["plain"]),
+        "fill_threads": engine.grammars.threads,
         "gil_switch_ms": sys.getswitchinterval() * 1e3,
     }
+
     def breakdown(mode: str) -> dict[str, float]:
         keys = dict.fromkeys(key for p in parts[mode] for key in p)
         return {key: statistics.median(p[key] for p in parts[mode] if key in p) for key in keys}
 
     result["plain_parts_ms"] = breakdown("plain")
-    print(f"\n{result['gpu']}: batch {bs}, vocab {engine.vocab_size}, {engine.grammars.threads} fill threads, "
-          f"GIL switch {sys.getswitchinterval() * 1e3:g} ms: "
-          f"loop step {plain:.3f} ms plain; per step {_show(result['plain_parts_ms'])}")
+    print(
+        f"\n{result['gpu']}: batch {bs}, vocab {engine.vocab_size}, {engine.grammars.threads} fill threads, "
+        f"GIL switch {sys.getswitchinterval() * 1e3:g} ms: "
+        f"loop step {plain:.3f} ms plain; per step {_show(result['plain_parts_ms'])}"
+    )
     for name in SCHEMAS:
         step = statistics.median(steps[name])
-        result[name] = {"compile_ms": compile_ms[name], "step_ms": step, "over_plain": step / plain,
-                        "parts_ms": breakdown(name)}
-        print(f"  {name}: {step:.3f} ms ({step / plain:.3f}x plain); compiled in {compile_ms[name]:.1f} ms; "
-              f"per step {_show(result[name]['parts_ms'])}")
+        result[name] = {
+            "compile_ms": compile_ms[name],
+            "step_ms": step,
+            "over_plain": step / plain,
+            "parts_ms": breakdown(name),
+        }
+        print(
+            f"  {name}: {step:.3f} ms ({step / plain:.3f}x plain); compiled in {compile_ms[name]:.1f} ms; "
+            f"per step {_show(result[name]['parts_ms'])}"
+        )
     print(json.dumps(result))
     if args.json:
         with open(args.json, "w") as f:

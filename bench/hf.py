@@ -84,8 +84,9 @@ def check_generated(generated: list[list[int]], output_len: int, eos: set[int]) 
             raise RuntimeError(f"transformers stopped prompt {row} at an EOS before {output_len} tokens")
 
 
-def hf_generate_timed(model, prompts: list[list[int]], output_len: int, batch_size: int, temperature: float,
-                      device: str) -> float:
+def hf_generate_timed(
+    model, prompts: list[list[int]], output_len: int, batch_size: int, temperature: float, device: str
+) -> float:
     """Generate every prompt (in batches of batch_size; 0: all at once); returns the elapsed seconds."""
     import torch
 

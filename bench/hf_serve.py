@@ -108,8 +108,9 @@ class HFServer:
         try:
             input_ids = torch.tensor([p.prompt for p in batch], device=self.device)  # equal lengths: no padding
             with torch.inference_mode():
-                out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), streamer=stamps,
-                                          **self.kwargs)
+                out = self.model.generate(
+                    input_ids, attention_mask=torch.ones_like(input_ids), streamer=stamps, **self.kwargs
+                )
             check_generated(out[:, input_ids.shape[1] :].tolist(), self.output_len, self.eos)
         except Exception as e:  # every request of the batch fails with it
             for pending in batch:

@@ -31,8 +31,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     path = make_tiny_model(tempfile.mkdtemp(prefix="pdserve-host-step-"), "llama", 0)
-    engine = Engine(model_path=str(path), device="cpu", max_total_tokens=2 * args.num_prompts * (args.input_len + args.output_len),
-                    max_running_requests=args.num_prompts)
+    engine = Engine(
+        model_path=str(path),
+        device="cpu",
+        max_total_tokens=2 * args.num_prompts * (args.input_len + args.output_len),
+        max_running_requests=args.num_prompts,
+    )
     vocab = engine.vocab_size
     engine.runner.forward = lambda batch, ids: torch.zeros(batch.batch_size, vocab)
     times: dict[str, list[float]] = {"schedule": [], "build": [], "process": []}
@@ -57,8 +61,11 @@ def main() -> None:
         v.clear()
     engine.generate(prompts, params)
     medians = {k: statistics.median(v) * 1e6 for k, v in times.items()}
-    print(f"{args.num_prompts} requests, {args.output_len} decode steps: per step, median us: "
-          + ", ".join(f"{k} {v:.0f}" for k, v in medians.items()) + f"; total {sum(medians.values()):.0f}")
+    print(
+        f"{args.num_prompts} requests, {args.output_len} decode steps: per step, median us: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in medians.items())
+        + f"; total {sum(medians.values()):.0f}"
+    )
 
 
 if __name__ == "__main__":

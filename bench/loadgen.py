@@ -52,8 +52,12 @@ class OpenAIBackend:
             choices = message.get("choices") or []
             usage = message.get("usage") or {}
             details = usage.get("prompt_tokens_details") or {}
-            yield Chunk(stamp, tokens=bool(choices and choices[0].get("text")),
-                        usage_tokens=usage.get("completion_tokens"), cached_tokens=details.get("cached_tokens"))
+            yield Chunk(
+                stamp,
+                tokens=bool(choices and choices[0].get("text")),
+                usage_tokens=usage.get("completion_tokens"),
+                cached_tokens=details.get("cached_tokens"),
+            )
 
 
 async def timed_request(backend, prompt: list[int], output_len: int, timeout_s: float) -> RequestResult:
@@ -76,7 +80,9 @@ async def timed_request(backend, prompt: list[int], output_len: int, timeout_s: 
     return result
 
 
-async def _read_answer(backend, prompt: list[int], output_len: int, result: RequestResult, start: float) -> float | None:
+async def _read_answer(
+    backend, prompt: list[int], output_len: int, result: RequestResult, start: float
+) -> float | None:
     """Fill result's TTFT, ITL and output tokens; return when the last token-carrying chunk arrived."""
     last = None
     async for chunk in backend.stream(prompt, output_len):
@@ -105,8 +111,9 @@ def arrival_times(num_requests: int, rate: float, seed: int) -> list[float]:
     return times
 
 
-async def run_schedule(backend, prompts: list[list[int]], output_len: int, rate: float, max_concurrency: int,
-                       seed: int, timeout_s: float) -> tuple[list[RequestResult], float]:
+async def run_schedule(
+    backend, prompts: list[list[int]], output_len: int, rate: float, max_concurrency: int, seed: int, timeout_s: float
+) -> tuple[list[RequestResult], float]:
     """Send every prompt at its arrival time (waiting for a free slot under max_concurrency > 0);
     returns the results in prompt order and the duration from the start to the last answer."""
     offsets = arrival_times(len(prompts), rate, seed)
@@ -115,8 +122,15 @@ async def run_schedule(backend, prompts: list[list[int]], output_len: int, rate:
     return results, time.perf_counter() - start
 
 
-async def send_on_schedule(backend, prompts: list[list[int]], offsets: list[float], output_len: int,
-                           max_concurrency: int, timeout_s: float, start: float) -> list[RequestResult]:
+async def send_on_schedule(
+    backend,
+    prompts: list[list[int]],
+    offsets: list[float],
+    output_len: int,
+    max_concurrency: int,
+    timeout_s: float,
+    start: float,
+) -> list[RequestResult]:
     """Send prompt i at `start` (a perf_counter time) + offsets[i], at most max_concurrency > 0 in
     flight; the results in prompt order. A send time already past goes at once."""
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None

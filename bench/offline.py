@@ -28,8 +28,10 @@ def run_offline(args: argparse.Namespace) -> int:
     if args.input_len + args.output_len > config.context_length:
         raise ValueError(f"--input-len + --output-len exceeds the context length {config.context_length}")
     pool = token_pool(config.model_path)
-    prompt_sets = [random_prompts(pool, args.num_prompts, args.input_len, args.seed, run, args.prefix_groups,
-                                  args.prefix_len) for run in range(args.warmup + args.repeats)]
+    prompt_sets = [
+        random_prompts(pool, args.num_prompts, args.input_len, args.seed, run, args.prefix_groups, args.prefix_len)
+        for run in range(args.warmup + args.repeats)
+    ]
     timers = {}
     try:
         # transformers first: the engine sizes its KV cache from the memory left beside its model.
@@ -62,10 +64,16 @@ class EngineTimer:
 
         self.engine = Engine(config)
         self.output_len, self.device = args.output_len, config.device
-        capacity, workload = self.engine.stats()["kv_total_tokens"], args.num_prompts * (args.input_len + args.output_len)
+        capacity, workload = (
+            self.engine.stats()["kv_total_tokens"],
+            args.num_prompts * (args.input_len + args.output_len),
+        )
         if capacity < workload:
-            print(f"note: the KV cache holds {capacity} tokens, the workload {workload}: not every prompt runs at once "
-                  f"(--max-total-tokens, --kv-cache-memory-gb or --mem-fraction-static size it)", flush=True)
+            print(
+                f"note: the KV cache holds {capacity} tokens, the workload {workload}: not every prompt runs at once "
+                f"(--max-total-tokens, --kv-cache-memory-gb or --mem-fraction-static size it)",
+                flush=True,
+            )
         self.params = SamplingParams(max_new_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
 
     def __call__(self, prompts: list[list[int]]) -> float:
@@ -89,8 +97,10 @@ def check_completions(completions, output_len: int) -> None:
     """A benchmark that produced fewer tokens than it counts must fail, loudly."""
     for c in completions:
         if c.error is not None or len(c.output_ids) != output_len:
-            raise RuntimeError(f"request {c.rid} produced {len(c.output_ids)} tokens, expected {output_len} "
-                               f"(finish_reason {c.finish_reason.value}, error {c.error})")
+            raise RuntimeError(
+                f"request {c.rid} produced {len(c.output_ids)} tokens, expected {output_len} "
+                f"(finish_reason {c.finish_reason.value}, error {c.error})"
+            )
 
 
 class HFTimer:
@@ -107,8 +117,9 @@ class HFTimer:
 
         args = self.args
         with cudnn_attention_off():
-            return hf_generate_timed(self.model, prompts, args.output_len, args.hf_batch_size, args.temperature,
-                                     self.device)
+            return hf_generate_timed(
+                self.model, prompts, args.output_len, args.hf_batch_size, args.temperature, self.device
+            )
 
     def close(self) -> None:
         from pdserve.bench.hf import free_hf_model
@@ -135,8 +146,11 @@ def print_run(backend: str, args: argparse.Namespace, r: dict) -> None:
         label = f"warmup {r['run'] + 1}/{args.warmup}"
     else:
         label = f"run {r['run'] - args.warmup + 1}/{args.repeats}"
-    print(f"{backend} {label}: {r['elapsed_s']:.3f} s, output {r['output_tok_s']:.1f} tok/s, "
-          f"total {r['total_tok_s']:.1f} tok/s, {r['req_s']:.2f} req/s", flush=True)
+    print(
+        f"{backend} {label}: {r['elapsed_s']:.3f} s, output {r['output_tok_s']:.1f} tok/s, "
+        f"total {r['total_tok_s']:.1f} tok/s, {r['req_s']:.2f} req/s",
+        flush=True,
+    )
 
 
 def medians(runs: list[dict]) -> dict:
@@ -179,15 +193,20 @@ def offline_report(args: argparse.Namespace, config, runs: dict[str, list[dict]]
 
 
 def print_summary(args: argparse.Namespace, report: dict) -> None:
-    print(f"\n{report['device']} {report['dtype']}, {args.num_prompts} prompts x {args.input_len} in -> "
-          f"{args.output_len} out; medians of {args.repeats} runs after {args.warmup} warm-up")
+    print(
+        f"\n{report['device']} {report['dtype']}, {args.num_prompts} prompts x {args.input_len} in -> "
+        f"{args.output_len} out; medians of {args.repeats} runs after {args.warmup} warm-up"
+    )
     rows = []
     for name, backend in report["backends"].items():
         m = backend["median"]
-        rows.append([name, f"{m['output_tok_s']:.1f}", f"{m['total_tok_s']:.1f}", f"{m['req_s']:.2f}",
-                     f"{m['elapsed_s']:.3f}"])
+        rows.append(
+            [name, f"{m['output_tok_s']:.1f}", f"{m['total_tok_s']:.1f}", f"{m['req_s']:.2f}", f"{m['elapsed_s']:.3f}"]
+        )
     print(table(["backend", "output tok/s", "total tok/s", "req/s", "s/run"], rows))
     if report["pdserve_over_hf_output_tok_s"] is not None:
-        print(f"pdserve/hf output tok/s: {report['pdserve_over_hf_output_tok_s']:.2f}x "
-              f"(median of the per-run ratios: {report['pdserve_over_hf_paired_median']:.2f}x)")
+        print(
+            f"pdserve/hf output tok/s: {report['pdserve_over_hf_output_tok_s']:.2f}x "
+            f"(median of the per-run ratios: {report['pdserve_over_hf_paired_median']:.2f}x)"
+        )
     print(flush=True)

@@ -43,7 +43,10 @@ def decode_itl(engine, prompts, params) -> tuple[float, float, float]:
         return wrapped
 
     engine.process_batch_result = timed
-    engine.scheduler.get_next_batch_to_run, engine.scheduler.process_batch_result = timed_host(schedule), timed_host(handle)
+    engine.scheduler.get_next_batch_to_run, engine.scheduler.process_batch_result = (
+        timed_host(schedule),
+        timed_host(handle),
+    )
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -90,7 +93,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="Also write the results here.")
     ap.add_argument(
-        "--device-bound-ms", type=float, default=0.0,
+        "--device-bound-ms",
+        type=float,
+        default=0.0,
         help="Synthetic: add a GPU sleep of this many ms to every forward, emulating a device-bound step.",
     )
     args = ap.parse_args()
@@ -98,8 +103,14 @@ def main() -> None:
     path = random_weight_checkpoint(ARCH_SHAPES[args.arch])
     vocab = resolve_shape(ARCH_SHAPES[args.arch])[1]["vocab_size"]
     engines = {
-        mode: Engine(model_path=str(path), device=args.device, dtype=args.dtype, max_total_tokens=65536,
-                     max_running_requests=max(args.batch_sizes), disable_overlap_schedule=(mode == "off"))
+        mode: Engine(
+            model_path=str(path),
+            device=args.device,
+            dtype=args.dtype,
+            max_total_tokens=65536,
+            max_running_requests=max(args.batch_sizes),
+            disable_overlap_schedule=(mode == "off"),
+        )
         for mode in ("on", "off")
     }
     if args.device_bound_ms:
@@ -131,8 +142,10 @@ def main() -> None:
     print(f"\n{args.arch} {args.dtype} {args.input_len}->{args.output_len}, median of {args.repeats}{extra}")
     print("batch | ITL on (ms) | ITL off (ms) | off/on | tok/s on | tok/s off | host sched+proc/step (ms)")
     for r in results:
-        print(f"{r['batch_size']:5d} | {r['itl_ms_on']:11.3f} | {r['itl_ms_off']:12.3f} | {r['itl_off_over_on']:6.2f} | "
-              f"{r['tok_s_on']:8.0f} | {r['tok_s_off']:9.0f} | {r['host_ms_off']:.3f}")
+        print(
+            f"{r['batch_size']:5d} | {r['itl_ms_on']:11.3f} | {r['itl_ms_off']:12.3f} | {r['itl_off_over_on']:6.2f} | "
+            f"{r['tok_s_on']:8.0f} | {r['tok_s_off']:9.0f} | {r['host_ms_off']:.3f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)

@@ -29,8 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.common.engine.engine import Engine
     from pdserve.common.types import SamplingParams
 
-    parser = argparse.ArgumentParser(prog="python3 -m pdserve.bench.prefill_latency", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python3 -m pdserve.bench.prefill_latency",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_model_args(parser, model_path_flag=False)
     parser.add_argument("--input-lens", type=int, nargs="+", default=[32, 256, 1000], help="Prompt lengths.")
     parser.add_argument("--requests", type=int, default=15, help="Measured prompts per length.")
@@ -61,12 +64,24 @@ def main(argv: list[str] | None = None) -> int:
     graphs = engine.runner.prefill_graphs
     device = torch.cuda.get_device_name(engine.runner.device) if cuda else "cpu"
     path = "prefill CUDA graphs" if graphs is not None else "eager prefill"
-    print(f"{device}, {engine.config.dtype}, {path}, engine start {startup:.1f} s; one prompt at a time, 1 output token")
+    print(
+        f"{device}, {engine.config.dtype}, {path}, engine start {startup:.1f} s; one prompt at a time, 1 output token"
+    )
     print("input tokens | median ms | min ms")
     for row in rows:
         print(f"{row['input_len']:>12} | {row['median_ms']:9.2f} | {row['min_ms']:6.2f}")
-    print(json.dumps({"bench": "prefill_latency", "device": device, "path": path, "startup_s": startup,
-                      "graph_replays": graphs.replays if graphs is not None else 0, "rows": rows}))
+    print(
+        json.dumps(
+            {
+                "bench": "prefill_latency",
+                "device": device,
+                "path": path,
+                "startup_s": startup,
+                "graph_replays": graphs.replays if graphs is not None else 0,
+                "rows": rows,
+            }
+        )
+    )
     return 0
 
 

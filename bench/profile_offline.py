@@ -1,6 +1,7 @@
 """Where an offline run's time goes on the GPU: kernels by total device time, and GPU idle time.
 
-    python -m pdserve.bench.profile_offline --random-weights gpt2/small --num-prompts 128 --input-len 256 --output-len 64
+    python -m pdserve.bench.profile_offline --random-weights gpt2/small --num-prompts 128 \
+        --input-len 256 --output-len 64
 
 One warm-up `generate`, then one under torch.profiler; prints wall time, the summed kernel time
 (the GPU is idle for the rest, counting overlap between streams as busy once) and the top kernels.
@@ -36,8 +37,12 @@ def main() -> None:
     ap.add_argument("--chunked-prefill-size", type=int, default=8192)
     ap.add_argument("--timeline", action="store_true", help="Forward-by-forward timeline, no profiler.")
     args = ap.parse_args()
-    engine = Engine(model_path=str(model_path_from_args(args)), device="cuda",
-                    max_prefill_tokens=args.max_prefill_tokens, chunked_prefill_size=args.chunked_prefill_size)
+    engine = Engine(
+        model_path=str(model_path_from_args(args)),
+        device="cuda",
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+    )
     rng = random.Random(0)
 
     def prompts():
@@ -55,8 +60,9 @@ def main() -> None:
         engine.generate(batch, params)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
+    )
     busy, end = 0.0, 0.0
     first = kernels[0].time_range.start if kernels else 0
     for e in kernels:  # union of kernel intervals (us)
@@ -64,14 +70,20 @@ def main() -> None:
         if t > end:
             busy += t - max(s, end)
             end = t
-    print(f"wall {wall * 1e3:.1f} ms (profiled) | GPU busy {busy / 1e3:.1f} ms | kernels span {(end - first) / 1e3:.1f} ms")
+    print(
+        f"wall {wall * 1e3:.1f} ms (profiled) | GPU busy {busy / 1e3:.1f} ms | "
+        f"kernels span {(end - first) / 1e3:.1f} ms"
+    )
     # Idle gaps over 0.3 ms on the GPU timeline, in order: where the host held the device up.
     gaps, end = [], first
     for e in kernels:
         if e.time_range.start - end > 300:
             gaps.append(((end - first) / 1e3, (e.time_range.start - end) / 1e3, e.name[:50]))
         end = max(end, e.time_range.end)
-    print(f"{len(gaps)} GPU gaps > 0.3 ms, total {sum(g[1] for g in gaps):.1f} ms; the largest (at ms, length ms, next kernel):")
+    print(
+        f"{len(gaps)} GPU gaps > 0.3 ms, total {sum(g[1] for g in gaps):.1f} ms; "
+        "the largest (at ms, length ms, next kernel):"
+    )
     for g in sorted(gaps, key=lambda g: -g[1])[:12]:
         print(f"  at {g[0]:7.1f}  {g[1]:6.2f}  {g[2]}")
     averages = prof.key_averages()
@@ -105,13 +117,17 @@ def timeline(engine, prompts, params) -> None:
     wall = time.perf_counter() - t0
     torch.cuda.synchronize()
     runner.launch = launch
-    rows = [(mode, tokens, (host - t0) * 1e3, took * 1e3, origin.elapsed_time(s), origin.elapsed_time(e))
-            for mode, tokens, host, took, s, e in marks]
+    rows = [
+        (mode, tokens, (host - t0) * 1e3, took * 1e3, origin.elapsed_time(s), origin.elapsed_time(e))
+        for mode, tokens, host, took, s, e in marks
+    ]
     busy = sum(e - s for *_, s, e in rows)
     gaps = [b[4] - a[5] for a, b in zip(rows, rows[1:])]
-    print(f"wall {wall * 1e3:.2f} ms | {len(rows)} forwards, device time inside them {busy:.2f} ms | "
-          f"host before the first launch {rows[0][2]:.2f} ms | GPU idle between forwards {sum(gaps):.2f} ms | "
-          f"after the last forward ended {wall * 1e3 - rows[-1][5]:.2f} ms")
+    print(
+        f"wall {wall * 1e3:.2f} ms | {len(rows)} forwards, device time inside them {busy:.2f} ms | "
+        f"host before the first launch {rows[0][2]:.2f} ms | GPU idle between forwards {sum(gaps):.2f} ms | "
+        f"after the last forward ended {wall * 1e3 - rows[-1][5]:.2f} ms"
+    )
     print("  mode     tokens  host launch at ms  launch took ms  device start ms  device ms  idle before ms")
     for i, (mode, tokens, host, took, s, e) in enumerate(rows):
         if i < 8 or i >= len(rows) - 3 or mode != "decode":

@@ -40,9 +40,13 @@ def add_model_args(parser: argparse.ArgumentParser, model_path_flag: bool = True
     """--random-weights ARCH/SHAPE, and --model-path DIR unless the parser has it already (engine flags)."""
     if model_path_flag:
         parser.add_argument("--model-path", default="", help="Checkpoint directory.")
-    parser.add_argument("--random-weights", default=None, metavar="ARCH/SHAPE",
-                        help=f"A random-weight checkpoint of this shape, built once into $PDSERVE_CACHE or "
-                             f"~/.cache/pdserve (instead of --model-path): {', '.join(shape_names())}.")
+    parser.add_argument(
+        "--random-weights",
+        default=None,
+        metavar="ARCH/SHAPE",
+        help=f"A random-weight checkpoint of this shape, built once into $PDSERVE_CACHE or "
+        f"~/.cache/pdserve (instead of --model-path): {', '.join(shape_names())}.",
+    )
 
 
 def model_path_from_args(args: argparse.Namespace, required: bool = True) -> str:

@@ -59,8 +59,9 @@ class _AttachStream(grpc.aio.StreamStreamClientInterceptor):
 async def check_cost(calls: int, secret: str) -> float:
     """Microseconds per intercept_service call of an accepted RPC."""
     check = ClusterSecretCheck((secret,))
-    details = _Details("/pdserve.v1.DecodeService/GetLoad",
-                       (("user-agent", "grpc-python-asyncio/1.85"), (SECRET_METADATA_KEY, secret)))
+    details = _Details(
+        "/pdserve.v1.DecodeService/GetLoad", (("user-agent", "grpc-python-asyncio/1.85"), (SECRET_METADATA_KEY, secret))
+    )
     handler = object()
 
     async def continuation(_):
@@ -76,8 +77,17 @@ async def round_trips(mode: str, calls: int, messages: int, secret: str) -> tupl
     """(unary, stream message) microseconds per round trip; mode: none, secret, interceptor."""
     metadata = ((SECRET_METADATA_KEY, secret),)
     server = grpc.aio.server(interceptors=[] if mode == "none" else [ClusterSecretCheck((secret,))])
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-        "Echo": grpc.unary_unary_rpc_method_handler(_echo), "Chat": grpc.stream_stream_rpc_method_handler(_chat)}),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                SERVICE,
+                {
+                    "Echo": grpc.unary_unary_rpc_method_handler(_echo),
+                    "Chat": grpc.stream_stream_rpc_method_handler(_chat),
+                },
+            ),
+        )
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     interceptors = [_Attach(metadata), _AttachStream(metadata)] if mode == "interceptor" else None

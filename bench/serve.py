@@ -34,7 +34,9 @@ def run_serve(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
     model_path = model_path_from_args(args, required=False)
     if args.backend == "hf" and (args.base_url or not model_path):
-        raise ValueError("--backend hf runs transformers in-process: give --model-path or --random-weights, no --base-url")
+        raise ValueError(
+            "--backend hf runs transformers in-process: give --model-path or --random-weights, no --base-url"
+        )
     if not args.base_url and not model_path:
         raise ValueError("give --base-url, or --model-path / --random-weights to start a local stack")
     if not args.vocab_size and not model_path:
@@ -48,11 +50,18 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("--plot draws the --stacks sweep: give --stacks")
     if not 0 < args.attainment <= 1:
         raise ValueError("--attainment must be in (0, 1]")
-    if (args.base_url or args.backend == "hf") and (args.num_prefill != 1 or args.prefill_policy != "round_robin"
-                                                    or args.num_decode != 1 or args.prefill_tp or args.decode_tp
-                                                    or args.gpus is not None):
-        raise ValueError("--num-prefill, --num-decode, --prefill-tp, --decode-tp, --gpus and --prefill-policy shape "
-                         "the local stack; a --base-url server or --backend hf has none")
+    if (args.base_url or args.backend == "hf") and (
+        args.num_prefill != 1
+        or args.prefill_policy != "round_robin"
+        or args.num_decode != 1
+        or args.prefill_tp
+        or args.decode_tp
+        or args.gpus is not None
+    ):
+        raise ValueError(
+            "--num-prefill, --num-decode, --prefill-tp, --decode-tp, --gpus and --prefill-policy shape "
+            "the local stack; a --base-url server or --backend hf has none"
+        )
     if any(not rate > 0 for rate in args.request_rate) or any(c < 0 for c in args.max_concurrency):
         raise ValueError("--request-rate must be > 0 (inf: all at once), --max-concurrency >= 0 (0: no limit)")
     check_client_args(args)
@@ -71,13 +80,24 @@ def run_serve(args: argparse.Namespace) -> int:
                 from pdserve.bench.stack import local_stack
 
                 max_inflight = max(1024, args.num_prompts)  # the router must not turn our own load away (429)
-                stack = cleanup.enter_context(local_stack(config, local.device, max_inflight, args.num_prefill,
-                                                          args.prefill_policy, args.server_torch_threads,
-                                                          num_decode=args.num_decode, prefill_tp=args.prefill_tp,
-                                                          decode_tp=args.decode_tp, gpus=args.gpus,
-                                                          disagg_policy=args.disagg_policy, mps=args.mps,
-                                                          sm_shares=sm_shares_of(args),
-                                                          router_workers=args.router_workers))
+                stack = cleanup.enter_context(
+                    local_stack(
+                        config,
+                        local.device,
+                        max_inflight,
+                        args.num_prefill,
+                        args.prefill_policy,
+                        args.server_torch_threads,
+                        num_decode=args.num_decode,
+                        prefill_tp=args.prefill_tp,
+                        decode_tp=args.decode_tp,
+                        gpus=args.gpus,
+                        disagg_policy=args.disagg_policy,
+                        mps=args.mps,
+                        sm_shares=sm_shares_of(args),
+                        router_workers=args.router_workers,
+                    )
+                )
                 base_url, router_pid = stack.base_url, stack.router_pid
             headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
             model = args.model or asyncio.run(get_json(base_url + "/v1/models", headers))["data"][0]["id"]
@@ -123,41 +143,94 @@ def run_stacks(args: argparse.Namespace, stacks: list[StackSpec], config, local,
 
     results = []
     for spec in stacks:
-        print(f"\n######## stack {spec.name}: {spec.num_prefill} prefill, {spec.num_decode} decode, "
-              f"--disagg-policy {spec.disagg_policy}, SM shares {spec.sm_shares or sm_shares_of(args)} ########",
-              flush=True)
-        with local_stack(config, local.device, max(1024, args.num_prompts), spec.num_prefill, args.prefill_policy,
-                         args.server_torch_threads, num_decode=spec.num_decode, prefill_tp=args.prefill_tp,
-                         decode_tp=args.decode_tp, gpus=args.gpus, disagg_policy=spec.disagg_policy, mps=args.mps,
-                         sm_shares=spec.sm_shares or sm_shares_of(args), router_workers=args.router_workers) as stack:
+        print(
+            f"\n######## stack {spec.name}: {spec.num_prefill} prefill, {spec.num_decode} decode, "
+            f"--disagg-policy {spec.disagg_policy}, SM shares {spec.sm_shares or sm_shares_of(args)} ########",
+            flush=True,
+        )
+        with local_stack(
+            config,
+            local.device,
+            max(1024, args.num_prompts),
+            spec.num_prefill,
+            args.prefill_policy,
+            args.server_torch_threads,
+            num_decode=spec.num_decode,
+            prefill_tp=args.prefill_tp,
+            decode_tp=args.decode_tp,
+            gpus=args.gpus,
+            disagg_policy=spec.disagg_policy,
+            mps=args.mps,
+            sm_shares=spec.sm_shares or sm_shares_of(args),
+            router_workers=args.router_workers,
+        ) as stack:
             headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
             model = args.model or asyncio.run(get_json(stack.base_url + "/v1/models", headers))["data"][0]["id"]
             tune_gc()
-            runs = asyncio.run(bench_runs(OpenAIBackend(stack.base_url, model, args.api_key), args, pool, slos,
-                                          stack.router_pid))
-        results.append({"name": spec.name, "num_prefill": spec.num_prefill, "num_decode": spec.num_decode,
-                        "disagg_policy": spec.disagg_policy, "sm_shares": str(spec.sm_shares or sm_shares_of(args)),
-                        "goodput_rate": goodput_rate(runs, args.attainment),
-                        "runs": runs})
+            runs = asyncio.run(
+                bench_runs(OpenAIBackend(stack.base_url, model, args.api_key), args, pool, slos, stack.router_pid)
+            )
+        results.append(
+            {
+                "name": spec.name,
+                "num_prefill": spec.num_prefill,
+                "num_decode": spec.num_decode,
+                "disagg_policy": spec.disagg_policy,
+                "sm_shares": str(spec.sm_shares or sm_shares_of(args)),
+                "goodput_rate": goodput_rate(runs, args.attainment),
+                "runs": runs,
+            }
+        )
     report = {
-        "bench": "serve", "command": command_line(args.argv), "device": device_name(local.device), "dtype": local.dtype,
-        "model_path": config.model_path, "random_weights": args.random_weights, "num_prompts": args.num_prompts,
-        "input_len": args.input_len, "output_len": args.output_len, "prefix_groups": args.prefix_groups,
-        "prefix_len": args.prefix_len, "goodput_slos_ms": slos, "attainment": args.attainment, "stacks": results,
+        "bench": "serve",
+        "command": command_line(args.argv),
+        "device": device_name(local.device),
+        "dtype": local.dtype,
+        "model_path": config.model_path,
+        "random_weights": args.random_weights,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "prefix_groups": args.prefix_groups,
+        "prefix_len": args.prefix_len,
+        "goodput_slos_ms": slos,
+        "attainment": args.attainment,
+        "stacks": results,
     }
     header = ["stack", "rate", "ok", "failed", "SLO attainment", "out tok/s", "TTFT p90", "TPOT p90"]
-    rows = [[r["name"], run["request_rate"], run["completed"], run["failed"],
-             "-" if run["slo_attainment"] is None else f"{run['slo_attainment']:.0%}", f"{run['output_throughput']:.1f}",
-             f"{run['ttft_ms']['p90']:.1f}", f"{run['tpot_ms']['p90']:.2f}"] for r in results for run in r["runs"]]
+    rows = [
+        [
+            r["name"],
+            run["request_rate"],
+            run["completed"],
+            run["failed"],
+            "-" if run["slo_attainment"] is None else f"{run['slo_attainment']:.0%}",
+            f"{run['output_throughput']:.1f}",
+            f"{run['ttft_ms']['p90']:.1f}",
+            f"{run['tpot_ms']['p90']:.2f}",
+        ]
+        for r in results
+        for run in r["runs"]
+    ]
     print("\n" + table(header, rows) + "\n  (latencies in ms)", flush=True)
     for r in results:
-        print(f"goodput of {r['name']}: " + ("no rate meets the SLOs" if r["goodput_rate"] is None else
-                                             f"{r['goodput_rate']:g} req/s (SLO attainment >= {args.attainment:.0%})"))
+        print(
+            f"goodput of {r['name']}: "
+            + (
+                "no rate meets the SLOs"
+                if r["goodput_rate"] is None
+                else f"{r['goodput_rate']:g} req/s (SLO attainment >= {args.attainment:.0%})"
+            )
+        )
     if args.plot:
         slo_text = ", ".join(f"{k} {v:g} ms" for k, v in slos.items()) or "no SLOs"
-        plot_sweep({r["name"]: r["runs"] for r in results}, {r["name"]: r["goodput_rate"] for r in results},
-                   args.attainment, f"{report['device']}: {args.input_len} -> {args.output_len} tokens; SLOs {slo_text}",
-                   args.plot)
+        plot_sweep(
+            {r["name"]: r["runs"] for r in results},
+            {r["name"]: r["goodput_rate"] for r in results},
+            args.attainment,
+            f"{report['device']}: {args.input_len} -> {args.output_len} tokens; SLOs {slo_text}",
+            args.plot,
+        )
         print(f"plot: {args.plot}")
     emit(report, args.output_json)
     return 1 if any(run["failed"] for r in results for run in r["runs"]) else 0
@@ -235,8 +308,9 @@ def cpu_per_1k_tokens(before: float | None, after: float | None, tokens: int) ->
     return (after - before) / tokens * 1000
 
 
-async def bench_runs(backend, args: argparse.Namespace, pool: list[int], slos: dict,
-                     router_pid: int | None = None) -> list[dict]:
+async def bench_runs(
+    backend, args: argparse.Namespace, pool: list[int], slos: dict, router_pid: int | None = None
+) -> list[dict]:
     for prompt in random_prompts(pool, args.warmup, args.input_len, args.seed, run=-1):
         result = await timed_request(backend, prompt, args.output_len, args.request_timeout)
         if not result.success:
@@ -244,33 +318,48 @@ async def bench_runs(backend, args: argparse.Namespace, pool: list[int], slos: d
     runs = []
     with ClientWorkers(args.client_workers, backend) if args.client_workers > 1 else nullcontext() as workers:
         for index, (rate, concurrency) in enumerate(itertools.product(args.request_rate, args.max_concurrency)):
-            prompts = random_prompts(pool, args.num_prompts, args.input_len, args.seed, index, args.prefix_groups,
-                                     args.prefix_len)
+            prompts = random_prompts(
+                pool, args.num_prompts, args.input_len, args.seed, index, args.prefix_groups, args.prefix_len
+            )
             run = await measured_run(backend, workers, prompts, args, rate, concurrency, slos, router_pid)
             print_run(run)
             runs.append(run)
     return runs
 
 
-async def measured_run(backend, workers: ClientWorkers | None, prompts: list[list[int]], args: argparse.Namespace,
-                       rate: float, concurrency: int, slos: dict, router_pid: int | None) -> dict:
+async def measured_run(
+    backend,
+    workers: ClientWorkers | None,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    rate: float,
+    concurrency: int,
+    slos: dict,
+    router_pid: int | None,
+) -> dict:
     """One run, sent from this process or dealt across the client workers: its summary, and the
     CPU the client and the router spent per 1,000 streamed tokens (the client: this process, which
     also runs an --backend hf model, plus its workers; the router: with its child processes)."""
     client, router = process_cpu_s(None), process_tree_cpu_s(router_pid) if router_pid else None
     if workers is None:
-        results, duration = await run_schedule(backend, prompts, args.output_len, rate, concurrency, args.seed,
-                                               args.request_timeout)
+        results, duration = await run_schedule(
+            backend, prompts, args.output_len, rate, concurrency, args.seed, args.request_timeout
+        )
         workers_cpu_s = 0.0
     else:
         results, duration, workers_cpu_s = await asyncio.to_thread(
-            workers.run, prompts, args.output_len, rate, concurrency, args.seed, args.request_timeout)
-    run = {"request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": concurrency or None,
-           **summarize(results, duration, slos)}
+            workers.run, prompts, args.output_len, rate, concurrency, args.seed, args.request_timeout
+        )
+    run = {
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "max_concurrency": concurrency or None,
+        **summarize(results, duration, slos),
+    }
     tokens = run["total_output_tokens"]
     run["client_cpu_s_per_1k_tokens"] = cpu_per_1k_tokens(client, process_cpu_s(None) + workers_cpu_s, tokens)
-    run["router_cpu_s_per_1k_tokens"] = (cpu_per_1k_tokens(router, process_tree_cpu_s(router_pid), tokens)
-                                         if router_pid else None)
+    run["router_cpu_s_per_1k_tokens"] = (
+        cpu_per_1k_tokens(router, process_tree_cpu_s(router_pid), tokens) if router_pid else None
+    )
     run["errors"] = sorted({r.error for r in results if not r.success})[:5]
     return run
 
@@ -285,15 +374,20 @@ def print_run(run: dict) -> None:
         f"total: {run['total_token_throughput']:.1f} tok/s",
     ]
     if run["total_cached_tokens"] is not None:
-        lines.append(f"prompt tokens from the prefix cache: {run['total_cached_tokens']} "
-                     f"({run['prefix_cache_hit_rate']:.1%} of the input)")
+        lines.append(
+            f"prompt tokens from the prefix cache: {run['total_cached_tokens']} "
+            f"({run['prefix_cache_hit_rate']:.1%} of the input)"
+        )
     if run["request_goodput"] is not None:
         lines.append(f"request goodput: {run['request_goodput']:.2f} req/s")
     for key, name in LATENCIES:
         s = run[key]
         lines.append(f"{name:>4} ms: mean {s['mean']:.2f}  p50 {s['p50']:.2f}  p90 {s['p90']:.2f}  p99 {s['p99']:.2f}")
-    cpu = [f"{who} {run[f'{who}_cpu_s_per_1k_tokens']:.3f}" for who in ("client", "router")
-           if run[f"{who}_cpu_s_per_1k_tokens"] is not None]
+    cpu = [
+        f"{who} {run[f'{who}_cpu_s_per_1k_tokens']:.3f}"
+        for who in ("client", "router")
+        if run[f"{who}_cpu_s_per_1k_tokens"] is not None
+    ]
     if cpu:
         lines.append("CPU seconds per 1,000 output tokens: " + ", ".join(cpu))
     for error in run["errors"]:
@@ -302,16 +396,41 @@ def print_run(run: dict) -> None:
 
 
 def print_summary(report: dict) -> None:
-    print(f"\n{report['backend']} {report['model']} on {report['device'] or report['base_url']}, "
-          f"{report['num_prompts']} requests x {report['input_len']} in -> {report['output_len']} out")
-    header = ["rate", "max conc", "ok", "failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
-              "ITL p50", "E2E p50", "goodput"]
+    print(
+        f"\n{report['backend']} {report['model']} on {report['device'] or report['base_url']}, "
+        f"{report['num_prompts']} requests x {report['input_len']} in -> {report['output_len']} out"
+    )
+    header = [
+        "rate",
+        "max conc",
+        "ok",
+        "failed",
+        "req/s",
+        "out tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "ITL p50",
+        "E2E p50",
+        "goodput",
+    ]
     rows = []
     for run in report["runs"]:
         goodput = run["request_goodput"]
-        rows.append([run["request_rate"], run["max_concurrency"] or "-", run["completed"], run["failed"],
-                     f"{run['request_throughput']:.2f}", f"{run['output_throughput']:.1f}",
-                     f"{run['ttft_ms']['p50']:.1f}", f"{run['ttft_ms']['p99']:.1f}", f"{run['tpot_ms']['p50']:.2f}",
-                     f"{run['itl_ms']['p50']:.2f}", f"{run['e2el_ms']['p50']:.1f}",
-                     "-" if goodput is None else f"{goodput:.2f}"])
+        rows.append(
+            [
+                run["request_rate"],
+                run["max_concurrency"] or "-",
+                run["completed"],
+                run["failed"],
+                f"{run['request_throughput']:.2f}",
+                f"{run['output_throughput']:.1f}",
+                f"{run['ttft_ms']['p50']:.1f}",
+                f"{run['ttft_ms']['p99']:.1f}",
+                f"{run['tpot_ms']['p50']:.2f}",
+                f"{run['itl_ms']['p50']:.2f}",
+                f"{run['e2el_ms']['p50']:.1f}",
+                "-" if goodput is None else f"{goodput:.2f}",
+            ]
+        )
     print(table(header, rows) + "\n  (latencies in ms)\n", flush=True)

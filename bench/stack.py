@@ -21,10 +21,16 @@ from typing import Callable, Iterator
 from pdserve.common.config import DEFAULT_MEM_FRACTION_STATIC, EngineConfig
 from pdserve.common.ports import free_port
 from pdserve.common.trust import write_secret_file
-from pdserve.router.placement import (
-    ServerPlacement, describe, plan_placement, rank_threads, resolve_gpus, usable_cores, visible_gpu_names,
-)
 from pdserve.router.gpu_sharing import DEFAULT_SM_SHARES, GpuSharing, SMShares
+from pdserve.router.placement import (
+    ServerPlacement,
+    describe,
+    plan_placement,
+    rank_threads,
+    resolve_gpus,
+    usable_cores,
+    visible_gpu_names,
+)
 from pdserve.router.up import READY_TIMEOUT_S, start_servers, stop_processes
 
 
@@ -43,8 +49,9 @@ def engine_flags(config: EngineConfig) -> list[str]:
     return flags
 
 
-def server_configs(config: EngineConfig, plan: list[ServerPlacement], device: str,
-                   tp_of: dict[str, int]) -> list[EngineConfig]:
+def server_configs(
+    config: EngineConfig, plan: list[ServerPlacement], device: str, tp_of: dict[str, int]
+) -> list[EngineConfig]:
     """Each planned server's config: its role's TP size, the device kind (it sees only its own GPUs:
     rank r on cuda:r) and its --mem-fraction-static from the plan, unless the KV cache is sized
     explicitly (--max-total-tokens, --kv-cache-memory-gb apply to each server as given)."""
@@ -68,11 +75,22 @@ class LocalStack:
 
 
 @contextmanager
-def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefill: int = 1,
-                prefill_policy: str = "round_robin", torch_threads: int = 0,
-                router_workers: int = 1, num_decode: int = 1, prefill_tp: int = 0, decode_tp: int = 0,
-                gpus: str | None = None, disagg_policy: str = "always", mps: str = "auto",
-                sm_shares: SMShares = DEFAULT_SM_SHARES) -> Iterator[LocalStack]:
+def local_stack(
+    config: EngineConfig,
+    device: str,
+    max_inflight: int,
+    num_prefill: int = 1,
+    prefill_policy: str = "round_robin",
+    torch_threads: int = 0,
+    router_workers: int = 1,
+    num_decode: int = 1,
+    prefill_tp: int = 0,
+    decode_tp: int = 0,
+    gpus: str | None = None,
+    disagg_policy: str = "always",
+    mps: str = "auto",
+    sm_shares: SMShares = DEFAULT_SM_SHARES,
+) -> Iterator[LocalStack]:
     """Start `num_decode` decode servers, `num_prefill` prefill servers and a router, placed as
     `pdserve up` places them (router/placement.py; `gpus`: --gpus as given, None: every visible
     GPU), wait until all are routable, yield where they listen; stop them at the end.
@@ -104,28 +122,79 @@ def local_stack(config: EngineConfig, device: str, max_inflight: int, num_prefil
         if not threads and not server.gpus and tp_of[server.role] > 1:
             threads = rank_share  # the ranks must not fight over the cores (router/placement.py)
         flags = ["--torch-threads", str(threads)] if threads > 0 else []
-        return [py, "-m", f"pdserve.{server.role}.cli", *engine_flags(configs[server]), *flags, "--port", str(port),
-                "--log-level", "warning", *secret]
+        return [
+            py,
+            "-m",
+            f"pdserve.{server.role}.cli",
+            *engine_flags(configs[server]),
+            *flags,
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *secret,
+        ]
 
     sharing = None
     try:
         sharing = GpuSharing.start(plan, run_dir, mps, sm_shares)
-        print("local stack placement:\n" + "\n".join(describe(plan, tp_of, visible)) + "\n" + sharing.describe(),
-              flush=True)
+        print(
+            "local stack placement:\n" + "\n".join(describe(plan, tp_of, visible)) + "\n" + sharing.describe(),
+            flush=True,
+        )
         servers = start_servers(plan, command, lambda server: sharing.server_env(server, visible), procs, run_dir)
         prefill_flags = ["--prefill", *servers["prefill"]] if servers["prefill"] else []
-        procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", config.model_path,
-                                       *prefill_flags, "--decode", *servers["decode"],
-                                       "--prefill-policy", prefill_policy, "--disagg-policy", disagg_policy,
-                                       "--served-model-name", config.served_model_name, "--port", str(router),
-                                       "--max-inflight", str(max_inflight), "--workers", str(router_workers),
-                                       "--log-level", "warning", *secret]))
-        _wait_until(base, procs, lambda state: state.get("ready") is True and len(state["prefill"]) == num_prefill
-                    and len(state["decode"]) == num_decode, "the local stack")
-        print(f"local stack up: router {base}, prefill {' '.join(servers['prefill'])}, "
-              f"decode {' '.join(servers['decode'])}", flush=True)
-        yield LocalStack(base, (servers["prefill"] or [None])[0], servers["decode"][0], router_pid=procs[-1].pid,
-                         cluster_secret_file=secret_file)
+        procs.append(
+            subprocess.Popen(
+                [
+                    py,
+                    "-m",
+                    "pdserve.router.cli",
+                    "--model-path",
+                    config.model_path,
+                    *prefill_flags,
+                    "--decode",
+                    *servers["decode"],
+                    "--prefill-policy",
+                    prefill_policy,
+                    "--disagg-policy",
+                    disagg_policy,
+                    "--served-model-name",
+                    config.served_model_name,
+                    "--port",
+                    str(router),
+                    "--max-inflight",
+                    str(max_inflight),
+                    "--workers",
+                    str(router_workers),
+                    "--log-level",
+                    "warning",
+                    *secret,
+                ]
+            )
+        )
+        _wait_until(
+            base,
+            procs,
+            lambda state: (
+                state.get("ready") is True
+                and len(state["prefill"]) == num_prefill
+                and len(state["decode"]) == num_decode
+            ),
+            "the local stack",
+        )
+        print(
+            f"local stack up: router {base}, prefill {' '.join(servers['prefill'])}, "
+            f"decode {' '.join(servers['decode'])}",
+            flush=True,
+        )
+        yield LocalStack(
+            base,
+            (servers["prefill"] or [None])[0],
+            servers["decode"][0],
+            router_pid=procs[-1].pid,
+            cluster_secret_file=secret_file,
+        )
     finally:
         stop_processes(procs)  # the servers drain, the router stops
         if sharing is not None:

@@ -49,13 +49,19 @@ def parse_stack(spec: str) -> StackSpec:
 def goodput_rate(runs: list[dict], target: float) -> float | None:
     """The highest request rate whose SLO attainment is at least `target` (None: no run reached it).
     All-at-once runs (rate inf) are no rate to sustain: they do not count."""
-    rates = [float(run["request_rate"]) for run in runs if math.isfinite(float(run["request_rate"]))
-             and run.get("slo_attainment") is not None and run["slo_attainment"] >= target]
+    rates = [
+        float(run["request_rate"])
+        for run in runs
+        if math.isfinite(float(run["request_rate"]))
+        and run.get("slo_attainment") is not None
+        and run["slo_attainment"] >= target
+    ]
     return max(rates) if rates else None
 
 
-def plot_sweep(stacks: dict[str, list[dict]], goodputs: dict[str, float | None], target: float, title: str,
-               path: str) -> None:
+def plot_sweep(
+    stacks: dict[str, list[dict]], goodputs: dict[str, float | None], target: float, title: str, path: str
+) -> None:
     """A PNG of SLO attainment, p90 TTFT and p90 TPOT against the request rate, one line per stack."""
     import matplotlib
 
@@ -63,8 +69,11 @@ def plot_sweep(stacks: dict[str, list[dict]], goodputs: dict[str, float | None],
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    panels = (("slo_attainment", "SLO attainment", None), ("ttft_ms", "p90 TTFT (ms)", "p90"),
-              ("tpot_ms", "p90 TPOT (ms)", "p90"))
+    panels = (
+        ("slo_attainment", "SLO attainment", None),
+        ("ttft_ms", "p90 TTFT (ms)", "p90"),
+        ("tpot_ms", "p90 TPOT (ms)", "p90"),
+    )
     for name, runs in stacks.items():
         points = sorted((float(run["request_rate"]), run) for run in runs if math.isfinite(float(run["request_rate"])))
         rates = [rate for rate, _ in points]

@@ -30,8 +30,10 @@ def plan(items: list[dict], tokenizer) -> TeacherForcedPlan:
     prompt_ids = []
     for item in items:
         if getattr(tokenizer, "chat_template", None):
-            messages = [{"role": "user", "content": item["prompt"]},
-                        {"role": "assistant", "content": item["upstream_answer"]}]
+            messages = [
+                {"role": "user", "content": item["prompt"]},
+                {"role": "assistant", "content": item["upstream_answer"]},
+            ]
             text = tokenizer.apply_chat_template(messages, tokenize=False)
             prompt_ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
         else:
@@ -66,8 +68,12 @@ def reference(model, plan: TeacherForcedPlan, device: str) -> list[dict]:
         for ids in plan.prompt_ids:
             logprobs = torch.log_softmax(model(torch.tensor([ids], device=device)).logits[0].float(), dim=-1)
             targets = torch.tensor(ids[1:], device=device)
-            out.append({"top1": logprobs[:-1].argmax(dim=-1).tolist(),
-                        "logprobs": logprobs[:-1].gather(1, targets[:, None]).squeeze(1).tolist()})
+            out.append(
+                {
+                    "top1": logprobs[:-1].argmax(dim=-1).tolist(),
+                    "logprobs": logprobs[:-1].gather(1, targets[:, None]).squeeze(1).tolist(),
+                }
+            )
     return out
 
 
@@ -81,12 +87,25 @@ def score(plan: TeacherForcedPlan, served: list[dict], ref: list[dict] | None) -
             record |= {"same_top1": agree, "max_abs_diff": diff}
             positions, same, worst = positions + record["positions"], same + agree, max(worst, diff)
         records.append(record)
-    return {"n": len(records), "failed": sum(1 for r in records if r["error"]), "positions": positions,
-            "agreement": same / positions if positions else None, "max_abs_logprob_diff": worst if positions else None,
-            "items": records}
+    return {
+        "n": len(records),
+        "failed": sum(1 for r in records if r["error"]),
+        "positions": positions,
+        "agreement": same / positions if positions else None,
+        "max_abs_logprob_diff": worst if positions else None,
+        "items": records,
+    }
 
 
 def table_rows(summary: dict) -> list[list[str]]:
     agreement, diff = summary["agreement"], summary["max_abs_logprob_diff"]
-    return [["teacher_forced", f"top-1 over {summary['positions']} positions", "-", "-",
-             "-" if agreement is None else f"{agreement:.2%}", "-" if diff is None else f"{diff:.2e}"]]
+    return [
+        [
+            "teacher_forced",
+            f"top-1 over {summary['positions']} positions",
+            "-",
+            "-",
+            "-" if agreement is None else f"{agreement:.2%}",
+            "-" if diff is None else f"{diff:.2e}",
+        ]
+    ]

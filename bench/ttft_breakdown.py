@@ -32,7 +32,9 @@ HOPS = ("decode dest", "prefill rpc", "  prefill", "  transfer", "next token")
 RPC_TIMEOUT_S = 60.0
 
 
-async def through_router(base_url: str, model: str, prompts: list[list[int]], output_len: int) -> list[tuple[float, float]]:
+async def through_router(
+    base_url: str, model: str, prompts: list[list[int]], output_len: int
+) -> list[tuple[float, float]]:
     """(TTFT, end to end) in seconds per prompt, one request at a time, as `bench serve` times them."""
     from pdserve.bench.loadgen import OpenAIBackend, timed_request
 
@@ -45,8 +47,9 @@ async def through_router(base_url: str, model: str, prompts: list[list[int]], ou
     return out
 
 
-async def by_hand(prefill: str, decode: str, prompts: list[list[int]], output_len: int,
-                  cluster_secret_file: str = "") -> list[tuple[float, ...]]:
+async def by_hand(
+    prefill: str, decode: str, prompts: list[list[int]], output_len: int, cluster_secret_file: str = ""
+) -> list[tuple[float, ...]]:
     """The router's pairing (router/pairing.py) without the router: seconds of each hop in HOPS."""
     import grpc
 
@@ -58,13 +61,21 @@ async def by_hand(prefill: str, decode: str, prompts: list[list[int]], output_le
     trust = load_trust(TrustConfig(cluster_secret_file=cluster_secret_file))
 
     rng = random.Random(0)
-    params = pb.SamplingParams(max_new_tokens=output_len, temperature=0.0, top_p=1.0, top_k=-1,
-                               repetition_penalty=1.0, ignore_eos=True, skip_special_tokens=True)
+    params = pb.SamplingParams(
+        max_new_tokens=output_len,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=-1,
+        repetition_penalty=1.0,
+        ignore_eos=True,
+        skip_special_tokens=True,
+    )
     rows = []
     async with open_channel(decode, trust) as dch, open_channel(prefill, trust) as pch:
         for i, prompt in enumerate(prompts):
-            req = pb.GenerateRequest(request_id=f"ttft-{i}", prompt_token_ids=prompt, params=params,
-                                     bootstrap_room=rng.getrandbits(63))
+            req = pb.GenerateRequest(
+                request_id=f"ttft-{i}", prompt_token_ids=prompt, params=params, bootstrap_room=rng.getrandbits(63)
+            )
             t0 = time.perf_counter()
             call = pb_grpc.DecodeServiceStub(dch).Generate(req, timeout=RPC_TIMEOUT_S)
             first = await call.read()
@@ -72,7 +83,8 @@ async def by_hand(prefill: str, decode: str, prompts: list[list[int]], output_le
                 raise RuntimeError(f"the decode server answered {first} instead of a destination")
             t1 = time.perf_counter()
             answer = await pb_grpc.PrefillServiceStub(pch).Prefill(
-                pb.PrefillRequest(request=req, destination=first.destination), timeout=RPC_TIMEOUT_S)
+                pb.PrefillRequest(request=req, destination=first.destination), timeout=RPC_TIMEOUT_S
+            )
             if answer.HasField("error"):
                 raise RuntimeError(f"prefill failed: {answer.error.message}")
             t2 = time.perf_counter()
@@ -85,8 +97,11 @@ async def by_hand(prefill: str, decode: str, prompts: list[list[int]], output_le
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m pdserve.bench.ttft_breakdown", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python3 -m pdserve.bench.ttft_breakdown",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_model_args(parser, model_path_flag=False)
     parser.add_argument("--input-len", type=int, default=256, help="Prompt tokens.")
     parser.add_argument("--output-len", type=int, default=16, help="Tokens per answer.")
@@ -105,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     resolved = config.resolve()
     with local_stack(config, resolved.device, max_inflight=1024) as stack:
         routed = asyncio.run(through_router(stack.base_url, resolved.served_model_name, prompts[:n], args.output_len))
-        hops = asyncio.run(by_hand(stack.prefill, stack.decode, prompts[n:], args.output_len, stack.cluster_secret_file))
-    routed, hops = routed[args.warmup:], hops[args.warmup:]
+        hops = asyncio.run(
+            by_hand(stack.prefill, stack.decode, prompts[n:], args.output_len, stack.cluster_secret_file)
+        )
+    routed, hops = routed[args.warmup :], hops[args.warmup :]
 
     def line(name: str, values) -> str:
         ms = [v * 1e3 for v in values]

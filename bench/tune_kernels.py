@@ -57,7 +57,10 @@ def attention_sweep(name: str, heads: int, kv_heads: int, bs: int = 128, ctx: in
     ws = td.DecodeWorkspace(bs, heads, d, 16, "cuda")
     kv_bytes = 2 * bs * ctx * kv_heads * d * 2
     original = td._split_config
-    print(f"\n{name}: decode attention, batch {bs}, context {ctx}, {heads}/{kv_heads} heads, per layer {kv_bytes / 1e6:.0f} MB")
+    print(
+        f"\n{name}: decode attention, batch {bs}, context {ctx}, {heads}/{kv_heads} heads, "
+        f"per layer {kv_bytes / 1e6:.0f} MB"
+    )
     results = []
     for block_n, warps, stages, splits in itertools.product((32, 64, 128), (2, 4), (2, 3), (1, 2)):
         td._split_config = lambda *args, c=dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages): c
@@ -75,7 +78,10 @@ def attention_sweep(name: str, heads: int, kv_heads: int, bs: int = 128, ctx: in
     td._split_config = original
     results.sort()
     for us, block_n, warps, stages, splits in results[:6] + [r for r in results if r[1:] == (64, 2, 2, 1)]:
-        print(f"  {us:6.1f} us  {kv_bytes / us / 1e6:5.2f} TB/s  BLOCK_N {block_n} warps {warps} stages {stages} splits {splits}")
+        print(
+            f"  {us:6.1f} us  {kv_bytes / us / 1e6:5.2f} TB/s  "
+            f"BLOCK_N {block_n} warps {warps} stages {stages} splits {splits}"
+        )
 
 
 def layout_sweep(bs: int = 128, ctx: int = 300) -> None:
@@ -94,9 +100,12 @@ def layout_sweep(bs: int = 128, ctx: int = 300) -> None:
             if layout == "token-major":
                 bufs = [torch.randn(slots, kv_heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2 * layers)]
             else:
-                bufs = [torch.randn(kv_heads, slots, d, device="cuda", dtype=torch.bfloat16).transpose(0, 1) for _ in range(2 * layers)]
+                bufs = [
+                    torch.randn(kv_heads, slots, d, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+                    for _ in range(2 * layers)
+                ]
 
-            def run():
+            def run(bufs=bufs):
                 for k, v in zip(bufs[:layers], bufs[layers:]):
                     td.decode_attention(q, k, v, out, r2t, rows, seq_lens, 0.125, None, splits, ws)
 
@@ -137,7 +146,13 @@ def small_ops() -> None:
 
 def gemm_sweep(m: int = 128, layers: int = 16) -> None:
     """The decode GEMMs (Llama-1B shapes, M = batch 128), weights rotated over 16 layers' copies."""
-    shapes = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192), "lm_head": (128256, 2048)}
+    shapes = {
+        "qkv": (3072, 2048),
+        "o": (2048, 2048),
+        "gate_up": (16384, 2048),
+        "down": (2048, 8192),
+        "lm_head": (128256, 2048),
+    }
     print(f"\nGEMMs at M={m}, bf16, us per call (TB/s of weight reads):")
     for name, (n, k) in shapes.items():
         count = 2 if name == "lm_head" else layers
@@ -146,13 +161,13 @@ def gemm_sweep(m: int = 128, layers: int = 16) -> None:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         row = []
         for label, fn in [
-            ("F.linear", lambda: [torch.nn.functional.linear(x, w) for w in ws]),
-            ("x @ W^T stored [K,N]", lambda: [x @ w for w in wts]),
+            ("F.linear", lambda ws=ws: [torch.nn.functional.linear(x, w) for w in ws]),
+            ("x @ W^T stored [K,N]", lambda wts=wts: [x @ w for w in wts]),
         ]:
             us = time_us(fn, calls=2) / count
             row.append(f"{label} {us:7.1f} ({n * k * 2 / us / 1e6:.2f})")
         torch.backends.cuda.preferred_blas_library("cublaslt")
-        us = time_us(lambda: [torch.nn.functional.linear(x, w) for w in ws], calls=2) / count
+        us = time_us(lambda ws=ws: [torch.nn.functional.linear(x, w) for w in ws], calls=2) / count
         torch.backends.cuda.preferred_blas_library("cublas")
         row.append(f"cublaslt {us:7.1f} ({n * k * 2 / us / 1e6:.2f})")
         print(f"  {name:8s} [{n}x{k}]: " + " | ".join(row))

@@ -160,8 +160,19 @@ async def run_stream(stream: Stream, port: int, body: bytes) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         stream.local_port, stream.connected_at = writer.get_extra_info("sockname")[1], time.monotonic()
         conn = h11.Connection(h11.CLIENT)
-        writer.write(conn.send(h11.Request(method="POST", target="/v1/completions", headers=[
-            ("Host", f"127.0.0.1:{port}"), ("Content-Type", "application/json"), ("Content-Length", str(len(body)))])))
+        writer.write(
+            conn.send(
+                h11.Request(
+                    method="POST",
+                    target="/v1/completions",
+                    headers=[
+                        ("Host", f"127.0.0.1:{port}"),
+                        ("Content-Type", "application/json"),
+                        ("Content-Length", str(len(body))),
+                    ],
+                )
+            )
+        )
         writer.write(conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
         stream.started = True
         buffer, finished = b"", False
@@ -197,8 +208,11 @@ async def run_stream(stream: Stream, port: int, body: bytes) -> None:
 def completion(port: int, body: dict) -> str:
     import urllib.request
 
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=120) as r:
         return json.loads(r.read())["choices"][0]["text"]
 
@@ -235,10 +249,14 @@ async def drive(port: int, supervisor: int, args) -> dict:
         stopped_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
-        report.update(victim=victim, in_flight_at_kill=len(open_), spare_warm_at_kill=bool(spares),
-                      held_by_victim={s.index for s in open_ if s.local_port in held[victim]},
-                      unaccepted={s.index for s in open_ if s.local_port in queued},
-                      held_per_worker=sorted(len(p) for p in held.values()))
+        report.update(
+            victim=victim,
+            in_flight_at_kill=len(open_),
+            spare_warm_at_kill=bool(spares),
+            held_by_victim={s.index for s in open_ if s.local_port in held[victim]},
+            unaccepted={s.index for s in open_ if s.local_port in queued},
+            held_per_worker=sorted(len(p) for p in held.values()),
+        )
         # Its sockets close as it exits (after its memory is torn down). NOTE: watched in the TCP
         # table, not in /proc/PID/fd: that shows the main thread's files, which it may let go
         # while its other threads still hold them (and the kernel still queues connections).
@@ -248,8 +266,12 @@ async def drive(port: int, supervisor: int, args) -> dict:
         report["sockets_closed_after_s"] = closed_at - killed_at
         # Connections made from the stop until its socket closed may be given to it by the kernel.
         report["connected_while_dying"] = {
-            s.index for s in streams
-            if s.connecting_at is not None and s.connecting_at <= closed_at and (s.connected_at or closed_at) >= stopped_at}
+            s.index
+            for s in streams
+            if s.connecting_at is not None
+            and s.connecting_at <= closed_at
+            and (s.connected_at or closed_at) >= stopped_at
+        }
         while not (new := workers_of(supervisor) - pids):
             await asyncio.sleep(0.005)
         report["replaced_after_s"] = time.monotonic() - killed_at
@@ -288,7 +310,9 @@ def main(argv=None) -> int:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--kill-at", type=float, default=0.5, help="fraction of the streams started before the kill")
     parser.add_argument("--server-torch-threads", type=int, help="each CPU server's torch threads (default: torch's)")
-    parser.add_argument("--no-warm-spare", action="store_true", help="the router's flag: a fresh worker replaces the dead one")
+    parser.add_argument(
+        "--no-warm-spare", action="store_true", help="the router's flag: a fresh worker replaces the dead one"
+    )
     parser.add_argument("--log-dir", default="/tmp/pdserve-worker-kill")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -302,19 +326,51 @@ def main(argv=None) -> int:
     procs = []
     try:
         for role, port in (("prefill", p_port), ("decode", d_port)):
-            procs.append(start([f"pdserve.{role}.cli", "--model-path", args.model_path, "--device", "cpu",
-                                "--port", str(port), "--log-level", "warning",
-                                *(["--torch-threads", str(args.server_torch_threads)] if args.server_torch_threads else [])],
-                               logs / f"{role}.log"))
+            procs.append(
+                start(
+                    [
+                        f"pdserve.{role}.cli",
+                        "--model-path",
+                        args.model_path,
+                        "--device",
+                        "cpu",
+                        "--port",
+                        str(port),
+                        "--log-level",
+                        "warning",
+                        *(["--torch-threads", str(args.server_torch_threads)] if args.server_torch_threads else []),
+                    ],
+                    logs / f"{role}.log",
+                )
+            )
         for port in (p_port, d_port):
             wait_grpc(port, 300)
-        router = start(["pdserve.router.cli", "--model-path", args.model_path, "--port", str(r_port),
-                        "--workers", str(args.workers), "--max-inflight", str(4 * args.concurrency),
-                        "--prefill", f"127.0.0.1:{p_port}", "--decode", f"127.0.0.1:{d_port}",
-                        "--log-level", "info", *(["--no-warm-spare"] if args.no_warm_spare else [])], logs / "router.log")
+        router = start(
+            [
+                "pdserve.router.cli",
+                "--model-path",
+                args.model_path,
+                "--port",
+                str(r_port),
+                "--workers",
+                str(args.workers),
+                "--max-inflight",
+                str(4 * args.concurrency),
+                "--prefill",
+                f"127.0.0.1:{p_port}",
+                "--decode",
+                f"127.0.0.1:{d_port}",
+                "--log-level",
+                "info",
+                *(["--no-warm-spare"] if args.no_warm_spare else []),
+            ],
+            logs / "router.log",
+        )
         procs.append(router)
         wait_ready(f"http://127.0.0.1:{r_port}/readiness", router, 120)
-        while len(workers_of(router.pid)) < args.workers or not (args.no_warm_spare or children_of(router.pid, SPARE_NAME)):
+        while len(workers_of(router.pid)) < args.workers or not (
+            args.no_warm_spare or children_of(router.pid, SPARE_NAME)
+        ):
             assert router.poll() is None, f"the router exited with {router.returncode}"
             time.sleep(0.2)
         run = asyncio.run(drive(r_port, router.pid, args))
@@ -332,22 +388,36 @@ def main(argv=None) -> int:
     http_errors = sorted({s.status for s in streams if s.status is not None and s.status != 200})
     mismatched = [s.index for s in streams if s.error is None and s.text != twins[s.index % TWINS]]
     result = {
-        "streams": len(streams), "workers": args.workers, "concurrency": args.concurrency, "output_len": args.output_len,
-        "duration_s": round(run["duration_s"], 1), "in_flight_at_kill": run["in_flight_at_kill"],
-        "held_per_worker_at_kill": run["held_per_worker"], "held_by_killed_worker": len(held),
-        "unaccepted_at_kill": len(unaccepted), "broken_streams": len(broke),
-        "broken_held_by_the_killed_worker": len(broke & held), "broken_unaccepted_at_kill": len(broke & unaccepted),
+        "streams": len(streams),
+        "workers": args.workers,
+        "concurrency": args.concurrency,
+        "output_len": args.output_len,
+        "duration_s": round(run["duration_s"], 1),
+        "in_flight_at_kill": run["in_flight_at_kill"],
+        "held_per_worker_at_kill": run["held_per_worker"],
+        "held_by_killed_worker": len(held),
+        "unaccepted_at_kill": len(unaccepted),
+        "broken_streams": len(broke),
+        "broken_held_by_the_killed_worker": len(broke & held),
+        "broken_unaccepted_at_kill": len(broke & unaccepted),
         "broken_connected_while_it_died": len((broke - held - unaccepted) & dying),
         "broken_elsewhere": sorted(broke - held - unaccepted - dying)[:10],
         "errors_elsewhere": sorted({streams[i].error for i in broke - held - unaccepted - dying})[:5],
-        "succeeded": len(streams) - len(broke), "equal_to_twin": len(streams) - len(broke) - len(mismatched),
-        "mismatched": mismatched[:10], "http_errors": http_errors,
-        "spare_warm_at_kill": run["spare_warm_at_kill"], "replaced_by_the_spare": run["replaced_by_the_spare"],
-        "sockets_closed_after_s": round(run["sockets_closed_after_s"], 3), "replaced_after_s": round(run["replaced_after_s"], 2),
-        "listening_again_after_s": round(run["listening_after_s"], 2), "probes_refused_after_kill": run["probes_refused_after_kill"], "serving_again_after_s": round(run["serving_after_s"], 2),
+        "succeeded": len(streams) - len(broke),
+        "equal_to_twin": len(streams) - len(broke) - len(mismatched),
+        "mismatched": mismatched[:10],
+        "http_errors": http_errors,
+        "spare_warm_at_kill": run["spare_warm_at_kill"],
+        "replaced_by_the_spare": run["replaced_by_the_spare"],
+        "sockets_closed_after_s": round(run["sockets_closed_after_s"], 3),
+        "replaced_after_s": round(run["replaced_after_s"], 2),
+        "listening_again_after_s": round(run["listening_after_s"], 2),
+        "probes_refused_after_kill": run["probes_refused_after_kill"],
+        "serving_again_after_s": round(run["serving_after_s"], 2),
     }
-    result["ok"] = (not result["broken_elsewhere"] and not mismatched and not http_errors
-                    and result["listening_again_after_s"] < 5)
+    result["ok"] = (
+        not result["broken_elsewhere"] and not mismatched and not http_errors and result["listening_again_after_s"] < 5
+    )
     print(json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -22,8 +22,9 @@ def token_pool(model_path: str) -> list[int]:
     return [i for i in range(vocab) if i not in special]
 
 
-def random_prompts(pool: list[int], num_prompts: int, input_len: int, seed: int, run: int,
-                   prefix_groups: int = 0, prefix_len: int = 0) -> list[list[int]]:
+def random_prompts(
+    pool: list[int], num_prompts: int, input_len: int, seed: int, run: int, prefix_groups: int = 0, prefix_len: int = 0
+) -> list[list[int]]:
     """Prompts of random ids. With prefix_groups G > 0, each prompt starts with one of G shared
     prefixes of prefix_len ids (drawn afresh per run), the group picked at random per prompt (not
     in turn, which a round-robin router would follow by accident), then random ids to input_len."""
@@ -31,4 +32,6 @@ def random_prompts(pool: list[int], num_prompts: int, input_len: int, seed: int,
     if prefix_groups <= 0:
         return [[rng.choice(pool) for _ in range(input_len)] for _ in range(num_prompts)]
     prefixes = [[rng.choice(pool) for _ in range(prefix_len)] for _ in range(prefix_groups)]
-    return [rng.choice(prefixes) + [rng.choice(pool) for _ in range(input_len - prefix_len)] for _ in range(num_prompts)]
+    return [
+        rng.choice(prefixes) + [rng.choice(pool) for _ in range(input_len - prefix_len)] for _ in range(num_prompts)
+    ]

@@ -16,7 +16,6 @@ from typing import Any
 
 from pdserve.common import gguf_checkpoint
 
-
 # What CUDA graphs, activations and the sampling buffers get is the rest of the GPU's memory.
 DEFAULT_MEM_FRACTION_STATIC = 0.85
 
@@ -32,8 +31,9 @@ class EngineConfig:
     """Everything the colocated engine needs to start. Flags are `--field-name`."""
 
     model_path: str = option(
-        "", "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer), or a GGUF file (or a "
-        "directory holding one), dequantized at load."
+        "",
+        "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer), or a GGUF file (or a "
+        "directory holding one), dequantized at load.",
     )
     served_model_name: str = option("", "Model name clients must use; default: --model-path as given.")
     device: str = option("auto", "cpu, cuda or cuda:N; auto picks cuda when available.")
@@ -67,8 +67,14 @@ class EngineConfig:
     attention_backend: str = option(
         "auto", "torch_native (the reference; CPU and CUDA) or triton (paged kernels; CUDA); auto: triton on CUDA."
     )
-    disable_cuda_graph: bool = option(False, "CUDA: run decode and prefill eagerly instead of replaying captured CUDA graphs.")
-    cuda_graph_max_bs: int = option(0, "CUDA: largest decode batch captured in a graph (padded up to the next captured size); 0: --max-running-requests, at most 256.")
+    disable_cuda_graph: bool = option(
+        False, "CUDA: run decode and prefill eagerly instead of replaying captured CUDA graphs."
+    )
+    cuda_graph_max_bs: int = option(
+        0,
+        "CUDA: largest decode batch captured in a graph (padded up to the next captured size); "
+        "0: --max-running-requests, at most 256.",
+    )
     prefill_cuda_graph_max_tokens: int = option(
         2048,
         "CUDA: prefill batches of at most this many tokens (and 16 requests) replay a captured graph, padded "
@@ -76,12 +82,14 @@ class EngineConfig:
     )
     random_seed: int = option(-1, "Seed for the per-request seeds the engine draws; -1: from the OS.")
     tp_size: int = option(
-        1, "Tensor-parallel ranks: one process per rank, each holding 1/N of the weights and of the KV heads "
-        "(on CUDA one GPU each: rank r on cuda:r, counted from --device's index)."
+        1,
+        "Tensor-parallel ranks: one process per rank, each holding 1/N of the weights and of the KV heads "
+        "(on CUDA one GPU each: rank r on cuda:r, counted from --device's index).",
     )
     dist_timeout: float = option(
-        120.0, "Tensor parallelism: seconds a rank waits for the others (start-up, any collective) before it "
-        "gives up; a rank that dies is noticed at once."
+        120.0,
+        "Tensor parallelism: seconds a rank waits for the others (start-up, any collective) before it "
+        "gives up; a rank that dies is noticed at once.",
     )
 
     def resolve(self) -> "EngineConfig":
@@ -112,7 +120,9 @@ class EngineConfig:
         if not 0.0 <= self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static must be in [0, 1), got {self.mem_fraction_static}")
         if self.mem_fraction_static and not device.startswith("cuda"):
-            raise ValueError("--mem-fraction-static sizes GPU memory; on CPU use --max-total-tokens or --kv-cache-memory-gb")
+            raise ValueError(
+                "--mem-fraction-static sizes GPU memory; on CPU use --max-total-tokens or --kv-cache-memory-gb"
+            )
         if self.kv_cache_memory_gb < 0:
             raise ValueError(f"--kv-cache-memory-gb must be >= 0, got {self.kv_cache_memory_gb}")
         mem_fraction_static, kv_cache_memory_gb = self.mem_fraction_static, self.kv_cache_memory_gb
@@ -128,9 +138,15 @@ class EngineConfig:
             attention_backend = "triton" if device.startswith("cuda") else "torch_native"
         if attention_backend not in ("torch_native", "triton"):
             raise ValueError(f"--attention-backend must be torch_native, triton or auto, got {attention_backend!r}")
-        if attention_backend == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        if (
+            attention_backend == "triton"
+            and not device.startswith("cuda")
+            and os.environ.get("TRITON_INTERPRET") != "1"
+        ):
             # On CPU the kernels run only in Triton's interpreter (slow; the CPU tests use it).
-            raise ValueError("--attention-backend triton needs a CUDA device (or TRITON_INTERPRET=1); on CPU use torch_native")
+            raise ValueError(
+                "--attention-backend triton needs a CUDA device (or TRITON_INTERPRET=1); on CPU use torch_native"
+            )
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"--cuda-graph-max-bs must be >= 0, got {self.cuda_graph_max_bs}")
         if self.prefill_cuda_graph_max_tokens < 0:
@@ -162,8 +178,10 @@ def check_tp(tp: int, dist_timeout: float, hf: dict, device: str) -> None:
     width = hf.get("intermediate_size") or hf.get("n_inner") or 4 * hf.get("n_embd", 0)
     if heads % tp:
         raise ValueError(f"--tp-size {tp} does not divide the model's {heads} attention heads")
-    if (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
-        raise ValueError(f"--tp-size {tp} must divide the model's {kv_heads} KV heads, or be a multiple of them (replicated)")
+    if kv_heads % tp if kv_heads >= tp else tp % kv_heads:
+        raise ValueError(
+            f"--tp-size {tp} must divide the model's {kv_heads} KV heads, or be a multiple of them (replicated)"
+        )
     if width % tp:
         raise ValueError(f"--tp-size {tp} does not divide the model's MLP width {width}")
     if device.startswith("cuda"):
@@ -201,7 +219,9 @@ def check_model_path(model_path: str) -> None:
     """ValueError unless `model_path` is a checkpoint: a directory with config.json, or GGUF."""
     if (Path(model_path) / "config.json").is_file() or gguf_checkpoint.gguf_file(model_path) is not None:
         return
-    raise ValueError(f"--model-path {model_path!r} has no config.json and is not a .gguf file (or a directory holding one)")
+    raise ValueError(
+        f"--model-path {model_path!r} has no config.json and is not a .gguf file (or a directory holding one)"
+    )
 
 
 def read_hf_config(model_path: str) -> dict:
@@ -228,7 +248,9 @@ def add_cli_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> N
             kw.setdefault("nargs", "+")
             parser.add_argument(flag, dest=f.name, type=str, default=f.default, help=f.metadata["help"], **kw)
         else:
-            parser.add_argument(flag, dest=f.name, type=type(f.default), default=f.default, help=f.metadata["help"], **kw)
+            parser.add_argument(
+                flag, dest=f.name, type=type(f.default), default=f.default, help=f.metadata["help"], **kw
+            )
 
 
 def from_cli_args(args: argparse.Namespace, cls: type = EngineConfig) -> Any:
@@ -243,20 +265,30 @@ class TrustConfig:
     fields' positions and lists these flags last."""
 
     cluster_secret_file: str = option(
-        "", "File holding the cluster secret that the router sends and the servers require on every RPC but "
+        "",
+        "File holding the cluster secret that the router sends and the servers require on every RPC but "
         "grpc.health.v1 (at least 16 printable characters; several lines: the first is sent, any is accepted, "
         "for rotation). Default: $PDSERVE_CLUSTER_SECRET_FILE, else the secret itself in $PDSERVE_CLUSTER_SECRET.",
-        metavar="PATH")
+        metavar="PATH",
+    )
     tls_cert: str = option(
-        "", "PEM certificate chain: a server's own; the router's client certificate. With --tls-key and --tls-ca: "
-        "mutual TLS on every server RPC.", metavar="PATH")
+        "",
+        "PEM certificate chain: a server's own; the router's client certificate. With --tls-key and --tls-ca: "
+        "mutual TLS on every server RPC.",
+        metavar="PATH",
+    )
     tls_key: str = option("", "PEM private key of --tls-cert.", metavar="PATH")
     tls_ca: str = option(
-        "", "PEM CA bundle: servers require client certificates it signed; the router checks the servers' against "
-        "it (the name checked is the one given in --prefill/--decode or --prefill-dns/--decode-dns).", metavar="PATH")
+        "",
+        "PEM CA bundle: servers require client certificates it signed; the router checks the servers' against "
+        "it (the name checked is the one given in --prefill/--decode or --prefill-dns/--decode-dns).",
+        metavar="PATH",
+    )
     allow_unauthenticated: bool = option(
-        False, "Start on (servers) or reach servers at (router) a non-loopback address without a cluster secret or "
-        "TLS: anyone who reaches a server's port may then call every RPC.")
+        False,
+        "Start on (servers) or reach servers at (router) a non-loopback address without a cluster secret or "
+        "TLS: anyone who reaches a server's port may then call every RPC.",
+    )
 
 
 @dataclass(frozen=True)
@@ -268,27 +300,35 @@ class ServerConfig(TrustConfig):
     metrics_port: int = option(0, "Prometheus /metrics port; 0: no metrics endpoint.")
     transfer_backend: str = option("nixl", "KV transfer backend: nixl (UCX; DRAM on CPU, VRAM on CUDA).")
     kv_transfer_timeout: float = option(
-        30.0, "Seconds a KV transfer may take: decode aborts a request whose KV has not arrived, prefill fails one whose WRITE has not finished."
+        30.0,
+        "Seconds a KV transfer may take: decode aborts a request whose KV has not arrived, "
+        "prefill fails one whose WRITE has not finished.",
     )
     torch_threads: int = option(
-        0, "CPU threads torch may use in the scheduler process; 0: torch's default, one per core. (Splitting a "
-        "2-core host between a prefill and a decode server cost a quarter of the throughput: docs/benchmarks.md.)"
+        0,
+        "CPU threads torch may use in the scheduler process; 0: torch's default, one per core. (Splitting a "
+        "2-core host between a prefill and a decode server cost a quarter of the throughput: docs/benchmarks.md.)",
     )
     startup_timeout: float = option(
-        300.0, "Seconds the scheduler process may take to start (load the model, size and allocate the KV cache, "
-        "capture CUDA graphs) before the server gives up."
+        300.0,
+        "Seconds the scheduler process may take to start (load the model, size and allocate the KV cache, "
+        "capture CUDA graphs) before the server gives up.",
     )
     drain_timeout: float = option(
         120.0, "Seconds a SIGTERM'd server waits for its requests in flight to finish before it exits anyway."
     )
     startup_report: str = option(
-        "", "A file the scheduler appends its start-up phases to as they end, one JSON line each (pdserve up "
+        "",
+        "A file the scheduler appends its start-up phases to as they end, one JSON line each (pdserve up "
         "reads it: a server sharing a GPU starts once the one before has allocated its KV pool); default: none. "
-        "The phases are printed once the server is up either way.")
+        "The phases are printed once the server is up either way.",
+    )
     gpu_after: str = option(
-        "", "Another server's --startup-report file: this server touches the GPU only once that one has "
+        "",
+        "Another server's --startup-report file: this server touches the GPU only once that one has "
         "allocated its KV pool (pdserve up starts servers sharing a GPU together: each sizes its KV cache from "
-        "the memory it measures in use); default: at once.")
+        "the memory it measures in use); default: at once.",
+    )
     agent_name: str = option("", "Unique name of this server's transfer agent; default: role-host-port-random.")
     log_level: str = option("info", "Logging level (debug, info, warning, error).")
 

@@ -41,8 +41,10 @@ def gguf_file(model_path: str) -> str | None:
     found = sorted(glob.glob(os.path.join(glob.escape(model_path), "*.gguf")))
     if len(found) > 1:
         names = ", ".join(os.path.basename(f) for f in found)
-        raise ValueError(f"--model-path {model_path!r} holds {len(found)} .gguf files ({names}): name one "
-                         "(a split GGUF must first be merged: llama-gguf-split --merge)")
+        raise ValueError(
+            f"--model-path {model_path!r} holds {len(found)} .gguf files ({names}): name one "
+            "(a split GGUF must first be merged: llama-gguf-split --merge)"
+        )
     return os.path.abspath(found[0]) if found else None
 
 
@@ -108,15 +110,22 @@ def hf_config(path: str) -> dict:
     info = read_info(path)
     arch = info.metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(sorted(ARCHITECTURES))} (Mistral is llama in GGUF)")
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join(sorted(ARCHITECTURES))} (Mistral is llama in GGUF)"
+        )
     unsupported = sorted({kind for _, kind in info.tensors.values()} - set(dequantizable_types()))
     if unsupported:
-        raise ValueError(f"{path}: GGUF tensor type(s) {', '.join(unsupported)} cannot be dequantized; "
-                         f"supported: {', '.join(dequantizable_types())}")
+        raise ValueError(
+            f"{path}: GGUF tensor type(s) {', '.join(unsupported)} cannot be dequantized; "
+            f"supported: {', '.join(dequantizable_types())}"
+        )
     config = _gpt2_config(info) if arch == "gpt2" else _decoder_config(info, arch)
-    for name, key in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id"),
-                      ("pad_token_id", "tokenizer.ggml.padding_token_id")):
+    for name, key in (
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+        ("pad_token_id", "tokenizer.ggml.padding_token_id"),
+    ):
         if key in info.metadata:
             config[name] = info.metadata[key]
     return config
@@ -139,6 +148,7 @@ def _vocab_size(info: GGUFInfo) -> int:
 
 def _decoder_config(info: GGUFInfo, arch: str) -> dict:
     """Llama, Mistral, Qwen2 and Qwen3 (common/engine/models/llama.py)."""
+
     def key(name: str, default: Any = _REQUIRED) -> Any:
         return _key(info, f"{arch}.{name}", default)
 
@@ -148,7 +158,9 @@ def _decoder_config(info: GGUFInfo, arch: str) -> dict:
         raise ValueError(f"{info.path}: per-layer KV head counts are not supported")
     head_dim = key("attention.key_length", hidden // heads)
     if key("rope.dimension_count", head_dim) != head_dim:
-        raise ValueError(f"{info.path}: partial rotary ({key('rope.dimension_count')} of {head_dim} dims) is not supported")
+        raise ValueError(
+            f"{info.path}: partial rotary ({key('rope.dimension_count')} of {head_dim} dims) is not supported"
+        )
     theta = key("rope.freq_base", 10000.0)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     scaling = key("rope.scaling.type", "none")

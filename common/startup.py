@@ -42,7 +42,9 @@ class StartupClock:
         deadline = time.monotonic() + self.timeout_s
         while not any(p["phase"] in (KV_POOL, READY) for p in read_phases(self.gpu_after)):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the server writing {self.gpu_after} allocated no KV pool in {self.timeout_s:.0f} s")
+                raise TimeoutError(
+                    f"the server writing {self.gpu_after} allocated no KV pool in {self.timeout_s:.0f} s"
+                )
             time.sleep(0.05)
         self.mark("gpu_wait")
 

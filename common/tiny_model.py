@@ -117,8 +117,14 @@ def llama_like_config(arch: str) -> dict:
     theta = {"llama": 500000.0, "mistral": 10000.0}.get(arch, 1000000.0)
     rope = {"rope_type": "default", "rope_theta": theta}
     config = {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[arch]],
+        "architectures": [
+            {
+                "llama": "LlamaForCausalLM",
+                "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM",
+                "mistral": "MistralForCausalLM",
+            }[arch]
+        ],
         "model_type": arch,
         "vocab_size": VOCAB_SIZE,
         "hidden_size": 64,
@@ -138,8 +144,13 @@ def llama_like_config(arch: str) -> dict:
         **_token_ids(),
     }
     if arch == "llama":
-        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 256}
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        }
         # The legacy form (rope_scaling + rope_theta) for older readers, and the transformers 5 form
         # (rope_parameters, which carries rope_theta inside) with the same values.
         config["rope_scaling"] = scaling
@@ -165,23 +176,34 @@ def llama_like_shapes(arch: str, config: dict) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (vocab, hidden)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (q_dim, hidden),
-            p + "self_attn.k_proj.weight": (kv_dim, hidden),
-            p + "self_attn.v_proj.weight": (kv_dim, hidden),
-            p + "self_attn.o_proj.weight": (hidden, q_dim),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+                p + "self_attn.q_proj.weight": (q_dim, hidden),
+                p + "self_attn.k_proj.weight": (kv_dim, hidden),
+                p + "self_attn.v_proj.weight": (kv_dim, hidden),
+                p + "self_attn.o_proj.weight": (hidden, q_dim),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+            }
+        )
         if arch == "qwen2":  # Qwen2 always has q/k/v biases (there is no config switch)
-            shapes.update({p + "self_attn.q_proj.bias": (q_dim,), p + "self_attn.k_proj.bias": (kv_dim,),
-                           p + "self_attn.v_proj.bias": (kv_dim,)})
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (q_dim,),
+                    p + "self_attn.k_proj.bias": (kv_dim,),
+                    p + "self_attn.v_proj.bias": (kv_dim,),
+                }
+            )
         if arch == "qwen3":
-            shapes.update({p + "self_attn.q_norm.weight": (config["head_dim"],),
-                           p + "self_attn.k_norm.weight": (config["head_dim"],)})
+            shapes.update(
+                {
+                    p + "self_attn.q_norm.weight": (config["head_dim"],),
+                    p + "self_attn.k_norm.weight": (config["head_dim"],),
+                }
+            )
     return shapes
 
 
@@ -220,14 +242,22 @@ def gpt2_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     }
     for i in range(config["n_layer"]):
         p = f"transformer.h.{i}."
-        shapes.update({
-            p + "ln_1.weight": (d,), p + "ln_1.bias": (d,),
-            p + "ln_2.weight": (d,), p + "ln_2.bias": (d,),
-            p + "attn.c_attn.weight": (d, 3 * d), p + "attn.c_attn.bias": (3 * d,),
-            p + "attn.c_proj.weight": (d, d), p + "attn.c_proj.bias": (d,),
-            p + "mlp.c_fc.weight": (d, inner), p + "mlp.c_fc.bias": (inner,),
-            p + "mlp.c_proj.weight": (inner, d), p + "mlp.c_proj.bias": (d,),
-        })
+        shapes.update(
+            {
+                p + "ln_1.weight": (d,),
+                p + "ln_1.bias": (d,),
+                p + "ln_2.weight": (d,),
+                p + "ln_2.bias": (d,),
+                p + "attn.c_attn.weight": (d, 3 * d),
+                p + "attn.c_attn.bias": (3 * d,),
+                p + "attn.c_proj.weight": (d, d),
+                p + "attn.c_proj.bias": (d,),
+                p + "mlp.c_fc.weight": (d, inner),
+                p + "mlp.c_fc.bias": (inner,),
+                p + "mlp.c_proj.weight": (inner, d),
+                p + "mlp.c_proj.bias": (d,),
+            }
+        )
     return shapes
 
 
@@ -282,16 +312,23 @@ def train_tokenizer() -> Tokenizer:
 
 def write_tokenizer(out: pathlib.Path) -> None:
     (out / "tokenizer.json").write_text(train_tokenizer().to_str(pretty=True), encoding="utf-8")
-    special = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>",
-               "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}
+    special = {
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>",
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+    }
     _write_json(out / "special_tokens_map.json", special)
-    _write_json(out / "tokenizer_config.json", {
-        **special,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": 1024,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-    })
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            **special,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": 1024,
+            "clean_up_tokenization_spaces": False,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
 
 
 def _write_json(path: pathlib.Path, obj: dict) -> None:

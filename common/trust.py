@@ -74,8 +74,11 @@ def load_trust(config: TrustConfig, env: Mapping[str, str] = os.environ) -> Trus
     files = (config.tls_cert, config.tls_key, config.tls_ca)
     if any(files) and not all(files):
         raise ValueError("--tls-cert, --tls-key and --tls-ca go together (mutual TLS): give all three or none")
-    cert, key, ca = (_read(p, flag) for p, flag in zip(files, ("--tls-cert", "--tls-key", "--tls-ca"))) if all(files) \
+    cert, key, ca = (
+        (_read(p, flag) for p, flag in zip(files, ("--tls-cert", "--tls-key", "--tls-ca")))
+        if all(files)
         else (b"", b"", b"")
+    )
     return Trust(found, cert, key, ca, config.allow_unauthenticated)
 
 
@@ -94,8 +97,10 @@ def _parse_secrets(text: str, origin: str) -> tuple[str, ...]:
     for line in lines:
         # gRPC metadata values are printable ASCII; no spaces keeps copy-paste accidents out.
         if len(line) < MIN_SECRET_CHARS or not all("!" <= c <= "~" for c in line):
-            raise ValueError(f"the cluster secret in {origin} must be at least {MIN_SECRET_CHARS} printable ASCII "
-                             "characters without spaces (one secret per line); make one with `openssl rand -hex 32`")
+            raise ValueError(
+                f"the cluster secret in {origin} must be at least {MIN_SECRET_CHARS} printable ASCII "
+                "characters without spaces (one secret per line); make one with `openssl rand -hex 32`"
+            )
     return lines
 
 
@@ -134,13 +139,17 @@ def check_exposure(trust: Trust, hosts: Iterable[str], who: str) -> str | None:
     exposed = sorted({h for h in hosts if not is_loopback(h)})
     if not exposed or trust.authenticated:
         return None
-    what = f"{who} {', '.join(exposed)} without a cluster secret or TLS: anyone who reaches those ports can call " \
-           "every server RPC (read agent metadata, prefill into any decode page)"
+    what = (
+        f"{who} {', '.join(exposed)} without a cluster secret or TLS: anyone who reaches those ports can call "
+        "every server RPC (read agent metadata, prefill into any decode page)"
+    )
     if trust.allow_unauthenticated:
         return f"{what} (--allow-unauthenticated)"
-    raise ValueError(f"{what}. Give --cluster-secret-file PATH (or ${SECRET_FILE_ENV}, or ${SECRET_ENV}) with the "
-                     "same secret to the router and every server, or --tls-cert/--tls-key/--tls-ca; "
-                     "--allow-unauthenticated only where the network itself is trusted")
+    raise ValueError(
+        f"{what}. Give --cluster-secret-file PATH (or ${SECRET_FILE_ENV}, or ${SECRET_ENV}) with the "
+        "same secret to the router and every server, or --tls-cert/--tls-key/--tls-ca; "
+        "--allow-unauthenticated only where the network itself is trusted"
+    )
 
 
 # ---- the server side -------------------------------------------------------------------------
@@ -177,14 +186,24 @@ class ClusterSecretCheck(grpc.aio.ServerInterceptor):
             peer = (context.peer() or "?").rpartition(":")[0]  # without the port: once per caller
             if peer not in self._logged and len(self._logged) < _MAX_LOGGED_PEERS:
                 self._logged.add(peer)
-                log.warning("refused %s from %s: no valid %s (further refusals from it are only counted)",
-                            method, peer, SECRET_METADATA_KEY)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method} needs the cluster secret "
-                                f"(call metadata {SECRET_METADATA_KEY}; docs/operations.md, \"Trust\")")
+                log.warning(
+                    "refused %s from %s: no valid %s (further refusals from it are only counted)",
+                    method,
+                    peer,
+                    SECRET_METADATA_KEY,
+                )
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f'{method} needs the cluster secret (call metadata {SECRET_METADATA_KEY}; docs/operations.md, "Trust")',
+            )
 
         streaming = (handler.request_streaming, handler.response_streaming) if handler is not None else (False, False)
-        make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-                (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }
         return make[streaming](refuse)  # no deserializer: a refused request stays bytes
 
 
@@ -196,8 +215,9 @@ def add_port(server: grpc.aio.Server, address: str, trust: Trust) -> int:
     """Listen on `address` (mutual TLS when configured); the port bound, 0 on failure."""
     if not trust.tls:
         return server.add_insecure_port(address)
-    credentials = grpc.ssl_server_credentials([(trust.tls_key, trust.tls_cert)], root_certificates=trust.tls_ca,
-                                              require_client_auth=True)
+    credentials = grpc.ssl_server_credentials(
+        [(trust.tls_key, trust.tls_cert)], root_certificates=trust.tls_ca, require_client_auth=True
+    )
     return server.add_secure_port(address, credentials)
 
 
@@ -222,8 +242,11 @@ def open_channel(address: str, trust: Trust, server_name: str = "") -> grpc.aio.
 # minutes by default, and calls meanwhile fail at once: a server that came up (still starting when
 # the router or `pdserve up` first called, or restarted) went unseen for ~10 s on the H200 host
 # (docs/benchmarks.md, "One GPU"). Reconnect at least as often as the health checks run (1 s).
-RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                     ("grpc.max_reconnect_backoff_ms", 1000))
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 
 
 class SecretChannel(grpc.aio.Channel):

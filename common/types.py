@@ -102,11 +102,19 @@ class SamplingParams:
         ):
             bad(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.prompt_logprobs!r}")
         for pair in self.logit_bias:
-            if (not isinstance(pair, tuple) or len(pair) != 2 or not isinstance(pair[0], int) or pair[0] < 0
-                    or not isinstance(pair[1], (int, float)) or not -100 <= pair[1] <= 100):
+            if (
+                not isinstance(pair, tuple)
+                or len(pair) != 2
+                or not isinstance(pair[0], int)
+                or pair[0] < 0
+                or not isinstance(pair[1], (int, float))
+                or not -100 <= pair[1] <= 100
+            ):
                 bad(f"logit_bias must map token ids to numbers in [-100, 100], got {pair!r}")
         if self.grammar is not None and (
-            not isinstance(self.grammar, tuple) or len(self.grammar) != 2 or self.grammar[0] not in GRAMMAR_KINDS
+            not isinstance(self.grammar, tuple)
+            or len(self.grammar) != 2
+            or self.grammar[0] not in GRAMMAR_KINDS
             or not isinstance(self.grammar[1], str)
         ):
             bad(f"grammar must be (kind, spec) with kind one of {', '.join(GRAMMAR_KINDS)}, got {self.grammar!r}")
@@ -118,14 +126,18 @@ class SamplingParams:
     @functools.cached_property  # read for every request of every decode step
     def plain_greedy(self) -> bool:
         """The argmax of the raw logits is all this request's sampling needs (no tensor at all)."""
-        return (self.greedy and not self.has_penalties and self.min_new_tokens == 0 and self.logprobs is None
-                and not self.logit_bias and self.grammar is None)
+        return (
+            self.greedy
+            and not self.has_penalties
+            and self.min_new_tokens == 0
+            and self.logprobs is None
+            and not self.logit_bias
+            and self.grammar is None
+        )
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 @dataclass

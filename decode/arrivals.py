@@ -45,8 +45,11 @@ class KVArrivals:
         try:
             notif = decode_notif(message)
             lp = notif["logprobs"]
-            logprob = TokenLogprob(int(lp["token_id"]), float(lp["logprob"]), [(int(t), float(v)) for t, v in lp["top"]]) \
-                if lp else None
+            logprob = (
+                TokenLogprob(int(lp["token_id"]), float(lp["logprob"]), [(int(t), float(v)) for t, v in lp["top"]])
+                if lp
+                else None
+            )
         except (ValueError, KeyError, TypeError) as e:
             raise Refused("malformed", str(e)[:120]) from None
         room, token = notif["room"], notif["first_token"]
@@ -60,11 +63,17 @@ class KVArrivals:
         layout = self.layouts[rank]
         heads = notif["heads"] if notif["heads"] is not None else layout.heads
         if heads.start < layout.head_start or heads.stop > layout.heads.stop:
-            raise Refused("head_range", f"KV heads [{heads.start}, {heads.stop}) for room {room} at TP rank {rank}, "
-                                        f"which holds [{layout.heads.start}, {layout.heads.stop})")
+            raise Refused(
+                "head_range",
+                f"KV heads [{heads.start}, {heads.stop}) for room {room} at TP rank {rank}, "
+                f"which holds [{layout.heads.start}, {layout.heads.stop})",
+            )
         if notif["bytes"] != layout.transfer_bytes(pages, len(heads)):
-            raise Refused("byte_count", f"{notif['bytes']} bytes for room {room} at TP rank {rank}, granted "
-                                        f"{layout.transfer_bytes(pages, len(heads))}")
+            raise Refused(
+                "byte_count",
+                f"{notif['bytes']} bytes for room {room} at TP rank {rank}, granted "
+                f"{layout.transfer_bytes(pages, len(heads))}",
+            )
         if not waiting(room):
             return None
         landed = self.partial.setdefault(room, [set() for _ in self.layouts])

@@ -22,17 +22,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from pdserve.common.serving import ipc
 from pdserve.common.config import EngineConfig
-from pdserve.common.startup import StartupClock
 from pdserve.common.engine.core import EngineCore
 from pdserve.common.engine.tp_messages import Notifs, Watch
 from pdserve.common.kv_transfer import KVLayout
 from pdserve.common.kv_transfer.server import ServerKV
+from pdserve.common.serving import ipc
+from pdserve.common.startup import StartupClock
 from pdserve.common.types import Completion, Req, SamplingParams
 from pdserve.decode.arrivals import KVArrivals, Refused
 from pdserve.decode.scheduler import DecodeScheduler
-
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +54,13 @@ class KVDestination:
 class DecodeEngine(EngineCore):
     kv_duty = "receiver"
 
-    def __init__(self, config: EngineConfig, agent_name: str, kv_transfer_timeout: float = 30.0,
-                 startup: StartupClock | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        agent_name: str,
+        kv_transfer_timeout: float = 30.0,
+        startup: StartupClock | None = None,
+    ):
         self.kv_agent_name, self.kv_transfer_timeout = agent_name, kv_transfer_timeout
         # KV arrives over NIXL (only a retracted request is prefilled again here, eagerly): no
         # prefill graphs.
@@ -76,10 +80,17 @@ class DecodeEngine(EngineCore):
         self.kv = ServerKV.open(self.kv_agent_name, self.runner.kv_pool, self.tp_workers)
         self.agent = self.kv.agent  # rank 0's
         self.arrivals = KVArrivals(self.kv.rank_layouts, self.vocab_size)
-        return DecodeScheduler(self.config, self.runner.req_to_token_pool, self.runner.kv_pool, self.eos_token_ids,
-                               kv_transfer_timeout=self.kv_transfer_timeout)
+        return DecodeScheduler(
+            self.config,
+            self.runner.req_to_token_pool,
+            self.runner.kv_pool,
+            self.eos_token_ids,
+            kv_transfer_timeout=self.kv_transfer_timeout,
+        )
 
-    def add_decode_request(self, prompt_ids: Sequence[int], params: SamplingParams, room: int, rid: str | None = None) -> str:
+    def add_decode_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, room: int, rid: str | None = None
+    ) -> str:
         """Queue a request whose KV a prefill server will write; ValueError when it cannot run here.
         Its text is built only where stop strings need it: the router detokenizes the stream."""
         return self._add(prompt_ids, params, room, rid).rid
@@ -88,7 +99,9 @@ class DecodeEngine(EngineCore):
         """Queue a request this server prefills itself (no KV transfer); ValueError when it cannot
         run here. Prompt logprobs are a prefill server's: asked for, the router sends it remote."""
         if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs are computed by prefill servers: this request cannot be prefilled locally")
+            raise ValueError(
+                "prompt_logprobs are computed by prefill servers: this request cannot be prefilled locally"
+            )
         req = self.make_req(prompt_ids, params, rid, detokenize=bool(params.stop))
         req.arrived = time.monotonic()
         self.scheduler.add_local_request(req)
@@ -107,8 +120,11 @@ class DecodeEngine(EngineCore):
         now = time.monotonic()
         for req in self.scheduler.pop_preallocated(now):
             expires_unix_s = time.time() + (req.deadline - now)  # wall clock: it crosses machines
-            self.destinations.append(KVDestination(
-                req.rid, req.room, self.kv.name, self.kv.encoded, list(req.pages), self.kv.layout, expires_unix_s))
+            self.destinations.append(
+                KVDestination(
+                    req.rid, req.room, self.kv.name, self.kv.encoded, list(req.pages), self.kv.layout, expires_unix_s
+                )
+            )
         self._watch()
 
     def pop_transferred(self) -> None:
@@ -155,8 +171,13 @@ class DecodeEngine(EngineCore):
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
         if peer not in self._refused_peers and len(self._refused_peers) < _MAX_LOGGED_PEERS:
             self._refused_peers.add(peer)
-            log.warning("refused a KV transfer notification from agent %r (%s: %s); further ones from it are only "
-                        "counted (pdserve_kv_rejected_transfers_total)", peer, reason, detail)
+            log.warning(
+                "refused a KV transfer notification from agent %r (%s: %s); further ones from it are only "
+                "counted (pdserve_kv_rejected_transfers_total)",
+                peer,
+                reason,
+                detail,
+            )
 
     def event_loop(self) -> Iterator[list[Completion]]:
         from pdserve.decode.loop import event_loop_normal_disagg_decode, event_loop_overlap_disagg_decode
@@ -210,13 +231,20 @@ class DecodeEngine(EngineCore):
         for c in done:
             entry = self.streaming.pop(c.rid, None)
             if entry is not None and len(c.output_ids) > entry[1]:
-                send(ipc.Tokens(c.rid, entry[1], c.output_ids[entry[1]:]))
-            send(ipc.Finished(
-                c.rid, c.finish_reason.value, len(c.prompt_ids), len(c.output_ids), c.cached_tokens,
-                matched_token=c.matched_stop if isinstance(c.matched_stop, int) else None,
-                matched_text=c.matched_stop if isinstance(c.matched_stop, str) else None,
-                error=c.error, error_code=c.error_code,
-            ))
+                send(ipc.Tokens(c.rid, entry[1], c.output_ids[entry[1] :]))
+            send(
+                ipc.Finished(
+                    c.rid,
+                    c.finish_reason.value,
+                    len(c.prompt_ids),
+                    len(c.output_ids),
+                    c.cached_tokens,
+                    matched_token=c.matched_stop if isinstance(c.matched_stop, int) else None,
+                    matched_text=c.matched_stop if isinstance(c.matched_stop, str) else None,
+                    error=c.error,
+                    error_code=c.error_code,
+                )
+            )
         return done
 
     def load(self) -> ipc.LoadReport:

@@ -51,7 +51,9 @@ class ManyRequests:
     async def admit(self, request: pb.GenerateRequest) -> None:
         rid = request.request_id
         if not rid:
-            self.queue.put_nowait(Answered(rid, refusal(ErrorCode.INVALID_REQUEST, "GenerateMany requests need a request_id")))
+            self.queue.put_nowait(
+                Answered(rid, refusal(ErrorCode.INVALID_REQUEST, "GenerateMany requests need a request_id"))
+            )
             return
         if self.servicer.draining:
             self.queue.put_nowait(Answered(rid, refusal(ErrorCode.OVERLOADED, "the server is draining")))
@@ -135,9 +137,14 @@ class ManyRequests:
             if is_last(item):
                 self.end(rid)
         ready = self.servicer.ready
-        response = pb.GenerateManyResponse(updates=[
-            pb.RequestUpdate(request_id=rid, response=msg if isinstance(msg, pb.GenerateResponse) else response_of(msg, ready))
-            for rid, msg in out])
+        response = pb.GenerateManyResponse(
+            updates=[
+                pb.RequestUpdate(
+                    request_id=rid, response=msg if isinstance(msg, pb.GenerateResponse) else response_of(msg, ready)
+                )
+                for rid, msg in out
+            ]
+        )
         if columns:
             chunks = columns.values()
             response.tokens.request_ids.extend(columns)

@@ -12,8 +12,13 @@ DEADLINE_PASSED = pb.Error(code=pb.Error.ABORTED, message="the request's deadlin
 
 
 def new_request(rid: str, request: pb.GenerateRequest) -> ipc.NewRequest:
-    return ipc.NewRequest(rid, list(request.prompt_token_ids), params_from_proto(request.params), request.bootstrap_room,
-                          local=request.local_prefill)
+    return ipc.NewRequest(
+        rid,
+        list(request.prompt_token_ids),
+        params_from_proto(request.params),
+        request.bootstrap_room,
+        local=request.local_prefill,
+    )
 
 
 def is_last(msg) -> bool:
@@ -24,19 +29,32 @@ def is_last(msg) -> bool:
 def response_of(msg, ready: ipc.Ready) -> pb.GenerateResponse:
     """The Generate message for one scheduler message about a request."""
     if isinstance(msg, ipc.Destination):
-        return pb.GenerateResponse(destination=pb.KVDestination(
-            bootstrap_room=msg.room, decode_agent_name=ready.agent_name, decode_agent_metadata=ready.agent_metadata,
-            page_ids=msg.page_ids, layout=layout_to_proto(ready.layout), expires_unix_s=msg.expires_unix_s))
+        return pb.GenerateResponse(
+            destination=pb.KVDestination(
+                bootstrap_room=msg.room,
+                decode_agent_name=ready.agent_name,
+                decode_agent_metadata=ready.agent_metadata,
+                page_ids=msg.page_ids,
+                layout=layout_to_proto(ready.layout),
+                expires_unix_s=msg.expires_unix_s,
+            )
+        )
     if isinstance(msg, ipc.Tokens):
-        lps = [pb.TokenLogprob(token_id=t, logprob=v, top=[pb.TopLogprob(token_id=a, logprob=b) for a, b in top])
-               for t, v, top in msg.logprobs]
+        lps = [
+            pb.TokenLogprob(token_id=t, logprob=v, top=[pb.TopLogprob(token_id=a, logprob=b) for a, b in top])
+            for t, v, top in msg.logprobs
+        ]
         return pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=msg.token_ids, logprobs=lps, index=msg.index))
     if isinstance(msg, ipc.Rejected):
         return pb.GenerateResponse(error=error_to_proto(msg.code, msg.message))
     if msg.error:  # ipc.Finished
         return pb.GenerateResponse(error=error_to_proto(msg.error_code, msg.error))
-    finish = pb.FinishInfo(reason=FINISH[msg.reason], usage=pb.Usage(
-        prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens, cached_tokens=msg.cached_tokens))
+    finish = pb.FinishInfo(
+        reason=FINISH[msg.reason],
+        usage=pb.Usage(
+            prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens, cached_tokens=msg.cached_tokens
+        ),
+    )
     if msg.matched_token is not None:
         finish.token_id = msg.matched_token
     elif msg.matched_text is not None:

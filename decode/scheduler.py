@@ -29,18 +29,26 @@ from __future__ import annotations
 from collections import deque
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.errors import ErrorCode
 from pdserve.common.engine.batch import ForwardMode, ScheduleBatch
 from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
+from pdserve.common.errors import ErrorCode
 from pdserve.common.scheduling.output_processor import append_token, finalize
 from pdserve.common.scheduling.scheduler import Scheduler
 from pdserve.common.types import KV_WRITE_GRACE_S, Completion, FinishReason, Req, TokenLogprob
 
 
 class DecodeScheduler(Scheduler):
-    def __init__(self, config: EngineConfig, req_to_token_pool: ReqToTokenPool, kv_pool: PagedKVPool,
-                 eos_token_ids: tuple[int, ...], kv_transfer_timeout: float):
-        super().__init__(config, req_to_token_pool, kv_pool, eos_token_ids)  # prefix cache: unless --disable-radix-cache
+    def __init__(
+        self,
+        config: EngineConfig,
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: PagedKVPool,
+        eos_token_ids: tuple[int, ...],
+        kv_transfer_timeout: float,
+    ):
+        super().__init__(
+            config, req_to_token_pool, kv_pool, eos_token_ids
+        )  # prefix cache: unless --disable-radix-cache
         self.kv_transfer_timeout = kv_transfer_timeout
         self.prealloc: deque[Req] = deque()
         self.transferring: dict[int, Req] = {}  # room -> request

@@ -12,17 +12,19 @@ import secrets
 import time
 
 from pdserve.common.serving import ipc
+from pdserve.common.serving.frontend import CommonRpcs
 from pdserve.common.serving.scheduler_process import run_scheduler
 from pdserve.common.serving.server_cli import RoleLauncher
-from pdserve.common.serving.frontend import CommonRpcs
 from pdserve.decode.generate_many import generate_many
 from pdserve.decode.responses import DEADLINE_PASSED, is_last, merged_tokens, new_request, response_of
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
+
 def run_decode_scheduler(config, server, agent_name, to_scheduler, to_frontend):
     """The scheduler process's entry point: a DecodeEngine running its event loop. (The engine, and
     torch with it, is imported only here: the frontend process never loads them.)"""
+
     def make_engine(startup):
         from pdserve.decode.engine import DecodeEngine
 
@@ -92,4 +94,10 @@ def _merge_queued_tokens(first: ipc.Tokens, queue: asyncio.Queue) -> tuple[ipc.T
     return first, None
 
 
-LAUNCHER = RoleLauncher("decode", DecodeServicer, pb_grpc.add_DecodeServiceServicer_to_server, "pdserve.v1.DecodeService", run_decode_scheduler)
+LAUNCHER = RoleLauncher(
+    "decode",
+    DecodeServicer,
+    pb_grpc.add_DecodeServiceServicer_to_server,
+    "pdserve.v1.DecodeService",
+    run_decode_scheduler,
+)

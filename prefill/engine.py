@@ -19,12 +19,12 @@ import math
 import time
 from typing import Iterator, Sequence
 
-from pdserve.common.serving import ipc
 from pdserve.common.config import EngineConfig
-from pdserve.common.startup import StartupClock
 from pdserve.common.engine.core import EngineCore
 from pdserve.common.kv_transfer.sender import KVSender
 from pdserve.common.kv_transfer.server import ServerKV
+from pdserve.common.serving import ipc
+from pdserve.common.startup import StartupClock
 from pdserve.common.types import SamplingParams
 from pdserve.prefill.scheduler import Destination, PrefillResult, PrefillScheduler
 
@@ -32,8 +32,13 @@ from pdserve.prefill.scheduler import Destination, PrefillResult, PrefillSchedul
 class PrefillEngine(EngineCore):
     kv_duty = "sender"
 
-    def __init__(self, config: EngineConfig, agent_name: str, kv_transfer_timeout: float = 30.0,
-                 startup: StartupClock | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        agent_name: str,
+        kv_transfer_timeout: float = 30.0,
+        startup: StartupClock | None = None,
+    ):
         self.kv_agent_name, self.kv_transfer_timeout = agent_name, kv_transfer_timeout
         super().__init__(config, startup=startup)
 
@@ -41,8 +46,13 @@ class PrefillEngine(EngineCore):
         self.kv = ServerKV.open(self.kv_agent_name, self.runner.kv_pool, self.tp_workers)
         self.agent = self.kv.agent  # rank 0's
         self.sender = KVSender(self.kv, self.tp_workers)
-        return PrefillScheduler(self.config, self.runner.req_to_token_pool, self.runner.kv_pool, sender=self.sender,
-                                kv_transfer_timeout=self.kv_transfer_timeout)
+        return PrefillScheduler(
+            self.config,
+            self.runner.req_to_token_pool,
+            self.runner.kv_pool,
+            sender=self.sender,
+            kv_transfer_timeout=self.kv_transfer_timeout,
+        )
 
     def close(self, kill: bool = False) -> None:
         super().close(kill)
@@ -81,10 +91,14 @@ class PrefillEngine(EngineCore):
         self.scheduler.add_prefill_request(req, destination)
         return req.rid
 
-    def set_destination(self, rid: str, decode_metadata: bytes, page_ids: list[int], expires_unix_s: float = 0.0) -> None:
+    def set_destination(
+        self, rid: str, decode_metadata: bytes, page_ids: list[int], expires_unix_s: float = 0.0
+    ) -> None:
         """The destination of a request queued without one; ValueError for a bad one."""
         peer = self.sender.add_peer(decode_metadata)
-        self.scheduler.set_destination(rid, Destination(peer, list(page_ids), _expiry(expires_unix_s)), time.monotonic())
+        self.scheduler.set_destination(
+            rid, Destination(peer, list(page_ids), _expiry(expires_unix_s)), time.monotonic()
+        )
 
     def process_inflight_queue(self) -> None:
         """The transfers that ended (done, failed or late), and the parked requests whose
@@ -97,8 +111,15 @@ class PrefillEngine(EngineCore):
         for msg in msgs:
             if isinstance(msg, ipc.NewRequest):
                 try:
-                    self.add_prefill_request(msg.prompt_ids, ipc.sampling_params(msg.params), msg.room, msg.peer_metadata,
-                                             msg.page_ids, rid=msg.rid, expires_unix_s=msg.expires_unix_s)
+                    self.add_prefill_request(
+                        msg.prompt_ids,
+                        ipc.sampling_params(msg.params),
+                        msg.room,
+                        msg.peer_metadata,
+                        msg.page_ids,
+                        rid=msg.rid,
+                        expires_unix_s=msg.expires_unix_s,
+                    )
                 except ValueError as e:
                     self.channel.send(ipc.Rejected(msg.rid, str(e)))
             elif isinstance(msg, ipc.SetDestination):
@@ -118,13 +139,24 @@ class PrefillEngine(EngineCore):
             return done
         for r in done:
             lp = r.first_logprob
-            self.channel.send(ipc.PrefillDone(
-                r.rid, r.first_token, (lp.token_id, lp.logprob, lp.top) if lp is not None else None,
-                r.prompt_tokens, r.cached_tokens, queue_s=r.queue_s, prefill_s=r.prefill_s,
-                transfer_s=r.transfer_s, transfer_bytes=r.transfer_bytes, error=r.error, error_code=r.error_code,
-                prompt_logprobs=None if r.prompt_logprobs is None else
-                [(p.token_id, p.logprob, p.top, p.rank) for p in r.prompt_logprobs[1:]],
-            ))
+            self.channel.send(
+                ipc.PrefillDone(
+                    r.rid,
+                    r.first_token,
+                    (lp.token_id, lp.logprob, lp.top) if lp is not None else None,
+                    r.prompt_tokens,
+                    r.cached_tokens,
+                    queue_s=r.queue_s,
+                    prefill_s=r.prefill_s,
+                    transfer_s=r.transfer_s,
+                    transfer_bytes=r.transfer_bytes,
+                    error=r.error,
+                    error_code=r.error_code,
+                    prompt_logprobs=None
+                    if r.prompt_logprobs is None
+                    else [(p.token_id, p.logprob, p.top, p.rank) for p in r.prompt_logprobs[1:]],
+                )
+            )
         return done
 
     def load(self) -> ipc.LoadReport:

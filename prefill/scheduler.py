@@ -26,12 +26,12 @@ import math
 import time
 from dataclasses import dataclass
 
-from pdserve.common.engine.batch import ScheduleBatch
 from pdserve.common.config import EngineConfig
-from pdserve.common.errors import ErrorCode
-from pdserve.common.scheduling.kv_manager import KVManager
+from pdserve.common.engine.batch import ScheduleBatch
 from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
+from pdserve.common.errors import ErrorCode
 from pdserve.common.kv_transfer import KVTransferError, TransferState
+from pdserve.common.scheduling.kv_manager import KVManager
 from pdserve.common.scheduling.prefill_manager import PrefillManager
 from pdserve.common.scheduling.scheduler import check_fits, extend_batch, on_launched
 from pdserve.common.types import KV_WRITE_GRACE_S, FinishReason, Req, SamplingParams, TokenLogprob
@@ -88,8 +88,14 @@ class PrefillScheduler:
     """Prefill-only admission (no request decodes here, so none reserves decode room) plus the
     destinations, the parked requests and the transfers in flight."""
 
-    def __init__(self, config: EngineConfig, req_to_token_pool: ReqToTokenPool, kv_pool: PagedKVPool, sender,
-                 kv_transfer_timeout: float):
+    def __init__(
+        self,
+        config: EngineConfig,
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: PagedKVPool,
+        sender,
+        kv_transfer_timeout: float,
+    ):
         self.config = config
         self.kv = KVManager(req_to_token_pool, kv_pool, not config.disable_radix_cache, reserve_decode_tokens=0)
         self.prefill = PrefillManager(config, self.kv)
@@ -191,10 +197,13 @@ class PrefillScheduler:
         top = {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} if lp is not None else None
         try:
             # The notifications' counts let the decode server check each WRITE against its grant.
-            handle = self.sender.write(dest.peer, req.pages[:n], dest.page_ids[:n], room=req.room, first_token=token,
-                                       logprobs=top)
+            handle = self.sender.write(
+                dest.peer, req.pages[:n], dest.page_ids[:n], room=req.room, first_token=token, logprobs=top
+            )
         except (KVTransferError, ValueError) as e:  # fails this request, not the server (a dead TP rank does)
-            self._finish(req, error=f"KV transfer to {dest.peer} could not start: {e}", error_code=ErrorCode.KV_TRANSFER_FAILED)
+            self._finish(
+                req, error=f"KV transfer to {dest.peer} could not start: {e}", error_code=ErrorCode.KV_TRANSFER_FAILED
+            )
             return
         dest.writing = True
         # A WRITE still running half the grace past the expiry is given up: the pages are about
@@ -206,8 +215,11 @@ class PrefillScheduler:
         """Finish the transfers the agent reports done, failed or late, and the parked requests
         whose destination never came; never blocks."""
         for rid in [rid for rid, p in self.parked.items() if now > p.deadline]:
-            self._finish(self.parked.pop(rid).req, error=f"no KV destination came within {self.kv_transfer_timeout:g}s",
-                         error_code=ErrorCode.KV_TRANSFER_TIMEOUT)
+            self._finish(
+                self.parked.pop(rid).req,
+                error=f"no KV destination came within {self.kv_transfer_timeout:g}s",
+                error_code=ErrorCode.KV_TRANSFER_TIMEOUT,
+            )
         self._fail_expired(now)
         still = []
         for t in self.transfers:
@@ -224,10 +236,15 @@ class PrefillScheduler:
                 self.sender.remove_peer(t.handle.peer)  # its cached metadata may be stale (a restarted server)
                 self._finish(t.req, error=self.sender.failure(t.handle), error_code=ErrorCode.KV_TRANSFER_FAILED)
             elif t.deadline < t.started + self.kv_transfer_timeout:
-                self._finish(t.req, error=_expired(self.destinations[t.req.rid], now), error_code=ErrorCode.KV_TRANSFER_TIMEOUT)
+                self._finish(
+                    t.req, error=_expired(self.destinations[t.req.rid], now), error_code=ErrorCode.KV_TRANSFER_TIMEOUT
+                )
             else:
-                self._finish(t.req, error=f"KV transfer timed out after {self.kv_transfer_timeout:g}s",
-                             error_code=ErrorCode.KV_TRANSFER_TIMEOUT)
+                self._finish(
+                    t.req,
+                    error=f"KV transfer timed out after {self.kv_transfer_timeout:g}s",
+                    error_code=ErrorCode.KV_TRANSFER_TIMEOUT,
+                )
         self.transfers = still
         done, self.done = self.done, []
         return done
@@ -243,8 +260,14 @@ class PrefillScheduler:
                 result.error, result.error_code = _expired(dest, now), ErrorCode.KV_TRANSFER_TIMEOUT
                 self.done.append(result)
 
-    def _finish(self, req: Req, transfer_bytes: int = 0, error: str | None = None, transfer_s: float = 0.0,
-                error_code: ErrorCode | None = None) -> None:
+    def _finish(
+        self,
+        req: Req,
+        transfer_bytes: int = 0,
+        error: str | None = None,
+        transfer_s: float = 0.0,
+        error_code: ErrorCode | None = None,
+    ) -> None:
         """Cache (on success) or free the request's KV and record its result (an aborted request
         was answered when it was aborted)."""
         aborted = req.finish_reason is FinishReason.ABORT
@@ -288,14 +311,27 @@ class PrefillScheduler:
         if parked is not None or self.prefill.remove(rid) is not None:  # nothing reads its pages
             req.discard = req.pending
             self._finish(req)
-        return PrefillResult(rid, req.room, None, None, len(req.prompt_ids), req.cached_tokens, error="aborted",
-                             error_code=ErrorCode.ABORTED)
+        return PrefillResult(
+            rid,
+            req.room,
+            None,
+            None,
+            len(req.prompt_ids),
+            req.cached_tokens,
+            error="aborted",
+            error_code=ErrorCode.ABORTED,
+        )
 
     def is_idle(self) -> bool:
-        return not (self.transfers or self.parked or self.destinations or self.live or self.prefill.has_work()) \
-            and not self.sender.open_transfers() and self.kv.is_idle()
+        return (
+            not (self.transfers or self.parked or self.destinations or self.live or self.prefill.has_work())
+            and not self.sender.open_transfers()
+            and self.kv.is_idle()
+        )
 
 
 def _expired(dest: Destination, now: float) -> str:
-    return (f"the decode server's KV reservation at {dest.peer} ended {now - dest.expires:.2f}s ago: the "
-            "prefill took longer than the decode server's --kv-transfer-timeout")
+    return (
+        f"the decode server's KV reservation at {dest.peer} ended {now - dest.expires:.2f}s ago: the "
+        "prefill took longer than the decode server's --kv-transfer-timeout"
+    )

@@ -3,8 +3,8 @@
 Prefill(request, destination) answers once the request's KV and first token are at the decode
 server named in the destination (or with an error): first token, its logprob, cached tokens,
 timings. PrefillStreamed takes the request first and the destination in a later message: the
-prefill runs while the router waits for the decode server's pages, and only the transfer waits. The decode server's agent metadata travels in the destination and is cached per peer
-by the agent.
+prefill runs while the router waits for the decode server's pages, and only the transfer waits.
+The decode server's agent metadata travels in the destination and is cached per peer by the agent.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import time
 import grpc
 
 from pdserve.common.serving import ipc
+from pdserve.common.serving.frontend import CommonRpcs, error_to_proto, logprob_to_proto, params_from_proto
 from pdserve.common.serving.scheduler_process import run_scheduler
 from pdserve.common.serving.server_cli import RoleLauncher
-from pdserve.common.serving.frontend import CommonRpcs, error_to_proto, logprob_to_proto, params_from_proto
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 
@@ -52,9 +52,17 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
         done = False
         forward = None
         try:
-            await self.bridge.send(ipc.NewRequest(
-                rid, list(req.prompt_token_ids), params_from_proto(req.params), req.bootstrap_room,
-                peer_metadata=dest.decode_agent_metadata, page_ids=list(dest.page_ids), expires_unix_s=dest.expires_unix_s))
+            await self.bridge.send(
+                ipc.NewRequest(
+                    rid,
+                    list(req.prompt_token_ids),
+                    params_from_proto(req.params),
+                    req.bootstrap_room,
+                    peer_metadata=dest.decode_agent_metadata,
+                    page_ids=list(dest.page_ids),
+                    expires_unix_s=dest.expires_unix_s,
+                )
+            )
             if later is not None:
                 forward = asyncio.create_task(self._forward_destination(rid, later, queue))
             timeout = None
@@ -63,13 +71,21 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
             try:
                 msg = await asyncio.wait_for(queue.get(), timeout)
             except asyncio.TimeoutError:
-                return pb.PrefillResponse(error=pb.Error(code=pb.Error.ABORTED, message="the request's deadline passed"))
+                return pb.PrefillResponse(
+                    error=pb.Error(code=pb.Error.ABORTED, message="the request's deadline passed")
+                )
             done = True
             if isinstance(msg, ipc.Rejected):
                 return pb.PrefillResponse(error=error_to_proto(msg.code, msg.message))
-            timings = pb.Timings(queue_s=msg.queue_s, prefill_s=msg.prefill_s, transfer_s=msg.transfer_s,
-                                 transfer_bytes=msg.transfer_bytes)
-            response = pb.PrefillResponse(cached_tokens=msg.cached_tokens, prompt_tokens=msg.prompt_tokens, timings=timings)
+            timings = pb.Timings(
+                queue_s=msg.queue_s,
+                prefill_s=msg.prefill_s,
+                transfer_s=msg.transfer_s,
+                transfer_bytes=msg.transfer_bytes,
+            )
+            response = pb.PrefillResponse(
+                cached_tokens=msg.cached_tokens, prompt_tokens=msg.prompt_tokens, timings=timings
+            )
             if msg.error is not None:
                 response.error.CopyFrom(error_to_proto(msg.error_code, msg.error))
                 return response
@@ -94,7 +110,9 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
             async for message in later:
                 if message.HasField("destination"):
                     dest = message.destination
-                    await self.bridge.send(ipc.SetDestination(rid, dest.decode_agent_metadata, list(dest.page_ids), dest.expires_unix_s))
+                    await self.bridge.send(
+                        ipc.SetDestination(rid, dest.decode_agent_metadata, list(dest.page_ids), dest.expires_unix_s)
+                    )
                     return
         except grpc.aio.AioRpcError:
             return  # the call itself ended (cancelled): the main path answers and aborts
@@ -105,6 +123,7 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
 def run_prefill_scheduler(config, server, agent_name, to_scheduler, to_frontend):
     """The scheduler process's entry point: a PrefillEngine running its event loop. (The engine, and
     torch with it, is imported only here: the frontend process never loads them.)"""
+
     def make_engine(startup):
         from pdserve.prefill.engine import PrefillEngine
 
@@ -114,4 +133,10 @@ def run_prefill_scheduler(config, server, agent_name, to_scheduler, to_frontend)
     run_scheduler(make_engine, server, to_scheduler, to_frontend)
 
 
-LAUNCHER = RoleLauncher("prefill", PrefillServicer, pb_grpc.add_PrefillServiceServicer_to_server, "pdserve.v1.PrefillService", run_prefill_scheduler)
+LAUNCHER = RoleLauncher(
+    "prefill",
+    PrefillServicer,
+    pb_grpc.add_PrefillServiceServicer_to_server,
+    "pdserve.v1.PrefillService",
+    run_prefill_scheduler,
+)

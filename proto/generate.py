@@ -99,9 +99,9 @@ def diff_summary(generated: dict[str, bytes], target: Path = HERE) -> str:
         old = path.read_text(encoding="utf-8").splitlines(keepends=True)
         new = generated[name].decode("utf-8").splitlines(keepends=True)
         body = list(difflib.unified_diff(old, new, f"committed/{name}", f"generated/{name}", n=1))
-        changed = sum(1 for l in body if l[:1] in "+-" and not l.startswith(("+++", "---")))
+        changed = sum(1 for line in body if line[:1] in "+-" and not line.startswith(("+++", "---")))
         lines.append(f"{name}: differs ({changed} lines changed)")
-        lines.extend("    " + _clip(l.rstrip("\n")) for l in body[:_MAX_DIFF_LINES])
+        lines.extend("    " + _clip(line.rstrip("\n")) for line in body[:_MAX_DIFF_LINES])
         if len(body) > _MAX_DIFF_LINES:
             lines.append(f"    ... {len(body) - _MAX_DIFF_LINES} more diff lines")
     hint = _version_hint(target)
@@ -115,9 +115,7 @@ def _version_hint(target: Path) -> str:
     try:
         from grpc_tools import grpc_version
 
-        committed = re.search(
-            r"GRPC_GENERATED_VERSION = '([^']+)'", (target / "pdserve_pb2_grpc.py").read_text()
-        )
+        committed = re.search(r"GRPC_GENERATED_VERSION = '([^']+)'", (target / "pdserve_pb2_grpc.py").read_text())
     except (ImportError, OSError):
         return ""
     if committed and committed.group(1) != grpc_version.VERSION:

@@ -51,8 +51,9 @@ class Admission:
             self.used += slots
             return slots
         if len(self.queue) >= self.max_queued:
-            raise Overloaded(f"the router's queue is full ({self.max_queued} requests wait for "
-                             f"{self.slots} choice slots, all taken)")
+            raise Overloaded(
+                f"the router's queue is full ({self.max_queued} requests wait for {self.slots} choice slots, all taken)"
+            )
         waiter = _Waiter(slots)
         self.queue.append(waiter)
         # NOTE: a timer, not asyncio.wait_for: wait_for returns the result of a future that completed
@@ -80,9 +81,12 @@ class Admission:
         if waiter.granted.done():
             return
         self.queue.remove(waiter)
-        waiter.granted.set_exception(Overloaded(
-            f"no choice slot became free in {self.queue_timeout:g} s (the router's --queue-timeout); "
-            f"the servers are busy"))
+        waiter.granted.set_exception(
+            Overloaded(
+                f"no choice slot became free in {self.queue_timeout:g} s (the router's --queue-timeout); "
+                f"the servers are busy"
+            )
+        )
         self._grant()
 
     def _grant(self) -> None:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from contextlib import asynccontextmanager
 import secrets
 import time
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -33,13 +33,26 @@ from pdserve.common.types import Completion, FinishReason, Req
 from pdserve.router.admission import Admission, Overloaded
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode_streams import DecodeStreams
+from pdserve.router.disagg import Disaggregation
 from pdserve.router.http_answers import (
-    AdmittedStream, ClientGone, error_response, overloaded_response, queued_batches, run_choices, until_disconnect,
+    AdmittedStream,
+    ClientGone,
+    error_response,
+    overloaded_response,
+    queued_batches,
+    run_choices,
+    until_disconnect,
     upstream_response,
 )
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.disagg import Disaggregation
-from pdserve.router.pairing import UpstreamError, fix_seed, local_generate, paired_generate, prefill_only, prompt_logprobs_of
+from pdserve.router.pairing import (
+    UpstreamError,
+    fix_seed,
+    local_generate,
+    paired_generate,
+    prefill_only,
+    prompt_logprobs_of,
+)
 from pdserve.router.policies import make_policy
 from pdserve.router.stream_chunks import StreamChunks
 from pdserve.router.workers import WorkerRegistry, resolve_dns
@@ -63,9 +76,13 @@ class Router:
         self._closing: set[asyncio.Task] = set()
         self.metrics = RouterMetrics(self.registry)
         self.inflight = 0
-        self.policies = {"prefill": make_policy(config.prefill_policy, "prefill"),
-                         "decode": make_policy(config.decode_policy, "decode", config.disagg_policy != "always")}
-        self.disagg = Disaggregation(config.disagg_policy, config.local_prefill_max_tokens, config.prefill_queue_threshold)
+        self.policies = {
+            "prefill": make_policy(config.prefill_policy, "prefill"),
+            "decode": make_policy(config.decode_policy, "decode", config.disagg_policy != "always"),
+        }
+        self.disagg = Disaggregation(
+            config.disagg_policy, config.local_prefill_max_tokens, config.prefill_queue_threshold
+        )
 
     async def start(self) -> None:
         await self.registry.start()
@@ -131,11 +148,15 @@ class Router:
         if decode is None:
             raise UpstreamError("no healthy decode server", 503)
         decode_worker, c = workers[decode], self.config
-        where, why = self.disagg.decide(decode, prompt_ids, params.prompt_logprobs is not None,
-                                        lambda: self.registry.views("prefill"))
+        where, why = self.disagg.decide(
+            decode, prompt_ids, params.prompt_logprobs is not None, lambda: self.registry.views("prefill")
+        )
         self.metrics.prefill_decisions.labels(where, why).inc()
-        stream = (local_generate(self.decode_target(decode), prompt_ids, params, c) if where == "local" else
-                  paired_generate(self.decode_target(decode), pick_prefill, self.registry.record, prompt_ids, params, c))
+        stream = (
+            local_generate(self.decode_target(decode), prompt_ids, params, c)
+            if where == "local"
+            else paired_generate(self.decode_target(decode), pick_prefill, self.registry.record, prompt_ids, params, c)
+        )
         decode_worker.inflight += 1
         started, last, reported, emitted = time.monotonic(), None, 0, 0
         # Text a stop string could still claim is held back until the stop is ruled out (vLLM's
@@ -150,7 +171,9 @@ class Router:
                     else:
                         self.metrics.itl.observe((now - last) / len(event.token_ids))
                     last = now
-                if event.cached_tokens is not None:  # the first event (the prefill's answer), or a local prefill's finish
+                if (
+                    event.cached_tokens is not None
+                ):  # the first event (the prefill's answer), or a local prefill's finish
                     req.cached_tokens = event.cached_tokens
                     req.prompt_logprobs = event.prompt_logprobs
                     if on_prompt is not None and event.kind == "tokens":
@@ -166,7 +189,9 @@ class Router:
                 if on_text is not None and final > emitted:
                     await on_text(req.text[emitted:final], req.output_logprobs[reported:])
                     emitted, reported = final, len(req.output_logprobs)
-                if event.kind == "finish" or (req.finished and where == "remote"):  # (local: its cached tokens come last)
+                if event.kind == "finish" or (
+                    req.finished and where == "remote"
+                ):  # (local: its cached tokens come last)
                     break
         except UpstreamError as e:
             if e.decode_failed and decode in workers:
@@ -207,8 +232,11 @@ def create_app(router: Router) -> FastAPI:
         yield
         await router.stop()
 
-    app = FastAPI(title="pdserve router", description="OpenAI-compatible front door of a prefill/decode deployment.",
-                  lifespan=lifespan)
+    app = FastAPI(
+        title="pdserve router",
+        description="OpenAI-compatible front door of a prefill/decode deployment.",
+        lifespan=lifespan,
+    )
 
     @app.exception_handler(Exception)
     async def bug(request: Request, e: Exception):
@@ -231,12 +259,21 @@ def create_app(router: Router) -> FastAPI:
         return body
 
     def parse_body(parse, body: dict):
-        return parse(body, router.tokenizer, router.model, router.context_len, allow_stream=True,
-                     max_choices=router.config.max_choices, vocab_size=router.vocab_size)
+        return parse(
+            body,
+            router.tokenizer,
+            router.model,
+            router.context_len,
+            allow_stream=True,
+            max_choices=router.config.max_choices,
+            vocab_size=router.vocab_size,
+        )
 
     async def admit(request: Request, choices: int) -> int:
         """Wait for the request's turn (its slots); Overloaded or ClientGone when it does not come."""
-        return await until_disconnect(request, router.admission.acquire(min(choices, router.config.max_choices_at_once)))
+        return await until_disconnect(
+            request, router.admission.acquire(min(choices, router.config.max_choices_at_once))
+        )
 
     async def handle(request: Request, parse):
         response = await answer(request, parse)
@@ -259,11 +296,16 @@ def create_app(router: Router) -> FastAPI:
             return JSONResponse({}, status_code=499)
         request_id, created = secrets.token_hex(12), int(time.time())
         if parsed.stream:
-            return AdmittedStream(counted(stream(parsed, choices, lanes, request_id, created)),
-                                  lambda: router.admission.release(lanes), media_type="text/event-stream")
+            return AdmittedStream(
+                counted(stream(parsed, choices, lanes, request_id, created)),
+                lambda: router.admission.release(lanes),
+                media_type="text/event-stream",
+            )
         router.inflight += 1
         try:
-            completions = await until_disconnect(request, run_choices(choices, lanes, lambda i, ids, p: router.choice(ids, p)))
+            completions = await until_disconnect(
+                request, run_choices(choices, lanes, lambda i, ids, p: router.choice(ids, p))
+            )
         except UpstreamError as e:
             return upstream_response(e)
         except ClientGone:
@@ -331,7 +373,11 @@ def create_app(router: Router) -> FastAPI:
             sampling = body.get("sampling_params") or {}
             if not isinstance(sampling, dict):
                 raise OpenAIError("'sampling_params' must be an object")
-            openai_body = {**sampling, "prompt": body.get("text", body.get("input_ids")), "stream": bool(body.get("stream"))}
+            openai_body = {
+                **sampling,
+                "prompt": body.get("text", body.get("input_ids")),
+                "stream": bool(body.get("stream")),
+            }
             parsed = parse_body(parse_completion_request, openai_body)
         except OpenAIError as e:
             return error_response(e)
@@ -345,6 +391,7 @@ def create_app(router: Router) -> FastAPI:
         except ClientGone:
             return JSONResponse({}, status_code=499)
         if parsed.stream:
+
             async def native_stream():
                 queue: asyncio.Queue = asyncio.Queue()
 
@@ -357,20 +404,34 @@ def create_app(router: Router) -> FastAPI:
                     async for items in queued_batches(queue, [task]):
                         yield "".join(f"data: {json.dumps(item)}\n\n" for item in items)
                     c = task.result()
-                    yield "data: " + json.dumps({"output_ids": c.output_ids, "finish_reason": c.finish_reason.value}) + "\n\n"
+                    yield (
+                        "data: "
+                        + json.dumps({"output_ids": c.output_ids, "finish_reason": c.finish_reason.value})
+                        + "\n\n"
+                    )
                     yield "data: [DONE]\n\n"
                 finally:
                     task.cancel()
 
-            return AdmittedStream(native_stream(), lambda: router.admission.release(lanes), media_type="text/event-stream")
+            return AdmittedStream(
+                native_stream(), lambda: router.admission.release(lanes), media_type="text/event-stream"
+            )
         try:
             c = await router.choice(ids, params)
         except UpstreamError as e:
             return upstream_response(e)
         finally:
             router.admission.release(lanes)
-        return {"text": c.text, "output_ids": c.output_ids, "finish_reason": c.finish_reason.value,
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(c.output_ids), "cached_tokens": c.cached_tokens}}
+        return {
+            "text": c.text,
+            "output_ids": c.output_ids,
+            "finish_reason": c.finish_reason.value,
+            "usage": {
+                "prompt_tokens": len(ids),
+                "completion_tokens": len(c.output_ids),
+                "cached_tokens": c.cached_tokens,
+            },
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -387,7 +448,10 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": router.model, "object": "model", "created": 0, "owned_by": "pdserve"}]}
+        return {
+            "object": "list",
+            "data": [{"id": router.model, "object": "model", "created": 0, "owned_by": "pdserve"}],
+        }
 
     @app.get("/health")
     async def health():

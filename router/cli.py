@@ -14,7 +14,9 @@ from pdserve.router.supervisor import Supervisor
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve-router", description="OpenAI-compatible router pairing prefill and decode servers.")
+    p = argparse.ArgumentParser(
+        prog="pdserve-router", description="OpenAI-compatible router pairing prefill and decode servers."
+    )
     add_cli_args(p, RouterConfig)
     return p
 

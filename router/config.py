@@ -21,57 +21,85 @@ class RouterConfig(TrustConfig):
     """Everything `pdserve-router` takes. Flags are `--field-name`; durations are in seconds. The
     cluster secret and TLS flags (TrustConfig) come last."""
 
-    model_path: str = option("", "Checkpoint directory, or GGUF file: the tokenizer, chat template and limits come from it.", required=True)
+    model_path: str = option(
+        "", "Checkpoint directory, or GGUF file: the tokenizer, chat template and limits come from it.", required=True
+    )
     prefill: tuple[str, ...] = option((), "Prefill servers (gRPC).", metavar="HOST:PORT")
     decode: tuple[str, ...] = option((), "Decode servers (gRPC).", metavar="HOST:PORT")
     prefill_dns: tuple[str, ...] = option(
-        (), "Discover prefill servers: NAME (e.g. a headless Service) is resolved every --dns-interval seconds; "
-            "addresses are added (once healthy) and removed as they come and go.", metavar="NAME:PORT")
+        (),
+        "Discover prefill servers: NAME (e.g. a headless Service) is resolved every --dns-interval seconds; "
+        "addresses are added (once healthy) and removed as they come and go.",
+        metavar="NAME:PORT",
+    )
     decode_dns: tuple[str, ...] = option((), "Discover decode servers, likewise.", metavar="NAME:PORT")
     served_model_name: str = option("", "Model name clients use; default: --model-path as given.")
     api_key: str = option("", "Require 'Authorization: Bearer KEY' on the API.")
     prefill_policy: str = option(
-        "round_robin", "round_robin, least_load, cache_aware (a radix tree of the prompts this process routed) or "
-                       "prefix_hash (rendezvous hashing of the prompt's first 64 tokens: every router process and "
-                       "replica decides alike). With --workers > 1, cache_aware runs as prefix_hash.")
+        "round_robin",
+        "round_robin, least_load, cache_aware (a radix tree of the prompts this process routed) or "
+        "prefix_hash (rendezvous hashing of the prompt's first 64 tokens: every router process and "
+        "replica decides alike). With --workers > 1, cache_aware runs as prefix_hash.",
+    )
     decode_policy: str = option(
-        "round_robin", "round_robin or least_load; with --disagg-policy auto or never (decode servers prefill, and "
-                       "keep prompts in their prefix cache) also cache_aware or prefix_hash.")
+        "round_robin",
+        "round_robin or least_load; with --disagg-policy auto or never (decode servers prefill, and "
+        "keep prompts in their prefix cache) also cache_aware or prefix_hash.",
+    )
     decode_stream: str = option(
-        "shared", "How requests reach a decode server: 'shared' (one GenerateMany call per decode server carries "
-                  "every request, one message per step) or 'per-request' (a Generate call each; for servers "
-                  "older than GenerateMany this happens anyway).")
+        "shared",
+        "How requests reach a decode server: 'shared' (one GenerateMany call per decode server carries "
+        "every request, one message per step) or 'per-request' (a Generate call each; for servers "
+        "older than GenerateMany this happens anyway).",
+    )
     max_inflight: int = option(
-        1024, "Choices (a prompt x n each: a request on a prefill and a decode server) this router process runs "
-              "at once; requests beyond it wait in the queue (--max-queued, --queue-timeout).")
+        1024,
+        "Choices (a prompt x n each: a request on a prefill and a decode server) this router process runs "
+        "at once; requests beyond it wait in the queue (--max-queued, --queue-timeout).",
+    )
     max_queued: int = option(
-        1024, "Requests that may wait for a turn when --max-inflight choices run; beyond it a request gets 429 "
-              "with Retry-After at once (0: no queue).")
+        1024,
+        "Requests that may wait for a turn when --max-inflight choices run; beyond it a request gets 429 "
+        "with Retry-After at once (0: no queue).",
+    )
     queue_timeout: float = option(
-        30.0, "Seconds a request may wait in the queue for its turn before it gets 429 with Retry-After.")
+        30.0, "Seconds a request may wait in the queue for its turn before it gets 429 with Retry-After."
+    )
     max_choices: int = option(
-        256, "Most choices (prompts x n) one request may ask for; beyond it the request gets 400 naming this "
-             "limit (vLLM's default batch is 256 sequences).")
+        256,
+        "Most choices (prompts x n) one request may ask for; beyond it the request gets 400 naming this "
+        "limit (vLLM's default batch is 256 sequences).",
+    )
     max_choices_at_once: int = option(
-        16, "Choices of one request that run at once (each holds one of the --max-inflight slots); the rest "
-            "follow as these finish, so one large request cannot fill the servers.")
+        16,
+        "Choices of one request that run at once (each holds one of the --max-inflight slots); the rest "
+        "follow as these finish, so one large request cannot fill the servers.",
+    )
     request_timeout: float = option(600.0, "Seconds a request may take (its deadline on both servers).")
     prefill_timeout: float = option(
-        0.0, "Seconds one prefill attempt may take before it is retried elsewhere; 0: the request's deadline "
-             "(never past it).")
+        0.0,
+        "Seconds one prefill attempt may take before it is retried elsewhere; 0: the request's deadline "
+        "(never past it).",
+    )
     decode_timeout: float = option(0.0, "Seconds the decode call may take; 0: the request's deadline (never past it).")
     max_prefill_attempts: int = option(3, "Prefill servers a request is tried on before it fails.")
     disagg_policy: str = option(
-        "always", "always: every request is prefilled on a prefill server and its KV sent to the decode server; "
-                  "never: decode servers prefill every request themselves (colocated replicas; no prefill server "
-                  "needed); auto: locally when the prompt is at most --local-prefill-max-tokens or the prefill "
-                  "servers are all loaded past --prefill-queue-threshold, remotely otherwise (router/disagg.py).")
+        "always",
+        "always: every request is prefilled on a prefill server and its KV sent to the decode server; "
+        "never: decode servers prefill every request themselves (colocated replicas; no prefill server "
+        "needed); auto: locally when the prompt is at most --local-prefill-max-tokens or the prefill "
+        "servers are all loaded past --prefill-queue-threshold, remotely otherwise (router/disagg.py).",
+    )
     local_prefill_max_tokens: int = option(
-        256, "With --disagg-policy auto: prompts of at most this many uncached tokens are prefilled by the decode "
-             "server (decode servers keep no prefix cache yet: the whole prompt counts).")
+        256,
+        "With --disagg-policy auto: prompts of at most this many uncached tokens are prefilled by the decode "
+        "server (decode servers keep no prefix cache yet: the whole prompt counts).",
+    )
     prefill_queue_threshold: int = option(
-        64, "With --disagg-policy auto: when every healthy prefill server reports at least this many running + "
-            "waiting requests (plus this router's in flight), requests are prefilled locally.")
+        64,
+        "With --disagg-policy auto: when every healthy prefill server reports at least this many running + "
+        "waiting requests (plus this router's in flight), requests are prefilled locally.",
+    )
     health_check_interval: float = option(1.0, "Seconds between two health checks (gRPC health + GetLoad) of a worker.")
     health_check_timeout: float = option(2.0, "Seconds each health-check RPC may take.")
     dns_interval: float = option(2.0, "Seconds between two resolutions of the --prefill-dns / --decode-dns names.")
@@ -80,13 +108,17 @@ class RouterConfig(TrustConfig):
     host: str = option("127.0.0.1", "HTTP listen address.")
     port: int = option(8000, "HTTP port.")
     workers: int = option(
-        0, "Router processes serving --port (SO_REUSEPORT), each with its own gRPC channels and health checks, "
-           "under a supervisor that restarts them; 1: one process, no supervisor. 0: half the usable CPU cores "
-           "(the rest left to the servers and clients on the host), from 1 to 8 (every process health-checks "
-           "every server and holds its own tokenizer).")
+        0,
+        "Router processes serving --port (SO_REUSEPORT), each with its own gRPC channels and health checks, "
+        "under a supervisor that restarts them; 1: one process, no supervisor. 0: half the usable CPU cores "
+        "(the rest left to the servers and clients on the host), from 1 to 8 (every process health-checks "
+        "every server and holds its own tokenizer).",
+    )
     no_warm_spare: bool = option(
-        False, "With --workers > 1, keep no warm spare: by default one more process, built but not listening, "
-               "takes a dead worker's place at once (a worker started afresh takes seconds to listen).")
+        False,
+        "With --workers > 1, keep no warm spare: by default one more process, built but not listening, "
+        "takes a dead worker's place at once (a worker started afresh takes seconds to listen).",
+    )
     log_level: str = option("info", "Logging level.")
 
     def check(self) -> None:
@@ -98,8 +130,10 @@ class RouterConfig(TrustConfig):
         if not (self.decode or self.decode_dns):
             raise ValueError("give decode servers (--decode or --decode-dns)")
         if not (self.prefill or self.prefill_dns) and self.disagg_policy != "never":
-            raise ValueError("give prefill servers (--prefill or --prefill-dns), or --disagg-policy never "
-                             "(decode servers prefill every request themselves)")
+            raise ValueError(
+                "give prefill servers (--prefill or --prefill-dns), or --disagg-policy never "
+                "(decode servers prefill every request themselves)"
+            )
         if self.local_prefill_max_tokens < 0 or self.prefill_queue_threshold < 1:
             raise ValueError("--local-prefill-max-tokens must be >= 0 and --prefill-queue-threshold >= 1")
         for spec in self.prefill_dns + self.decode_dns:
@@ -120,13 +154,21 @@ class RouterConfig(TrustConfig):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_queued < 0:
             raise ValueError(f"--max-queued must be >= 0 (0: no queue), got {self.max_queued}")
-        for name in ("request_timeout", "health_check_interval", "health_check_timeout", "dns_interval", "circuit_open_time",
-                     "queue_timeout"):
+        for name in (
+            "request_timeout",
+            "health_check_interval",
+            "health_check_timeout",
+            "dns_interval",
+            "circuit_open_time",
+            "queue_timeout",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         for name in ("prefill_timeout", "decode_timeout"):
             if not getattr(self, name) >= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: the request's deadline), got {getattr(self, name)}")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 0 (0: the request's deadline), got {getattr(self, name)}"
+                )
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"--log-level must be debug, info, warning, error or critical, got {self.log_level!r}")
 
@@ -138,8 +180,9 @@ class RouterConfig(TrustConfig):
         def across(policy: str) -> str:
             return "prefix_hash" if workers > 1 and policy == "cache_aware" else policy
 
-        return replace(self, workers=workers, prefill_policy=across(self.prefill_policy),
-                       decode_policy=across(self.decode_policy))
+        return replace(
+            self, workers=workers, prefill_policy=across(self.prefill_policy), decode_policy=across(self.decode_policy)
+        )
 
 
 def default_workers() -> int:

@@ -108,7 +108,7 @@ class DecodeStreams:
             for rid, index, count in zip(columns.request_ids, columns.indices, columns.counts):
                 stream = self.streams.get(rid)
                 if stream is not None:
-                    stream.deliver(ColumnTokens(index, token_ids[start:start + count]))
+                    stream.deliver(ColumnTokens(index, token_ids[start : start + count]))
                 start += count
         for update in later:
             if (stream := self.streams.get(update.request_id)) is not None:

@@ -35,20 +35,39 @@ class Disaggregation:
         self.policy, self.local_max_tokens, self.queue_threshold = policy, local_max_tokens, queue_threshold
         self.decode_prefixes = ApproxRadixTree(DECODE_TREE_TOKENS) if policy == "auto" else None
 
-    def decide(self, decode_url: str, prompt_ids: list[int], prompt_logprobs: bool,
-               prefill_servers: Callable[[], list[WorkerView]]) -> tuple[str, str]:
+    def decide(
+        self,
+        decode_url: str,
+        prompt_ids: list[int],
+        prompt_logprobs: bool,
+        prefill_servers: Callable[[], list[WorkerView]],
+    ) -> tuple[str, str]:
         """(where, reason) for a choice going to `decode_url`; where is "local" or "remote".
         `prefill_servers()` gives their views (asked for only when the decision needs them)."""
         cached = 0
         if self.decode_prefixes is not None:
             cached = self.decode_prefixes.match(prompt_ids, {decode_url}).get(decode_url, 0)
             self.decode_prefixes.insert(prompt_ids, decode_url)
-        return decide(self.policy, len(prompt_ids) - cached, cached > 0, prompt_logprobs, prefill_servers,
-                      self.local_max_tokens, self.queue_threshold)
+        return decide(
+            self.policy,
+            len(prompt_ids) - cached,
+            cached > 0,
+            prompt_logprobs,
+            prefill_servers,
+            self.local_max_tokens,
+            self.queue_threshold,
+        )
 
 
-def decide(policy: str, uncached: int, prefix_hit: bool, prompt_logprobs: bool,
-           prefill_servers: Callable[[], list[WorkerView]], local_max_tokens: int, queue_threshold: int) -> tuple[str, str]:
+def decide(
+    policy: str,
+    uncached: int,
+    prefix_hit: bool,
+    prompt_logprobs: bool,
+    prefill_servers: Callable[[], list[WorkerView]],
+    local_max_tokens: int,
+    queue_threshold: int,
+) -> tuple[str, str]:
     """(where, reason): where is "local" or "remote"; `uncached`: the prompt's tokens the decode
     server is not believed to hold."""
     if prompt_logprobs:

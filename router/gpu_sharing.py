@@ -121,14 +121,22 @@ class MPSDaemon:
                 os._exit(1)
 
         with open(os.path.join(log_dir, "control-stdout.log"), "ab") as out:
-            process = subprocess.Popen([control, "-f"], env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                       stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=in_child)
+            process = subprocess.Popen(
+                [control, "-f"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=in_child,
+            )
         daemon = cls(process, control, pipe_dir, log_dir)
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(os.path.join(pipe_dir, "control")):
             if process.poll() is not None:
-                raise MPSUnavailable(f"{CONTROL} exited with code {process.returncode} at start "
-                                     f"({daemon.log_tail() or 'no log'})")
+                raise MPSUnavailable(
+                    f"{CONTROL} exited with code {process.returncode} at start ({daemon.log_tail() or 'no log'})"
+                )
             if time.monotonic() > deadline:
                 daemon.stop()
                 raise MPSUnavailable(f"{CONTROL} made no control pipe in {pipe_dir} within {timeout_s:.0f} s")
@@ -147,9 +155,15 @@ class MPSDaemon:
         QUIT_TIMEOUT_S. Call once the servers are gone: a client still running loses its GPU."""
         if self.process.poll() is None:
             try:
-                subprocess.run([self.control], input=b"quit\n", env=_control_env(dict(os.environ), self.pipe_dir,
-                               self.log_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               timeout=QUIT_TIMEOUT_S, check=False)
+                subprocess.run(
+                    [self.control],
+                    input=b"quit\n",
+                    env=_control_env(dict(os.environ), self.pipe_dir, self.log_dir),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    timeout=QUIT_TIMEOUT_S,
+                    check=False,
+                )
             except (OSError, subprocess.TimeoutExpired):
                 pass
         try:
@@ -180,8 +194,14 @@ class GpuSharing:
     unavailable: str = ""
 
     @classmethod
-    def start(cls, plan: Sequence[ServerPlacement], run_dir: str, mode: str = "auto",
-              shares: SMShares = DEFAULT_SM_SHARES, control: str | None = None) -> "GpuSharing":
+    def start(
+        cls,
+        plan: Sequence[ServerPlacement],
+        run_dir: str,
+        mode: str = "auto",
+        shares: SMShares = DEFAULT_SM_SHARES,
+        control: str | None = None,
+    ) -> "GpuSharing":
         """A daemon when a GPU holds two of the plan's servers and `mode` allows: auto (MPS where it
         can be had, else `unavailable` says why), on (MPS or MPSUnavailable), off (never). The
         caller stops it (`stop`) on every exit path."""
@@ -215,8 +235,10 @@ class GpuSharing:
         if self.daemon is None:
             why = f"MPS cannot be had: {self.unavailable}" if self.unavailable else "--mps off"
             return f"GPU sharing: GPU {gpus} time-sliced ({why}); that costs: {TIME_SLICED_COST}"
-        return (f"GPU sharing: MPS on GPU {gpus} (a private daemon, pipe {self.daemon.pipe_dir}); "
-                f"SM shares prefill {self.shares.prefill}%, decode {self.shares.decode}%")
+        return (
+            f"GPU sharing: MPS on GPU {gpus} (a private daemon, pipe {self.daemon.pipe_dir}); "
+            f"SM shares prefill {self.shares.prefill}%, decode {self.shares.decode}%"
+        )
 
     def stop(self) -> None:
         if self.daemon is not None:

@@ -88,8 +88,9 @@ RETRY_AFTER_S = {429: "1", 503: "5"}  # what a client is told to wait before it 
 
 def error_response(e: OpenAIError) -> JSONResponse:
     retry_after = RETRY_AFTER_S.get(e.status_code)
-    return JSONResponse(e.to_body(), status_code=e.status_code,
-                        headers=None if retry_after is None else {"Retry-After": retry_after})
+    return JSONResponse(
+        e.to_body(), status_code=e.status_code, headers=None if retry_after is None else {"Retry-After": retry_after}
+    )
 
 
 def upstream_response(e: UpstreamError) -> JSONResponse:

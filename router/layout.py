@@ -31,8 +31,10 @@ COLOCATED = ("never", 0)  # (--disagg-policy, --num-prefill)
 # once and 99.2k at 256 in flight; a prefill and a decode server under MPS 53.1k and 62.2k, with SM shares
 # 70:100 53.4k and 54.5k (docs/benchmarks.md, "One GPU").
 ONE_GPU_DEFAULT = COLOCATED
-ONE_GPU_WHY = ("one GPU: one colocated server (served 1.6-1.75x a prefill + decode pair under MPS on an H200, "
-               "docs/benchmarks.md); --num-prefill 1 runs the pair")
+ONE_GPU_WHY = (
+    "one GPU: one colocated server (served 1.6-1.75x a prefill + decode pair under MPS on an H200, "
+    "docs/benchmarks.md); --num-prefill 1 runs the pair"
+)
 
 
 def choose_layout(num_gpus: int, num_prefill: int | None, disagg_policy: str | None) -> Layout:

@@ -37,19 +37,42 @@ class RouterMetrics:
         r, self.workers = self.registry, registry
         self.requests = Counter("pdserve_router_requests", "HTTP API requests by status code.", ["status"], registry=r)
         buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-        self.ttft = Histogram("pdserve_router_time_to_first_token_seconds", "Time to first token.", registry=r, buckets=buckets)
-        self.itl = Histogram("pdserve_router_inter_token_latency_seconds", "Time between tokens.", registry=r, buckets=buckets)
-        self.e2e = Histogram("pdserve_router_e2e_latency_seconds", "Request (choice) latency, end to end.", registry=r, buckets=buckets)
-        self.inflight = Gauge("pdserve_router_inflight_requests", "Requests in flight.", registry=r,
-                              multiprocess_mode="livesum")
-        self.retries = Counter("pdserve_router_prefill_retries", "Prefill attempts retried on another server.", registry=r)
+        self.ttft = Histogram(
+            "pdserve_router_time_to_first_token_seconds", "Time to first token.", registry=r, buckets=buckets
+        )
+        self.itl = Histogram(
+            "pdserve_router_inter_token_latency_seconds", "Time between tokens.", registry=r, buckets=buckets
+        )
+        self.e2e = Histogram(
+            "pdserve_router_e2e_latency_seconds", "Request (choice) latency, end to end.", registry=r, buckets=buckets
+        )
+        self.inflight = Gauge(
+            "pdserve_router_inflight_requests", "Requests in flight.", registry=r, multiprocess_mode="livesum"
+        )
+        self.retries = Counter(
+            "pdserve_router_prefill_retries", "Prefill attempts retried on another server.", registry=r
+        )
         self.prefill_decisions = Counter(
-            "pdserve_router_prefill_decisions", "Where choices were prefilled (router/disagg.py): local (the decode "
-            "server) or remote (a prefill server), and why.", ["where", "reason"], registry=r)
-        self.worker_errors = Gauge("pdserve_router_worker_errors", "Failed requests and health checks per worker.",
-                                   ["worker", "role"], registry=r, multiprocess_mode="sum")
-        self.worker_healthy = Gauge("pdserve_router_worker_healthy", "1 when the worker is routable.", ["worker", "role"],
-                                    registry=r, multiprocess_mode="liveall")
+            "pdserve_router_prefill_decisions",
+            "Where choices were prefilled (router/disagg.py): local (the decode "
+            "server) or remote (a prefill server), and why.",
+            ["where", "reason"],
+            registry=r,
+        )
+        self.worker_errors = Gauge(
+            "pdserve_router_worker_errors",
+            "Failed requests and health checks per worker.",
+            ["worker", "role"],
+            registry=r,
+            multiprocess_mode="sum",
+        )
+        self.worker_healthy = Gauge(
+            "pdserve_router_worker_healthy",
+            "1 when the worker is routable.",
+            ["worker", "role"],
+            registry=r,
+            multiprocess_mode="liveall",
+        )
         self.exposition = self.registry
         path = os.environ.get(MULTIPROC_DIR_ENV)
         if path:

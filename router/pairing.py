@@ -90,10 +90,19 @@ def proto_params(p: SamplingParams) -> pb.SamplingParams:
 
 def _proto_params(p: SamplingParams) -> pb.SamplingParams:
     out = pb.SamplingParams(
-        max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens, temperature=p.temperature, top_p=p.top_p,
-        top_k=p.top_k, min_p=p.min_p, repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty,
-        presence_penalty=p.presence_penalty, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos, include_stop_str_in_output=p.include_stop_str_in_output,
+        max_new_tokens=p.max_new_tokens,
+        min_new_tokens=p.min_new_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        include_stop_str_in_output=p.include_stop_str_in_output,
         skip_special_tokens=p.skip_special_tokens,
     )
     if p.seed is not None:
@@ -120,8 +129,9 @@ def rpc_timeout(limit_s: float, deadline_unix_s: float) -> float:
 
 
 def _logprob(lp: pb.TokenLogprob) -> TokenLogprob:
-    return TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top],
-                        lp.rank if lp.HasField("rank") else None)
+    return TokenLogprob(
+        lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top], lp.rank if lp.HasField("rank") else None
+    )
 
 
 def prompt_logprobs_of(response: pb.PrefillResponse, params: SamplingParams) -> list | None:
@@ -131,13 +141,19 @@ def prompt_logprobs_of(response: pb.PrefillResponse, params: SamplingParams) -> 
     return [None, *(_logprob(lp) for lp in response.prompt_logprobs)]
 
 
-async def prefill_only(pick_prefill, report, prompt_ids: list[int], params: SamplingParams,
-                       config: RouterConfig) -> pb.PrefillResponse:
+async def prefill_only(
+    pick_prefill, report, prompt_ids: list[int], params: SamplingParams, config: RouterConfig
+) -> pb.PrefillResponse:
     """A request for no new tokens (max_new_tokens 0: its prompt scored, say) needs no decode server:
     one prefill, with retries as any, and no KV destination; nothing is transferred."""
     deadline = time.time() + config.request_timeout
-    req = pb.GenerateRequest(request_id=secrets.token_hex(12), prompt_token_ids=prompt_ids, params=proto_params(params),
-                             bootstrap_room=random.getrandbits(63), deadline_unix_s=deadline)
+    req = pb.GenerateRequest(
+        request_id=secrets.token_hex(12),
+        prompt_token_ids=prompt_ids,
+        params=proto_params(params),
+        bootstrap_room=random.getrandbits(63),
+        deadline_unix_s=deadline,
+    )
     return await _prefill_with_retries(pick_prefill, report, pb.PrefillRequest(request=req), config)
 
 
@@ -149,8 +165,14 @@ def open_generate(decode, request: pb.GenerateRequest, timeout: float):
     return pb_grpc.DecodeServiceStub(decode).Generate(request, timeout=timeout)
 
 
-async def paired_generate(decode: DecodeStreams | grpc.aio.Channel, pick_prefill, report, prompt_ids: list[int], params: SamplingParams,
-                          config: RouterConfig):
+async def paired_generate(
+    decode: DecodeStreams | grpc.aio.Channel,
+    pick_prefill,
+    report,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    config: RouterConfig,
+):
     """Yields Event("tokens", ids, index) as they arrive (the first token as soon as prefill
     answers), then Event("finish"). Raises UpstreamError on a worker error. Cancelling the
     consumer cancels both RPCs (the servers free the request's KV).
@@ -169,8 +191,13 @@ async def paired_generate(decode: DecodeStreams | grpc.aio.Channel, pick_prefill
     rid = secrets.token_hex(12)
     # Both servers give up (and free the KV) past the deadline; no RPC of ours outlives it.
     deadline = time.time() + config.request_timeout
-    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids, params=proto_params(params),
-                             bootstrap_room=random.getrandbits(63), deadline_unix_s=deadline)
+    req = pb.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=prompt_ids,
+        params=proto_params(params),
+        bootstrap_room=random.getrandbits(63),
+        deadline_unix_s=deadline,
+    )
     call = open_generate(decode, req, rpc_timeout(config.decode_timeout, deadline))
     early, next_read = None, None
     try:
@@ -185,18 +212,28 @@ async def paired_generate(decode: DecodeStreams | grpc.aio.Channel, pick_prefill
             raise _error(first)
         next_read = asyncio.ensure_future(call.read())
         response = await _prefill_while_decode_waits(
-            next_read, _prefill_with_retries(pick_prefill, report, pb.PrefillRequest(request=req, destination=first.destination),
-                                             config, early))
+            next_read,
+            _prefill_with_retries(
+                pick_prefill, report, pb.PrefillRequest(request=req, destination=first.destination), config, early
+            ),
+        )
         sent = 1
         first_lp = [_logprob(response.first_logprob)] if response.HasField("first_logprob") else []
-        yield Event("tokens", [response.first_token_id], 0, first_lp, cached_tokens=response.cached_tokens,
-                    prompt_logprobs=prompt_logprobs_of(response, params))
+        yield Event(
+            "tokens",
+            [response.first_token_id],
+            0,
+            first_lp,
+            cached_tokens=response.cached_tokens,
+            prompt_logprobs=prompt_logprobs_of(response, params),
+        )
         # The decode stream's read started while the prefill ran; token 0 came from the prefill.
         async for event in _decode_events(call, sent, pending=next_read):
             yield event
     except grpc.aio.AioRpcError as e:  # the decode call itself broke (prefill errors are caught per attempt)
-        raise UpstreamError(f"decode server: {e.code().name}: {e.details()}", rpc_status(e.code()),
-                            decode_failed=server_fault(e.code())) from e
+        raise UpstreamError(
+            f"decode server: {e.code().name}: {e.details()}", rpc_status(e.code()), decode_failed=server_fault(e.code())
+        ) from e
     finally:
         if next_read is not None:
             next_read.cancel()
@@ -207,21 +244,28 @@ async def paired_generate(decode: DecodeStreams | grpc.aio.Channel, pick_prefill
             early[2].cancel()  # a no-op once it answered
 
 
-async def local_generate(decode: DecodeStreams | grpc.aio.Channel, prompt_ids: list[int], params: SamplingParams,
-                         config: RouterConfig):
+async def local_generate(
+    decode: DecodeStreams | grpc.aio.Channel, prompt_ids: list[int], params: SamplingParams, config: RouterConfig
+):
     """paired_generate's events for a choice the decode server prefills itself
     (GenerateRequest.local_prefill, router/disagg.py): no prefill server, no destination, no KV
     transfer; every token, the first included, comes on the decode stream."""
     deadline = time.time() + config.request_timeout
-    req = pb.GenerateRequest(request_id=secrets.token_hex(12), prompt_token_ids=prompt_ids, params=proto_params(params),
-                             deadline_unix_s=deadline, local_prefill=True)
+    req = pb.GenerateRequest(
+        request_id=secrets.token_hex(12),
+        prompt_token_ids=prompt_ids,
+        params=proto_params(params),
+        deadline_unix_s=deadline,
+        local_prefill=True,
+    )
     call = open_generate(decode, req, rpc_timeout(config.decode_timeout, deadline))
     try:
         async for event in _decode_events(call, 0, local=True):
             yield event
     except grpc.aio.AioRpcError as e:
-        raise UpstreamError(f"decode server: {e.code().name}: {e.details()}", rpc_status(e.code()),
-                            decode_failed=server_fault(e.code())) from e
+        raise UpstreamError(
+            f"decode server: {e.code().name}: {e.details()}", rpc_status(e.code()), decode_failed=server_fault(e.code())
+        ) from e
     finally:
         call.cancel()
 
@@ -293,8 +337,9 @@ async def _answer_of(call, destination: pb.KVDestination) -> pb.PrefillResponse:
     return await call
 
 
-async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest, config: RouterConfig,
-                                early=None) -> pb.PrefillResponse:
+async def _prefill_with_retries(
+    pick_prefill, report, request: pb.PrefillRequest, config: RouterConfig, early=None
+) -> pb.PrefillResponse:
     """At most `config.max_prefill_attempts` prefill servers, each attempt within
     `config.prefill_timeout` and the request's deadline.
 
@@ -313,7 +358,11 @@ async def _prefill_with_retries(pick_prefill, report, request: pb.PrefillRequest
         timeout = rpc_timeout(config.prefill_timeout, request.request.deadline_unix_s)
         if timeout <= 0:
             # Both servers have given up on the request: an attempt could only fail, and be blamed.
-            last = f"{last} (not retried: the request's deadline has passed)" if attempts else "the request's deadline has passed"
+            last = (
+                f"{last} (not retried: the request's deadline has passed)"
+                if attempts
+                else "the request's deadline has passed"
+            )
             status = 504
             break
         if retry_here is not None:

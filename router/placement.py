@@ -27,8 +27,14 @@ class ServerPlacement(NamedTuple):
     mem_fraction: float  # its --mem-fraction-static (cumulative, see plan_placement); 0.0 on CPU
 
 
-def plan_placement(gpus: Sequence[int], num_prefill: int, prefill_tp: int, num_decode: int, decode_tp: int,
-                   fraction: float = DEFAULT_MEM_FRACTION_STATIC) -> list[ServerPlacement]:
+def plan_placement(
+    gpus: Sequence[int],
+    num_prefill: int,
+    prefill_tp: int,
+    num_decode: int,
+    decode_tp: int,
+    fraction: float = DEFAULT_MEM_FRACTION_STATIC,
+) -> list[ServerPlacement]:
     """Decode servers first, then prefill (the order they start in), each taking as many GPUs as its
     TP size from `gpus` in turn, wrapping round when the servers need more GPUs than there are (then
     some GPUs hold several servers). No `gpus`: the CPU, every server on it.
@@ -56,8 +62,9 @@ def plan_placement(gpus: Sequence[int], num_prefill: int, prefill_tp: int, num_d
     for flag, tp in (("--decode-tp", decode_tp), ("--prefill-tp", prefill_tp)):
         # NOTE: two ranks of one server on one GPU would need CUDA_VISIBLE_DEVICES to name it twice.
         if tp > len(gpus):
-            raise ValueError(f"{flag} {tp} needs {tp} GPUs (one per rank); --gpus gives {len(gpus)}: "
-                             f"{','.join(map(str, gpus))}")
+            raise ValueError(
+                f"{flag} {tp} needs {tp} GPUs (one per rank); --gpus gives {len(gpus)}: {','.join(map(str, gpus))}"
+            )
 
     sets, turn = [], 0
     for _role, _index, tp in servers:
@@ -87,8 +94,10 @@ def parse_gpus(value: str, visible: int) -> list[int]:
         if not part.isdigit():
             raise ValueError(f"--gpus takes GPU numbers separated by commas (e.g. 0,1), got {value!r}")
         if int(part) >= visible:
-            raise ValueError(f"--gpus {value}: GPU {part} is not visible; this process sees {visible} "
-                             f"GPU{'s' if visible != 1 else ''}" + (f" (0-{visible - 1})" if visible else ""))
+            raise ValueError(
+                f"--gpus {value}: GPU {part} is not visible; this process sees {visible} "
+                f"GPU{'s' if visible != 1 else ''}" + (f" (0-{visible - 1})" if visible else "")
+            )
         gpus.append(int(part))
     return gpus
 

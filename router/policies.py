@@ -183,8 +183,9 @@ class ApproxRadixTree:
 
     def _split(self, child: _Node, at: int) -> _Node:
         """Cut child's edge after `at` tokens; returns the new upper node (same tenants and tick)."""
-        upper = _Node(key=child.key[:at], parent=child.parent, tenants=set(child.tenants),
-                      last_access=child.last_access)
+        upper = _Node(
+            key=child.key[:at], parent=child.parent, tenants=set(child.tenants), last_access=child.last_access
+        )
         child.parent.children[upper.key[0]] = upper
         child.key = child.key[at:]
         child.parent = upper
@@ -244,8 +245,13 @@ class CacheAware(Policy):
     least load, then url), else pick the least loaded, which will build cache for this prefix.
     on_routed() records the prompt for the worker; pick() alone changes nothing."""
 
-    def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
-                 balance_rel_threshold: float = 1.5, max_tree_tokens: int = 2**20) -> None:
+    def __init__(
+        self,
+        cache_threshold: float = 0.5,
+        balance_abs_threshold: int = 32,
+        balance_rel_threshold: float = 1.5,
+        max_tree_tokens: int = 2**20,
+    ) -> None:
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
@@ -331,8 +337,10 @@ def make_policy(name: str, role: str, decode_prefills: bool = False) -> Policy:
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
     if name in PREFILL_ONLY and role != "prefill" and not decode_prefills:
-        raise ValueError(f"policy {name!r} is for prefill workers only, or decode workers that prefill "
-                         f"(--disagg-policy auto or never); use round_robin or least_load for {role}")
+        raise ValueError(
+            f"policy {name!r} is for prefill workers only, or decode workers that prefill "
+            f"(--disagg-policy auto or never); use round_robin or least_load for {role}"
+        )
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":

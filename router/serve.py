@@ -89,11 +89,13 @@ def event_loop_and_http() -> tuple[str, str]:
     """uvloop and httptools when they import (the faster pair), else asyncio and h11."""
     try:
         import uvloop  # noqa: F401
+
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
     try:
         import httptools  # noqa: F401
+
         http = "httptools"
     except ImportError:
         http = "h11"
@@ -143,9 +145,16 @@ def build(config: RouterConfig, supervisor: Connection | None) -> uvicorn.Server
             server.should_exit = True
 
     loop, http = event_loop_and_http()
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(router), loop=loop, http=http, log_level=config.log_level.lower(),
-        callback_notify=None if supervisor is None else heartbeat, timeout_notify=HEARTBEAT_S))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(router),
+            loop=loop,
+            http=http,
+            log_level=config.log_level.lower(),
+            callback_notify=None if supervisor is None else heartbeat,
+            timeout_notify=HEARTBEAT_S,
+        )
+    )
     server.config.load()  # uvicorn's protocol and lifespan imports: now, not when the socket listens
     tune_gc()  # the tokenizer and the web stack are the start-up heap
     return server

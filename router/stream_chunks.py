@@ -14,7 +14,6 @@ from pdserve.common.openai.api import ParsedRequest
 from pdserve.common.openai.format import chat_logprobs, completion_logprobs, token_text_of, usage
 from pdserve.common.openai.tool_parser import ToolCallStream, finish_reason, tool_names
 
-
 _INDEX_MARK = 918273645  # placeholders in StreamChunks' text template
 _TEXT_MARK = "\x00text\x00"
 

@@ -120,16 +120,24 @@ class Supervisor:
 
     def _start(self, index: int, failed_starts: int = 0) -> Worker:
         ready, ready_in_child = self.context.Pipe(duplex=False)
-        process = self.context.Process(target=self.target, args=(self.config, index, ready_in_child, self.metrics_dir),
-                                       name=f"pdserve-router-worker-{index}", daemon=True)
+        process = self.context.Process(
+            target=self.target,
+            args=(self.config, index, ready_in_child, self.metrics_dir),
+            name=f"pdserve-router-worker-{index}",
+            daemon=True,
+        )
         process.start()
         ready_in_child.close()  # the child holds its own copy: our read end sees EOF when it dies
         return Worker(index, process, ready, failed_starts=failed_starts)
 
     def _start_spare(self) -> Spare:
         pipe, pipe_in_child = self.context.Pipe(duplex=True)
-        process = self.context.Process(target=self.spare_target, args=(self.config, pipe_in_child, self.metrics_dir),
-                                       name="pdserve-router-spare", daemon=True)
+        process = self.context.Process(
+            target=self.spare_target,
+            args=(self.config, pipe_in_child, self.metrics_dir),
+            name="pdserve-router-spare",
+            daemon=True,
+        )
         process.start()
         pipe_in_child.close()  # as in _start: EOF when it dies
         return Spare(process, pipe)
@@ -248,15 +256,24 @@ class Supervisor:
             return
         self.spare_failed_starts += 1
         if self.spare_failed_starts >= MAX_FAILED_STARTS:
-            log.error("%s while warming, its %dth time in a row; no spare from now on (a dead worker is started "
-                      "afresh)", how, self.spare_failed_starts)
+            log.error(
+                "%s while warming, its %dth time in a row; no spare from now on (a dead worker is started afresh)",
+                how,
+                self.spare_failed_starts,
+            )
         else:
             log.warning("%s while warming; starting another", how)
 
     def _keep_a_spare(self) -> None:
         """Start a spare when there is none, the first start is over, and nothing stops us."""
-        if (self.spare is None and self.all_served and not self.config.no_warm_spare and not self.stopping
-                and not self.received and self.spare_failed_starts < MAX_FAILED_STARTS):
+        if (
+            self.spare is None
+            and self.all_served
+            and not self.config.no_warm_spare
+            and not self.stopping
+            and not self.received
+            and self.spare_failed_starts < MAX_FAILED_STARTS
+        ):
             self.spare = self._start_spare()
 
     def _reap(self, process: BaseProcess, pipe: Connection) -> None:

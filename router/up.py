@@ -23,15 +23,26 @@ from typing import Callable
 from pdserve.common.lifetime import parent_death_signal_setter
 from pdserve.common.ports import free_port
 from pdserve.common.trust import RECONNECT_OPTIONS
-from pdserve.router.placement import (
-    ROLES_IN_START_ORDER, ServerPlacement, describe, plan_placement, rank_threads, resolve_gpus,
-    usable_cores, visible_gpu_names,
-)
 from pdserve.router.disagg import POLICIES
 from pdserve.router.gpu_sharing import (
-    DEFAULT_SM_SHARES, MODES, GpuSharing, MPSUnavailable, parse_sm_shares, shared_gpus,
+    DEFAULT_SM_SHARES,
+    MODES,
+    GpuSharing,
+    MPSUnavailable,
+    parse_sm_shares,
+    shared_gpus,
 )
 from pdserve.router.layout import choose_layout, without_mps
+from pdserve.router.placement import (
+    ROLES_IN_START_ORDER,
+    ServerPlacement,
+    describe,
+    plan_placement,
+    rank_threads,
+    resolve_gpus,
+    usable_cores,
+    visible_gpu_names,
+)
 from pdserve.router.policies import POLICY_NAMES
 
 READY_TIMEOUT_S = 300
@@ -67,7 +78,10 @@ def wait_serving(addr: str, procs: list[subprocess.Popen]) -> None:
                 if p.poll() is not None:
                     raise RuntimeError(f"{' '.join(p.args[:4])} exited with code {p.returncode}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -75,9 +89,14 @@ def wait_serving(addr: str, procs: list[subprocess.Popen]) -> None:
     raise TimeoutError(f"not serving after {READY_TIMEOUT_S}s: {addr}")
 
 
-def start_servers(plan: list[ServerPlacement], command: Callable[[ServerPlacement, int], list[str]],
-                  env_of: Callable[[ServerPlacement], dict[str, str]], procs: list[subprocess.Popen],
-                  run_dir: str, ports: list[int] | None = None) -> dict[str, list[str]]:
+def start_servers(
+    plan: list[ServerPlacement],
+    command: Callable[[ServerPlacement, int], list[str]],
+    env_of: Callable[[ServerPlacement], dict[str, str]],
+    procs: list[subprocess.Popen],
+    run_dir: str,
+    ports: list[int] | None = None,
+) -> dict[str, list[str]]:
     """Start the planned servers together, each in its environment `env_of(server)` on its port
     (`ports`, one per server; default: free ones), and wait until every one serves; print how long
     each took. {role: [HOST:PORT, ...]}. `command(server, port)` is its command line; each also gets
@@ -102,8 +121,13 @@ def start_servers(plan: list[ServerPlacement], command: Callable[[ServerPlacemen
         if shared & set(server.gpus):
             flags += ["--gpu-after", previous_sharer] if previous_sharer else []
             previous_sharer = report
-        procs.append(subprocess.Popen([*command(server, port), *flags], env=env_of(server),
-                                      preexec_fn=parent_death_signal_setter(signal.SIGTERM)))
+        procs.append(
+            subprocess.Popen(
+                [*command(server, port), *flags],
+                env=env_of(server),
+                preexec_fn=parent_death_signal_setter(signal.SIGTERM),
+            )
+        )
         addresses[server.role].append(f"127.0.0.1:{port}")
         started.append((server, addresses[server.role][-1], time.monotonic()))
     for server, address, at in started:
@@ -112,10 +136,23 @@ def start_servers(plan: list[ServerPlacement], command: Callable[[ServerPlacemen
     return addresses
 
 
-def up(model_path: str | None, num_prefill: int | None, num_decode: int, device: str, port: int, host: str,
-       prefill_policy: str = "round_robin", decode_policy: str = "round_robin", router_workers: int = 0,
-       gpus: str | None = None, prefill_tp: int = 1, decode_tp: int = 1, disagg_policy: str | None = None,
-       mps: str = "auto", sm_shares: str = "auto") -> int:
+def up(
+    model_path: str | None,
+    num_prefill: int | None,
+    num_decode: int,
+    device: str,
+    port: int,
+    host: str,
+    prefill_policy: str = "round_robin",
+    decode_policy: str = "round_robin",
+    router_workers: int = 0,
+    gpus: str | None = None,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
+    disagg_policy: str | None = None,
+    mps: str = "auto",
+    sm_shares: str = "auto",
+) -> int:
     """`gpus`: --gpus as given (None: every visible GPU); `num_prefill`, `disagg_policy`: None when
     not given (router/layout.py picks them); `mps`, `sm_shares`: router/gpu_sharing.py."""
     started_at = time.monotonic()
@@ -155,13 +192,26 @@ def up(model_path: str | None, num_prefill: int | None, num_decode: int, device:
                 flags += ["--mem-fraction-static", str(server.mem_fraction)]
             elif tp > 1:
                 flags += ["--torch-threads", str(threads)]  # the ranks must not fight over the cores
-            return [py, "-m", f"pdserve.{server.role}.cli", *common, *flags, "--port", str(port),
-                    "--metrics-port", str(free_port())]
+            return [
+                py,
+                "-m",
+                f"pdserve.{server.role}.cli",
+                *common,
+                *flags,
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(free_port()),
+            ]
 
-        print(f"placement ({len(placed_on)} GPUs: {','.join(map(str, placed_on))}):" if placed_on else "placement (CPU):")
+        print(
+            f"placement ({len(placed_on)} GPUs: {','.join(map(str, placed_on))}):" if placed_on else "placement (CPU):"
+        )
         print("\n".join(describe(plan, tp_of, visible)))
-        print(f"layout: {layout.num_prefill} prefill, {num_decode} decode, --disagg-policy {layout.disagg_policy} "
-              f"({layout.why})")
+        print(
+            f"layout: {layout.num_prefill} prefill, {num_decode} decode, --disagg-policy {layout.disagg_policy} "
+            f"({layout.why})"
+        )
         print(sharing.describe(), flush=True)
         # The router starts first, beside the servers: it needs as long as a small model's server to
         # start (its imports and tokenizer), and counts no failure against a server still starting.
@@ -169,23 +219,53 @@ def up(model_path: str | None, num_prefill: int | None, num_decode: int, device:
         prefill = [f"127.0.0.1:{p}" for server, p in zip(plan, ports) if server.role == "prefill"]
         decode = [f"127.0.0.1:{p}" for server, p in zip(plan, ports) if server.role == "decode"]
         prefill_flags = ["--prefill", *prefill] if prefill else []
-        procs.append(subprocess.Popen([py, "-m", "pdserve.router.cli", "--model-path", model_path, *prefill_flags,
-                                       "--decode", *decode, "--prefill-policy", prefill_policy, "--decode-policy",
-                                       decode_policy, "--disagg-policy", layout.disagg_policy, "--host", host,
-                                       "--port", str(port), "--workers", str(router_workers), "--log-level", "warning",
-                                       *secret], preexec_fn=parent_death_signal_setter(signal.SIGTERM)))
+        procs.append(
+            subprocess.Popen(
+                [
+                    py,
+                    "-m",
+                    "pdserve.router.cli",
+                    "--model-path",
+                    model_path,
+                    *prefill_flags,
+                    "--decode",
+                    *decode,
+                    "--prefill-policy",
+                    prefill_policy,
+                    "--decode-policy",
+                    decode_policy,
+                    "--disagg-policy",
+                    layout.disagg_policy,
+                    "--host",
+                    host,
+                    "--port",
+                    str(port),
+                    "--workers",
+                    str(router_workers),
+                    "--log-level",
+                    "warning",
+                    *secret,
+                ],
+                preexec_fn=parent_death_signal_setter(signal.SIGTERM),
+            )
+        )
         start_servers(plan, command, lambda server: sharing.server_env(server, visible), procs, run_dir, ports)
         # NOTE: /readiness is answered by one router worker; each checks every server every
         # --health-check-interval (1 s), so two intervals after the servers serve, all have seen them.
         time.sleep(2 * HEALTH_CHECK_INTERVAL_S)
         base = f"http://{host}:{port}"
         _wait_ready(base + "/readiness", procs)
-        print(f"pdserve is up after {time.monotonic() - started_at:.1f} s: {base}  (model {model_path}; "
-              f"prefill {' '.join(prefill) or 'none'}; decode {' '.join(decode)})")
-        print(f"""try:
+        print(
+            f"pdserve is up after {time.monotonic() - started_at:.1f} s: {base}  (model {model_path}; "
+            f"prefill {' '.join(prefill) or 'none'}; decode {' '.join(decode)})"
+        )
+        print(
+            f"""try:
   curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model_path}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 16}}'
-Ctrl-C stops everything.""", flush=True)
+Ctrl-C stops everything.""",
+            flush=True,
+        )
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         return 0
@@ -219,44 +299,89 @@ def _interrupt(*_) -> None:
 def add_parser(sub) -> None:
     """`pdserve up` on the `pdserve` command's sub-parsers (entry point group pdserve.commands)."""
     local = sub.add_parser("up", help="Start a local router + prefill + decode deployment (Ctrl-C stops it).")
-    local.add_argument("--model-path", default=None, help="Checkpoint directory or GGUF file; default: a tiny llama made on the fly.")
-    local.add_argument("--num-prefill", type=int, default=None,
-                       help="Prefill servers to start (0: decode servers prefill every request); default: 1, but on one "
-                            "GPU the layout that served the most there, printed at start (docs/operations.md).")
+    local.add_argument(
+        "--model-path", default=None, help="Checkpoint directory or GGUF file; default: a tiny llama made on the fly."
+    )
+    local.add_argument(
+        "--num-prefill",
+        type=int,
+        default=None,
+        help="Prefill servers to start (0: decode servers prefill every request); default: 1, but on one "
+        "GPU the layout that served the most there, printed at start (docs/operations.md).",
+    )
     local.add_argument("--num-decode", type=int, default=1, help="Decode servers to start.")
     local.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when a GPU is visible).")
-    local.add_argument("--gpus", default=None, metavar="0,1,...",
-                       help="GPUs to place the servers on, numbered as this process sees them; default: every visible "
-                            "one. Each server gets as many as its TP size, its own while they last, then shared.")
+    local.add_argument(
+        "--gpus",
+        default=None,
+        metavar="0,1,...",
+        help="GPUs to place the servers on, numbered as this process sees them; default: every visible "
+        "one. Each server gets as many as its TP size, its own while they last, then shared.",
+    )
     local.add_argument("--prefill-tp", type=int, default=1, help="--tp-size of each prefill server (a GPU per rank).")
     local.add_argument("--decode-tp", type=int, default=1, help="--tp-size of each decode server (a GPU per rank).")
     local.add_argument("--host", default="127.0.0.1", help="Router HTTP address.")
     local.add_argument("--port", type=int, default=8000, help="Router HTTP port.")
-    local.add_argument("--prefill-policy", default="round_robin", choices=POLICY_NAMES,
-                       help="How the router picks a prefill server (cache_aware, prefix_hash: by prompt prefix).")
-    local.add_argument("--decode-policy", default="round_robin", choices=POLICY_NAMES,
-                       help="How the router picks a decode server.")
-    local.add_argument("--disagg-policy", default=None, choices=POLICIES,
-                       help="always: prefill servers prefill every request; never: decode servers do (colocated "
-                            "replicas; with --num-prefill 0); auto: decode servers take short prompts (pdserve-router "
-                            "--help). Default: never with no prefill server, else always.")
-    local.add_argument("--mps", default="auto", choices=MODES,
-                       help="Servers sharing a GPU run under a private NVIDIA MPS daemon, side by side instead of "
-                            "time-sliced. auto: where MPS can be had (else a warning, and the one-GPU default layout "
-                            "turns colocated); on: MPS or an error; off: never.")
-    local.add_argument("--sm-shares", default="auto", metavar="PREFILL:DECODE",
-                       help="Under MPS, the percent of a shared GPU's SMs each role's servers may occupy "
-                            f"(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); auto: {DEFAULT_SM_SHARES} (measured: docs/benchmarks.md).")
-    local.add_argument("--router-workers", type=int, default=0,
-                       help="The router's --workers: its processes; 0: from the CPU cores (see pdserve-router --help).")
+    local.add_argument(
+        "--prefill-policy",
+        default="round_robin",
+        choices=POLICY_NAMES,
+        help="How the router picks a prefill server (cache_aware, prefix_hash: by prompt prefix).",
+    )
+    local.add_argument(
+        "--decode-policy", default="round_robin", choices=POLICY_NAMES, help="How the router picks a decode server."
+    )
+    local.add_argument(
+        "--disagg-policy",
+        default=None,
+        choices=POLICIES,
+        help="always: prefill servers prefill every request; never: decode servers do (colocated "
+        "replicas; with --num-prefill 0); auto: decode servers take short prompts (pdserve-router "
+        "--help). Default: never with no prefill server, else always.",
+    )
+    local.add_argument(
+        "--mps",
+        default="auto",
+        choices=MODES,
+        help="Servers sharing a GPU run under a private NVIDIA MPS daemon, side by side instead of "
+        "time-sliced. auto: where MPS can be had (else a warning, and the one-GPU default layout "
+        "turns colocated); on: MPS or an error; off: never.",
+    )
+    local.add_argument(
+        "--sm-shares",
+        default="auto",
+        metavar="PREFILL:DECODE",
+        help="Under MPS, the percent of a shared GPU's SMs each role's servers may occupy "
+        f"(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); auto: {DEFAULT_SM_SHARES} (measured: docs/benchmarks.md).",
+    )
+    local.add_argument(
+        "--router-workers",
+        type=int,
+        default=0,
+        help="The router's --workers: its processes; 0: from the CPU cores (see pdserve-router --help).",
+    )
     local.set_defaults(func=_up)
 
 
 def _up(args) -> int:
     try:
-        return up(args.model_path, args.num_prefill, args.num_decode, args.device, args.port, args.host,
-                  args.prefill_policy, args.decode_policy, args.router_workers, args.gpus, args.prefill_tp,
-                  args.decode_tp, args.disagg_policy, args.mps, args.sm_shares)
+        return up(
+            args.model_path,
+            args.num_prefill,
+            args.num_decode,
+            args.device,
+            args.port,
+            args.host,
+            args.prefill_policy,
+            args.decode_policy,
+            args.router_workers,
+            args.gpus,
+            args.prefill_tp,
+            args.decode_tp,
+            args.disagg_policy,
+            args.mps,
+            args.sm_shares,
+        )
     except ValueError as e:  # bad flags (placement, device): up() checks them before it starts anything
         print(f"error: {e}", file=sys.stderr)
         return 2

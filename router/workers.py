@@ -69,7 +69,10 @@ class WorkerRegistry:
     def __init__(self, config: RouterConfig, resolve=resolve_dns, on_removed=None):
         self.config = config
         self.urls = {"prefill": config.prefill, "decode": config.decode}
-        self.dns = {"prefill": [name_port(d) for d in config.prefill_dns], "decode": [name_port(d) for d in config.decode_dns]}
+        self.dns = {
+            "prefill": [name_port(d) for d in config.prefill_dns],
+            "decode": [name_port(d) for d in config.decode_dns],
+        }
         self.resolve = resolve
         self.on_removed = on_removed or (lambda role, url: None)
         self.trust = load_trust(config)  # every channel carries the cluster secret (and TLS) from it

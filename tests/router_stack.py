@@ -28,10 +28,27 @@ class RouterProcess:
         # nobody reads it would block in its next write, and look hung.
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.router.cli", "--model-path", model, "--port", str(self.port), "--workers", "1",
-             *(["--prefill", *(p.address for p in prefills)] if prefills else []), "--decode", *(d.address for d in decodes),
-             "--log-level", "warning", *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "pdserve.router.cli",
+                "--model-path",
+                model,
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+                *(["--prefill", *(p.address for p in prefills)] if prefills else []),
+                "--decode",
+                *(d.address for d in decodes),
+                "--log-level",
+                "warning",
+                *flags,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def output(self) -> str:
         """What the router has logged so far."""
@@ -105,7 +122,7 @@ def send(url: str, path: str, body: bytes | dict, timeout: float = 120.0) -> Ans
         for line in response:
             raw += line
             if line.startswith(b"data: "):
-                payload = line[len(b"data: "):].strip()
+                payload = line[len(b"data: ") :].strip()
                 events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
         return Answer(response.status, headers, raw, events)
     finally:
@@ -127,8 +144,24 @@ def pdserve_up(model: str, *flags: str, timeout: float = 180.0) -> tuple[subproc
     """`pdserve up --model-path MODEL --device cpu` on a free port: (the process, the router's port,
     the line that says it is up). Stop it with SIGINT (Ctrl-C), then wait for exit code 0."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.common.cli", "up", "--model-path", model, "--device", "cpu",
-                             "--port", str(port), *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.common.cli",
+            "up",
+            "--model-path",
+            model,
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + timeout
     lines = []
     while time.monotonic() < deadline:

@@ -31,15 +31,35 @@ PROBE_S = 2.0  # a normal request after each case must answer within this
 
 # ---- values ---------------------------------------------------------------------------------------
 
-EDGES = [0, -1, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**31) - 1,
-         -(2**63), -(2**63) - 1, 10**12, 10**30, -(10**30)]
+EDGES = [
+    0,
+    -1,
+    1,
+    2**31 - 1,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    2**64,
+    -(2**31) - 1,
+    -(2**63),
+    -(2**63) - 1,
+    10**12,
+    10**30,
+    -(10**30),
+]
 INTS = st.one_of(st.sampled_from(EDGES), st.sampled_from(EDGES), st.integers(-3, 8), st.integers())
 # Every code point, lone surrogates included (json.dumps escapes them; json.loads lets them through).
-TEXT = st.one_of(st.text(st.characters(exclude_categories=()), max_size=24),
-                 st.sampled_from(["\ud800", "a\udfffb", "\x00", "<|im_start|>", "</s>", "\u202e", "\U0001f642" * 5]))
+TEXT = st.one_of(
+    st.text(st.characters(exclude_categories=()), max_size=24),
+    st.sampled_from(["\ud800", "a\udfffb", "\x00", "<|im_start|>", "</s>", "\u202e", "\U0001f642" * 5]),
+)
 LEAVES = st.one_of(st.none(), st.booleans(), INTS, st.floats(), TEXT)  # floats: NaN and Infinity too
-JUNK = st.recursive(LEAVES, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
-                    max_leaves=12)
+JUNK = st.recursive(
+    LEAVES, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4), max_leaves=12
+)
 
 
 def mostly(valid):
@@ -56,17 +76,28 @@ TOKEN_ID = st.one_of(st.integers(0, VOCAB + 100), INTS)
 HUGE_LISTS = st.one_of(
     st.sampled_from([257, 300, 5000]).map(lambda k: ["hi"] * k),  # beyond the fan-out limit
     st.sampled_from([257, 5000]).map(lambda k: [[1, 2]] * k),
-    st.just([[]] * 50), st.just([""] * 50), st.just(["hi"] * 49 + [7]),
+    st.just([[]] * 50),
+    st.just([""] * 50),
+    st.just(["hi"] * 49 + [7]),
     st.sampled_from([1025, 20000]).map(lambda k: [1] * k),  # beyond the context
     st.sampled_from([5000, 200000]).map(lambda k: "a " * k),
 )
 # Never null: an absent max_tokens is the rest of the context, too long a generation for this test.
-MAX_TOKENS = {"valid": st.integers(1, 4),
-              "careless": st.one_of(st.integers(1, 4), st.sampled_from([0, -1, 1024, 2**32, 10**12, "4", 2.0, True, []]))}
+MAX_TOKENS = {
+    "valid": st.integers(1, 4),
+    "careless": st.one_of(st.integers(1, 4), st.sampled_from([0, -1, 1024, 2**32, 10**12, "4", 2.0, True, []])),
+}
 PROMPT = {
-    "valid": st.one_of(GOOD_TEXT, st.lists(GOOD_TEXT, min_size=1, max_size=4), GOOD_IDS, st.lists(GOOD_IDS, min_size=1, max_size=3)),
-    "careless": st.one_of(TEXT, st.lists(TEXT, max_size=4), st.lists(TOKEN_ID, max_size=8),
-                          st.lists(st.lists(TOKEN_ID, max_size=6), max_size=3), HUGE_LISTS),
+    "valid": st.one_of(
+        GOOD_TEXT, st.lists(GOOD_TEXT, min_size=1, max_size=4), GOOD_IDS, st.lists(GOOD_IDS, min_size=1, max_size=3)
+    ),
+    "careless": st.one_of(
+        TEXT,
+        st.lists(TEXT, max_size=4),
+        st.lists(TOKEN_ID, max_size=8),
+        st.lists(st.lists(TOKEN_ID, max_size=6), max_size=3),
+        HUGE_LISTS,
+    ),
 }
 SAMPLING = {  # name: (valid, careless)
     "model": (st.just("fuzz-model"), st.sampled_from(["fuzz-model", "gpt-4o", ""])),
@@ -79,8 +110,10 @@ SAMPLING = {  # name: (valid, careless)
     "presence_penalty": (st.floats(-2, 2), st.floats()),
     "n": (st.integers(1, 3), INTS),
     "seed": (st.integers(-(2**63), 2**64 - 1), INTS),
-    "stop": (st.lists(GOOD_TEXT, max_size=3), st.one_of(TEXT, st.lists(TEXT, max_size=3), st.just(["x" * 100_000]),
-                                                         st.just(["s"] * 1000))),
+    "stop": (
+        st.lists(GOOD_TEXT, max_size=3),
+        st.one_of(TEXT, st.lists(TEXT, max_size=3), st.just(["x" * 100_000]), st.just(["s"] * 1000)),
+    ),
     "stop_token_ids": (st.lists(st.integers(0, VOCAB - 1), max_size=4), st.lists(TOKEN_ID, max_size=4)),
     "min_tokens": (st.integers(0, 1), INTS),
     "ignore_eos": (st.booleans(), st.booleans()),
@@ -88,19 +121,29 @@ SAMPLING = {  # name: (valid, careless)
     "include_stop_str_in_output": (st.booleans(), st.booleans()),
     "return_token_ids": (st.booleans(), st.booleans()),
     "stream": (st.booleans(), st.booleans()),
-    "stream_options": (st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
-                       st.fixed_dictionaries({}, optional={"include_usage": st.booleans(), "other": st.booleans()})),
+    "stream_options": (
+        st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
+        st.fixed_dictionaries({}, optional={"include_usage": st.booleans(), "other": st.booleans()}),
+    ),
     "user": (GOOD_TEXT, TEXT),
 }
 # Well-formed, but the grammar engine refuses it: the servers answer 400.
 BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
-COMPLETION_ONLY = {"logprobs": (st.integers(0, 5), st.integers(-1, 6)), "echo": (st.booleans(), st.booleans()),
-                   "best_of": (st.just(1), INTS)}
-CHAT_ONLY = {"max_completion_tokens": (MAX_TOKENS["valid"], MAX_TOKENS["careless"]),
-             "logprobs": (st.booleans(), st.booleans()), "top_logprobs": (st.integers(0, 20), st.integers(-1, 21)),
-             "response_format": (st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
-                                 st.one_of(st.sampled_from([{"type": "xml"}, {"type": "json_schema"}, BAD_SCHEMA]), JUNK)),
-             "tool_choice": (st.just("none"), st.just("auto"))}
+COMPLETION_ONLY = {
+    "logprobs": (st.integers(0, 5), st.integers(-1, 6)),
+    "echo": (st.booleans(), st.booleans()),
+    "best_of": (st.just(1), INTS),
+}
+CHAT_ONLY = {
+    "max_completion_tokens": (MAX_TOKENS["valid"], MAX_TOKENS["careless"]),
+    "logprobs": (st.booleans(), st.booleans()),
+    "top_logprobs": (st.integers(0, 20), st.integers(-1, 21)),
+    "response_format": (
+        st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+        st.one_of(st.sampled_from([{"type": "xml"}, {"type": "json_schema"}, BAD_SCHEMA]), JUNK),
+    ),
+    "tool_choice": (st.just("none"), st.just("auto")),
+}
 # Fields that only a junk body sets (they are unsupported or ignored).
 JUNK_ONLY = {"logit_bias": JUNK, "metadata": JUNK, "suffix": JUNK, "tools": JUNK, "functions": JUNK}
 EXTRA_FIELDS = st.dictionaries(TEXT, JUNK, max_size=2)
@@ -116,19 +159,36 @@ def careless(spec: dict) -> dict:
 
 PART = st.fixed_dictionaries({"type": st.just("text"), "text": GOOD_TEXT})
 MESSAGES = (
-    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "developer", "user", "assistant"]),
-                                    "content": st.one_of(GOOD_TEXT, st.lists(PART, min_size=1, max_size=3))},
-                                   optional={"name": GOOD_TEXT}), min_size=1, max_size=4),
-    st.lists(st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["system", "user", "tool", "wizard"]), JUNK),
-                                    "content": st.one_of(TEXT, st.lists(st.one_of(PART, JUNK), max_size=3), JUNK)},
-                                   optional={"name": st.one_of(TEXT, JUNK), "tool_calls": JUNK}), max_size=4),
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["system", "developer", "user", "assistant"]),
+                "content": st.one_of(GOOD_TEXT, st.lists(PART, min_size=1, max_size=3)),
+            },
+            optional={"name": GOOD_TEXT},
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.one_of(st.sampled_from(["system", "user", "tool", "wizard"]), JUNK),
+                "content": st.one_of(TEXT, st.lists(st.one_of(PART, JUNK), max_size=3), JUNK),
+            },
+            optional={"name": st.one_of(TEXT, JUNK), "tool_calls": JUNK},
+        ),
+        max_size=4,
+    ),
 )
 # Every field a body of each endpoint may have: (valid values, careless values).
 ENDPOINT_FIELDS = {
     "/v1/completions": {"prompt": (PROMPT["valid"], PROMPT["careless"]), **SAMPLING, **COMPLETION_ONLY},
     "/v1/chat/completions": {"messages": MESSAGES, **SAMPLING, **CHAT_ONLY},
     # /generate: sampling_params hold the completion fields; n and model are not its own
-    "/generate": {name: spec for name, spec in SAMPLING.items() if name not in ("n", "model", "stream", "stream_options")},
+    "/generate": {
+        name: spec for name, spec in SAMPLING.items() if name not in ("n", "model", "stream", "stream_options")
+    },
 }
 REQUIRED = {"/v1/completions": ("prompt",), "/v1/chat/completions": ("messages",), "/generate": ()}
 
@@ -147,7 +207,9 @@ def body_of(draw, path: str, kind: str) -> dict:
     spec = ENDPOINT_FIELDS[path]
     required = {name: spec[name] for name in REQUIRED[path]}
     optional = {name: pair for name, pair in spec.items() if name not in required}
-    fields = draw(st.fixed_dictionaries(valid(required) | {"max_tokens": MAX_TOKENS["valid"]}, optional=valid(optional)))
+    fields = draw(
+        st.fixed_dictionaries(valid(required) | {"max_tokens": MAX_TOKENS["valid"]}, optional=valid(optional))
+    )
     if kind != "valid":
         changed = draw(st.lists(st.sampled_from(sorted(spec) + ["max_tokens"]), min_size=1, max_size=2, unique=True))
         wild = careless(spec) | {"max_tokens": MAX_TOKENS["careless"]}
@@ -162,16 +224,39 @@ def body_of(draw, path: str, kind: str) -> dict:
     # /generate: one prompt as text or token ids, the rest in sampling_params (a junk body may give both)
     prompt = draw(st.one_of(st.fixed_dictionaries({"text": GOOD_TEXT}), st.fixed_dictionaries({"input_ids": GOOD_IDS})))
     if kind != "valid":
-        prompt = draw(st.sampled_from([prompt, {"text": draw(TEXT)}, {"input_ids": draw(st.lists(TOKEN_ID, max_size=8))},
-                                       prompt | {"text": "x"}, {}]))
-    return prompt | {"sampling_params": fields if kind != "junk" else draw(st.one_of(st.just(fields), JUNK)),
-                     "stream": draw(st.booleans())}
+        prompt = draw(
+            st.sampled_from(
+                [
+                    prompt,
+                    {"text": draw(TEXT)},
+                    {"input_ids": draw(st.lists(TOKEN_ID, max_size=8))},
+                    prompt | {"text": "x"},
+                    {},
+                ]
+            )
+        )
+    return prompt | {
+        "sampling_params": fields if kind != "junk" else draw(st.one_of(st.just(fields), JUNK)),
+        "stream": draw(st.booleans()),
+    }
 
 
 NOT_JSON = st.one_of(
     st.binary(max_size=40),
-    st.sampled_from([b"", b"[" * 100_000, b'{"prompt": ' * 50_000, b"\xff\xfe{}", b'{"prompt": "x", "max_tokens": 1',
-                     b"null", b"[]", b'"x"', b"1e999999", b'{"prompt": "\\ud800", "max_tokens": 1}']),
+    st.sampled_from(
+        [
+            b"",
+            b"[" * 100_000,
+            b'{"prompt": ' * 50_000,
+            b"\xff\xfe{}",
+            b'{"prompt": "x", "max_tokens": 1',
+            b"null",
+            b"[]",
+            b'"x"',
+            b"1e999999",
+            b'{"prompt": "\\ud800", "max_tokens": 1}',
+        ]
+    ),
 )
 
 
@@ -182,7 +267,10 @@ def case():
     """(path, body): a dict sent as JSON (valid, careless or junk), or raw bytes; a quarter of each."""
     path = st.sampled_from(PATHS)
     return st.one_of(
-        *(path.flatmap(lambda p, kind=kind: st.tuples(st.just(p), body_of(p, kind))) for kind in ("valid", "careless", "junk")),
+        *(
+            path.flatmap(lambda p, kind=kind: st.tuples(st.just(p), body_of(p, kind)))
+            for kind in ("valid", "careless", "junk")
+        ),
         st.tuples(path, NOT_JSON),
     )
 
@@ -243,9 +331,14 @@ def problems_of(router: RouterProcess, path: str, body) -> list[str]:
     return found
 
 
-FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                         phases=(Phase.explicit, Phase.generate),  # shrinking against a live stack would mislead
-                         suppress_health_check=list(HealthCheck))
+FUZZ_SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=(Phase.explicit, Phase.generate),  # shrinking against a live stack would mislead
+    suppress_health_check=list(HealthCheck),
+)
 
 
 def test_no_body_gets_a_5xx_or_breaks_the_service(stack):
@@ -264,6 +357,8 @@ def test_no_body_gets_a_5xx_or_breaks_the_service(stack):
 
     one()
     print(f"{EXAMPLES} bodies in {time.monotonic() - started:.0f}s")
-    assert router.worker_errors() == {prefill.address: 0.0, decode.address: 0.0}, "a client's body was blamed on a server"
+    assert router.worker_errors() == {prefill.address: 0.0, decode.address: 0.0}, (
+        "a client's body was blamed on a server"
+    )
     assert router.unhealthy() == []
     asyncio.run(wait_idle(decode, prefill))

@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 
 from pdserve.bench import random_weights
-from pdserve.bench.hf import check_generated
 from pdserve.bench.client_workers import ClientWorkers, split_concurrency
+from pdserve.bench.hf import check_generated
 from pdserve.bench.loadgen import Chunk, OpenAIBackend, arrival_times, run_schedule, timed_request
 from pdserve.bench.metrics import RequestResult, is_good, parse_goodput, percentile, summarize
 from pdserve.bench.offline import check_completions
@@ -109,7 +109,9 @@ def test_prompts_share_prefixes_by_group_picked_at_random():
     group = {x: i for i, x in enumerate(dict.fromkeys(prefixes))}  # numbered by first appearance
     assert [group[x] for x in prefixes[:8]] != [i % 4 for i in range(8)]  # not in turn
     assert len({tuple(p[8:]) for p in shared}) == 200  # suffixes differ
-    assert random_prompts(pool, 200, 12, seed=3, run=1, prefix_groups=4, prefix_len=8)[0][:8] not in [list(x) for x in prefixes]
+    assert random_prompts(pool, 200, 12, seed=3, run=1, prefix_groups=4, prefix_len=8)[0][:8] not in [
+        list(x) for x in prefixes
+    ]
 
 
 def test_itl_pools_every_gap():
@@ -187,7 +189,9 @@ async def canned_server(handler):
 
     async def serve(reader, writer):
         head = await reader.readuntil(b"\r\n\r\n")
-        length = int(next((line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0))
+        length = int(
+            next((line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0)
+        )
         body = await reader.readexactly(length)
         writer.write(handler(head, body))
         await writer.drain()
@@ -202,7 +206,11 @@ def sse_response(events: list[str]) -> bytes:
     for event in events:
         data = f"data: {event}\n\n".encode()
         chunks += f"{len(data):x}\r\n".encode() + data + b"\r\n"
-    return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n"
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        + chunks
+        + b"0\r\n\r\n"
+    )
 
 
 def test_openai_backend_parses_a_chunked_sse_stream_and_http_errors():
@@ -213,8 +221,13 @@ def test_openai_backend_parses_a_chunked_sse_stream_and_http_errors():
         if b"Bearer nope" in head:
             error = b'{"error": {"message": "bad key"}}'
             return b"HTTP/1.1 401 Unauthorized\r\ncontent-length: %d\r\n\r\n%s" % (len(error), error)
-        choice = lambda text, finish=None: json.dumps({"choices": [{"index": 0, "text": text, "finish_reason": finish}]})  # noqa: E731
-        usage = json.dumps({"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 1}}})
+
+        def choice(text, finish=None):
+            return json.dumps({"choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+
+        usage = json.dumps(
+            {"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 1}}}
+        )
         return sse_response([choice("a"), choice(""), choice("bc"), choice("", "length"), usage, "[DONE]"])
 
     async def scenario():
@@ -228,8 +241,15 @@ def test_openai_backend_parses_a_chunked_sse_stream_and_http_errors():
     assert good.success and good.output_tokens == 3 and len(good.itl) == 1  # two chunks carried text
     assert good.cached_tokens == 1
     assert not bad.success and "HTTP 401" in bad.error and "bad key" in bad.error
-    assert seen[0] == {"model": "m", "prompt": [5, 6], "max_tokens": 3, "temperature": 0.0, "ignore_eos": True,
-                       "stream": True, "stream_options": {"include_usage": True}}
+    assert seen[0] == {
+        "model": "m",
+        "prompt": [5, 6],
+        "max_tokens": 3,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def test_client_workers_deal_requests_round_robin_and_merge_them_in_prompt_order():
@@ -301,16 +321,27 @@ def test_random_weight_cache_is_built_once_and_rebuilt_when_stale(tmp_path, monk
 def test_full_size_shapes_are_bf16_with_a_tokenizer_as_wide_as_the_vocab(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    overrides = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
-                 "head_dim": 16, "vocab_size": 700, "tie_word_embeddings": True}
+    overrides = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "vocab_size": 700,
+        "tie_word_embeddings": True,
+    }
     random_weights.write_checkpoint(tmp_path, "llama", overrides)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
         assert f.get_slice("model.embed_tokens.weight").get_shape() == [700, 32]
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     assert len(tokenizer) == 700 and tokenizer.decode([600, 699]) == f" t{600 - 512} t{699 - 512}"
-    assert tokenizer("The quick brown fox")["input_ids"] == AutoTokenizer.from_pretrained(
-        random_weights.random_weight_checkpoint("llama/tiny", root=tmp_path / "tiny"))("The quick brown fox")["input_ids"]
+    assert (
+        tokenizer("The quick brown fox")["input_ids"]
+        == AutoTokenizer.from_pretrained(random_weights.random_weight_checkpoint("llama/tiny", root=tmp_path / "tiny"))(
+            "The quick brown fox"
+        )["input_ids"]
+    )
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     assert model.config.vocab_size == 700 and model.config.hidden_size == 32
 
@@ -320,9 +351,29 @@ def test_full_size_shapes_are_bf16_with_a_tokenizer_as_wide_as_the_vocab(tmp_pat
 
 def test_offline_both_backends_on_a_tiny_model(cache, tmp_path, capsys):
     out = tmp_path / "offline.json"
-    argv = ["bench", "offline", "--random-weights", "qwen3/tiny", "--num-prompts", "4", "--input-len", "8",
-            "--output-len", "4", "--backend", "both", "--warmup", "1", "--repeats", "2", "--device", "cpu",
-            "--disable-overlap-schedule", "--output-json", str(out)]
+    argv = [
+        "bench",
+        "offline",
+        "--random-weights",
+        "qwen3/tiny",
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--backend",
+        "both",
+        "--warmup",
+        "1",
+        "--repeats",
+        "2",
+        "--device",
+        "cpu",
+        "--disable-overlap-schedule",
+        "--output-json",
+        str(out),
+    ]
     assert main(argv) == 0
     out_text = capsys.readouterr().out
     report = json.loads(out_text.strip().splitlines()[-1])
@@ -353,9 +404,14 @@ def test_bad_options_exit_2(cache, capsys):
     assert main(["bench", "offline", "--random-weights", "gpt2/medium"]) == 2
     assert main(["bench", "serve", "--backend", "hf", "--base-url", "http://127.0.0.1:9"]) == 2
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--goodput", "ttft"]) == 2
-    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--vocab-size", "100", "--num-prefill", "2"]) == 2
+    assert (
+        main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--vocab-size", "100", "--num-prefill", "2"]) == 2
+    )
     assert "local stack" in capsys.readouterr().err
-    assert main(["bench", "serve", "--backend", "hf", "--random-weights", "llama/tiny", "--prefill-policy", "cache_aware"]) == 2
+    assert (
+        main(["bench", "serve", "--backend", "hf", "--random-weights", "llama/tiny", "--prefill-policy", "cache_aware"])
+        == 2
+    )
     assert "local stack" in capsys.readouterr().err
     for placement in (["--num-decode", "2"], ["--decode-tp", "2"], ["--gpus", "0"]):
         assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--vocab-size", "100", *placement]) == 2
@@ -381,17 +437,33 @@ def test_bad_options_exit_2(cache, capsys):
 
 def test_engine_flags_reach_the_local_servers():
     config = EngineConfig(model_path="/m", device="cpu", max_total_tokens=4096, disable_overlap_schedule=True)
-    assert engine_flags(config) == ["--model-path", "/m", "--device", "cpu", "--max-total-tokens", "4096",
-                                    "--disable-overlap-schedule"]
+    assert engine_flags(config) == [
+        "--model-path",
+        "/m",
+        "--device",
+        "cpu",
+        "--max-total-tokens",
+        "4096",
+        "--disable-overlap-schedule",
+    ]
     # Each server's config: its role's TP size, its device, its share of a GPU it shares (router/placement.py).
     assert server_configs(config, plan_placement([], 1, 1, 1, 2), "cpu", {"prefill": 1, "decode": 2}) == [
-        dataclasses.replace(config, tp_size=2), config]
+        dataclasses.replace(config, tp_size=2),
+        config,
+    ]
     tp1 = {"prefill": 1, "decode": 1}
     on_one_gpu = server_configs(EngineConfig(model_path="/m"), plan_placement([0], 3, 1, 1, 1), "cuda", tp1)
     assert [(c.device, c.mem_fraction_static) for c in on_one_gpu] == [
-        ("cuda", 0.2125), ("cuda", 0.425), ("cuda", 0.6375), ("cuda", 0.85)]
+        ("cuda", 0.2125),
+        ("cuda", 0.425),
+        ("cuda", 0.6375),
+        ("cuda", 0.85),
+    ]
     explicit = dataclasses.replace(config, device="auto")  # --max-total-tokens: every server as given
-    assert [c.mem_fraction_static for c in server_configs(explicit, plan_placement([0], 1, 1, 1, 1), "cuda", tp1)] == [0, 0]
+    assert [c.mem_fraction_static for c in server_configs(explicit, plan_placement([0], 1, 1, 1, 1), "cuda", tp1)] == [
+        0,
+        0,
+    ]
 
 
 def check_serve_runs(report, runs, requests, output_len):
@@ -405,11 +477,42 @@ def check_serve_runs(report, runs, requests, output_len):
 
 
 def test_serve_against_a_local_stack_it_starts(cache, capsys):
-    argv = ["bench", "serve", "--random-weights", "llama/tiny", "--num-prompts", "6", "--input-len", "24",
-            "--output-len", "4", "--request-rate", "40", "inf", "--max-concurrency", "0", "2", "--device", "cpu",
-            "--max-total-tokens", "4096", "--disable-overlap-schedule", "--goodput", "ttft:60000", "e2el:60000",
-            "--num-prefill", "2", "--prefill-policy", "cache_aware", "--prefix-groups", "2", "--prefix-len", "16",
-            "--page-size", "4"]
+    argv = [
+        "bench",
+        "serve",
+        "--random-weights",
+        "llama/tiny",
+        "--num-prompts",
+        "6",
+        "--input-len",
+        "24",
+        "--output-len",
+        "4",
+        "--request-rate",
+        "40",
+        "inf",
+        "--max-concurrency",
+        "0",
+        "2",
+        "--device",
+        "cpu",
+        "--max-total-tokens",
+        "4096",
+        "--disable-overlap-schedule",
+        "--goodput",
+        "ttft:60000",
+        "e2el:60000",
+        "--num-prefill",
+        "2",
+        "--prefill-policy",
+        "cache_aware",
+        "--prefix-groups",
+        "2",
+        "--prefix-len",
+        "16",
+        "--page-size",
+        "4",
+    ]
     assert main(argv) == 0
     report = report_of(capsys)
     assert report["backend"] == "pdserve" and report["base_url"] is None and report["device"] == "cpu"
@@ -426,9 +529,32 @@ def test_serve_against_a_local_stack_it_starts(cache, capsys):
 
 
 def test_serve_with_client_workers_merges_their_runs(cache, capsys):
-    argv = ["bench", "serve", "--random-weights", "llama/tiny", "--num-prompts", "5", "--input-len", "12",
-            "--output-len", "4", "--request-rate", "inf", "--max-concurrency", "3", "0", "--client-workers", "2",
-            "--device", "cpu", "--max-total-tokens", "4096", "--disable-overlap-schedule", "--goodput", "e2el:60000"]
+    argv = [
+        "bench",
+        "serve",
+        "--random-weights",
+        "llama/tiny",
+        "--num-prompts",
+        "5",
+        "--input-len",
+        "12",
+        "--output-len",
+        "4",
+        "--request-rate",
+        "inf",
+        "--max-concurrency",
+        "3",
+        "0",
+        "--client-workers",
+        "2",
+        "--device",
+        "cpu",
+        "--max-total-tokens",
+        "4096",
+        "--disable-overlap-schedule",
+        "--goodput",
+        "e2el:60000",
+    ]
     assert main(argv) == 0
     report = report_of(capsys)
     assert report["client_workers"] == 2
@@ -445,8 +571,13 @@ def test_cpu_seconds_of_a_process_come_from_proc():
 
     from pdserve.bench.serve import cpu_per_1k_tokens, process_cpu_s
 
-    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
-                             "time.sleep(30)"])
+    busy = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)",
+        ]
+    )
     try:
         deadline = 100
         while (process_cpu_s(busy.pid) or 0) < 0.25 and deadline:
@@ -466,11 +597,18 @@ def test_cpu_seconds_of_a_process_tree_count_every_descendant_even_one_reaped():
 
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)\n"
     supervisor = subprocess.Popen(  # a router-like parent: its child burns CPU; a line on stdin reaps it
-        [sys.executable, "-c", "import subprocess, sys\n"
-         f"child = subprocess.Popen([sys.executable, '-c', {burn!r}])\n"
-         "print(child.pid, flush=True)\nsys.stdin.readline()\nchild.kill()\nchild.wait()\n"
-         "print('reaped', flush=True)\nsys.stdin.readline()\n"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys\n"
+            f"child = subprocess.Popen([sys.executable, '-c', {burn!r}])\n"
+            "print(child.pid, flush=True)\nsys.stdin.readline()\nchild.kill()\nchild.wait()\n"
+            "print('reaped', flush=True)\nsys.stdin.readline()\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     child = None
     try:
         child = int(supervisor.stdout.readline())
@@ -493,9 +631,31 @@ def test_cpu_seconds_of_a_process_tree_count_every_descendant_even_one_reaped():
 
 
 def test_serve_hf_backend_in_process(cache, capsys):
-    argv = ["bench", "serve", "--backend", "hf", "--random-weights", "llama/tiny", "--num-prompts", "5",
-            "--input-len", "8", "--output-len", "4", "--request-rate", "100", "--max-concurrency", "0", "2",
-            "--hf-batch-size", "3", "--device", "cpu", "--goodput", "tpot:60000"]
+    argv = [
+        "bench",
+        "serve",
+        "--backend",
+        "hf",
+        "--random-weights",
+        "llama/tiny",
+        "--num-prompts",
+        "5",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--request-rate",
+        "100",
+        "--max-concurrency",
+        "0",
+        "2",
+        "--hf-batch-size",
+        "3",
+        "--device",
+        "cpu",
+        "--goodput",
+        "tpot:60000",
+    ]
     assert main(argv) == 0
     report = report_of(capsys)
     assert report["model"].startswith("transformers:") and report["device"] == "cpu"
@@ -508,8 +668,22 @@ def test_ttft_breakdown_times_each_hop_of_a_local_stack(cache, capsys):
     from pdserve.bench.ttft_breakdown import HOPS
     from pdserve.bench.ttft_breakdown import main as ttft_main
 
-    argv = ["--random-weights", "llama/tiny", "--input-len", "8", "--output-len", "3", "--requests", "2", "--warmup", "1",
-            "--device", "cpu", "--max-total-tokens", "4096"]
+    argv = [
+        "--random-weights",
+        "llama/tiny",
+        "--input-len",
+        "8",
+        "--output-len",
+        "3",
+        "--requests",
+        "2",
+        "--warmup",
+        "1",
+        "--device",
+        "cpu",
+        "--max-total-tokens",
+        "4096",
+    ]
     assert ttft_main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     names = [line.split(":")[0].strip() for line in lines if "median" in line]
@@ -521,8 +695,21 @@ def test_ttft_breakdown_times_each_hop_of_a_local_stack(cache, capsys):
 def test_prefill_latency_times_one_prompt_at_a_time(cache, capsys):
     from pdserve.bench.prefill_latency import main as latency_main
 
-    argv = ["--random-weights", "llama/tiny", "--input-lens", "8", "5000", "--requests", "2", "--warmup", "1",
-            "--device", "cpu", "--max-total-tokens", "8192"]
+    argv = [
+        "--random-weights",
+        "llama/tiny",
+        "--input-lens",
+        "8",
+        "5000",
+        "--requests",
+        "2",
+        "--warmup",
+        "1",
+        "--device",
+        "cpu",
+        "--max-total-tokens",
+        "8192",
+    ]
     assert latency_main(argv) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (report["device"], report["path"], report["graph_replays"]) == ("cpu", "eager prefill", 0)

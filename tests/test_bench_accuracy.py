@@ -52,14 +52,20 @@ def test_a_stop_string_cuts_the_reference_text_as_the_server_does():
 
 
 def test_hellaswag_query_and_choices_follow_lm_eval_preprocessing():
-    activity = {"activity_label": "Paintball", "ctx": "The men speak to one another. they",
-                "endings": ["run  around.", "[title] Stop. [step] Now"]}
+    activity = {
+        "activity_label": "Paintball",
+        "ctx": "The men speak to one another. they",
+        "endings": ["run  around.", "[title] Stop. [step] Now"],
+    }
     assert hellaswag.split_context(activity["ctx"]) == ("The men speak to one another.", "they")
     assert hellaswag.query(activity) == "Paintball: The men speak to one another. They"  # ctx_b.capitalize()
     # A leading "[title]" has no space before it: the bracket goes, the space after it stays (as in lm-eval).
     assert hellaswag.choices(activity) == ["run around.", " Stop. Now"]
-    wikihow = {"activity_label": "Home and Garden", "endings": [],
-               "ctx": "[header] How to paint a door [title] Take the door off. [step] Lift it up."}
+    wikihow = {
+        "activity_label": "Home and Garden",
+        "endings": [],
+        "ctx": "[header] How to paint a door [title] Take the door off. [step] Lift it up.",
+    }
     assert hellaswag.split_context(wikihow["ctx"]) == (wikihow["ctx"], "")  # no lowercase tail: no ctx_b
     assert hellaswag.query(wikihow) == "Home and Garden: How to paint a door. Take the door off. Lift it up."
     assert hellaswag.split_context("a man walks") == ("a man walks", "")
@@ -101,13 +107,29 @@ def test_bad_options_exit_2(capsys):
     assert main(["bench", "accuracy", "--base-url", "http://127.0.0.1:9", "--model", "m"]) == 2  # no --model-path
     assert "--model-path" in capsys.readouterr().err
     for bad in (["--tasks", "mmlu"], ["--limit", "-1"], ["--concurrency", "0"]):
-        assert main(["bench", "accuracy", "--base-url", "http://127.0.0.1:9", "--model-path", "/nonexistent", *bad]) == 2
+        assert (
+            main(["bench", "accuracy", "--base-url", "http://127.0.0.1:9", "--model-path", "/nonexistent", *bad]) == 2
+        )
 
 
 def test_failed_requests_are_recorded_and_exit_1(tiny_models, capsys):
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    argv = ["bench", "accuracy", "--base-url", dead, "--model", "m", "--model-path", tiny_models("llama"),
-            "--limit", "1", "--reference", "none", "--device", "cpu"]
+    argv = [
+        "bench",
+        "accuracy",
+        "--base-url",
+        dead,
+        "--model",
+        "m",
+        "--model-path",
+        tiny_models("llama"),
+        "--limit",
+        "1",
+        "--reference",
+        "none",
+        "--device",
+        "cpu",
+    ]
     assert main(argv) == 1
     report = report_of(capsys)
     for task in ("gsm8k", "hellaswag"):
@@ -118,8 +140,13 @@ def test_failed_requests_are_recorded_and_exit_1(tiny_models, capsys):
 @pytest.fixture(scope="module")
 def stack(tiny_models):
     """A router + prefill and decode server on the tiny llama, fp32 on CPU, for the whole module."""
-    config = EngineConfig(model_path=tiny_models("llama"), device="cpu", dtype="float32", max_total_tokens=8192,
-                          disable_overlap_schedule=True)
+    config = EngineConfig(
+        model_path=tiny_models("llama"),
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=8192,
+        disable_overlap_schedule=True,
+    )
     with local_stack(config, "cpu", max_inflight=1024) as running:
         yield running
 
@@ -137,17 +164,40 @@ def test_accuracy_end_to_end_agrees_with_transformers(stack, tiny_models, monkey
 
     monkeypatch.setattr("pdserve.bench.stack.local_stack", started)
     out = tmp_path / "accuracy.json"
-    argv = ["bench", "accuracy", "--model-path", model, "--limit", "4", "--gsm8k-max-tokens", "24", "--concurrency", "8",
-            "--output-json", str(out), *FP32_CPU]
+    argv = [
+        "bench",
+        "accuracy",
+        "--model-path",
+        model,
+        "--limit",
+        "4",
+        "--gsm8k-max-tokens",
+        "24",
+        "--concurrency",
+        "8",
+        "--output-json",
+        str(out),
+        *FP32_CPU,
+    ]
     assert main(argv) == 0
     report = report_of(capsys)
     assert asked == [(model, "float32", "cpu", 1024)]
     assert json.loads(out.read_text()) == report
-    assert (report["bench"], report["reference"], report["base_url"], report["dtype"]) == ("accuracy", "hf", None, "float32")
+    assert (report["bench"], report["reference"], report["base_url"], report["dtype"]) == (
+        "accuracy",
+        "hf",
+        None,
+        "float32",
+    )
     assert report["model"] == model and list(report["tasks"]) == ["gsm8k", "hellaswag"]
 
     gsm8k = report["tasks"]["gsm8k"]
-    assert (gsm8k["n"], gsm8k["failed"], gsm8k["endpoint"], gsm8k["max_tokens"]) == (4, 0, "chat", 24)  # a chat template
+    assert (gsm8k["n"], gsm8k["failed"], gsm8k["endpoint"], gsm8k["max_tokens"]) == (
+        4,
+        0,
+        "chat",
+        24,
+    )  # a chat template
     # Greedy fp32 on both sides: the same prompt ids, the same text, the same extracted answer.
     assert gsm8k["agreement"] == gsm8k["same_text"] == gsm8k["prompt_ids_equal"] == 1.0
     assert gsm8k["pdserve"] == gsm8k["hf"]
@@ -165,8 +215,23 @@ def test_accuracy_end_to_end_agrees_with_transformers(stack, tiny_models, monkey
 
 
 def test_gsm8k_through_completions_against_a_base_url(stack, tiny_models, capsys):
-    argv = ["bench", "accuracy", "--base-url", stack.base_url, "--model-path", tiny_models("llama"), "--tasks", "gsm8k",
-            "--gsm8k-endpoint", "completions", "--limit", "3", "--gsm8k-max-tokens", "24", *FP32_CPU]
+    argv = [
+        "bench",
+        "accuracy",
+        "--base-url",
+        stack.base_url,
+        "--model-path",
+        tiny_models("llama"),
+        "--tasks",
+        "gsm8k",
+        "--gsm8k-endpoint",
+        "completions",
+        "--limit",
+        "3",
+        "--gsm8k-max-tokens",
+        "24",
+        *FP32_CPU,
+    ]
     assert main(argv) == 0
     gsm8k = report_of(capsys)["tasks"]["gsm8k"]
     assert (gsm8k["endpoint"], gsm8k["n"], gsm8k["failed"]) == ("completions", 3, 0)
@@ -178,8 +243,15 @@ def test_gsm8k_through_completions_against_a_base_url(stack, tiny_models, capsys
 
 def lm_eval_payload(model: str, prompts: list[list[int]]) -> dict:
     """LocalCompletionsAPI._create_payload(generate=False): a batch of token-id prompts."""
-    return {"model": model, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
-            "echo": True}
+    return {
+        "model": model,
+        "prompt": prompts,
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
 
 
 def lm_eval_parse_logprobs(out: dict, ctxlens: list[int]) -> list[tuple[float, bool]]:
@@ -209,8 +281,11 @@ def test_lm_eval_loglikelihood_requests_read_like_transformers(stack, tiny_model
             greedy.append(bool((logits[len(context) - 1 : -1].argmax(-1) == torch.tensor(continuation)).all()))
 
     def post(body: dict) -> dict:
-        request = urllib.request.Request(stack.base_url + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            stack.base_url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=120) as response:
             return json.loads(response.read())
 
@@ -232,8 +307,21 @@ def stack_model(stack) -> str:
 
 def test_teacher_forced_agreement_through_prompt_logprobs(stack, tiny_models, capsys):
     """Per-position top-1 over GSM8K's worked answers, served (prompt_logprobs) against transformers."""
-    argv = ["bench", "accuracy", "--base-url", stack.base_url, "--model-path", tiny_models("llama"),
-            "--tasks", "teacher_forced", "--limit", "3", "--reference-dtype", "float32", *FP32_CPU]
+    argv = [
+        "bench",
+        "accuracy",
+        "--base-url",
+        stack.base_url,
+        "--model-path",
+        tiny_models("llama"),
+        "--tasks",
+        "teacher_forced",
+        "--limit",
+        "3",
+        "--reference-dtype",
+        "float32",
+        *FP32_CPU,
+    ]
     assert main(argv) == 0
     report = report_of(capsys)
     tf = report["tasks"]["teacher_forced"]

@@ -1,6 +1,7 @@
 """deploy/k8s: every overlay renders and validates (strict) against the Kubernetes schemas, and the
 cpu-demo overlay's container commands really run: init step, decode, prefill and router started
 locally as processes with the manifests' own command/args/env, answering a chat completion."""
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 import kubernetes_validate  # the test extra: kubernetes-validate (schemas bundled)
+import pytest
 import yaml
 
 from pdserve.common.ports import free_port
@@ -50,9 +50,14 @@ def render(overlay: str, tmp_path: Path | None = None) -> list[dict]:
         root = tmp_path / "composed"
         root.mkdir()
         # kustomize takes only relative paths to other kustomizations.
-        (root / "kustomization.yaml").write_text(yaml.safe_dump({
-            "resources": [os.path.relpath(OVERLAYS / base, root)],
-            "components": [os.path.relpath(COMPONENTS / component, root)]}))
+        (root / "kustomization.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "resources": [os.path.relpath(OVERLAYS / base, root)],
+                    "components": [os.path.relpath(COMPONENTS / component, root)],
+                }
+            )
+        )
     out = subprocess.run([_kubectl(), "kustomize", str(root)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"kubectl kustomize {overlay} failed:\n{out.stderr}"
     return [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -137,8 +142,9 @@ def test_overlay_guards_the_servers(overlay):
     servers = {"key": "app.kubernetes.io/component", "operator": "In", "values": ["prefill", "decode"]}
     assert spec["podSelector"]["matchExpressions"] == [servers] and spec["policyTypes"] == ["Ingress"]
     router, peers, metrics = spec["ingress"]
-    assert router["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "pdserve",
-                                                                "app.kubernetes.io/component": "router"}}}]
+    assert router["from"] == [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/component": "router"}}}
+    ]
     assert router["ports"] == [{"port": "grpc", "protocol": "TCP"}]
     assert peers["from"][0]["podSelector"]["matchExpressions"] == [servers] and "ports" not in peers
     assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}] and "namespaceSelector" in metrics["from"][0]
@@ -156,7 +162,7 @@ def _quantity(value) -> float:
     text = str(value)
     for unit, scale in units.items():
         if text.endswith(unit):
-            return float(text[:-len(unit)]) * scale
+            return float(text[: -len(unit)]) * scale
     return float(text)
 
 
@@ -188,12 +194,14 @@ def test_each_server_pod_has_what_its_tp_ranks_need(overlay, tp_size, tmp_path):
 
 # --- cpu-demo as local processes ---------------------------------------------------------------
 
+
 def _expand(s: str, env: dict[str, str]) -> str:
     # Kubernetes $(VAR) expansion: defined vars are replaced, $$ escapes, unknown ones stay.
     def sub(m):
         if m.group(0).startswith("$$"):
             return m.group(0)[1:]
         return env.get(m.group(1), m.group(0))
+
     return re.sub(r"\$\$\(\w+\)|\$\((\w+)\)", sub, s)
 
 
@@ -238,12 +246,15 @@ def _stop(procs: list[subprocess.Popen]) -> str:
 def test_cpu_demo_runs_locally(tmp_path):
     docs = render("cpu-demo")
     configmaps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
-    deployments = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d
-                   for d in docs if d["kind"] == "Deployment"}
+    deployments = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in docs if d["kind"] == "Deployment"}
     services = [d["metadata"]["name"] for d in docs if d["kind"] == "Service"]
     # Container ports -> free loopback ports; Service names -> localhost; /models -> tmp.
-    container_ports = {str(p["containerPort"]) for d in deployments.values()
-                       for c in d["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+    container_ports = {
+        str(p["containerPort"])
+        for d in deployments.values()
+        for c in d["spec"]["template"]["spec"]["containers"]
+        for p in c.get("ports", [])
+    }
     ports = {p: str(free_port()) for p in sorted(container_ports)}
     models = tmp_path / "models"
     models.mkdir()
@@ -260,20 +271,19 @@ def test_cpu_demo_runs_locally(tmp_path):
         arg = re.sub(r"(?<=:)(\d+)$|^(\d+)$", lambda m: ports.get(m.group(0), m.group(0)), arg)
         return "127.0.0.1" if arg == "0.0.0.0" else arg
 
-    router_help = subprocess.run([str(BIN / "pdserve-router"), "--help"], capture_output=True,
-                                 text=True, timeout=60).stdout
+    router_help = subprocess.run(
+        [str(BIN / "pdserve-router"), "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
     has_dns = "--prefill-dns" in router_help
 
     def command(role: str, c: dict) -> tuple[list[str], dict[str, str]]:
-        env = _container_env(c, configmaps, {"status.podIP": "127.0.0.1",
-                                             "metadata.name": f"pdserve-{role}-local"})
+        env = _container_env(c, configmaps, {"status.podIP": "127.0.0.1", "metadata.name": f"pdserve-{role}-local"})
         argv = [localize(_expand(a, env)) for a in [*c.get("command", []), *c.get("args", [])]]
         exe = BIN / argv[0]
         assert exe.exists(), f"{role}/{c['name']}: no command {argv[0]!r} in {BIN}"
         argv[0] = str(exe)
         if not has_dns:  # router DNS discovery not there yet: same addresses, static flags
-            argv = ["--prefill" if a == "--prefill-dns" else "--decode" if a == "--decode-dns" else a
-                    for a in argv]
+            argv = ["--prefill" if a == "--prefill-dns" else "--decode" if a == "--decode-dns" else a for a in argv]
             argv = [a.replace("localhost:", "127.0.0.1:") for a in argv]
         penv = {**os.environ, **{k: localize(v) for k, v in env.items()}}
         return argv, penv
@@ -296,8 +306,17 @@ def test_cpu_demo_runs_locally(tmp_path):
         for role in ("decode", "prefill", "router"):
             [c] = deployments[role]["spec"]["template"]["spec"]["containers"]
             argv, penv = command(role, c)
-            procs.append(subprocess.Popen(argv, env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, text=True, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    argv,
+                    env=penv,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
         base = f"http://127.0.0.1:{ports['8000']}"
         deadline = time.monotonic() + 75
         ready = False
@@ -313,10 +332,12 @@ def test_cpu_demo_runs_locally(tmp_path):
                 break
             time.sleep(0.5)
         assert ready, "router never became ready"
-        body = json.dumps({"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8,
-                           "temperature": 0}).encode()
-        req = urllib.request.Request(base + "/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8, "temperature": 0}
+        ).encode()
+        req = urllib.request.Request(
+            base + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=30) as r:
             assert r.status == 200
             out = json.loads(r.read())

@@ -147,7 +147,9 @@ def test_fast_decoder_equals_tokenizer_decode(tokenizer, clean_up):
     from pdserve.common.detokenizer import fast_decoder
 
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer.backend_tokenizer, bos_token="<s>", eos_token="</s>",
+        tokenizer_object=tokenizer.backend_tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
         clean_up_tokenization_spaces=clean_up,
     )
     decode = fast_decoder(tok)
@@ -166,7 +168,9 @@ def test_flush_all_equals_flush_one_at_a_time(tokenizer, clean_up):
     from pdserve.common.detokenizer import flush_all
 
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer.backend_tokenizer, bos_token="<s>", eos_token="</s>",
+        tokenizer_object=tokenizer.backend_tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
         clean_up_tokenization_spaces=clean_up,
     )
     vocab = len(tok)

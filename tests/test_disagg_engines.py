@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.types import KV_WRITE_GRACE_S, FinishReason, SamplingParams
 from pdserve.common.kv_transfer import TransferState
+from pdserve.common.types import KV_WRITE_GRACE_S, FinishReason, SamplingParams
 from pdserve.decode.engine import DecodeEngine
 from pdserve.prefill.engine import PrefillEngine
 
@@ -22,8 +22,7 @@ _names = iter(range(10**6))
 
 def engines(path, overlap=True, decode_kw=None, prefill_kw=None, timeout=30.0):
     n = next(_names)
-    base = dict(model_path=path, device="cpu", max_total_tokens=8192, page_size=8,
-                disable_overlap_schedule=not overlap)
+    base = dict(model_path=path, device="cpu", max_total_tokens=8192, page_size=8, disable_overlap_schedule=not overlap)
     prefill = PrefillEngine(EngineConfig(**(base | (prefill_kw or {}))), f"prefill-{n}", kv_transfer_timeout=timeout)
     decode = DecodeEngine(EngineConfig(**(base | (decode_kw or {}))), f"decode-{n}", kv_transfer_timeout=timeout)
     return prefill, decode
@@ -67,8 +66,15 @@ def drive(prefill, decode, prompts, params, before_step=None, limit_s=120.0):
             completions[c.rid] = c
         while decode.destinations:
             d = decode.destinations.popleft()
-            prefill.add_prefill_request(by_rid[d.rid], params[int(d.rid[1:])], d.room, d.agent_metadata, d.page_ids,
-                                        rid=d.rid, expires_unix_s=d.expires_unix_s)
+            prefill.add_prefill_request(
+                by_rid[d.rid],
+                params[int(d.rid[1:])],
+                d.room,
+                d.agent_metadata,
+                d.page_ids,
+                rid=d.rid,
+                expires_unix_s=d.expires_unix_s,
+            )
         for r in p_loop.step():
             results[r.rid] = r
     return completions, results
@@ -82,8 +88,10 @@ def hf_greedy(path, prompts, max_new, device="cpu"):
     out = []
     for ids in prompts:
         with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids], device=device), max_new_tokens=max_new, do_sample=False, pad_token_id=2)
-        out.append(gen[0, len(ids):].tolist())
+            gen = hf.generate(
+                torch.tensor([ids], device=device), max_new_tokens=max_new, do_sample=False, pad_token_id=2
+            )
+        out.append(gen[0, len(ids) :].tolist())
     return out
 
 
@@ -138,7 +146,9 @@ def test_decode_retracts_under_kv_pressure_and_output_is_unchanged(tiny_models):
     path = tiny_models("mistral")
     prompts = make_prompts(12, seed=4)
     expected = hf_greedy(path, prompts, 24)
-    prefill, decode = engines(path, decode_kw=dict(max_total_tokens=200, context_length=128, num_reserved_decode_tokens=1))
+    prefill, decode = engines(
+        path, decode_kw=dict(max_total_tokens=200, context_length=128, num_reserved_decode_tokens=1)
+    )
     params = [SamplingParams(max_new_tokens=24, temperature=0)] * len(prompts)
     completions, _ = drive(prefill, decode, prompts, params)
     assert decode.scheduler.stats["retractions"] > 0, "the decode pool was never short"
@@ -156,7 +166,9 @@ def test_an_abort_while_the_write_is_in_flight_keeps_pages_until_it_lands(tiny_m
     aborted = decode.abort("x")
     assert aborted.finish_reason is FinishReason.ABORT
     assert decode.stats()["kv_used_tokens"] > 0, "pages must stay quarantined while a WRITE may land"
-    prefill.add_prefill_request([0, 7, 8, 9, 10], SamplingParams(max_new_tokens=4), 7, dest.agent_metadata, dest.page_ids, rid="x")
+    prefill.add_prefill_request(
+        [0, 7, 8, 9, 10], SamplingParams(max_new_tokens=4), 7, dest.agent_metadata, dest.page_ids, rid="x"
+    )
     deadline = time.monotonic() + 30
     while p_loop.busy() or d_loop.busy():
         assert time.monotonic() < deadline
@@ -247,8 +259,9 @@ def test_no_write_starts_into_an_expired_destination(tiny_models, monkeypatch):
         assert not list(loop.step())
     prefill.set_destination("parked", dest.agent_metadata, dest.page_ids, time.time() - 0.01)
     chunks = prefill.scheduler.stats["prefill_chunks"]
-    prefill.add_prefill_request([0, 7, 8, 9, 10], params, 6, dest.agent_metadata, dest.page_ids, rid="queued",
-                                expires_unix_s=time.time() - 0.01)
+    prefill.add_prefill_request(
+        [0, 7, 8, 9, 10], params, 6, dest.agent_metadata, dest.page_ids, rid="queued", expires_unix_s=time.time() - 0.01
+    )
     results = {r.rid: r for r in run_prefill(prefill, loop)}
     assert set(results) == {"parked", "queued"} and writes == []
     for r in results.values():
@@ -257,8 +270,9 @@ def test_no_write_starts_into_an_expired_destination(tiny_models, monkeypatch):
     assert prefill.is_idle() and prefill.scheduler.kv_used_tokens() == 0
 
     # With time left, the same destination is written.
-    prefill.add_prefill_request([0, 7, 8, 9], params, 5, dest.agent_metadata, dest.page_ids, rid="d",
-                                expires_unix_s=dest.expires_unix_s)
+    prefill.add_prefill_request(
+        [0, 7, 8, 9], params, 5, dest.agent_metadata, dest.page_ids, rid="d", expires_unix_s=dest.expires_unix_s
+    )
     [ok] = run_prefill(prefill, decode=decode)
     assert ok.error is None and len(writes) == 1
 
@@ -273,8 +287,9 @@ def test_a_write_still_running_near_the_expiry_is_given_up(tiny_models, monkeypa
     [dest] = decode.destinations
     monkeypatch.setattr(prefill.agent, "poll", lambda handle: TransferState.IN_PROGRESS)  # a stuck WRITE
     expires_unix_s = time.time() + 60
-    prefill.add_prefill_request([0, 7, 8, 9], params, 5, dest.agent_metadata, dest.page_ids, rid="w",
-                                expires_unix_s=expires_unix_s)
+    prefill.add_prefill_request(
+        [0, 7, 8, 9], params, 5, dest.agent_metadata, dest.page_ids, rid="w", expires_unix_s=expires_unix_s
+    )
     loop, deadline = Stepper(prefill), time.monotonic() + 60
     while not prefill.scheduler.transfers:
         assert time.monotonic() < deadline

@@ -39,7 +39,9 @@ def servers(tiny_models):
 
 
 def decisions(router) -> dict[tuple[str, str], float]:
-    found = re.findall(r'pdserve_router_prefill_decisions_total\{reason="(\w+)",where="(\w+)"\} (\S+)', router.metrics())
+    found = re.findall(
+        r'pdserve_router_prefill_decisions_total\{reason="(\w+)",where="(\w+)"\} (\S+)', router.metrics()
+    )
     return {(where, reason): float(n) for reason, where, n in found}
 
 
@@ -53,8 +55,13 @@ def test_auto_prefills_short_prompts_locally_and_long_ones_remotely(servers):
     r, client = router([prefill], "--disagg-policy", "auto", "--local-prefill-max-tokens", str(LOCAL_MAX))
     prompts = prompts_of([5, 60, 12, 90, 24, 25])
     expected = hf_greedy(model, prompts, 8)
-    out = client.completions.create(model=model, prompt=prompts, max_tokens=8, temperature=0,
-                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    out = client.completions.create(
+        model=model,
+        prompt=prompts,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     assert [c.model_extra["token_ids"] for c in sorted(out.choices, key=lambda c: c.index)] == expected
     assert decisions(r) == {("local", "short_prompt"): 3.0, ("remote", "long_prompt"): 3.0}
     # Streamed from a local prefill: the same tokens, the first one included.
@@ -63,8 +70,12 @@ def test_auto_prefills_short_prompts_locally_and_long_ones_remotely(servers):
     assert "".join(c.text for chunk in client.completions.create(stream=True, **kwargs) for c in chunk.choices) == whole
     # Prompt logprobs are a prefill server's work, whatever the prompt's length.
     client.completions.create(model=model, prompt=prompts[0], max_tokens=2, extra_body={"prompt_logprobs": 1})
-    assert decisions(r) == {("local", "short_prompt"): 3.0, ("remote", "long_prompt"): 3.0,
-                            ("local", "cached_prefix"): 2.0, ("remote", "prompt_logprobs"): 1.0}
+    assert decisions(r) == {
+        ("local", "short_prompt"): 3.0,
+        ("remote", "long_prompt"): 3.0,
+        ("local", "cached_prefix"): 2.0,
+        ("remote", "prompt_logprobs"): 1.0,
+    }
 
 
 def test_auto_keeps_a_conversations_next_turn_on_its_decode_server(servers):
@@ -75,8 +86,16 @@ def test_auto_keeps_a_conversations_next_turn_on_its_decode_server(servers):
     turn1 = prompts_of([80], first=300)[0]
     turn2 = turn1 + [17, 18, 19, 20, 21, 22]
     expected = hf_greedy(model, [turn1, turn2], 6)
-    outs = [client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True}) for ids in (turn1, turn2)]
+    outs = [
+        client.completions.create(
+            model=model,
+            prompt=ids,
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+        for ids in (turn1, turn2)
+    ]
     assert [o.choices[0].model_extra["token_ids"] for o in outs] == expected
     assert decisions(r) == {("remote", "long_prompt"): 1.0, ("local", "cached_prefix"): 1.0}
     assert outs[1].usage.prompt_tokens_details.cached_tokens >= len(turn1) - 16  # (whole pages of it)
@@ -88,11 +107,17 @@ def test_never_serves_with_decode_servers_alone(servers):
     prompts = prompts_of([7, 70])
     expected = hf_greedy(model, prompts, 6)
     for ids, want in zip(prompts, expected):
-        out = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0,
-                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        out = client.completions.create(
+            model=model,
+            prompt=ids,
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         assert out.choices[0].model_extra["token_ids"] == want
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-                                          temperature=0)
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0
+    )
     assert chat.choices[0].finish_reason in ("stop", "length")
     assert decisions(r) == {("local", "never"): 3.0}
 
@@ -101,8 +126,22 @@ def test_a_router_without_prefill_servers_needs_never(tiny_models):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "pdserve.router.cli", "--model-path", tiny_models("llama"),
-                           "--decode", "127.0.0.1:1", "--workers", "1"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.router.cli",
+            "--model-path",
+            tiny_models("llama"),
+            "--decode",
+            "127.0.0.1:1",
+            "--workers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and "--disagg-policy never" in proc.stderr + proc.stdout
 
 
@@ -114,16 +153,37 @@ def test_pdserve_up_with_decode_servers_alone(tiny_models):
 
     model = tiny_models("llama")
     # No prefill server and a policy that needs one is refused; --num-prefill 0 alone means never.
-    refused = subprocess.run([sys.executable, "-m", "pdserve.common.cli", "up", "--model-path", model, "--device", "cpu",
-                              "--num-prefill", "0", "--disagg-policy", "always"], capture_output=True, text=True,
-                             timeout=60)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.common.cli",
+            "up",
+            "--model-path",
+            model,
+            "--device",
+            "cpu",
+            "--num-prefill",
+            "0",
+            "--disagg-policy",
+            "always",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert refused.returncode == 2 and "--num-prefill 0 needs --disagg-policy never" in refused.stderr
     proc, port, _ = pdserve_up(model, "--num-prefill", "0", "--router-workers", "1")
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
         ids = prompts_of([9])[0]
-        out = client.completions.create(model=model, prompt=ids, max_tokens=5, temperature=0,
-                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        out = client.completions.create(
+            model=model,
+            prompt=ids,
+            max_tokens=5,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         assert out.choices[0].model_extra["token_ids"] == hf_greedy(model, [ids], 5)[0]
     finally:
         proc.send_signal(2)
@@ -150,11 +210,16 @@ def test_auto_goes_local_when_no_prefill_server_can_take_the_prompt_soon():
 def test_prefix_policies_route_decode_servers_that_prefill():
     from pdserve.router.config import RouterConfig
 
-    config = RouterConfig(model_path="/m", decode=("d:1", "d:2"), decode_policy="cache_aware", disagg_policy="never",
-                          workers=1)
+    config = RouterConfig(
+        model_path="/m", decode=("d:1", "d:2"), decode_policy="cache_aware", disagg_policy="never", workers=1
+    )
     config.check()
     assert config.resolve().decode_policy == "cache_aware"
-    assert RouterConfig(model_path="/m", decode=("d:1",), decode_policy="cache_aware", disagg_policy="never",
-                        workers=2).resolve().decode_policy == "prefix_hash"  # one tree per process would scatter it
+    assert (
+        RouterConfig(model_path="/m", decode=("d:1",), decode_policy="cache_aware", disagg_policy="never", workers=2)
+        .resolve()
+        .decode_policy
+        == "prefix_hash"
+    )  # one tree per process would scatter it
     with pytest.raises(ValueError, match="decode workers that prefill"):
         RouterConfig(model_path="/m", prefill=("p:1",), decode=("d:1",), decode_policy="cache_aware").check()

@@ -53,7 +53,9 @@ def test_stop_token_ids_stop_and_stay_in_output_ids_but_not_text(make_engine):
     [free] = engine.generate(["The"], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
     stop_at = free.output_ids[3]
     first = free.output_ids.index(stop_at)
-    [out] = engine.generate(["The"], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(stop_at,)))
+    [out] = engine.generate(
+        ["The"], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(stop_at,))
+    )
     assert out.output_ids == free.output_ids[: first + 1]
     assert out.finish_reason is FinishReason.STOP and out.matched_stop == stop_at
     assert out.text == engine.tokenizer.decode(free.output_ids[:first], skip_special_tokens=True)
@@ -65,11 +67,15 @@ def test_stop_strings_cut_the_text(make_engine):
     assert len(free.text) >= 6, free.text
     stop = free.text[3:6]
     cut = free.text.index(stop)
-    [out] = engine.generate(["Tell me"], SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, stop=(stop,)))
+    [out] = engine.generate(
+        ["Tell me"], SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, stop=(stop,))
+    )
     assert out.text == free.text[:cut] and out.finish_reason is FinishReason.STOP and out.matched_stop == stop
     [kept] = engine.generate(
         ["Tell me"],
-        SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True),
+        SamplingParams(
+            max_new_tokens=16, temperature=0, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True
+        ),
     )
     assert kept.text == free.text[: cut + len(stop)]
 
@@ -77,7 +83,9 @@ def test_stop_strings_cut_the_text(make_engine):
 def test_min_tokens_holds_back_eos(make_engine):
     engine = make_engine("gpt2")
     eos = engine.eos_token_ids
-    outs = engine.generate(["a"] * 8, [SamplingParams(max_new_tokens=10, min_new_tokens=10, temperature=1.0, seed=s) for s in range(8)])
+    outs = engine.generate(
+        ["a"] * 8, [SamplingParams(max_new_tokens=10, min_new_tokens=10, temperature=1.0, seed=s) for s in range(8)]
+    )
     for out in outs:
         assert len(out.output_ids) == 10 and not set(out.output_ids) & set(eos)
 
@@ -122,8 +130,16 @@ def test_bad_requests_are_refused_and_leave_nothing_queued(make_engine):
 
 
 def test_sampling_params_validation():
-    for bad in (dict(max_new_tokens=-1), dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(min_p=2),
-                dict(logprobs=21), dict(min_new_tokens=5, max_new_tokens=2), dict(stop=("",))):
+    for bad in (
+        dict(max_new_tokens=-1),
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_k=-2),
+        dict(min_p=2),
+        dict(logprobs=21),
+        dict(min_new_tokens=5, max_new_tokens=2),
+        dict(stop=("",)),
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
 
@@ -152,9 +168,26 @@ def test_run_batch_reports_cached_tokens_in_usage(tiny_models, tmp_path):
         for i in range(3):
             body = {"prompt": prefix + f"question {i}?", "max_tokens": 3, "temperature": 0}
             f.write(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
-    cmd = [sys.executable, "-m", "pdserve.common.cli", "run-batch", "-i", str(src), "-o", str(dst),
-           "--model-path", tiny_models("qwen2"), "--device", "cpu", "--max-running-requests", "1",
-           "--max-total-tokens", "4096", "--page-size", "8"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.common.cli",
+        "run-batch",
+        "-i",
+        str(src),
+        "-o",
+        str(dst),
+        "--model-path",
+        tiny_models("qwen2"),
+        "--device",
+        "cpu",
+        "--max-running-requests",
+        "1",
+        "--max-total-tokens",
+        "4096",
+        "--page-size",
+        "8",
+    ]
     subprocess.run(cmd, check=True, timeout=300)
     usages = [json.loads(line)["response"]["body"]["usage"] for line in dst.read_text().splitlines()]
     cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
@@ -172,12 +205,20 @@ def test_run_batch_cli_reports_bad_arguments_clearly(tiny_models, tmp_path):
     import sys
 
     base = [sys.executable, "-m", "pdserve.common.cli", "run-batch", "-o", str(tmp_path / "out.jsonl")]
-    missing = subprocess.run(base + ["-i", str(tmp_path / "nope.jsonl"), "--model-path", tiny_models("llama")],
-                             capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        base + ["-i", str(tmp_path / "nope.jsonl"), "--model-path", tiny_models("llama")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     (tmp_path / "in.jsonl").write_text("")
-    bad_model = subprocess.run(base + ["-i", str(tmp_path / "in.jsonl"), "--model-path", str(tmp_path)],
-                               capture_output=True, text=True, timeout=120)
+    bad_model = subprocess.run(
+        base + ["-i", str(tmp_path / "in.jsonl"), "--model-path", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad_model.returncode == 2 and "config.json" in bad_model.stderr
 
 
@@ -189,9 +230,14 @@ def test_mem_fraction_static_is_refused_on_cpu(tiny_models):
 
 
 # The Triton case runs through the interpreter (slow): short prompts, few tokens.
-@pytest.mark.parametrize("arch,backend,chunk,lens,new", [("llama", "torch_native", 2048, (5, 17, 40), 12),
-                                                         ("gpt2", "torch_native", 2048, (5, 17, 40), 12),
-                                                         ("llama", "triton", 32, (5, 17), 4)])
+@pytest.mark.parametrize(
+    "arch,backend,chunk,lens,new",
+    [
+        ("llama", "torch_native", 2048, (5, 17, 40), 12),
+        ("gpt2", "torch_native", 2048, (5, 17, 40), 12),
+        ("llama", "triton", 32, (5, 17), 4),
+    ],
+)
 def test_warmup_leaves_the_pools_and_the_outputs_as_they_were(make_engine, arch, backend, chunk, lens, new):
     """The server start's dummy prefills (run on CUDA) touch only the reserved slot and pad row."""
     params = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)

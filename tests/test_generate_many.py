@@ -35,9 +35,16 @@ def servers(tiny_models):
             s.stop()
 
 
-def request(rid: str, prompt: list[int], max_new: int = 8, deadline_in_s: float = TIMEOUT_S, **kw) -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params(max_new, **kw),
-                              bootstrap_room=random.getrandbits(63), deadline_unix_s=time.time() + deadline_in_s)
+def request(
+    rid: str, prompt: list[int], max_new: int = 8, deadline_in_s: float = TIMEOUT_S, **kw
+) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        params=params(max_new, **kw),
+        bootstrap_room=random.getrandbits(63),
+        deadline_unix_s=time.time() + deadline_in_s,
+    )
 
 
 class Caller:
@@ -64,7 +71,7 @@ class Caller:
             destinations = [u for u in response.updates if u.response.WhichOneof("response") == "destination"]
             columns, start, token_ids = [], 0, list(response.tokens.token_ids)
             for rid, index, count in zip(response.tokens.request_ids, response.tokens.indices, response.tokens.counts):
-                chunk = pb.TokenChunk(token_ids=token_ids[start:start + count], index=index)
+                chunk = pb.TokenChunk(token_ids=token_ids[start : start + count], index=index)
                 columns.append(pb.RequestUpdate(request_id=rid, response=pb.GenerateResponse(tokens=chunk)))
                 start += count
             others = [u for u in response.updates if u.response.WhichOneof("response") != "destination"]
@@ -97,10 +104,17 @@ def test_many_requests_on_one_call_match_transformers_and_abort_cleanly(servers)
         async with grpc.aio.insecure_channel(decode.address) as dch, grpc.aio.insecure_channel(prefill.address) as pch:
             caller = Caller(dch, pch, hold={"held", "late"})
             await caller.send([request(f"r{i}", p) for i, p in enumerate(cases[:4])])
-            await caller.send([request(f"r{i}", p) for i, p in enumerate(cases[4:], start=4)]
-                              + [request("held", cases[0]), request("late", cases[1], deadline_in_s=1.5),
-                                 request("lp", cases[2], logprobs=1)])  # chunks with logprobs: updates
-            await caller.read_until(lambda c: all(c.ended(f"r{i}") for i in range(6)) and c.ended("late") and c.ended("lp"))
+            await caller.send(
+                [request(f"r{i}", p) for i, p in enumerate(cases[4:], start=4)]
+                + [
+                    request("held", cases[0]),
+                    request("late", cases[1], deadline_in_s=1.5),
+                    request("lp", cases[2], logprobs=1),
+                ]
+            )  # chunks with logprobs: updates
+            await caller.read_until(
+                lambda c: all(c.ended(f"r{i}") for i in range(6)) and c.ended("late") and c.ended("lp")
+            )
             assert caller.updates["held"][0].WhichOneof("response") == "destination"
             other = Caller(dch, pch)  # an id in flight (on another call) is refused on this one
             await other.send([request("held", cases[0])])
@@ -164,13 +178,30 @@ class FakeMany(FakeDecode):
                 if r.request_id.startswith("silent"):
                     continue
                 rid = r.request_id
-                yield pb.GenerateManyResponse(updates=[pb.RequestUpdate(request_id=rid, response=pb.GenerateResponse(
-                    destination=pb.KVDestination(page_ids=[1])))])
+                yield pb.GenerateManyResponse(
+                    updates=[
+                        pb.RequestUpdate(
+                            request_id=rid, response=pb.GenerateResponse(destination=pb.KVDestination(page_ids=[1]))
+                        )
+                    ]
+                )
                 for i in range(1, 4):
-                    yield pb.GenerateManyResponse(updates=[pb.RequestUpdate(request_id=rid, response=pb.GenerateResponse(
-                        tokens=pb.TokenChunk(token_ids=[10 + i], index=i)))])
-                yield pb.GenerateManyResponse(updates=[pb.RequestUpdate(request_id=rid, response=pb.GenerateResponse(
-                    finish=pb.FinishInfo(reason=pb.FINISH_REASON_LENGTH)))])
+                    yield pb.GenerateManyResponse(
+                        updates=[
+                            pb.RequestUpdate(
+                                request_id=rid,
+                                response=pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=[10 + i], index=i)),
+                            )
+                        ]
+                    )
+                yield pb.GenerateManyResponse(
+                    updates=[
+                        pb.RequestUpdate(
+                            request_id=rid,
+                            response=pb.GenerateResponse(finish=pb.FinishInfo(reason=pb.FINISH_REASON_LENGTH)),
+                        )
+                    ]
+                )
 
 
 async def serve(servicer):
@@ -264,7 +295,11 @@ def test_a_broken_shared_call_fails_its_requests_and_the_next_request_opens_a_ne
                     await read_all(stream)
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             servicer.break_after = 0
-            assert kinds(await read_all(streams.open(request("c", [1]), TIMEOUT_S))) == ["destination", "tokens", "finish"]
+            assert kinds(await read_all(streams.open(request("c", [1]), TIMEOUT_S))) == [
+                "destination",
+                "tokens",
+                "finish",
+            ]
             await streams.close()
         await server.stop(None)
 

@@ -64,9 +64,14 @@ def hf_greedy(model, ids: list[list[int]], max_new: int, eos: tuple[int, ...]) -
     outs = []
     for prompt in ids:
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                                 eos_token_id=list(eos), pad_token_id=eos[0])
-        outs.append(out[0, len(prompt):].tolist())
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=list(eos),
+                pad_token_id=eos[0],
+            )
+        outs.append(out[0, len(prompt) :].tolist())
     return outs
 
 
@@ -116,13 +121,17 @@ def test_an_f32_gguf_loads_the_exact_weights_of_its_checkpoint_and_each_rank_its
     if arch == "gpt2":  # q, k, v blocks of 64 each: rank 1 has rows 32..64 of each; c_proj its input columns
         w = whole["transformer.h.0.attn.c_attn.weight"]
         assert torch.equal(rank1["transformer.h.0.attn.c_attn.weight"], torch.cat([w[32:64], w[96:128], w[160:192]]))
-        assert torch.equal(rank1["transformer.h.0.attn.c_proj.weight"], whole["transformer.h.0.attn.c_proj.weight"][:, 32:])
+        assert torch.equal(
+            rank1["transformer.h.0.attn.c_proj.weight"], whole["transformer.h.0.attn.c_proj.weight"][:, 32:]
+        )
         assert torch.equal(rank1["transformer.wte.weight"], whole["transformer.wte.weight"][256:])
         return
     q_rows = 2 * (128 if arch == "qwen3" else 16)  # two of the four heads
     layer = "model.layers.1."
     assert torch.equal(rank1[layer + "self_attn.q_proj.weight"], whole[layer + "self_attn.q_proj.weight"][q_rows:])
-    assert torch.equal(rank1[layer + "self_attn.k_proj.weight"], whole[layer + "self_attn.k_proj.weight"][q_rows // 2:])
+    assert torch.equal(
+        rank1[layer + "self_attn.k_proj.weight"], whole[layer + "self_attn.k_proj.weight"][q_rows // 2 :]
+    )
     assert torch.equal(rank1[layer + "self_attn.o_proj.weight"], whole[layer + "self_attn.o_proj.weight"][:, q_rows:])
     assert torch.equal(rank1[layer + "mlp.down_proj.weight"], whole[layer + "mlp.down_proj.weight"][:, 64:])
 
@@ -169,16 +178,22 @@ def test_an_unsupported_architecture_or_tensor_type_is_a_clear_error(tmp_path):
     def write(name: str, arch: str, qtype: gguf.GGMLQuantizationType) -> str:
         writer = gguf.GGUFWriter(str(tmp_path / name), arch)
         block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
-        writer.add_tensor("token_embd.weight", np.zeros((4, block_bytes), np.uint8), raw_dtype=qtype)  # 4 rows of a block
+        writer.add_tensor(
+            "token_embd.weight", np.zeros((4, block_bytes), np.uint8), raw_dtype=qtype
+        )  # 4 rows of a block
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
         return str(tmp_path / name)
 
-    with pytest.raises(ValueError, match=r"architecture 'falcon' is not supported; supported: gpt2, llama, qwen2, qwen3"):
+    with pytest.raises(
+        ValueError, match=r"architecture 'falcon' is not supported; supported: gpt2, llama, qwen2, qwen3"
+    ):
         EngineConfig(model_path=write("falcon.gguf", "falcon", gguf.GGMLQuantizationType.Q8_0), device="cpu").resolve()
-    with pytest.raises(ValueError, match=r"tensor type\(s\) Q8_1 cannot be dequantized; supported: F32, F16, Q4_0.*Q8_0.*Q6_K"):
+    with pytest.raises(
+        ValueError, match=r"tensor type\(s\) Q8_1 cannot be dequantized; supported: F32, F16, Q4_0.*Q8_0.*Q6_K"
+    ):
         EngineConfig(model_path=write("q81.gguf", "llama", gguf.GGMLQuantizationType.Q8_1), device="cpu").resolve()
 
 
@@ -213,8 +228,9 @@ def test_smollm2_greedy_chat_through_run_batch_matches_transformers_to_its_eos(s
     assert tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id) == "<|im_end|>"
     chats = []  # (prompt ids, transformers' greedy output ids)
     for question in QUESTIONS:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         chats.append((ids, hf_greedy(hf, [ids], 64, (tokenizer.eos_token_id,))[0]))
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     lines = []
@@ -224,13 +240,19 @@ def test_smollm2_greedy_chat_through_run_batch_matches_transformers_to_its_eos(s
         lines.append({"custom_id": f"ids{i}", "method": "POST", "url": "/v1/completions", "body": completion})
         lines.append({"custom_id": f"chat{i}", "method": "POST", "url": "/v1/chat/completions", "body": chat})
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    assert main(["run-batch", "-i", str(src), "-o", str(dst), "--model-path", str(Path(path).parent), *SMOL_ENGINE]) == 0
+    assert (
+        main(["run-batch", "-i", str(src), "-o", str(dst), "--model-path", str(Path(path).parent), *SMOL_ENGINE]) == 0
+    )
     results = {r["custom_id"]: r["response"] for r in map(json.loads, dst.read_text().splitlines())}
     for i, (_, expected) in enumerate(chats):
         [completion] = results[f"ids{i}"]["body"]["choices"]
         [chat] = results[f"chat{i}"]["body"]["choices"]
-        assert completion["token_ids"] == expected and expected[-1] == tokenizer.eos_token_id, tokenizer.decode(expected)
-        assert chat["finish_reason"] == "stop" and chat["message"]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
+        assert completion["token_ids"] == expected and expected[-1] == tokenizer.eos_token_id, tokenizer.decode(
+            expected
+        )
+        assert chat["finish_reason"] == "stop" and chat["message"]["content"] == tokenizer.decode(
+            expected, skip_special_tokens=True
+        )
     router = Router(RouterConfig(path, ("127.0.0.1:1",), ("127.0.0.1:2",)))
     assert (router.eos, router.context_len, router.vocab_size) == ((tokenizer.eos_token_id,), 8192, 49152)
     assert router.tokenizer is tokenizer, "built once per process"

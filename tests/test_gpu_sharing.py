@@ -16,16 +16,23 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.router import gpu_sharing, up as up_module
+from pdserve.router import gpu_sharing
+from pdserve.router import up as up_module
 from pdserve.router.gpu_sharing import (
-    DEFAULT_SM_SHARES, GpuSharing, MPSDaemon, MPSUnavailable, SMShares, parse_sm_shares, shared_gpus,
+    DEFAULT_SM_SHARES,
+    GpuSharing,
+    MPSDaemon,
+    MPSUnavailable,
+    SMShares,
+    parse_sm_shares,
+    shared_gpus,
 )
 from pdserve.router.layout import ONE_GPU_DEFAULT, Layout, choose_layout, without_mps
-from pdserve.router.placement import ServerPlacement, plan_placement
+from pdserve.router.placement import plan_placement
 
 # A stand-in for nvidia-cuda-mps-control. `-f`: the daemon (BEHAVIOUR: ok, fail, mute, deaf);
 # no argument: the control program, which passes a "quit" on standard input to the daemon.
-FAKE_CONTROL = r'''#!{python}
+FAKE_CONTROL = r"""#!{python}
 import json, os, sys, time
 pipe, log = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), os.environ.get("CUDA_MPS_LOG_DIRECTORY", "")
 behaviour = "{behaviour}"
@@ -43,7 +50,7 @@ if sys.argv[1:] == ["-f"]:
 else:
     if sys.stdin.read().strip() == "quit":
         open(os.path.join(pipe, "quit"), "w").close()
-'''
+"""
 
 
 def fake_control(tmp_path: Path, behaviour: str = "ok") -> str:
@@ -72,6 +79,7 @@ PYTHON = sys.executable  # (the fixture below swaps sys.executable for a fake ro
 
 
 # ---- flags and plans ----------------------------------------------------------------------------
+
 
 def test_sm_shares_parse_and_refuse_what_is_not_a_percentage():
     assert parse_sm_shares("100:100") == DEFAULT_SM_SHARES == SMShares(100, 100)
@@ -114,6 +122,7 @@ def test_without_mps_a_default_pair_turns_colocated_and_an_asked_one_stays():
 
 
 # ---- the daemon ---------------------------------------------------------------------------------
+
 
 def test_the_daemon_is_private_and_each_server_on_the_shared_gpu_gets_its_pipe_and_share(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "5")  # the launcher's own: no server inherits it
@@ -166,8 +175,11 @@ def test_a_daemon_that_cannot_start_is_a_warning_under_auto_and_an_error_under_o
     assert sharing.server_env(ONE_GPU_PAIR[0], ["0"])["CUDA_VISIBLE_DEVICES"] == "0"
     with pytest.raises(MPSUnavailable, match="exited with code 3"):
         GpuSharing.start(ONE_GPU_PAIR, str(tmp_path), "on", control=control)
-    missing = GpuSharing.start(ONE_GPU_PAIR, str(tmp_path), "auto", control=None) if not gpu_sharing.shutil.which(
-        gpu_sharing.CONTROL) else None
+    missing = (
+        GpuSharing.start(ONE_GPU_PAIR, str(tmp_path), "auto", control=None)
+        if not gpu_sharing.shutil.which(gpu_sharing.CONTROL)
+        else None
+    )
     if missing is not None:
         assert "not on PATH" in missing.unavailable
 
@@ -188,6 +200,7 @@ def test_a_daemon_deaf_to_quit_is_killed(tmp_path, monkeypatch):
 
 
 # ---- pdserve up's exit paths --------------------------------------------------------------------
+
 
 @pytest.fixture
 def one_gpu_up(tmp_path, monkeypatch):
@@ -286,16 +299,21 @@ def test_servers_sharing_a_gpu_start_together_and_take_it_in_turn(tmp_path, monk
     launched: list[list[str]] = []
     real_popen = subprocess.Popen
     monkeypatch.setattr(up_module, "wait_serving", lambda address, procs: None)
-    monkeypatch.setattr(up_module.subprocess, "Popen", lambda argv, env, **kw: launched.append(argv) or real_popen(["true"]))
-    cases = ((plan_placement([0, 1], 1, 1, 1, 1), [None, None]),  # a GPU each: no waiting
-             (plan_placement([0], 1, 1, 2, 1), [None, "decode-0", "decode-1"]),  # three on one GPU: a chain
-             (plan_placement([0, 1, 2], 1, 1, 2, 1), [None, None, None]),
-             (plan_placement([0, 1], 1, 1, 2, 2), [None, "decode-0", "decode-1"]))  # TP 2 sharers and P on 0
+    monkeypatch.setattr(
+        up_module.subprocess, "Popen", lambda argv, env, **kw: launched.append(argv) or real_popen(["true"])
+    )
+    cases = (
+        (plan_placement([0, 1], 1, 1, 1, 1), [None, None]),  # a GPU each: no waiting
+        (plan_placement([0], 1, 1, 2, 1), [None, "decode-0", "decode-1"]),  # three on one GPU: a chain
+        (plan_placement([0, 1, 2], 1, 1, 2, 1), [None, None, None]),
+        (plan_placement([0, 1], 1, 1, 2, 2), [None, "decode-0", "decode-1"]),
+    )  # TP 2 sharers and P on 0
     for plan, expected in cases:
         launched.clear()
         procs: list = []
-        addresses = up_module.start_servers(plan, lambda server, port: [server.role], lambda s: {}, procs,
-                                            str(tmp_path))
+        addresses = up_module.start_servers(
+            plan, lambda server, port: [server.role], lambda s: {}, procs, str(tmp_path)
+        )
         after = [argv[argv.index("--gpu-after") + 1] if "--gpu-after" in argv else None for argv in launched]
         assert [Path(a).name.split(".")[0] if a else None for a in after] == expected, plan
         reports = [argv[argv.index("--startup-report") + 1] for argv in launched]
@@ -308,13 +326,21 @@ def test_servers_sharing_a_gpu_start_together_and_take_it_in_turn(tmp_path, monk
 def test_the_daemon_dies_with_a_launcher_that_is_killed(tmp_path):
     """`pdserve up` SIGKILLed has no finally to run: the kernel ends its daemon (PR_SET_PDEATHSIG)."""
     control = fake_control(tmp_path)
-    launcher = subprocess.Popen([PYTHON, "-c", f"""
+    launcher = subprocess.Popen(
+        [
+            PYTHON,
+            "-c",
+            f"""
 import sys, time
 from pdserve.router.gpu_sharing import MPSDaemon
 daemon = MPSDaemon.start({str(tmp_path)!r}, {control!r})
 print(daemon.process.pid, flush=True)
 time.sleep(60)
-"""], stdout=subprocess.PIPE, text=True)
+""",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         pid = int(launcher.stdout.readline())
         assert not gone(pid)

@@ -98,11 +98,14 @@ def test_strings_hold_no_raw_control_characters(make_engine):
 def test_grammar_wins_over_min_tokens_and_ends_with_ignore_eos(make_engine):
     engine = make_engine("llama")
     choice = ("ebnf", choice_ebnf(["yes", "no"]))
-    outs = engine.generate([[5, 6], [7, 8], [9, 10]], [
-        SamplingParams(max_new_tokens=20, temperature=0, grammar=choice, min_new_tokens=10),
-        SamplingParams(max_new_tokens=20, temperature=0, grammar=choice, ignore_eos=True),
-        SamplingParams(max_new_tokens=20, temperature=0, grammar=choice, logprobs=2),
-    ])
+    outs = engine.generate(
+        [[5, 6], [7, 8], [9, 10]],
+        [
+            SamplingParams(max_new_tokens=20, temperature=0, grammar=choice, min_new_tokens=10),
+            SamplingParams(max_new_tokens=20, temperature=0, grammar=choice, ignore_eos=True),
+            SamplingParams(max_new_tokens=20, temperature=0, grammar=choice, logprobs=2),
+        ],
+    )
     for c in outs:
         assert c.text in ("yes", "no") and c.finish_reason is FinishReason.STOP
         assert c.output_ids[-1] in engine.eos_token_ids and c.matched_stop == c.output_ids[-1]
@@ -145,7 +148,7 @@ def test_aborted_grammar_requests_free_their_kv(make_engine):
 
 def test_allowed_tokens_reads_bit_31():
     words = np.zeros((1, 2), dtype=np.int32)
-    words[0, 0] = np.int32(-2**31)  # bit 31: token 31
+    words[0, 0] = np.int32(-(2**31))  # bit 31: token 31
     words[0, 1] = 1  # token 32
     assert allowed_tokens(words, 0, 40) == [31, 32]
 
@@ -164,8 +167,13 @@ def test_grammars_compile_once_off_the_loop_and_a_failed_compile_fails_only_its_
         return compile_grammar(source)
 
     monkeypatch.setattr(grammars._compiler, "compile_grammar", compile_or_fail)
-    outs = engine.generate([[5, 6], [7, 8]], [SamplingParams(max_new_tokens=10, temperature=0, grammar=bad),
-                                              SamplingParams(max_new_tokens=10, temperature=0, grammar=good)])
+    outs = engine.generate(
+        [[5, 6], [7, 8]],
+        [
+            SamplingParams(max_new_tokens=10, temperature=0, grammar=bad),
+            SamplingParams(max_new_tokens=10, temperature=0, grammar=good),
+        ],
+    )
     assert outs[0].finish_reason is FinishReason.ABORT and "out of memory (a test)" in outs[0].error
     assert outs[1].text in ("yes", "no") and outs[1].finish_reason is FinishReason.STOP
     assert engine.is_idle()
@@ -196,7 +204,9 @@ def test_masks_and_accepts_in_shares_equal_one_thread(make_engine):
             allowed = allowed_tokens(masks[one], i, engine.vocab_size)
             tokens.append(int(rng.choice(allowed)))
         if step == 5:
-            tokens[7] = next(t for t in range(engine.vocab_size) if t not in allowed_tokens(masks[one], 7, engine.vocab_size))
+            tokens[7] = next(
+                t for t in range(engine.vocab_size) if t not in allowed_tokens(masks[one], 7, engine.vocab_size)
+            )
         for g in (one, three):
             for row in rows[g]:
                 row.pending = 2  # these tokens, and the next batch's, in flight (launched=True)
@@ -224,8 +234,10 @@ def test_a_token_the_grammar_refuses_fails_its_request_and_frees_it(make_engine,
     monkeypatch.setattr(sampling, "apply_bitmask", lambda logits, bitmask: logits)
     for overlap in (True, False):
         engine = make_engine("llama", disable_overlap_schedule=not overlap)
-        params = [SamplingParams(max_new_tokens=30, temperature=0, grammar=("regex", "[0-9]{20,40}")),
-                  SamplingParams(max_new_tokens=30, temperature=0)]
+        params = [
+            SamplingParams(max_new_tokens=30, temperature=0, grammar=("regex", "[0-9]{20,40}")),
+            SamplingParams(max_new_tokens=30, temperature=0),
+        ]
         outs = engine.generate([[5, 6, 7], [8, 9]], params)
         assert outs[0].finish_reason is FinishReason.ABORT, (overlap, outs[0])
         assert "outside the request's grammar" in outs[0].error

@@ -69,17 +69,27 @@ def test_pages_for_and_slots_for_positions():
     assert slots_for_positions([7, 2], 3, 5, 4) == [31, 8]
 
 
-@pytest.mark.parametrize("fraction,no_cache,kv_gb,expected_tokens", [
-    (0.85, False, 0.0, 1_000_000),  # the measured budget, all of it: the prefix cache can use it
-    (0.85, True, 0.0, 8 * 512),  # no prefix cache: more than every running request can never be used
-    (0.0, False, 1.0, 8 * 512),  # --kv-cache-memory-gb (the CPU default): capped likewise
-])
+@pytest.mark.parametrize(
+    "fraction,no_cache,kv_gb,expected_tokens",
+    [
+        (0.85, False, 0.0, 1_000_000),  # the measured budget, all of it: the prefix cache can use it
+        (0.85, True, 0.0, 8 * 512),  # no prefix cache: more than every running request can never be used
+        (0.0, False, 1.0, 8 * 512),  # --kv-cache-memory-gb (the CPU default): capped likewise
+    ],
+)
 def test_kv_capacity_from_memory(fraction, no_cache, kv_gb, expected_tokens):
     from types import SimpleNamespace
 
     from pdserve.common.engine.model_runner import ModelRunner
 
-    config = SimpleNamespace(max_total_tokens=0, mem_fraction_static=fraction, kv_cache_memory_gb=kv_gb,
-                             disable_radix_cache=no_cache, max_running_requests=8, context_length=512, page_size=16)
+    config = SimpleNamespace(
+        max_total_tokens=0,
+        mem_fraction_static=fraction,
+        kv_cache_memory_gb=kv_gb,
+        disable_radix_cache=no_cache,
+        max_running_requests=8,
+        context_length=512,
+        page_size=16,
+    )
     runner = SimpleNamespace(config=config, _kv_budget_bytes=lambda: 1_000_000 * 64.0)
     assert ModelRunner._kv_pages(runner, bytes_per_token=64) == expected_tokens // 16

@@ -58,23 +58,38 @@ def test_a_same_gpu_copy_writes_the_bytes_a_nixl_write_would(src_heads, dst_head
     """copy_pages (the same-GPU path, here on CPU tensors) against run_descriptors (NIXL's) on the
     same pages and heads: byte for byte the same destination pool."""
     src_layout = KVLayout(page_size=4, num_layers=3, kv_heads=2, head_dim=8, dtype="float32", num_pages=12)
-    dst_layout = KVLayout(page_size=4, num_layers=3, kv_heads=len(dst_heads), head_dim=8, dtype="float32", num_pages=9,
-                          head_start=src_heads.start, model_kv_heads=2)
+    dst_layout = KVLayout(
+        page_size=4,
+        num_layers=3,
+        kv_heads=len(dst_heads),
+        head_dim=8,
+        dtype="float32",
+        num_pages=9,
+        head_start=src_heads.start,
+        model_kv_heads=2,
+    )
     gen = torch.Generator().manual_seed(0)
     src = [torch.rand(2, 12 * 4, 8, generator=gen) for _ in range(6)]  # K of 3 layers, then V
     copied = [torch.zeros(dst_layout.kv_heads, 9 * 4, 8) for _ in range(6)]
     by_descriptor = [b.clone() for b in copied]
     src_pages, dst_pages = [3, 4, 5, 9, 1], [2, 3, 7, 8, 1]
-    copy_pages([page_view(b, src_layout) for b in src], [page_view(b, dst_layout) for b in copied],
-               src_pages, dst_pages, src_heads, range(0, len(dst_heads)))
+    copy_pages(
+        [page_view(b, src_layout) for b in src],
+        [page_view(b, dst_layout) for b in copied],
+        src_pages,
+        dst_pages,
+        src_heads,
+        range(0, len(dst_heads)),
+    )
     runs = coalesce_runs(src_pages, dst_pages)
     hpb = src_layout.head_page_bytes
     src_bytes = [b.view(torch.uint8).flatten() for b in src]
     dst_bytes = [b.view(torch.uint8).flatten() for b in by_descriptor]
     address = lambda buffers: [1_000_000 * i for i in range(len(buffers))]  # noqa: E731 - buffer i at i MB
     local = run_descriptors(address(src)[:3], address(src)[3:], hpb, 12, 0, src_heads, [(s, n) for s, _, n in runs])
-    remote = run_descriptors(address(copied)[:3], address(copied)[3:], hpb, 9, 0, range(0, len(dst_heads)),
-                             [(d, n) for _, d, n in runs])
+    remote = run_descriptors(
+        address(copied)[:3], address(copied)[3:], hpb, 9, 0, range(0, len(dst_heads)), [(d, n) for _, d, n in runs]
+    )
     for (s_addr, size, _), (d_addr, d_size, _) in zip(local, remote, strict=True):
         assert size == d_size
         s_buf, s_off = divmod(s_addr, 1_000_000)
@@ -85,8 +100,9 @@ def test_a_same_gpu_copy_writes_the_bytes_a_nixl_write_would(src_heads, dst_head
 
 
 def test_the_pool_is_head_major_so_a_heads_pages_are_contiguous():
-    pool = PagedKVPool(4, 2, num_layers=1, kv_heads=3, head_dim=2, dtype=torch.float32, device="cpu", head_start=3,
-                       model_kv_heads=6)
+    pool = PagedKVPool(
+        4, 2, num_layers=1, kv_heads=3, head_dim=2, dtype=torch.float32, device="cpu", head_start=3, model_kv_heads=6
+    )
     pool.k_buffers[0][5] = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])  # slot 5: page 2, offset 1
     storage = pool.k_storage[0]
     assert storage.is_contiguous() and storage.shape == (3, 8, 2)
@@ -164,11 +180,23 @@ def test_notif_round_trip():
     room = new_room()
     assert 0 <= room < 1 << 63
     logprobs = {"token": -0.25, "top": [[7, -0.25], [9, -1.5]]}
-    assert decode_notif(encode_notif(room, 42, logprobs, 3, 4096)) == \
-        {"room": room, "first_token": 42, "logprobs": logprobs, "pages": 3, "bytes": 4096, "heads": None}
+    assert decode_notif(encode_notif(room, 42, logprobs, 3, 4096)) == {
+        "room": room,
+        "first_token": 42,
+        "logprobs": logprobs,
+        "pages": 3,
+        "bytes": 4096,
+        "heads": None,
+    }
     largest = (1 << 63) - 1
-    assert decode_notif(encode_notif(largest, 0, None, 1, 8, range(2, 4))) == \
-        {"room": largest, "first_token": 0, "logprobs": None, "pages": 1, "bytes": 8, "heads": range(2, 4)}
+    assert decode_notif(encode_notif(largest, 0, None, 1, 8, range(2, 4))) == {
+        "room": largest,
+        "first_token": 0,
+        "logprobs": None,
+        "pages": 1,
+        "bytes": 8,
+        "heads": range(2, 4),
+    }
 
 
 def test_bad_notifs_are_rejected():
@@ -178,17 +206,22 @@ def test_bad_notifs_are_rejected():
         encode_notif(-1, 1, None, 1, 8)
     fields = '"room": 1, "first_token": 1, "logprobs": null'
     counts = '"pages": 1, "bytes": 8'
-    for data in (b"\xff\x00", b"[1, 2]", b'{"v": 1}', f'{{"v": 1, {fields}}}'.encode(),  # version 1: no counts
-                 f'{{"v": 2, {fields}, {counts}}}'.encode(),  # version 2: no heads
-                 f'{{"v": 4, {fields}, {counts}, "heads": null}}'.encode(),
-                 f'{{"v": 3, {fields}, "pages": -1, "bytes": 8, "heads": null}}'.encode(),
-                 f'{{"v": 3, {fields}, "pages": 1.5, "bytes": 8, "heads": null}}'.encode(),
-                 f'{{"v": 3, {fields}, "pages": true, "bytes": 8, "heads": null}}'.encode(),
-                 f'{{"v": 3, {fields}, {counts}, "heads": [1, 1]}}'.encode(),
-                 f'{{"v": 3, {fields}, {counts}, "heads": [-1, 1]}}'.encode(),
-                 f'{{"v": 3, {fields}, {counts}, "heads": [0]}}'.encode(),
-                 b'{"v": 3, "room": 1, "first_token": "1", "logprobs": null, "pages": 1, "bytes": 8, "heads": null}',
-                 b'{"v": 3, "room": 1, "first_token": 1, "logprobs": [1], "pages": 1, "bytes": 8, "heads": null}'):
+    for data in (
+        b"\xff\x00",
+        b"[1, 2]",
+        b'{"v": 1}',
+        f'{{"v": 1, {fields}}}'.encode(),  # version 1: no counts
+        f'{{"v": 2, {fields}, {counts}}}'.encode(),  # version 2: no heads
+        f'{{"v": 4, {fields}, {counts}, "heads": null}}'.encode(),
+        f'{{"v": 3, {fields}, "pages": -1, "bytes": 8, "heads": null}}'.encode(),
+        f'{{"v": 3, {fields}, "pages": 1.5, "bytes": 8, "heads": null}}'.encode(),
+        f'{{"v": 3, {fields}, "pages": true, "bytes": 8, "heads": null}}'.encode(),
+        f'{{"v": 3, {fields}, {counts}, "heads": [1, 1]}}'.encode(),
+        f'{{"v": 3, {fields}, {counts}, "heads": [-1, 1]}}'.encode(),
+        f'{{"v": 3, {fields}, {counts}, "heads": [0]}}'.encode(),
+        b'{"v": 3, "room": 1, "first_token": "1", "logprobs": null, "pages": 1, "bytes": 8, "heads": null}',
+        b'{"v": 3, "room": 1, "first_token": 1, "logprobs": [1], "pages": 1, "bytes": 8, "heads": null}',
+    ):
         with pytest.raises(ValueError, match="notification"):
             decode_notif(data)
 
@@ -218,12 +251,19 @@ def test_pool_metadata_round_trip():
     vram = make_pool_metadata(mem_type="VRAM", device_id=5, transport_metadata=b"")
     assert decode_pool_metadata(encode_pool_metadata([vram])) == [vram]
     # A TP server's ranks, each its own heads and transport blob.
-    ranks = [make_pool_metadata(name=f"decode-0.tp{r}", layout=KVLayout(4, 3, 1, 8, "float32", 32, r, 2),
-                                transport_metadata=bytes([r]) * (r + 3)) for r in range(2)]
+    ranks = [
+        make_pool_metadata(
+            name=f"decode-0.tp{r}",
+            layout=KVLayout(4, 3, 1, 8, "float32", 32, r, 2),
+            transport_metadata=bytes([r]) * (r + 3),
+        )
+        for r in range(2)
+    ]
     assert decode_pool_metadata(encode_pool_metadata(ranks)) == ranks
     # A CUDA pool's GPU and IPC handles (common/kv_transfer/same_gpu.py) travel too; older metadata lacks them.
-    ipc = make_pool_metadata(mem_type="VRAM", gpu_uuid="GPU-1234",
-                             ipc_buffers=(("ab01", 4096, 512, "cd", 8, "ef", True, 0),) * 6)
+    ipc = make_pool_metadata(
+        mem_type="VRAM", gpu_uuid="GPU-1234", ipc_buffers=(("ab01", 4096, 512, "cd", 8, "ef", True, 0),) * 6
+    )
     assert decode_pool_metadata(encode_pool_metadata([ipc])) == [ipc]
 
 
@@ -244,7 +284,9 @@ def test_bad_pool_metadata_is_rejected():
     with pytest.raises(ValueError, match="memory type"):
         decode_pool_metadata(encode_pool_metadata([make_pool_metadata(mem_type="FILE")]))
     with pytest.raises(ValueError, match=r"holds KV heads \[2, 3\) of a model with 2"):
-        decode_pool_metadata(encode_pool_metadata([make_pool_metadata(layout=KVLayout(4, 3, 1, 8, "float32", 32, 2, 2))]))
+        decode_pool_metadata(
+            encode_pool_metadata([make_pool_metadata(layout=KVLayout(4, 3, 1, 8, "float32", 32, 2, 2))])
+        )
     with pytest.raises(ValueError, match="no pool"):
         decode_pool_metadata(encode_pool_metadata([]))
 
@@ -323,7 +365,9 @@ def prefill_process(conn) -> None:
         peer = agent.add_peer(decode_metadata)
         peer_again = agent.add_peer(decode_metadata)
 
-        notif = encode_notif(order["room"], FIRST_TOKEN, LOGPROBS, len(SRC_PAGES), agent.layout.transfer_bytes(len(SRC_PAGES)))
+        notif = encode_notif(
+            order["room"], FIRST_TOKEN, LOGPROBS, len(SRC_PAGES), agent.layout.transfer_bytes(len(SRC_PAGES))
+        )
         handle = agent.write_pages(peer, SRC_PAGES, DST_PAGES, notif)
         deadline = time.monotonic() + TIMEOUT_S
         while (state := agent.poll(handle)) is TransferState.IN_PROGRESS and time.monotonic() < deadline:
@@ -401,8 +445,14 @@ def test_pages_arrive_byte_exact_with_the_notif(two_process_run):
 
     assert [peer for peer, _ in received["notifs"]] == ["prefill"]
     notif = decode_notif(bytes.fromhex(received["notifs"][0][1]))
-    assert notif == {"room": two_process_run["room"], "first_token": FIRST_TOKEN, "logprobs": LOGPROBS,
-                     "pages": len(SRC_PAGES), "bytes": report["num_bytes"], "heads": None}
+    assert notif == {
+        "room": two_process_run["room"],
+        "first_token": FIRST_TOKEN,
+        "logprobs": LOGPROBS,
+        "pages": len(SRC_PAGES),
+        "bytes": report["num_bytes"],
+        "heads": None,
+    }
 
     slots = 4
     for layer in range(3):
@@ -496,15 +546,27 @@ def head_slice_process(conn) -> None:
         from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
 
         def pool(heads: range) -> PagedKVPool:
-            return PagedKVPool(16, 4, num_layers=2, kv_heads=len(heads), head_dim=8, dtype=torch.float32, device="cpu",
-                               head_start=heads.start, model_kv_heads=2)
+            return PagedKVPool(
+                16,
+                4,
+                num_layers=2,
+                kv_heads=len(heads),
+                head_dim=8,
+                dtype=torch.float32,
+                device="cpu",
+                head_start=heads.start,
+                model_kv_heads=2,
+            )
 
         def fill(p: PagedKVPool, base: float) -> None:
             for layer in range(2):
                 for buffers, kind in ((p.k_buffers, 0), (p.v_buffers, 1)):
                     n = buffers[layer].numel()
-                    buffers[layer].copy_((torch.arange(n, dtype=torch.float32) + base + 1000 * (2 * layer + kind))
-                                         .reshape(buffers[layer].shape))
+                    buffers[layer].copy_(
+                        (torch.arange(n, dtype=torch.float32) + base + 1000 * (2 * layer + kind)).reshape(
+                            buffers[layer].shape
+                        )
+                    )
 
         def write(src_agent, dst_agent, heads, src_pages, dst_pages):
             peer = src_agent.add_peer(dst_agent.metadata())
@@ -526,9 +588,14 @@ def head_slice_process(conn) -> None:
         state, nbytes, _ = write(a, b, range(1, 2), [3, 4, 9], [5, 6, 2])
         ok = state is TransferState.DONE and nbytes == 2 * 2 * 3 * 4 * 8 * 4
         for layer in range(2):
-            for src_buf, dst_buf in ((full.k_buffers[layer], half.k_buffers[layer]), (full.v_buffers[layer], half.v_buffers[layer])):
+            for src_buf, dst_buf in (
+                (full.k_buffers[layer], half.k_buffers[layer]),
+                (full.v_buffers[layer], half.v_buffers[layer]),
+            ):
                 for s_page, d_page in ((3, 5), (4, 6), (9, 2)):
-                    ok &= torch.equal(dst_buf[d_page * 4:(d_page + 1) * 4, 0], src_buf[s_page * 4:(s_page + 1) * 4, 1])
+                    ok &= torch.equal(
+                        dst_buf[d_page * 4 : (d_page + 1) * 4, 0], src_buf[s_page * 4 : (s_page + 1) * 4, 1]
+                    )
                 ok &= int((dst_buf != 0).sum()) == 3 * 4 * 8  # nothing else written
         try:
             a.write_pages("dst-head1", [1], [1], b"", range(0, 1))
@@ -542,7 +609,10 @@ def head_slice_process(conn) -> None:
         state, nbytes, notifs = write(c, d, None, [7, 8], [1, 2])  # None: all of the source's heads
         ok = state is TransferState.DONE and notifs == [("src-head1", b"n")]
         for layer in range(2):
-            for src_buf, dst_buf in ((src1.k_buffers[layer], whole.k_buffers[layer]), (src1.v_buffers[layer], whole.v_buffers[layer])):
+            for src_buf, dst_buf in (
+                (src1.k_buffers[layer], whole.k_buffers[layer]),
+                (src1.v_buffers[layer], whole.v_buffers[layer]),
+            ):
                 ok &= torch.equal(dst_buf[4:12, 1], src_buf[28:36, 0]) and not dst_buf[:, 0].any()
         checks["tp2_to_tp1"] = bool(ok)
         for agent in (a, b, c, d):

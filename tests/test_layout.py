@@ -40,11 +40,20 @@ def test_the_event_loops_live_in_their_roles_and_are_short():
     from pdserve.decode import loop as decode_loop
     from pdserve.prefill import loop as prefill_loop
 
-    loops = [prefill_loop.event_loop_overlap_disagg_prefill, prefill_loop.event_loop_normal_disagg_prefill,
-             decode_loop.event_loop_overlap_disagg_decode, decode_loop.event_loop_normal_disagg_decode,
-             engine.event_loop_overlap, engine.event_loop_normal]
+    loops = [
+        prefill_loop.event_loop_overlap_disagg_prefill,
+        prefill_loop.event_loop_normal_disagg_prefill,
+        decode_loop.event_loop_overlap_disagg_decode,
+        decode_loop.event_loop_normal_disagg_decode,
+        engine.event_loop_overlap,
+        engine.event_loop_normal,
+    ]
     for fn in loops:
-        body = [line for line in inspect.getsource(fn).splitlines()[1:] if line.strip() and not line.strip().startswith(("#", '"""'))]
+        body = [
+            line
+            for line in inspect.getsource(fn).splitlines()[1:]
+            if line.strip() and not line.strip().startswith(("#", '"""'))
+        ]
         assert len(body) <= 25, f"{fn.__name__} has {len(body)} lines"
         assert "wait_stream" in inspect.getsource(fn) or "normal" in fn.__name__, f"{fn.__name__} has no WAR barrier"
     from pdserve.decode.engine import DecodeEngine

@@ -8,9 +8,13 @@ import time
 
 import pytest
 
-CHILD = "import os, sys, time; from pdserve.common.lifetime import die_with_parent; die_with_parent(int(sys.argv[1])); print('armed', flush=True); time.sleep(600)"
+CHILD = (
+    "import os, sys, time; from pdserve.common.lifetime import die_with_parent; "
+    "die_with_parent(int(sys.argv[1])); print('armed', flush=True); time.sleep(600)"
+)
 PARENT = """import subprocess, sys
-child = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(__import__("os").getpid())], stdout=subprocess.PIPE, text=True)
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(__import__("os").getpid())],
+                         stdout=subprocess.PIPE, text=True)
 assert child.stdout.readline().strip() == "armed"
 print(child.pid, flush=True)
 __import__("time").sleep(600)
@@ -43,5 +47,7 @@ def test_a_blocked_child_dies_with_its_parent():
 
 def test_a_child_whose_parent_is_already_gone_exits():
     # Not our parent's pid: as if the parent had died before the call.
-    code = subprocess.run([sys.executable, "-c", CHILD, str(os.getpid() + 999999)], capture_output=True, timeout=60).returncode
+    code = subprocess.run(
+        [sys.executable, "-c", CHILD, str(os.getpid() + 999999)], capture_output=True, timeout=60
+    ).returncode
     assert code == 1

@@ -29,7 +29,8 @@ def test_logprobs_stay_those_of_the_raw_distribution(make_engine):
     raw = engine.generate([prompt], [SamplingParams(max_new_tokens=1, temperature=0, logprobs=0)])[0]
     token = raw.output_ids[0]
     other = (token + 1) % engine.runner.vocab_size
-    biased = engine.generate([prompt], [SamplingParams(max_new_tokens=1, temperature=0, logprobs=0,
-                                                       logit_bias=((other, 100.0),))])[0]
+    biased = engine.generate(
+        [prompt], [SamplingParams(max_new_tokens=1, temperature=0, logprobs=0, logit_bias=((other, 100.0),))]
+    )[0]
     assert biased.output_ids == [other]
     assert biased.logprobs[0].logprob < raw.logprobs[0].logprob  # `other` was not the model's choice

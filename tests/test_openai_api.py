@@ -6,12 +6,12 @@ import sys
 
 import pytest
 
-from pdserve.common.openai.chat import parse_chat_request
 from pdserve.common.openai.api import (
     OpenAIError,
     choice_seed,
     parse_completion_request,
 )
+from pdserve.common.openai.chat import parse_chat_request
 from pdserve.common.openai.format import (
     MIN_LOGPROB,
     format_chat_response,
@@ -162,7 +162,11 @@ BAD_CHATS = [
     ({"messages": USER + [{"role": "user"}]}, 400, "'messages[1].content' is required"),
     ({"messages": [{"role": "user", "content": 5}]}, 400, "'messages[0].content' must be a string"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "only text"),
-    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, 400, "'messages[0].tool_calls' is only allowed on assistant"),
+    (
+        {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+        400,
+        "'messages[0].tool_calls' is only allowed on assistant",
+    ),
     ({"messages": [{"role": "user", "content": "x", "audio": {}}]}, 400, "unsupported field(s): audio"),
     ({"messages": ["hi"]}, 400, "'messages[0]' must be an object"),
     ({"messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "'messages' is not valid Unicode"),
@@ -180,10 +184,17 @@ BAD_CHATS = [
     ({"messages": USER, "top_logprobs": 2}, 400, "requires 'logprobs'"),
     ({"messages": USER, "stream": True}, 400, "'stream'"),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f g"}}]}, 400, "'tools[0].function.name'"),
-    ({"messages": USER, "tool_choice": "auto"}, 400, "'tool_choice' \"auto\" requires 'tools'"),  # tests/test_tool_calls.py
+    (
+        {"messages": USER, "tool_choice": "auto"},
+        400,
+        "'tool_choice' \"auto\" requires 'tools'",
+    ),  # tests/test_tool_calls.py
     ({"messages": USER, "response_format": {"type": "json"}}, 400, "'response_format.type' must be one of"),
-    ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}}, 400,
-     "'response_format' must be a JSON schema"),
+    (
+        {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
+        400,
+        "'response_format' must be a JSON schema",
+    ),
     ({"messages": USER, "guided_json": "{not json"}, 400, "'guided_json' is not valid JSON"),
     ({"messages": USER, "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "takes one constraint"),
     ({"messages": USER, "prompt": "x"}, 400, "unknown field(s): 'prompt'"),
@@ -237,11 +248,15 @@ def test_an_error_naming_a_lone_surrogate_still_encodes(tokenizer):
     assert b"unknown field" in body and b"\\ud800" in body
 
 
-@pytest.mark.parametrize("prompt,n,choices", [(["hi"] * 5000, 1, 5000), (["hi"] * 4, 65, 260), ([[1], [2], [3]], 86, 258),
-                                              (["hi"] * 300 + [5], 1, 301)])
+@pytest.mark.parametrize(
+    "prompt,n,choices",
+    [(["hi"] * 5000, 1, 5000), (["hi"] * 4, 65, 260), ([[1], [2], [3]], 86, 258), (["hi"] * 300 + [5], 1, 301)],
+)
 def test_fan_out_beyond_the_limit_is_a_400_naming_it_before_any_tokenizing(tokenizer, prompt, n, choices):
     with pytest.raises(OpenAIError) as info:  # (the last prompt is malformed too: the count comes first)
-        parse_completion_request({"prompt": prompt, "n": n, "max_tokens": 1}, tokenizer, MODEL, CONTEXT, max_choices=256)
+        parse_completion_request(
+            {"prompt": prompt, "n": n, "max_tokens": 1}, tokenizer, MODEL, CONTEXT, max_choices=256
+        )
     assert info.value.status_code == 400 and info.value.code == "too_many_choices"
     assert f"asks for {choices} choices" in info.value.message and "limit is 256" in info.value.message
     assert "--max-choices" in info.value.message
@@ -250,8 +265,9 @@ def test_fan_out_beyond_the_limit_is_a_400_naming_it_before_any_tokenizing(token
 
 
 def test_fan_out_at_the_limit_and_the_models_vocabulary(tokenizer):
-    parsed = parse_completion_request({"prompt": ["hi"] * 4, "n": 64, "max_tokens": 1}, tokenizer, MODEL, CONTEXT,
-                                      max_choices=256)
+    parsed = parse_completion_request(
+        {"prompt": ["hi"] * 4, "n": 64, "max_tokens": 1}, tokenizer, MODEL, CONTEXT, max_choices=256
+    )
     assert len(parsed.params) == 256
     # the model's vocabulary may be smaller than the tokenizer's: ids past it are refused
     with pytest.raises(OpenAIError, match=r"token ids must be in \[0, 10\)"):
@@ -262,7 +278,9 @@ def test_fan_out_at_the_limit_and_the_models_vocabulary(tokenizer):
 
 def test_server_side_failures_are_typed_server_error():
     # A client telling its own mistakes from the server's (to retry) reads `type`, as with OpenAI.
-    assert OpenAIError("no healthy prefill or decode server", status_code=503).to_body()["error"]["type"] == "server_error"
+    assert (
+        OpenAIError("no healthy prefill or decode server", status_code=503).to_body()["error"]["type"] == "server_error"
+    )
     assert OpenAIError("prefill failed", status_code=502).to_body()["error"]["type"] == "server_error"
     assert OpenAIError("bad key", status_code=401).to_body()["error"]["type"] == "invalid_request_error"
 
@@ -523,8 +541,9 @@ def test_completion_echo_with_logprobs_leads_with_the_prompt(tokenizer):
 
 def test_prompt_logprobs_are_not_streamed(tokenizer):
     with pytest.raises(OpenAIError, match="not available when 'stream'"):
-        parse_completion_request({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, tokenizer, MODEL, CONTEXT,
-                                 allow_stream=True)
+        parse_completion_request(
+            {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, tokenizer, MODEL, CONTEXT, allow_stream=True
+        )
 
 
 def test_vllm_prompt_logprobs_field(tokenizer):
@@ -538,6 +557,8 @@ def test_vllm_prompt_logprobs_field(tokenizer):
     body = format_completion_response(parsed, completions, tokenizer, "abc", 1)
     field = body["choices"][0]["prompt_logprobs"]
     assert field[0] is None and len(field) == len(ids)
-    assert field[1] == {str(ids[1]): {"logprob": -2.0, "rank": 4, "decoded_token": tokenizer.decode([ids[1]])},
-                        "5": {"logprob": -0.1, "rank": 1, "decoded_token": tokenizer.decode([5])}}
+    assert field[1] == {
+        str(ids[1]): {"logprob": -2.0, "rank": 4, "decoded_token": tokenizer.decode([ids[1]])},
+        "5": {"logprob": -0.1, "rank": 1, "decoded_token": tokenizer.decode([5])},
+    }
     assert body["choices"][0]["logprobs"] is None  # prompt_logprobs alone asks for no legacy object

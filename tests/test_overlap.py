@@ -23,9 +23,15 @@ def mixed_params(n):
         elif kind == 1:
             out.append(SamplingParams(max_new_tokens=rng.randint(3, 20), temperature=0.8, top_p=0.9, seed=i))
         elif kind == 2:
-            out.append(SamplingParams(max_new_tokens=20, temperature=1.0, top_k=5, seed=i, logprobs=2, min_new_tokens=4))
+            out.append(
+                SamplingParams(max_new_tokens=20, temperature=1.0, top_k=5, seed=i, logprobs=2, min_new_tokens=4)
+            )
         elif kind == 3:
-            out.append(SamplingParams(max_new_tokens=16, temperature=0.7, seed=i, frequency_penalty=0.5, repetition_penalty=1.2))
+            out.append(
+                SamplingParams(
+                    max_new_tokens=16, temperature=0.7, seed=i, frequency_penalty=0.5, repetition_penalty=1.2
+                )
+            )
         else:
             out.append(SamplingParams(max_new_tokens=16, temperature=0, stop=("e",), ignore_eos=True))
     return out
@@ -154,9 +160,14 @@ def fake_staging(nbytes):
 
 def test_pinned_staging_uploads_keep_values_dtypes_and_shapes():
     ring, _ = fake_staging(4096)
-    for array in (np.arange(7, dtype=np.int64), np.ones((2, 3), dtype=np.int32), np.array([True, False]),
-                  np.linspace(0, 1, 5, dtype=np.float32), np.zeros((0, 4), dtype=np.int64),
-                  np.arange(12, dtype=np.int64).reshape(3, 4)[:, 1]):  # (a strided view)
+    for array in (
+        np.arange(7, dtype=np.int64),
+        np.ones((2, 3), dtype=np.int32),
+        np.array([True, False]),
+        np.linspace(0, 1, 5, dtype=np.float32),
+        np.zeros((0, 4), dtype=np.int64),
+        np.arange(12, dtype=np.int64).reshape(3, 4)[:, 1],
+    ):  # (a strided view)
         out = ring.upload(array)
         assert out.dtype == torch.from_numpy(array).dtype and out.shape == array.shape
         assert np.array_equal(out.numpy(), array)

@@ -35,11 +35,20 @@ class FakeDecode(pb_grpc.DecodeServiceServicer):
         if self.reject:
             yield pb.GenerateResponse(error=pb.Error(code=pb.Error.OVERLOADED, message="full"))
             return
-        yield pb.GenerateResponse(destination=pb.KVDestination(
-            bootstrap_room=request.bootstrap_room, decode_agent_name="decode-0", decode_agent_metadata=b"meta",
-            page_ids=[3, 4], layout=LAYOUT, expires_unix_s=time.time() + self.expires_in_s))
+        yield pb.GenerateResponse(
+            destination=pb.KVDestination(
+                bootstrap_room=request.bootstrap_room,
+                decode_agent_name="decode-0",
+                decode_agent_metadata=b"meta",
+                page_ids=[3, 4],
+                layout=LAYOUT,
+                expires_unix_s=time.time() + self.expires_in_s,
+            )
+        )
         yield pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=[8, 9], index=1))
-        yield pb.GenerateResponse(finish=pb.FinishInfo(reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(completion_tokens=3)))
+        yield pb.GenerateResponse(
+            finish=pb.FinishInfo(reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(completion_tokens=3))
+        )
 
 
 class PlainPrefill(pb_grpc.PrefillServiceServicer):
@@ -81,11 +90,18 @@ async def run(decode: FakeDecode, prefill: PlainPrefill, until: asyncio.Event | 
     reports = []
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+
             def pick_prefill(tried):  # `servers` prefill servers, all of them `prefill`
                 return None if len(tried) >= servers else (f"prefill-{len(tried)}", channel)
 
-            stream = paired_generate(channel, pick_prefill, lambda url, ok: reports.append((url, ok)), [1, 2, 3],
-                                     SamplingParams(max_new_tokens=3, seed=5), RouterConfig())
+            stream = paired_generate(
+                channel,
+                pick_prefill,
+                lambda url, ok: reports.append((url, ok)),
+                [1, 2, 3],
+                SamplingParams(max_new_tokens=3, seed=5),
+                RouterConfig(),
+            )
             events = []
             try:
                 async for event in stream:
@@ -136,7 +152,9 @@ class ImpatientPrefill(StreamedPrefill):
         async for message in request_iterator:
             self.messages.append(message)
             self.got_request.set()
-            return pb.PrefillResponse(error=pb.Error(code=pb.Error.KV_TRANSFER_FAILED, message="no KV destination came"))
+            return pb.PrefillResponse(
+                error=pb.Error(code=pb.Error.KV_TRANSFER_FAILED, message="no KV destination came")
+            )
 
 
 def test_an_early_prefill_that_gave_up_is_asked_again_the_plain_way():
@@ -217,9 +235,15 @@ class FailingDecode(FakeDecode):
         self.prefill, self.broken = prefill, broken
 
     async def Generate(self, request, context):
-        yield pb.GenerateResponse(destination=pb.KVDestination(
-            bootstrap_room=request.bootstrap_room, decode_agent_metadata=b"meta", page_ids=[3], layout=LAYOUT,
-            expires_unix_s=time.time() + 30))
+        yield pb.GenerateResponse(
+            destination=pb.KVDestination(
+                bootstrap_room=request.bootstrap_room,
+                decode_agent_metadata=b"meta",
+                page_ids=[3],
+                layout=LAYOUT,
+                expires_unix_s=time.time() + 30,
+            )
+        )
         await asyncio.wait_for(self.prefill.got_destination.wait(), TIMEOUT_S)
         if self.broken:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode server went away")
@@ -269,4 +293,8 @@ def test_decode_tokens_that_come_before_the_prefill_answer_are_kept_in_order():
     decode_done = asyncio.Event()
     prefill = LateAnswerPrefill(decode_done)
     events, _ = pair(prefill, EagerDecode(prefill.got_request, decode_done))
-    assert [(e.kind, e.token_ids, e.index) for e in events] == [("tokens", [7], 0), ("tokens", [8, 9], 1), ("finish", [], 0)]
+    assert [(e.kind, e.token_ids, e.index) for e in events] == [
+        ("tokens", [7], 0),
+        ("tokens", [8, 9], 1),
+        ("finish", [], 0),
+    ]

@@ -17,8 +17,44 @@ import torch
 from pdserve.common.tiny_model import ARCHS
 from pdserve.common.types import FinishReason, SamplingParams
 
-PROMPT_LENS = [1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 23, 31, 32, 33, 40, 47, 50, 63, 64, 65, 70, 90, 100, 120,
-               4, 6, 11, 13, 19, 24, 28, 36, 44, 49, 55, 80]
+PROMPT_LENS = [
+    1,
+    2,
+    3,
+    5,
+    7,
+    8,
+    9,
+    15,
+    16,
+    17,
+    23,
+    31,
+    32,
+    33,
+    40,
+    47,
+    50,
+    63,
+    64,
+    65,
+    70,
+    90,
+    100,
+    120,
+    4,
+    6,
+    11,
+    13,
+    19,
+    24,
+    28,
+    36,
+    44,
+    49,
+    55,
+    80,
+]
 
 
 def make_prompts(vocab_size: int, bos: int, num_special: int) -> list[tuple[list[int], int]]:
@@ -42,7 +78,9 @@ def reference(request, tiny_models):
     cases = []
     for ids, max_new in make_prompts(hf.config.vocab_size, tok.bos_token_id, len(tok.all_special_ids)):
         with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+            out = hf.generate(
+                torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id
+            )
         cases.append((ids, max_new, out[0, len(ids) :].tolist()))
     return arch, path, cases
 
@@ -52,10 +90,16 @@ def test_greedy_matches_transformers_through_the_python_api(reference, make_engi
     arch, _, cases = reference
     engine = make_engine(arch, max_running_requests=batch_size)
     sizes = record_batch_sizes(engine)
-    outs = engine.generate([ids for ids, _, _ in cases], [SamplingParams(max_new_tokens=n, temperature=0) for _, n, _ in cases])
+    outs = engine.generate(
+        [ids for ids, _, _ in cases], [SamplingParams(max_new_tokens=n, temperature=0) for _, n, _ in cases]
+    )
     for (ids, max_new, expected), out in zip(cases, outs):
         assert out.output_ids == expected, f"{arch} bs={batch_size} prompt of {len(ids)} tokens"
-        assert out.finish_reason is (FinishReason.LENGTH if len(expected) == max_new and expected[-1] not in engine.eos_token_ids else FinishReason.STOP)
+        assert out.finish_reason is (
+            FinishReason.LENGTH
+            if len(expected) == max_new and expected[-1] not in engine.eos_token_ids
+            else FinishReason.STOP
+        )
         assert out.text == engine.tokenizer.decode(
             [t for t in out.output_ids if t not in engine.eos_token_ids], skip_special_tokens=True
         )
@@ -65,19 +109,34 @@ def test_greedy_matches_transformers_through_the_python_api(reference, make_engi
 # Engine settings that each force one scheduling path, and the counter proving it was taken.
 MODES = {
     "chunked": (dict(chunked_prefill_size=16, page_size=4), "prefill_chunks"),
-    "retract": (dict(max_total_tokens=400, context_length=160, num_reserved_decode_tokens=1, page_size=4), "retractions"),
+    "retract": (
+        dict(max_total_tokens=400, context_length=160, num_reserved_decode_tokens=1, page_size=4),
+        "retractions",
+    ),
     "odd_pages_lpm": (dict(page_size=7, schedule_policy="lpm", chunked_prefill_size=50), "prefill_chunks"),
     "no_cache": (dict(disable_radix_cache=True, page_size=1), None),
     # The same paths through the serial loop (the default loop above is the overlapped one).
     "serial": (dict(disable_overlap_schedule=True), None),
     "serial_chunked_retract": (
-        dict(disable_overlap_schedule=True, chunked_prefill_size=16, max_total_tokens=400, context_length=160,
-             num_reserved_decode_tokens=1, page_size=4),
+        dict(
+            disable_overlap_schedule=True,
+            chunked_prefill_size=16,
+            max_total_tokens=400,
+            context_length=160,
+            num_reserved_decode_tokens=1,
+            page_size=4,
+        ),
         "retractions",
     ),
     "overlap_chunked_retract": (
-        dict(chunked_prefill_size=16, max_total_tokens=400, context_length=160, num_reserved_decode_tokens=1,
-             page_size=4, serial_consecutive_prefill=True),
+        dict(
+            chunked_prefill_size=16,
+            max_total_tokens=400,
+            context_length=160,
+            num_reserved_decode_tokens=1,
+            page_size=4,
+            serial_consecutive_prefill=True,
+        ),
         "retractions",
     ),
 }
@@ -124,8 +183,24 @@ def test_greedy_matches_transformers_through_run_batch(reference, tmp_path):
         for i, (ids, max_new, _) in enumerate(cases):
             body = {"prompt": ids, "max_tokens": max_new, "temperature": 0, "return_token_ids": True}
             f.write(json.dumps({"custom_id": f"p{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
-    cmd = [sys.executable, "-m", "pdserve.common.cli", "run-batch", "-i", str(src), "-o", str(dst),
-           "--model-path", path, "--device", "cpu", "--max-running-requests", "7", "--max-total-tokens", "8192"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.common.cli",
+        "run-batch",
+        "-i",
+        str(src),
+        "-o",
+        str(dst),
+        "--model-path",
+        path,
+        "--device",
+        "cpu",
+        "--max-running-requests",
+        "7",
+        "--max-total-tokens",
+        "8192",
+    ]
     subprocess.run(cmd, check=True, timeout=300)
     lines = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [line["custom_id"] for line in lines] == [f"p{i}" for i in range(len(cases))]
@@ -136,5 +211,8 @@ def test_greedy_matches_transformers_through_run_batch(reference, tmp_path):
         assert choice["token_ids"] == expected and choice["prompt_token_ids"] == ids
         usage = body["usage"]
         assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
-            len(ids), len(expected), len(ids) + len(expected))
+            len(ids),
+            len(expected),
+            len(ids) + len(expected),
+        )
         assert body["model"] == path

@@ -15,16 +15,26 @@ import pytest
 
 from pdserve.common.ports import free_port
 from pdserve.router.placement import (
-    ServerPlacement, describe, parse_gpus, plan_placement, rank_threads, resolve_gpus, server_env, usable_cores,
+    ServerPlacement,
+    describe,
+    parse_gpus,
+    plan_placement,
+    rank_threads,
+    resolve_gpus,
+    server_env,
+    usable_cores,
 )
 
-
 # ---- the plan -----------------------------------------------------------------------------------
+
 
 def test_one_gpu_holds_every_server_in_cumulative_shares():
     assert plan_placement([0], 1, 1, 1, 1) == [("decode", 0, (0,), 0.425), ("prefill", 0, (0,), 0.85)]
     assert plan_placement([0], 2, 1, 1, 1, fraction=0.6) == [
-        ("decode", 0, (0,), 0.2), ("prefill", 0, (0,), 0.4), ("prefill", 1, (0,), 0.6)]
+        ("decode", 0, (0,), 0.2),
+        ("prefill", 0, (0,), 0.4),
+        ("prefill", 1, (0,), 0.6),
+    ]
 
 
 def test_two_gpus_one_server_each():
@@ -41,7 +51,11 @@ def test_a_tp2_decode_and_a_tp1_prefill_on_two_gpus_share_one():
 
 def test_four_gpus_two_of_each():
     assert plan_placement([0, 1, 2, 3], 2, 1, 2, 1) == [
-        ("decode", 0, (0,), 0.85), ("decode", 1, (1,), 0.85), ("prefill", 0, (2,), 0.85), ("prefill", 1, (3,), 0.85)]
+        ("decode", 0, (0,), 0.85),
+        ("decode", 1, (1,), 0.85),
+        ("prefill", 0, (2,), 0.85),
+        ("prefill", 1, (3,), 0.85),
+    ]
     assert plan_placement([0, 1, 2, 3], 1, 2, 1, 2) == [("decode", 0, (0, 1), 0.85), ("prefill", 0, (2, 3), 0.85)]
 
 
@@ -56,12 +70,14 @@ def test_the_gpus_given_in_their_order():
 def test_wrapping_tp_servers_share_by_their_most_crowded_gpu():
     # D0 on 0,1; D1 wraps onto 2,0; P on 1: every GPU holds two servers.
     assert plan_placement([0, 1, 2], 1, 1, 2, 2) == [
-        ("decode", 0, (0, 1), 0.425), ("decode", 1, (0, 2), 0.85), ("prefill", 0, (1,), 0.85)]
+        ("decode", 0, (0, 1), 0.425),
+        ("decode", 1, (0, 2), 0.85),
+        ("prefill", 0, (1,), 0.85),
+    ]
 
 
 def test_on_cpu_every_server_is_on_the_cpu():
-    assert plan_placement([], 2, 1, 1, 2) == [
-        ("decode", 0, (), 0.0), ("prefill", 0, (), 0.0), ("prefill", 1, (), 0.0)]
+    assert plan_placement([], 2, 1, 1, 2) == [("decode", 0, (), 0.0), ("prefill", 0, (), 0.0), ("prefill", 1, (), 0.0)]
 
 
 LAYOUTS = list(product((1, 2, 3), (1, 2), (1, 2, 3), (1, 2)))  # (num_prefill, prefill_tp, num_decode, decode_tp)
@@ -78,7 +94,8 @@ def test_every_plan_keeps_its_promises(gpus, counts):
         return
     plan = plan_placement(list(range(gpus)), *counts)
     assert [(s.role, s.index) for s in plan] == [("decode", i) for i in range(num_decode)] + [
-        ("prefill", i) for i in range(num_prefill)]
+        ("prefill", i) for i in range(num_prefill)
+    ]
     tp = {"prefill": prefill_tp, "decode": decode_tp}
     servers_on = {g: 0 for g in range(gpus)}
     for server in plan:
@@ -114,6 +131,7 @@ def test_bad_plans_are_clear_errors():
 
 
 # ---- flags and environment ----------------------------------------------------------------------
+
 
 def test_gpus_flag():
     assert parse_gpus("0,1", 2) == [0, 1]
@@ -165,13 +183,16 @@ def test_the_plan_as_printed():
     tp_of = {"prefill": 1, "decode": 2}
     assert describe(plan_placement([0, 1], 1, 1, 1, 2), tp_of, ["0", "1"]) == [
         "  decode 0: tp 2, GPUs 0,1, --mem-fraction-static 0.425",
-        "  prefill 0: tp 1, GPU 0, --mem-fraction-static 0.85"]
+        "  prefill 0: tp 1, GPU 0, --mem-fraction-static 0.85",
+    ]
     assert describe(plan_placement([1], 1, 1, 1, 1), {"prefill": 1, "decode": 1}, ["3", "5"])[0] == (
-        "  decode 0: tp 1, GPU 1 (CUDA_VISIBLE_DEVICES=5), --mem-fraction-static 0.425")
+        "  decode 0: tp 1, GPU 1 (CUDA_VISIBLE_DEVICES=5), --mem-fraction-static 0.425"
+    )
     assert describe(plan_placement([], 1, 1, 1, 2), tp_of, []) == ["  decode 0: tp 2, CPU", "  prefill 0: tp 1, CPU"]
 
 
 # ---- pdserve up with a TP 2 decode server, on CPU -----------------------------------------------
+
 
 def _children() -> dict[int, list[int]]:
     """pid -> its child pids, from /proc."""
@@ -206,10 +227,31 @@ def _cmdline(pid: int) -> list[str]:
 
 def test_pdserve_up_serves_through_a_tp2_decode_server_on_cpu(tiny_models):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.common.cli", "up", "--model-path", tiny_models("llama"),
-                             "--device", "cpu", "--num-prefill", "1", "--num-decode", "1", "--decode-tp", "2",
-                             "--port", str(port), "--router-workers", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.common.cli",
+            "up",
+            "--model-path",
+            tiny_models("llama"),
+            "--device",
+            "cpu",
+            "--num-prefill",
+            "1",
+            "--num-decode",
+            "1",
+            "--decode-tp",
+            "2",
+            "--port",
+            str(port),
+            "--router-workers",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = []
     try:
         deadline = time.monotonic() + 60
@@ -224,8 +266,9 @@ def test_pdserve_up_serves_through_a_tp2_decode_server_on_cpu(tiny_models):
         assert lines[:3] == ["placement (CPU):\n", "  decode 0: tp 2, CPU\n", "  prefill 0: tp 1, CPU\n"], lines
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=30)
-        answer = client.chat.completions.create(model=tiny_models("llama"), max_tokens=6, temperature=0,
-                                                messages=[{"role": "user", "content": "Hello!"}])
+        answer = client.chat.completions.create(
+            model=tiny_models("llama"), max_tokens=6, temperature=0, messages=[{"role": "user", "content": "Hello!"}]
+        )
         assert answer.usage.completion_tokens > 0 and answer.choices[0].message.content
 
         # The decode server really runs two ranks, each with its share of the cores (3 local ranks).
@@ -245,8 +288,9 @@ def test_pdserve_up_serves_through_a_tp2_decode_server_on_cpu(tiny_models):
         # A rank notices its parent is gone within a second (tp_worker.PARENT_POLL_MS); on a loaded
         # 2-core CI box the rest of the tree can take a few seconds more to be reaped.
         deadline = time.monotonic() + 10
-        while (left := [p for p in processes if os.path.exists(f"/proc/{p}") and _cmdline(p)]) and \
-                time.monotonic() < deadline:
+        while (
+            left := [p for p in processes if os.path.exists(f"/proc/{p}") and _cmdline(p)]
+        ) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert left == [], [_cmdline(p)[:4] for p in left]
     finally:

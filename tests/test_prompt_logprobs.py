@@ -69,8 +69,10 @@ def test_prompt_logprobs_in_every_scheduling_mode(make_engine, tiny_models, mode
     plain = SamplingParams(max_new_tokens=4, temperature=0)
     before = engine.generate(prompts, [plain] * len(prompts))  # now every prompt is in the prefix cache
     # Mixed batch: scored and plain requests together; the plain ones' outputs are unchanged.
-    params = [SamplingParams(max_new_tokens=4, temperature=0, prompt_logprobs=3) if i % 2 == 0 else plain
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_new_tokens=4, temperature=0, prompt_logprobs=3) if i % 2 == 0 else plain
+        for i in range(len(prompts))
+    ]
     outs = engine.generate(prompts, params)
     for i, (out, ids, ref) in enumerate(zip(outs, prompts, reference)):
         assert out.output_ids == before[i].output_ids

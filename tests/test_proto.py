@@ -7,7 +7,6 @@ import asyncio
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import grpc
 import pytest
@@ -29,8 +28,7 @@ def test_generated_code_in_sync():
     generated = generate.generate()  # protoc into a temp dir
     stale = generate.stale(generated)
     assert not stale, (
-        "proto/ generated code is stale; run `python -m pdserve.proto.generate`\n"
-        + generate.diff_summary(generated)
+        "proto/ generated code is stale; run `python -m pdserve.proto.generate`\n" + generate.diff_summary(generated)
     )
 
 
@@ -382,8 +380,15 @@ def test_every_element_commented(tmp_path):
 
     out = tmp_path / "set.pb"
     # protoc in a child process: its native module can crash a process that already loaded torch
-    cmd = [sys.executable, "-m", "grpc_tools.protoc", f"-I{generate.HERE}", f"--descriptor_set_out={out}",
-           "--include_source_info", "pdserve.proto"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
+        f"-I{generate.HERE}",
+        f"--descriptor_set_out={out}",
+        "--include_source_info",
+        "pdserve.proto",
+    ]
     assert subprocess.run(cmd, timeout=120).returncode == 0
     fds = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
     [fd] = fds.file

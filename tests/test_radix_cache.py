@@ -129,12 +129,13 @@ def check_consistent(scheduler):
 
 
 def test_randomized_requests_with_aborts_end_with_every_page_free():
-    from tests.test_scheduler import feed, make_scheduler
     from pdserve.common.types import Req, SamplingParams
+    from tests.test_scheduler import feed, make_scheduler
 
     rng = random.Random(0)
-    s = make_scheduler(num_pages=20, page_size=2, rows=6, context=36, max_running=6, max_prefill=12,
-                       chunk=5, radix=True, reserve=1)
+    s = make_scheduler(
+        num_pages=20, page_size=2, rows=6, context=36, max_running=6, max_prefill=12, chunk=5, radix=True, reserve=1
+    )
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(2, 10))] for _ in range(4)]
     live = []
     for i in range(300):

@@ -30,8 +30,9 @@ def test_greedy_chats_end_at_the_models_eos_as_transformers(smollm2, stack):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         [expected] = hf_greedy(hf, [ids], 64, (tokenizer.eos_token_id,))
         assert expected[-1] == tokenizer.eos_token_id, "transformers' answer ends at <|im_end|> within 64 tokens"
-        out = client.chat.completions.create(model=path, messages=messages, max_tokens=64, temperature=0,
-                                             extra_body={"return_token_ids": True})
+        out = client.chat.completions.create(
+            model=path, messages=messages, max_tokens=64, temperature=0, extra_body={"return_token_ids": True}
+        )
         choice = out.choices[0]
         assert choice.model_extra["token_ids"] == expected and choice.model_extra["prompt_token_ids"] == ids
         assert choice.finish_reason == "stop"

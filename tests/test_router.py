@@ -65,9 +65,12 @@ def test_greedy_completions_through_the_router_match_transformers(deployment):
     hf = AutoModelForCausalLM.from_pretrained(model, attn_implementation="eager", dtype=torch.float32).eval()
     for ids in prompts:
         with torch.no_grad():
-            want = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=2)[0, len(ids):].tolist()
-        out = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0,
-                                        extra_body={"return_token_ids": True})
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=2)[
+                0, len(ids) :
+            ].tolist()
+        out = client.completions.create(
+            model=model, prompt=ids, max_tokens=10, temperature=0, extra_body={"return_token_ids": True}
+        )
         assert out.choices[0].model_extra["token_ids"] == want
         assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(want)
 
@@ -76,12 +79,22 @@ def test_chat_streaming_equals_non_streaming_and_reports_usage(deployment):
     model, _, client = deployment
     messages = [{"role": "user", "content": "Tell me a story."}]
     full = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0)
-    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [full.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        full.choices[0].finish_reason
+    ]
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
@@ -92,22 +105,42 @@ def test_n_seeds_and_stop_strings(deployment):
     assert [c.text for c in out.choices] == [c.text for c in again.choices]
     assert len({c.text for c in out.choices}) > 1
     free = client.completions.create(model=model, prompt="Once upon", max_tokens=16, temperature=0).choices[0].text
-    stop = next(free[i:i + 2] for i in range(2, len(free) - 2) if free[i:i + 2].strip() and "\ufffd" not in free[i:i + 2])
+    stop = next(
+        free[i : i + 2] for i in range(2, len(free) - 2) if free[i : i + 2].strip() and "\ufffd" not in free[i : i + 2]
+    )
     cut = client.completions.create(model=model, prompt="Once upon", max_tokens=16, temperature=0, stop=[stop])
     assert cut.choices[0].text == free[: free.index(stop)] and cut.choices[0].finish_reason == "stop"
     # Streamed, with a stop string that spans two tokens, the deltas add up to the same cut text:
     # the first token's part of the stop string is never sent.
-    ids = client.completions.create(model=model, prompt="Once upon", max_tokens=16, temperature=0,
-                                    extra_body={"return_token_ids": True}).choices[0].model_extra["token_ids"]
+    ids = (
+        client.completions.create(
+            model=model, prompt="Once upon", max_tokens=16, temperature=0, extra_body={"return_token_ids": True}
+        )
+        .choices[0]
+        .model_extra["token_ids"]
+    )
     tokenizer = load_tokenizer(model)
     ends = [len(tokenizer.decode(ids[:k])) for k in range(1, len(ids))]  # where each token's text ends
-    spanning = [free[b - 1:b + 1] for b in ends if 0 < b < len(free) - 1 and free[b - 1:b + 1].strip()
-                and "\ufffd" not in free[b - 1:b + 1] and free.index(free[b - 1:b + 1]) == b - 1]
+    spanning = [
+        free[b - 1 : b + 1]
+        for b in ends
+        if 0 < b < len(free) - 1
+        and free[b - 1 : b + 1].strip()
+        and "\ufffd" not in free[b - 1 : b + 1]
+        and free.index(free[b - 1 : b + 1]) == b - 1
+    ]
     assert spanning, "no stop string spans two tokens of this answer"
     cut = client.completions.create(model=model, prompt="Once upon", max_tokens=16, temperature=0, stop=[spanning[0]])
-    chunks = list(client.completions.create(model=model, prompt="Once upon", max_tokens=16, temperature=0,
-                                            stop=[spanning[0]], stream=True))
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut.choices[0].text == free[: free.index(spanning[0])]
+    chunks = list(
+        client.completions.create(
+            model=model, prompt="Once upon", max_tokens=16, temperature=0, stop=[spanning[0]], stream=True
+        )
+    )
+    assert (
+        "".join(c.choices[0].text for c in chunks if c.choices)
+        == cut.choices[0].text
+        == free[: free.index(spanning[0])]
+    )
 
 
 def test_bad_requests_get_openai_errors(deployment):
@@ -118,13 +151,17 @@ def test_bad_requests_get_openai_errors(deployment):
         client.completions.create(model=model, prompt="x", max_tokens=2, temperature=5)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=model, messages=[], max_tokens=2)
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=b"{not json",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"}
+    )
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(request, timeout=10)
     assert e.value.code == 400 and "not valid JSON" in e.value.read().decode()
     # and the deployment still serves
-    assert client.completions.create(model=model, prompt="x", max_tokens=2, temperature=0).choices[0].finish_reason == "length"
+    assert (
+        client.completions.create(model=model, prompt="x", max_tokens=2, temperature=0).choices[0].finish_reason
+        == "length"
+    )
 
 
 def test_logprobs_come_through_the_router(deployment):
@@ -133,20 +170,37 @@ def test_logprobs_come_through_the_router(deployment):
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == 5 and len(lp.token_logprobs) == 5 and all(v <= 0 for v in lp.token_logprobs)
     assert all(len(top) >= 2 for top in lp.top_logprobs)
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     assert len(chat.choices[0].logprobs.content) == 4 and len(chat.choices[0].logprobs.content[0].top_logprobs) == 3
 
 
 def test_streamed_logprobs_include_the_token_that_stopped_it(deployment):
     """A stop id (like an EOS) adds no text, but its logprob is reported streamed as unstreamed."""
     model, _, client = deployment
-    free = client.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0,
-                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+    free = client.completions.create(
+        model=model,
+        prompt="Hello",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     ids = free.choices[0].model_extra["token_ids"]
     stop_id = ids[3]
-    kwargs = dict(model=model, prompt="Hello", max_tokens=8, temperature=0, logprobs=1,
-                  extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    kwargs = dict(
+        model=model,
+        prompt="Hello",
+        max_tokens=8,
+        temperature=0,
+        logprobs=1,
+        extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]},
+    )
     whole = client.completions.create(**kwargs).choices[0]
     assert whole.finish_reason == "stop" and len(whole.logprobs.token_logprobs) == ids.index(stop_id) + 1
     chunks = list(client.completions.create(stream=True, **kwargs))
@@ -157,12 +211,30 @@ def test_streamed_logprobs_include_the_token_that_stopped_it(deployment):
 
 def test_streamed_logprobs_cover_every_token(deployment):
     model, _, client = deployment
-    chunks = list(client.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=0, logprobs=1,
-                                            stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt="Hello",
+            max_tokens=6,
+            temperature=0,
+            logprobs=1,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
     assert len(tokens) == 6 and all(v <= 0 for v in tokens)
-    chat = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                                               temperature=0, logprobs=True, stream=True, extra_body={"ignore_eos": True}))
+    chat = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5,
+            temperature=0,
+            logprobs=True,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     entries = [e for c in chat if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert len(entries) == 5
 
@@ -183,16 +255,18 @@ def test_echo_with_logprobs_scores_the_prompt_on_the_prefill_server(deployment):
     scores = _hf_prompt_scores(model, ids)
     want = [scores[p - 1, ids[p]].item() for p in range(1, len(ids))]
     for max_tokens in (0, 1):
-        out = client.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0, echo=True,
-                                        logprobs=1)
+        out = client.completions.create(
+            model=model, prompt=ids, max_tokens=max_tokens, temperature=0, echo=True, logprobs=1
+        )
         lp = out.choices[0].logprobs
         assert len(lp.tokens) == len(ids) + max_tokens
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert all(abs(a - b) < 1e-4 for a, b in zip(lp.token_logprobs[1 : len(ids)], want)), (lp.token_logprobs, want)
         assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
         assert out.usage.completion_tokens == max_tokens and out.choices[0].finish_reason == "length"
-    out = client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0,
-                                    extra_body={"prompt_logprobs": 2})
+    out = client.completions.create(
+        model=model, prompt=ids, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
     field = out.choices[0].model_extra["prompt_logprobs"]
     assert field[0] is None and len(field) == len(ids)
     for p in range(1, len(ids)):
@@ -201,8 +275,18 @@ def test_echo_with_logprobs_scores_the_prompt_on_the_prefill_server(deployment):
         assert entry["rank"] == 1 + int((scores[p - 1] > scores[p - 1, ids[p]]).sum())
         assert 2 <= len(field[p]) <= 3
     # Streamed echo: the prompt's text and logprobs lead, then the generated tokens'.
-    chunks = list(client.completions.create(model=model, prompt=ids, max_tokens=3, temperature=0, echo=True,
-                                            logprobs=0, stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=ids,
+            max_tokens=3,
+            temperature=0,
+            echo=True,
+            logprobs=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert streamed[0] is None and len(streamed) == len(ids) + 3
     assert all(abs(a - b) < 1e-4 for a, b in zip(streamed[1 : len(ids)], want))
@@ -211,6 +295,12 @@ def test_echo_with_logprobs_scores_the_prompt_on_the_prefill_server(deployment):
 def test_logit_bias_reaches_both_servers(deployment):
     """The prefill server samples the first token, the decode server the rest: both apply the bias."""
     model, _, client = deployment
-    out = client.completions.create(model=model, prompt="Hello", max_tokens=5, temperature=0,
-                                    logit_bias={"17": 100}, extra_body={"return_token_ids": True, "ignore_eos": True})
+    out = client.completions.create(
+        model=model,
+        prompt="Hello",
+        max_tokens=5,
+        temperature=0,
+        logit_bias={"17": 100},
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     assert out.choices[0].model_extra["token_ids"] == [17] * 5

@@ -57,11 +57,20 @@ class FakeDecode(pb_grpc.DecodeServiceServicer):
         if error is not None:
             yield pb.GenerateResponse(error=error)
             return
-        yield pb.GenerateResponse(destination=pb.KVDestination(
-            bootstrap_room=request.bootstrap_room, decode_agent_name="decode-0", decode_agent_metadata=b"meta",
-            page_ids=[3], layout=LAYOUT, expires_unix_s=time.time() + 30))
+        yield pb.GenerateResponse(
+            destination=pb.KVDestination(
+                bootstrap_room=request.bootstrap_room,
+                decode_agent_name="decode-0",
+                decode_agent_metadata=b"meta",
+                page_ids=[3],
+                layout=LAYOUT,
+                expires_unix_s=time.time() + 30,
+            )
+        )
         yield pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=[8, 9], index=1))
-        yield pb.GenerateResponse(finish=pb.FinishInfo(reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(completion_tokens=3)))
+        yield pb.GenerateResponse(
+            finish=pb.FinishInfo(reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(completion_tokens=3))
+        )
 
     async def GetLoad(self, request, context):
         return pb.Load()
@@ -125,8 +134,16 @@ async def drive(model: str, role: str, behaviour, cancel: bool = False) -> tuple
     {"decode": decode, "prefill": prefill}[role].behaviour = behaviour
     decode_server, decode_url = await serve(decode, pb_grpc.add_DecodeServiceServicer_to_server)
     prefill_server, prefill_url = await serve(prefill, pb_grpc.add_PrefillServiceServicer_to_server)
-    config = RouterConfig(model, (prefill_url,), (decode_url,), decode_stream="per-request", circuit_failures=1,
-                          circuit_open_time=60.0, request_timeout=DEADLINE_S, health_check_interval=60.0)
+    config = RouterConfig(
+        model,
+        (prefill_url,),
+        (decode_url,),
+        decode_stream="per-request",
+        circuit_failures=1,
+        circuit_open_time=60.0,
+        request_timeout=DEADLINE_S,
+        health_check_interval=60.0,
+    )
     router = Router(config)
     await router.start()
     try:

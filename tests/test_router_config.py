@@ -20,13 +20,45 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.pairing import paired_generate
 from tests.test_pairing import TIMEOUT_S, FakeDecode, StreamedPrefill
 
-FLAGS = ["--model-path", "--prefill", "--decode", "--prefill-dns", "--decode-dns", "--served-model-name", "--api-key",
-         "--prefill-policy", "--decode-policy", "--decode-stream", "--max-inflight", "--max-queued",
-         "--queue-timeout", "--max-choices", "--max-choices-at-once", "--request-timeout", "--prefill-timeout",
-         "--decode-timeout", "--max-prefill-attempts", "--disagg-policy", "--local-prefill-max-tokens",
-         "--prefill-queue-threshold", "--health-check-interval", "--health-check-timeout",
-         "--dns-interval", "--circuit-failures", "--circuit-open-time", "--host", "--port", "--workers", "--no-warm-spare",
-         "--log-level", "--cluster-secret-file", "--tls-cert", "--tls-key", "--tls-ca", "--allow-unauthenticated"]
+FLAGS = [
+    "--model-path",
+    "--prefill",
+    "--decode",
+    "--prefill-dns",
+    "--decode-dns",
+    "--served-model-name",
+    "--api-key",
+    "--prefill-policy",
+    "--decode-policy",
+    "--decode-stream",
+    "--max-inflight",
+    "--max-queued",
+    "--queue-timeout",
+    "--max-choices",
+    "--max-choices-at-once",
+    "--request-timeout",
+    "--prefill-timeout",
+    "--decode-timeout",
+    "--max-prefill-attempts",
+    "--disagg-policy",
+    "--local-prefill-max-tokens",
+    "--prefill-queue-threshold",
+    "--health-check-interval",
+    "--health-check-timeout",
+    "--dns-interval",
+    "--circuit-failures",
+    "--circuit-open-time",
+    "--host",
+    "--port",
+    "--workers",
+    "--no-warm-spare",
+    "--log-level",
+    "--cluster-secret-file",
+    "--tls-cert",
+    "--tls-key",
+    "--tls-ca",
+    "--allow-unauthenticated",
+]
 SERVERS = ["--prefill", "p:1", "p:2", "--decode", "d:1"]
 
 
@@ -36,42 +68,78 @@ def test_the_parser_has_a_flag_per_field_with_its_default():
     for f in dataclasses.fields(RouterConfig):
         action = actions["--" + f.name.replace("_", "-")]
         assert action.dest == f.name and action.default == f.default and action.help == f.metadata["help"]
-    assert [flag for flag, a in actions.items() if a.nargs == "+"] == ["--prefill", "--decode", "--prefill-dns", "--decode-dns"]
+    assert [flag for flag, a in actions.items() if a.nargs == "+"] == [
+        "--prefill",
+        "--decode",
+        "--prefill-dns",
+        "--decode-dns",
+    ]
     assert [flag for flag, a in actions.items() if a.required] == ["--model-path"]
     defaults = RouterConfig()
-    assert (defaults.prefill_policy, defaults.decode_policy, defaults.max_inflight, defaults.request_timeout) == \
-        ("round_robin", "round_robin", 1024, 600.0)
+    assert (defaults.prefill_policy, defaults.decode_policy, defaults.max_inflight, defaults.request_timeout) == (
+        "round_robin",
+        "round_robin",
+        1024,
+        600.0,
+    )
     assert (defaults.host, defaults.port, defaults.log_level) == ("127.0.0.1", 8000, "info")
 
 
 def test_a_command_line_gives_a_frozen_config():
-    argv = ["--model-path", "/m", *SERVERS, "--decode-dns", "dec.svc:50051", "--prefill-policy", "cache_aware",
-            "--max-inflight", "8", "--request-timeout", "30", "--max-prefill-attempts", "2", "--port", "9000"]
+    argv = [
+        "--model-path",
+        "/m",
+        *SERVERS,
+        "--decode-dns",
+        "dec.svc:50051",
+        "--prefill-policy",
+        "cache_aware",
+        "--max-inflight",
+        "8",
+        "--request-timeout",
+        "30",
+        "--max-prefill-attempts",
+        "2",
+        "--port",
+        "9000",
+    ]
     config = from_cli_args(build_parser().parse_args(argv), RouterConfig)
-    assert config == RouterConfig("/m", ("p:1", "p:2"), ("d:1",), decode_dns=("dec.svc:50051",), prefill_policy="cache_aware",
-                                  max_inflight=8, request_timeout=30.0, max_prefill_attempts=2, port=9000)
+    assert config == RouterConfig(
+        "/m",
+        ("p:1", "p:2"),
+        ("d:1",),
+        decode_dns=("dec.svc:50051",),
+        prefill_policy="cache_aware",
+        max_inflight=8,
+        request_timeout=30.0,
+        max_prefill_attempts=2,
+        port=9000,
+    )
     config.check()
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.port = 1
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--max-inflight", "0"], "--max-inflight must be >= 1"),
-    (["--request-timeout", "0"], "--request-timeout must be > 0"),
-    (["--prefill-timeout", "-1"], "--prefill-timeout must be >= 0"),
-    (["--health-check-interval", "0"], "--health-check-interval must be > 0"),
-    (["--max-prefill-attempts", "0"], "--max-prefill-attempts must be >= 1"),
-    (["--decode-policy", "cache_aware"], "--decode-policy: policy 'cache_aware' is for prefill workers only"),
-    (["--prefill-policy", "fastest"], "--prefill-policy: unknown policy 'fastest'"),
-    (["--prefill-dns", "no-port"], "expected NAME:PORT, got 'no-port'"),
-    (["--log-level", "loud"], "--log-level must be"),
-    (["--max-queued", "-1"], "--max-queued must be >= 0"),
-    (["--queue-timeout", "0"], "--queue-timeout must be > 0"),
-    (["--max-choices", "0"], "--max-choices must be >= 1"),
-    (["--max-choices-at-once", "0"], "--max-choices-at-once must be >= 1"),
-    (["--disagg-policy", "sometimes"], "--disagg-policy must be always, never or auto"),
-    (["--prefill-queue-threshold", "0"], "--prefill-queue-threshold >= 1"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--max-inflight", "0"], "--max-inflight must be >= 1"),
+        (["--request-timeout", "0"], "--request-timeout must be > 0"),
+        (["--prefill-timeout", "-1"], "--prefill-timeout must be >= 0"),
+        (["--health-check-interval", "0"], "--health-check-interval must be > 0"),
+        (["--max-prefill-attempts", "0"], "--max-prefill-attempts must be >= 1"),
+        (["--decode-policy", "cache_aware"], "--decode-policy: policy 'cache_aware' is for prefill workers only"),
+        (["--prefill-policy", "fastest"], "--prefill-policy: unknown policy 'fastest'"),
+        (["--prefill-dns", "no-port"], "expected NAME:PORT, got 'no-port'"),
+        (["--log-level", "loud"], "--log-level must be"),
+        (["--max-queued", "-1"], "--max-queued must be >= 0"),
+        (["--queue-timeout", "0"], "--queue-timeout must be > 0"),
+        (["--max-choices", "0"], "--max-choices must be >= 1"),
+        (["--max-choices-at-once", "0"], "--max-choices-at-once must be >= 1"),
+        (["--disagg-policy", "sometimes"], "--disagg-policy must be always, never or auto"),
+        (["--prefill-queue-threshold", "0"], "--prefill-queue-threshold >= 1"),
+    ],
+)
 def test_a_bad_value_exits_2_with_a_message(capsys, extra, message):
     assert main(["--model-path", "/m", *SERVERS, *extra]) == 2
     err = capsys.readouterr().err
@@ -107,8 +175,14 @@ def prefill_time_given(*argv: str) -> float:
         await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stream = paired_generate(channel, lambda tried: None if tried else ("prefill-0", channel),
-                                         lambda url, ok: None, [1, 2, 3], SamplingParams(max_new_tokens=3, seed=5), config)
+                stream = paired_generate(
+                    channel,
+                    lambda tried: None if tried else ("prefill-0", channel),
+                    lambda url, ok: None,
+                    [1, 2, 3],
+                    SamplingParams(max_new_tokens=3, seed=5),
+                    config,
+                )
                 assert [e.kind async for e in stream] == ["tokens", "tokens", "finish"]
         finally:
             await server.stop(None)
@@ -122,4 +196,6 @@ def test_the_prefill_timeout_follows_the_request_timeout():
     # NOTE: gRPC sends the timeout rounded (up) to a coarser unit: the server may see a bit more.
     assert prefill_time_given("--request-timeout", "600") == pytest.approx(600, abs=5)  # not capped at 120 s
     assert prefill_time_given("--request-timeout", "600", "--prefill-timeout", "30") == pytest.approx(30, abs=5)
-    assert prefill_time_given("--request-timeout", "10", "--prefill-timeout", "30") == pytest.approx(10, abs=3)  # the deadline
+    assert prefill_time_given("--request-timeout", "10", "--prefill-timeout", "30") == pytest.approx(
+        10, abs=3
+    )  # the deadline

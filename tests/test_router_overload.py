@@ -30,7 +30,9 @@ NORMAL = {"prompt": "hello there", "max_tokens": 2, "temperature": 0}
 def servers(tmp_path_factory):
     # A long context, so that a held stream (Holder) outlasts every wait here however fast the
     # box decodes: 1,000 tokens once finished within a 2 s queue timeout on a CI machine.
-    model = str(make_tiny_model(tmp_path_factory.mktemp("long") / "llama", "llama", 0, {"max_position_embeddings": 4096}))
+    model = str(
+        make_tiny_model(tmp_path_factory.mktemp("long") / "llama", "llama", 0, {"max_position_embeddings": 4096})
+    )
     decode, prefill = Server("decode", model), Server("prefill", model)
     try:
         decode.wait_ready()
@@ -146,8 +148,9 @@ class Holder:
     def __init__(self, url: str, body: dict):
         host, port = url.removeprefix("http://").split(":")
         self.conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        self.conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
-                          headers={"Content-Type": "application/json"})
+        self.conn.request(
+            "POST", "/v1/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         self.response = self.conn.getresponse()
         assert self.response.status == 200 and self.response.readline().startswith(b"data: ")
 

@@ -26,6 +26,7 @@ def urls_picked(policy, workers, n, prompt=(1,)):
 
 # --- round robin ------------------------------------------------------------------------------
 
+
 def test_round_robin_cycles_in_url_order():
     workers = [w("c:1"), w("a:1"), w("b:1")]
     assert urls_picked(RoundRobin(), workers, 7) == ["a:1", "b:1", "c:1", "a:1", "b:1", "c:1", "a:1"]
@@ -50,6 +51,7 @@ def test_round_robin_is_fair_when_the_set_changes():
 
 # --- least load -------------------------------------------------------------------------------
 
+
 def test_least_load_uses_load_plus_inflight():
     workers = [w("a:1", load=3, inflight=0), w("b:1", load=0, inflight=2), w("c:1", load=1, inflight=3)]
     assert LeastLoad().pick(workers, [1]).url == "b:1"
@@ -61,6 +63,7 @@ def test_least_load_ties_by_url_and_skips_unhealthy():
 
 
 # --- none healthy -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("policy", [RoundRobin(), LeastLoad(), CacheAware()], ids=lambda p: type(p).__name__)
 def test_none_when_no_worker_is_healthy(policy):
@@ -124,8 +127,7 @@ def test_cache_aware_imbalance_falls_back_to_least_load():
     # a large difference but a small ratio (200 vs 140 -> 200 <= 1.5 * 140) is not imbalance either
     assert policy.pick([w("a:1", load=200), w("b:1", load=140)], prompt).url == "a:1"
     # unhealthy workers do not count towards imbalance
-    assert policy.pick([w("a:1", load=37), w("b:1", load=5), w("c:1", load=0, healthy=False)],
-                       prompt).url == "a:1"
+    assert policy.pick([w("a:1", load=37), w("b:1", load=5), w("c:1", load=0, healthy=False)], prompt).url == "a:1"
 
 
 def test_cache_aware_never_picks_an_unhealthy_worker():
@@ -166,6 +168,7 @@ def test_cache_aware_rejects_max_tree_tokens_below_one():
 
 
 # --- the radix tree ---------------------------------------------------------------------------
+
 
 def test_tree_split_and_match_lengths():
     tree = ApproxRadixTree(max_tokens=1000)
@@ -243,6 +246,7 @@ def _count_tree_tokens(tree):
 
 
 # --- make_policy ------------------------------------------------------------------------------
+
 
 def test_make_policy_builds_each_policy():
     assert isinstance(make_policy("round_robin", "prefill"), RoundRobin)

@@ -26,9 +26,26 @@ def cluster(tiny_models):
     for s in (decode, *prefills):
         s.wait_ready()
     port = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "pdserve.router.cli", "--model-path", model, "--port", str(port),
-                               "--prefill", *(p.address for p in prefills), "--decode", decode.address,
-                               "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    router = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.router.cli",
+            "--model-path",
+            model,
+            "--port",
+            str(port),
+            "--prefill",
+            *(p.address for p in prefills),
+            "--decode",
+            decode.address,
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -85,7 +102,9 @@ def test_bad_input_gets_a_clear_openai_error(cluster, path, body, status, words)
 
 def test_native_generate(cluster):
     _, url, _, _ = cluster
-    code, reply = post(url + "/generate", {"input_ids": [0, 5, 6, 7], "sampling_params": {"max_tokens": 4, "temperature": 0}})
+    code, reply = post(
+        url + "/generate", {"input_ids": [0, 5, 6, 7], "sampling_params": {"max_tokens": 4, "temperature": 0}}
+    )
     assert code == 200 and len(reply["output_ids"]) == 4 and reply["usage"]["completion_tokens"] == 4
 
 
@@ -118,8 +137,9 @@ def test_200_concurrent_streams_lose_and_duplicate_nothing(cluster):
 
 def test_a_client_disconnect_mid_stream_frees_kv_on_both_sides(cluster):
     model, url, decode, prefills = cluster
-    body = json.dumps({"model": model, "prompt": "abc", "max_tokens": 400, "temperature": 0, "stream": True,
-                       "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"model": model, "prompt": "abc", "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+    ).encode()
     request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     response = urllib.request.urlopen(request, timeout=60)
     assert response.readline().startswith(b"data: ")  # streaming has started
@@ -132,8 +152,10 @@ def test_a_client_gone_before_a_whole_answer_gets_499_and_frees_kv(cluster):
     body = json.dumps({"model": model, "prompt": "abc", "max_tokens": 1000, "temperature": 0, "ignore_eos": True})
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as conn:
-        conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        conn.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
         deadline = time.monotonic() + 30
         while not asyncio.run(load(decode)).running_requests:  # until the answer is being computed
             assert time.monotonic() < deadline, "the request never reached the decode server"
@@ -150,8 +172,12 @@ def test_a_prefill_killed_under_load_is_retried_elsewhere(cluster):
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", timeout=300, max_retries=0)
 
     async def main():
-        tasks = [asyncio.create_task(client.completions.create(
-            model=model, prompt=f"load {i} " + "x " * 40, max_tokens=6, temperature=0)) for i in range(30)]
+        tasks = [
+            asyncio.create_task(
+                client.completions.create(model=model, prompt=f"load {i} " + "x " * 40, max_tokens=6, temperature=0)
+            )
+            for i in range(30)
+        ]
         await asyncio.sleep(0.3)
         prefills[1].proc.send_signal(signal.SIGKILL)  # one prefill dies mid-load
         return await asyncio.gather(*tasks, return_exceptions=True)
@@ -163,13 +189,32 @@ def test_a_prefill_killed_under_load_is_retried_elsewhere(cluster):
     asyncio.run(wait_idle(decode, prefills[0]))
 
 
-
 def test_saturation_gets_429_with_retry_after(cluster):
     model, _, decode, prefills = cluster
     port = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "pdserve.router.cli", "--model-path", model, "--port", str(port),
-                               "--prefill", prefills[0].address, "--decode", decode.address, "--max-inflight", "1",
-                               "--max-queued", "0", "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    router = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.router.cli",
+            "--model-path",
+            model,
+            "--port",
+            str(port),
+            "--prefill",
+            prefills[0].address,
+            "--decode",
+            decode.address,
+            "--max-inflight",
+            "1",
+            "--max-queued",
+            "0",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -180,12 +225,19 @@ def test_saturation_gets_429_with_retry_after(cluster):
             except OSError:
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
-        slow = json.dumps({"model": model, "prompt": "a", "max_tokens": 300, "stream": True, "ignore_eos": True}).encode()
-        held = urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", data=slow,
-                                                             headers={"Content-Type": "application/json"}), timeout=60)
+        slow = json.dumps(
+            {"model": model, "prompt": "a", "max_tokens": 300, "stream": True, "ignore_eos": True}
+        ).encode()
+        held = urllib.request.urlopen(
+            urllib.request.Request(url + "/v1/completions", data=slow, headers={"Content-Type": "application/json"}),
+            timeout=60,
+        )
         held.readline()
-        request = urllib.request.Request(url + "/v1/completions", data=json.dumps({"prompt": "b", "max_tokens": 2}).encode(),
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            url + "/v1/completions",
+            data=json.dumps({"prompt": "b", "max_tokens": 2}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(request, timeout=30)
         assert e.value.code == 429 and e.value.headers["Retry-After"] == "1"
@@ -202,7 +254,10 @@ def test_circuit_breaker_opens_after_failures_and_closes_on_success():
 
     registry = WorkerRegistry(RouterConfig(prefill=("p:1",), decode=("d:1",)))
     FAILURES_TO_OPEN = registry.config.circuit_failures
-    registry.workers = {"p:1": Worker("p:1", "prefill", None, serving=True), "d:1": Worker("d:1", "decode", None, serving=True)}
+    registry.workers = {
+        "p:1": Worker("p:1", "prefill", None, serving=True),
+        "d:1": Worker("d:1", "decode", None, serving=True),
+    }
     for _ in range(FAILURES_TO_OPEN - 1):
         registry.record("p:1", ok=False)
     assert [v.healthy for v in registry.views("prefill")] == [True]
@@ -219,7 +274,9 @@ def test_api_key_is_required_when_set_and_no_worker_means_503(tiny_models):
 
     from pdserve.router.app import Router, RouterConfig, create_app
 
-    config = RouterConfig(tiny_models("llama"), (f"127.0.0.1:{free_port()}",), (f"127.0.0.1:{free_port()}",), api_key="sekret")
+    config = RouterConfig(
+        tiny_models("llama"), (f"127.0.0.1:{free_port()}",), (f"127.0.0.1:{free_port()}",), api_key="sekret"
+    )
     with TestClient(create_app(Router(config))) as http:
         body = {"prompt": "x", "max_tokens": 2}
         denied = http.post("/v1/completions", json=body)
@@ -250,8 +307,11 @@ def test_dns_discovery_adds_and_removes_workers_while_serving(tiny_models):
     try:
         for s in (decode, prefill_a, prefill_b):
             s.wait_ready()
-        config = RouterConfig(model, (), (decode.address,), prefill_dns=(f"pdserve-prefill.test:{port}",), dns_interval=0.3)
+        config = RouterConfig(
+            model, (), (decode.address,), prefill_dns=(f"pdserve-prefill.test:{port}",), dns_interval=0.3
+        )
         with TestClient(create_app(Router(config, resolve=fake_dns))) as http:
+
             def ask(n=4):
                 for i in range(n):
                     r = http.post("/v1/completions", json={"prompt": f"dns {i}", "max_tokens": 3, "temperature": 0})
@@ -292,8 +352,10 @@ def test_a_dead_decode_server_opens_its_circuit(tiny_models):
             assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
             decode.proc.kill()
             decode.proc.wait(10)
-            codes = [http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code
-                     for _ in range(FAILURES_TO_OPEN + 1)]
+            codes = [
+                http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code
+                for _ in range(FAILURES_TO_OPEN + 1)
+            ]
             assert all(c == 503 for c in codes), codes
             assert router.registry.workers[decode.address].errors >= FAILURES_TO_OPEN
             assert http.get("/readiness").status_code == 503  # the decode is no longer routable

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from pdserve.common.serving import ipc
 from pdserve.common.types import SamplingParams, TokenLogprob
 from pdserve.decode.server import _merge_queued_tokens
-from pdserve.common.serving import ipc
 from pdserve.router import app as router_app
 from pdserve.router.app import Router, RouterConfig
 from pdserve.router.pairing import Event
@@ -25,9 +25,14 @@ def run_choice(router, monkeypatch, token_ids, per_event, params):
 
     async def fake_paired_generate(channel, pick_prefill, report, prompt_ids, params, config):
         for i in range(0, len(token_ids), per_event):
-            ids = token_ids[i:i + per_event]
-            yield Event("tokens", ids, i, [TokenLogprob(t, -0.5 - t / 1000, []) for t in ids],
-                        cached_tokens=2 if i == 0 else None)
+            ids = token_ids[i : i + per_event]
+            yield Event(
+                "tokens",
+                ids,
+                i,
+                [TokenLogprob(t, -0.5 - t / 1000, []) for t in ids],
+                cached_tokens=2 if i == 0 else None,
+            )
         yield Event("finish", [])
 
     monkeypatch.setattr(router_app, "paired_generate", fake_paired_generate)
@@ -54,7 +59,7 @@ def test_merged_token_chunks_give_the_same_answer_as_single_tokens(router, monke
     tokens = list(range(300, 340))
     text = router.tokenizer.decode(tokens)
     if stop:  # a stop string that ends the answer in the middle of a merged chunk
-        stop = (text[len(text) // 2:len(text) // 2 + 3],)
+        stop = (text[len(text) // 2 : len(text) // 2 + 3],)
     params = SamplingParams(max_new_tokens=len(tokens), temperature=0, ignore_eos=True, stop=stop, logprobs=0)
     one, one_deltas = run_choice(router, monkeypatch, tokens, 1, params)
     merged, merged_deltas = run_choice(router, monkeypatch, tokens, 16, params)
@@ -72,8 +77,12 @@ def test_merged_token_chunks_give_the_same_answer_as_single_tokens(router, monke
 def test_queued_token_chunks_merge_until_a_gap_or_another_message():
     async def scenario():
         queue = asyncio.Queue()
-        for msg in (ipc.Tokens("r", 3, [7, 8], [(7, -1.0, []), (8, -1.0, [])]), ipc.Tokens("r", 5, [9], [(9, -2.0, [])]),
-                    ipc.Finished("r", "length", 4, 6), ipc.Tokens("r", 9, [1])):
+        for msg in (
+            ipc.Tokens("r", 3, [7, 8], [(7, -1.0, []), (8, -1.0, [])]),
+            ipc.Tokens("r", 5, [9], [(9, -2.0, [])]),
+            ipc.Finished("r", "length", 4, 6),
+            ipc.Tokens("r", 9, [1]),
+        ):
             queue.put_nowait(msg)
         first = queue.get_nowait()
         merged, held = _merge_queued_tokens(first, queue)

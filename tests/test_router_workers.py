@@ -58,11 +58,19 @@ def test_prefix_hash_same_prefix_same_server_in_independent_policies():
 
 def test_prefix_hash_is_the_same_in_another_process():
     """Not Python's hash(), which each process salts differently (PYTHONHASHSEED)."""
-    code = ("import json, sys; from pdserve.router.policies import PrefixHash, WorkerView; "
-            "from tests.test_router_workers import SERVERS, prompts; "
-            "print(json.dumps([PrefixHash().pick(SERVERS, p).url for p in prompts(100)]))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONHASHSEED": "123"}).stdout
+    code = (
+        "import json, sys; from pdserve.router.policies import PrefixHash, WorkerView; "
+        "from tests.test_router_workers import SERVERS, prompts; "
+        "print(json.dumps([PrefixHash().pick(SERVERS, p).url for p in prompts(100)]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": "123"},
+    ).stdout
     assert json.loads(out) == [PrefixHash().pick(SERVERS, p).url for p in prompts(100)]
 
 
@@ -85,8 +93,10 @@ def test_prefix_hash_falls_back_to_least_load_when_its_server_is_overloaded():
     others = sorted(s.url for s in SERVERS if s.url != home)
 
     def loaded(home_load, other_load, home_inflight=0):
-        return [w(s.url, load=home_load, inflight=home_inflight) if s.url == home else w(s.url, load=other_load)
-                for s in SERVERS]
+        return [
+            w(s.url, load=home_load, inflight=home_inflight) if s.url == home else w(s.url, load=other_load)
+            for s in SERVERS
+        ]
 
     # 40 vs 5: the difference 35 > 32 and 40 > 1.5 * 5 -> the least loaded (ties by url)
     assert policy.pick(loaded(40, 5), prompt).url == others[0]
@@ -114,6 +124,7 @@ def test_prefix_hash_is_for_prefill_only():
 
 # --- config ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("cores, workers", [(1, 1), (2, 1), (3, 1), (4, 2), (16, 8), (64, 8)])
 def test_default_workers_is_half_the_cores_from_1_to_8(monkeypatch, cores, workers):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
@@ -129,10 +140,13 @@ def test_cache_aware_runs_as_prefix_hash_with_several_workers(monkeypatch):
     assert (resolved.workers, resolved.prefill_policy) == (4, "prefix_hash")
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--workers", "-1"], "--workers must be >= 0"),
-    (["--port", "0", "--workers", "2"], "--port 0 (any free port) needs --workers 1"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--workers", "-1"], "--workers must be >= 0"),
+        (["--port", "0", "--workers", "2"], "--port 0 (any free port) needs --workers 1"),
+    ],
+)
 def test_bad_workers_values_exit_2(capsys, extra, message):
     from pdserve.router.cli import main
 
@@ -141,6 +155,7 @@ def test_bad_workers_values_exit_2(capsys, extra, message):
 
 
 # --- the supervisor, with fake workers ---------------------------------------------------------
+
 
 def flaky_worker(config, index, ready, metrics_dir):
     """Worker 1 serves until stopped; worker 0 serves once, dies, and then fails every start.
@@ -168,10 +183,12 @@ def flaky_worker(config, index, ready, metrics_dir):
 
 
 def test_a_worker_that_keeps_failing_to_start_stops_the_supervisor(tmp_path):
-    code = ("import sys; from pdserve.router.config import RouterConfig; from pdserve.router.supervisor import Supervisor; "
-            "from tests.test_router_workers import flaky_worker; "
-            f"sys.exit(Supervisor(RouterConfig({str(tmp_path)!r}, ('127.0.0.1:1',), ('127.0.0.1:2',), port={free_port()}, "
-            "workers=2, no_warm_spare=True), flaky_worker).run())")
+    code = (
+        "import sys; from pdserve.router.config import RouterConfig; from pdserve.router.supervisor import Supervisor; "
+        "from tests.test_router_workers import flaky_worker; "
+        f"sys.exit(Supervisor(RouterConfig({str(tmp_path)!r}, ('127.0.0.1:1',), ('127.0.0.1:2',), port={free_port()}, "
+        "workers=2, no_warm_spare=True), flaky_worker).run())"
+    )
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, done.stderr
@@ -208,10 +225,12 @@ def patient_worker(config, index, ready, metrics_dir):
 def test_signals_reach_the_workers_as_uvicorn_expects_them(tmp_path):
     """The first signal goes on as SIGTERM (drain), a repeated SIGTERM not at all (`pdserve up` sends
     one after a Ctrl-C), a later SIGINT as SIGINT (stop now); the supervisor exits 0 after them."""
-    code = ("import sys; from pdserve.router.config import RouterConfig; from pdserve.router.supervisor import Supervisor; "
-            "from tests.test_router_workers import patient_worker; "
-            f"sys.exit(Supervisor(RouterConfig({str(tmp_path)!r}, ('127.0.0.1:1',), ('127.0.0.1:2',), port={free_port()}, "
-            "workers=2, no_warm_spare=True), patient_worker).run())")
+    code = (
+        "import sys; from pdserve.router.config import RouterConfig; from pdserve.router.supervisor import Supervisor; "
+        "from tests.test_router_workers import patient_worker; "
+        f"sys.exit(Supervisor(RouterConfig({str(tmp_path)!r}, ('127.0.0.1:1',), ('127.0.0.1:2',), port={free_port()}, "
+        "workers=2, no_warm_spare=True), patient_worker).run())"
+    )
     supervisor = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True)
     log = tmp_path / "signals"
 
@@ -271,10 +290,12 @@ def alive(pid: int) -> bool:
 
 
 def supervise(tmp_path, worker, spare) -> subprocess.Popen:
-    code = ("import sys; from pdserve.router.config import RouterConfig; from pdserve.router.supervisor import Supervisor; "
-            f"from tests.test_router_workers import {worker}, {spare}; "
-            f"sys.exit(Supervisor(RouterConfig({str(tmp_path)!r}, ('127.0.0.1:1',), ('127.0.0.1:2',), port={free_port()}, "
-            f"workers=2), {worker}, {spare}).run())")
+    code = (
+        "import sys; from pdserve.router.config import RouterConfig; from pdserve.router.supervisor import Supervisor; "
+        f"from tests.test_router_workers import {worker}, {spare}; "
+        f"sys.exit(Supervisor(RouterConfig({str(tmp_path)!r}, ('127.0.0.1:1',), ('127.0.0.1:2',), port={free_port()}, "
+        f"workers=2), {worker}, {spare}).run())"
+    )
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True)
 
 
@@ -317,7 +338,9 @@ def test_a_dead_worker_is_replaced_by_the_warm_spare(tmp_path):
     supervisor.send_signal(signal.SIGTERM)  # the workers and the spare: never promoted now
     assert supervisor.wait(30) == 0, supervisor.stderr.read()
     stderr = supervisor.stderr.read()
-    assert "worker 0 (pid %d) was killed by SIGKILL; the warm spare (pid %d) takes its place" % (victim, spare) in stderr
+    assert (
+        "worker 0 (pid %d) was killed by SIGKILL; the warm spare (pid %d) takes its place" % (victim, spare) in stderr
+    )
     assert "worker 1 (pid %d) was killed by SIGKILL; starting it again" % one in stderr
     assert "spare (pid %d) was killed by SIGKILL; starting another" % second in stderr
     assert [e for w, e, _ in events(tmp_path) if e == "promoted"] == ["promoted"]
@@ -343,6 +366,7 @@ def test_a_spare_that_keeps_failing_is_given_up_and_the_router_serves_on(tmp_pat
 
 
 # --- the real thing: 2 router workers, a decode and 2 prefill servers --------------------------
+
 
 def children_named(supervisor: int, *names: str) -> set[int]:
     """The supervisor's child processes by name (router/serve.py names them)."""
@@ -400,8 +424,11 @@ def sample(text: str, name: str) -> float:
 
 def serving_pids(text: str) -> set[int]:
     """Workers that wrote their gauges, i.e. serve (pdserve_router_worker_healthy is 'liveall')."""
-    return {int(line.split('pid="')[1].split('"')[0]) for line in text.splitlines()
-            if line.startswith("pdserve_router_worker_healthy{") and line.endswith(" 1.0")}
+    return {
+        int(line.split('pid="')[1].split('"')[0])
+        for line in text.splitlines()
+        if line.startswith("pdserve_router_worker_healthy{") and line.endswith(" 1.0")
+    }
 
 
 def wait_for(what, check, timeout):
@@ -425,10 +452,30 @@ def router(tiny_models):
         for s in (decode, *prefills):
             s.wait_ready()
         supervisor = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.router.cli", "--model-path", model, "--port", str(port), "--workers", "2",
-             "--prefill", *(p.address for p in prefills), "--decode", decode.address, "--prefill-policy", "cache_aware",
-             "--health-check-interval", str(HEALTH_CHECK_INTERVAL_S), "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "pdserve.router.cli",
+                "--model-path",
+                model,
+                "--port",
+                str(port),
+                "--workers",
+                "2",
+                "--prefill",
+                *(p.address for p in prefills),
+                "--decode",
+                decode.address,
+                "--prefill-policy",
+                "cache_aware",
+                "--health-check-interval",
+                str(HEALTH_CHECK_INTERVAL_S),
+                "--log-level",
+                "warning",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
         def up():
             assert supervisor.poll() is None, _read(log)
@@ -497,8 +544,11 @@ def test_cache_aware_sends_a_prefix_to_one_prefill_server_from_every_worker(rout
         shared = [0] + [100 + 7 * group + i for i in range(PREFIX_HASH_TOKENS + 16)]
         for repeat in range(5):
             body = json.dumps({"model": model, "prompt": shared + [5 + repeat], "max_tokens": 1, "temperature": 0})
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body.encode(),
-                                             headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions",
+                data=body.encode(),
+                headers={"Content-Type": "application/json"},
+            )
             with urllib.request.urlopen(request, timeout=60) as r:
                 cached = json.loads(r.read())["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert (cached >= PREFIX_HASH_TOKENS) if repeat else cached == 0, (group, repeat, cached)
@@ -509,8 +559,9 @@ def test_metrics_sum_requests_over_workers(router):
     before = scrape(port)
     body = json.dumps({"model": model, "prompt": "count me", "max_tokens": 2, "temperature": 0}).encode()
     for _ in range(30):  # urllib: a new connection each, spread over both workers by the kernel
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=60) as r:
             assert r.status == 200
     want = sample(before, 'pdserve_router_requests_total{status="200"}') + 30
@@ -606,18 +657,34 @@ def test_a_killed_worker_fails_only_its_connections_and_is_replaced(router):
     wait_for("a new spare", lambda: len(children_named(supervisor.pid, SPARE_NAME, WARMING_NAME) - {spare}) == 1, 5)
     body = json.dumps({"model": model, "prompt": "again", "max_tokens": 2, "temperature": 0}).encode()
     for _ in range(20):
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=60) as r:
             assert r.status == 200
 
 
 # --- failing starts ----------------------------------------------------------------------------
 
+
 def run_router(*flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve.router.cli", "--prefill", "127.0.0.1:1", "--decode",
-                           "127.0.0.1:2", "--log-level", "warning", *flags],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.router.cli",
+            "--prefill",
+            "127.0.0.1:1",
+            "--decode",
+            "127.0.0.1:2",
+            "--log-level",
+            "warning",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])

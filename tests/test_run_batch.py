@@ -3,9 +3,9 @@
 import json
 
 import pytest
-from tests.test_openai_api import build_tokenizer, fake_completions
 
 from pdserve.common.openai.run_batch import run_batch
+from tests.test_openai_api import build_tokenizer, fake_completions
 
 MODEL = "tiny"
 

@@ -56,19 +56,31 @@ def test_greedy_rows_take_the_argmax_and_skip_the_sampling_tensors():
 def test_the_plain_greedy_shortcut_builds_what_the_general_path_builds():
     import dataclasses
 
-    plain = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=0.0, ignore_eos=True)]
+    plain = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.5, top_k=1),
+        SamplingParams(temperature=0.0, ignore_eos=True),
+    ]
     reqs = [make_req(p, seed=i, output=[5] * i) for i, p in enumerate(plain)]
     assert all(p.plain_greedy for p in plain)
     shortcut = info_for(reqs, 50)
     general = SamplingBatchInfo.build(reqs, plain, 50, (EOS,), torch.device("cpu"))
     assert dataclasses.asdict(shortcut) == dataclasses.asdict(general)
     # Anything that needs a tensor leaves the shortcut.
-    for params in (SamplingParams(temperature=0.0, min_new_tokens=2, max_new_tokens=4),
-                   SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=0.0, repetition_penalty=1.2),
-                   SamplingParams(temperature=0.5)):
+    for params in (
+        SamplingParams(temperature=0.0, min_new_tokens=2, max_new_tokens=4),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(temperature=0.5),
+    ):
         assert not params.plain_greedy
         info = info_for(reqs + [make_req(params)], 50)
-        assert (info.banned_token_idx, info.want_logprobs, info.seen_token_idx, info.temperatures) != (None, False, None, None)
+        assert (info.banned_token_idx, info.want_logprobs, info.seen_token_idx, info.temperatures) != (
+            None,
+            False,
+            None,
+            None,
+        )
 
 
 @pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])

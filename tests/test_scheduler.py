@@ -7,9 +7,9 @@ No model runs here: the tests play the model by feeding chosen tokens to process
 import pytest
 import torch
 
+from pdserve.common.config import EngineConfig
 from pdserve.common.engine.batch import ForwardMode
 from pdserve.common.engine.batch_builder import BatchBuilder
-from pdserve.common.config import EngineConfig
 from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool
 from pdserve.common.scheduling.scheduler import Scheduler
 from pdserve.common.types import FinishReason, Req, SamplingParams
@@ -17,8 +17,18 @@ from pdserve.common.types import FinishReason, Req, SamplingParams
 EOS = 99
 
 
-def make_scheduler(num_pages=10, page_size=4, rows=4, context=32, max_running=4, max_prefill=64, chunk=0,
-                   radix=False, reserve=512, policy="fcfs"):
+def make_scheduler(
+    num_pages=10,
+    page_size=4,
+    rows=4,
+    context=32,
+    max_running=4,
+    max_prefill=64,
+    chunk=0,
+    radix=False,
+    reserve=512,
+    policy="fcfs",
+):
     config = EngineConfig(
         model_path="unused",
         context_length=context,
@@ -218,7 +228,10 @@ def test_prefix_cache_hit_reuses_whole_pages_and_counts_cached_tokens():
     batch = s.get_next_batch_to_run()
     assert b.pages[:2] == [1, 2] and b.prefix_pages == 2 and b.cached_tokens == 8 and b.kv_len == 10
     assert batch.positions.tolist() == [8, 9] and batch.input_ids.tolist() == [50, 51] and batch.seq_lens == [10]
-    assert s.req_to_token_pool.req_to_token[b.req_pool_idx, :10].tolist() == list(range(4, 12)) + [b.pages[2] * 4, b.pages[2] * 4 + 1]
+    assert s.req_to_token_pool.req_to_token[b.req_pool_idx, :10].tolist() == list(range(4, 12)) + [
+        b.pages[2] * 4,
+        b.pages[2] * 4 + 1,
+    ]
     assert s.tree_cache.protected_pages == 2 and s.tree_cache.evictable_pages == 0
     feed(s, batch, [41])
     feed(s, s.get_next_batch_to_run(), [42])

@@ -11,11 +11,28 @@ from pdserve.common.config import ServerConfig
 
 
 def test_bad_server_flags_are_refused_before_start(tiny_models):
-    for flags, message in ((["--torch-threads", "-1"], "--torch-threads must be >= 0"),
-                           (["--drain-timeout", "0"], "--drain-timeout must be > 0"),
-                           (["--startup-timeout", "-5"], "--startup-timeout must be > 0")):
-        out = subprocess.run([sys.executable, "-m", "pdserve.decode.cli", "--model-path", tiny_models("llama"),
-                              "--device", "cpu", "--port", "1", *flags], capture_output=True, text=True, timeout=60)
+    for flags, message in (
+        (["--torch-threads", "-1"], "--torch-threads must be >= 0"),
+        (["--drain-timeout", "0"], "--drain-timeout must be > 0"),
+        (["--startup-timeout", "-5"], "--startup-timeout must be > 0"),
+    ):
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdserve.decode.cli",
+                "--model-path",
+                tiny_models("llama"),
+                "--device",
+                "cpu",
+                "--port",
+                "1",
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
@@ -53,7 +70,9 @@ def test_the_scheduler_process_takes_its_torch_thread_count(tmp_path):
 
     try:
         with pytest.raises(RuntimeError, match="stop here"):
-            run_scheduler(make_engine, ServerConfig(port=1, torch_threads=1), f"ipc://{tmp_path}/a", f"ipc://{tmp_path}/b")
+            run_scheduler(
+                make_engine, ServerConfig(port=1, torch_threads=1), f"ipc://{tmp_path}/a", f"ipc://{tmp_path}/b"
+            )
     finally:
         torch.set_num_threads(before)
     assert seen == [1]

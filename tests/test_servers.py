@@ -32,9 +32,26 @@ KV_TIMEOUT = 10.0
 class Server:
     def __init__(self, role: str, model: str, *flags: str):
         self.role, self.port, self.metrics_port = role, free_port(), free_port()
-        cmd = [sys.executable, "-m", f"pdserve.{role}.cli", "--model-path", model, "--device", "cpu",
-               "--port", str(self.port), "--metrics-port", str(self.metrics_port), "--max-total-tokens", "4096",
-               "--kv-transfer-timeout", str(KV_TIMEOUT), "--log-level", "warning", *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            f"pdserve.{role}.cli",
+            "--model-path",
+            model,
+            "--device",
+            "cpu",
+            "--port",
+            str(self.port),
+            "--metrics-port",
+            str(self.metrics_port),
+            "--max-total-tokens",
+            "4096",
+            "--kv-transfer-timeout",
+            str(KV_TIMEOUT),
+            "--log-level",
+            "warning",
+            *flags,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.address = f"127.0.0.1:{self.port}"
 
@@ -45,7 +62,10 @@ class Server:
             while time.monotonic() < deadline:
                 assert self.proc.poll() is None, f"{self.role} server exited:\n{self.proc.stdout.read()}"
                 try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    if (
+                        stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                        == health_pb2.HealthCheckResponse.SERVING
+                    ):
                         return
                 except grpc.RpcError:
                     time.sleep(0.2)
@@ -84,16 +104,18 @@ def servers(request, tiny_models):
 
 def params(max_new=12, **kw) -> pb.SamplingParams:
     """Every field set: in the proto, zero means zero, not 'default'."""
-    base = dict(max_new_tokens=max_new, temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0,
-                skip_special_tokens=True)
+    base = dict(
+        max_new_tokens=max_new, temperature=0.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, skip_special_tokens=True
+    )
     return pb.SamplingParams(**(base | kw))
 
 
 async def generate(decode, prefill, prompt, sampling, rid, after_destination=None, cancel_after_tokens=None):
     """The router's protocol for one request; returns (tokens, finish or error, prefill response)."""
     async with grpc.aio.insecure_channel(decode.address) as dch, grpc.aio.insecure_channel(prefill.address) as pch:
-        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=sampling,
-                                 bootstrap_room=random.getrandbits(63))
+        req = pb.GenerateRequest(
+            request_id=rid, prompt_token_ids=prompt, params=sampling, bootstrap_room=random.getrandbits(63)
+        )
         call = pb_grpc.DecodeServiceStub(dch).Generate(req, timeout=120)
         first = await call.read()
         if first.WhichOneof("response") != "destination":
@@ -103,7 +125,8 @@ async def generate(decode, prefill, prompt, sampling, rid, after_destination=Non
         if after_destination is not None:
             return await after_destination(call, first, pch, req)
         pre = await pb_grpc.PrefillServiceStub(pch).Prefill(
-            pb.PrefillRequest(request=req, destination=first.destination), timeout=120)
+            pb.PrefillRequest(request=req, destination=first.destination), timeout=120
+        )
         tokens, end = [], None
         while True:
             msg = await call.read()
@@ -136,7 +159,7 @@ async def wait_idle(*servers, timeout=KV_TIMEOUT + 10):
     deadline = time.monotonic() + timeout
     while True:
         loads = [await load(s) for s in servers]
-        if all(l.kv_used_tokens == 0 and l.running_requests == 0 and l.waiting_requests == 0 for l in loads):
+        if all(x.kv_used_tokens == 0 and x.running_requests == 0 and x.waiting_requests == 0 for x in loads):
             return
         assert time.monotonic() < deadline, f"KV not back to idle: {loads}"
         await asyncio.sleep(0.1)
@@ -148,7 +171,9 @@ def test_greedy_through_prefill_and_decode_servers_matches_transformers(servers)
     expected = hf_greedy(model, cases, 12)
 
     async def main():
-        return await asyncio.gather(*(generate(decode, prefill, p, params(12), f"par-{i}") for i, p in enumerate(cases)))
+        return await asyncio.gather(
+            *(generate(decode, prefill, p, params(12), f"par-{i}") for i, p in enumerate(cases))
+        )
 
     results = asyncio.run(main())
     for (tokens, end, pre), want in zip(results, expected):
@@ -180,7 +205,8 @@ def assert_same_greedy(got: list[list[int]], reference) -> None:
         step = next(k for k, (a, b) in enumerate(zip(tokens, ref.output_ids)) if a != b)
         (first_id, first), (second_id, second) = ref.logprobs[step].top[:2]
         assert first - second < TIE_LOGPROB and tokens[step] in (first_id, second_id), (
-            f"sequence {i} parts from the reference at step {step}: {tokens} != {ref.output_ids}")
+            f"sequence {i} parts from the reference at step {step}: {tokens} != {ref.output_ids}"
+        )
         parted.append(i)
     assert len(got) == len(reference) and len(parted) <= 2, parted
 
@@ -190,15 +216,17 @@ def test_64_concurrent_requests_complete_with_nothing_lost(servers):
     cases = prompts(64, seed=3, high=40)
 
     async def main():
-        return await asyncio.gather(*(generate(decode, prefill, p, params(10, ignore_eos=True), f"many-{i}")
-                                      for i, p in enumerate(cases)))
+        return await asyncio.gather(
+            *(generate(decode, prefill, p, params(10, ignore_eos=True), f"many-{i}") for i, p in enumerate(cases))
+        )
 
     results = asyncio.run(main())
     from pdserve.common.engine.engine import Engine
     from pdserve.common.types import SamplingParams
 
     local = Engine(model_path=model, device="cpu", max_total_tokens=8192).generate(
-        cases, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True, logprobs=2))
+        cases, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+    )
     assert_same_greedy([tokens for tokens, _, _ in results], local)
     assert all(end.finish.reason == pb.FINISH_REASON_LENGTH for _, end, _ in results)
     asyncio.run(wait_idle(decode, prefill))
@@ -226,7 +254,8 @@ def test_aborts_at_every_stage_free_kv_on_both_sides(servers):
         assert msg.finish.reason == pb.FINISH_REASON_ABORT
         # the prefill still WRITEs into pages the decode keeps quarantined until the WRITE is done
         pre = await pb_grpc.PrefillServiceStub(pch).Prefill(
-            pb.PrefillRequest(request=req, destination=first.destination), timeout=60)
+            pb.PrefillRequest(request=req, destination=first.destination), timeout=60
+        )
         return [], msg, pre
 
     async def streamed_without_a_destination(call, first, pch, req):
@@ -241,14 +270,35 @@ def test_aborts_at_every_stage_free_kv_on_both_sides(servers):
     async def main():
         long_prompt = prompts(1, seed=9, low=200, high=201)[0]
         await asyncio.gather(
-            generate(decode, prefill, prompts(1, seed=4)[0], params(40), "ab-st2", after_destination=streamed_without_a_destination),
-            generate(decode, prefill, prompts(1, seed=5)[0], params(40), "ab-kv", after_destination=cancel_while_waiting_for_kv),
+            generate(
+                decode,
+                prefill,
+                prompts(1, seed=4)[0],
+                params(40),
+                "ab-st2",
+                after_destination=streamed_without_a_destination,
+            ),
+            generate(
+                decode,
+                prefill,
+                prompts(1, seed=5)[0],
+                params(40),
+                "ab-kv",
+                after_destination=cancel_while_waiting_for_kv,
+            ),
             generate(decode, prefill, long_prompt, params(40), "ab-pre", after_destination=cancel_prefill_midway),
-            generate(decode, prefill, prompts(1, seed=6)[0], params(40), "ab-rpc", after_destination=abort_rpc_then_prefill),
-            generate(decode, prefill, prompts(1, seed=7)[0], params(60, ignore_eos=True), "ab-dec", cancel_after_tokens=3),
+            generate(
+                decode, prefill, prompts(1, seed=6)[0], params(40), "ab-rpc", after_destination=abort_rpc_then_prefill
+            ),
+            generate(
+                decode, prefill, prompts(1, seed=7)[0], params(60, ignore_eos=True), "ab-dec", cancel_after_tokens=3
+            ),
         )
         # waiting on decode for a row: more requests than --max-running-requests, the last cancelled
-        calls = [generate(decode, prefill, p, params(30, ignore_eos=True), f"ab-q{i}") for i, p in enumerate(prompts(9, seed=8))]
+        calls = [
+            generate(decode, prefill, p, params(30, ignore_eos=True), f"ab-q{i}")
+            for i, p in enumerate(prompts(9, seed=8))
+        ]
         tasks = [asyncio.create_task(c) for c in calls]
         await asyncio.sleep(0.05)
         tasks[-1].cancel()
@@ -266,8 +316,12 @@ def test_a_prefill_cancelled_before_its_destination_frees_its_kv_at_once(servers
 
     async def main():
         async with grpc.aio.insecure_channel(prefill.address) as pch:
-            req = pb.GenerateRequest(request_id="st-cancel", prompt_token_ids=prompts(1, seed=3)[0], params=params(8),
-                                     bootstrap_room=random.getrandbits(63))
+            req = pb.GenerateRequest(
+                request_id="st-cancel",
+                prompt_token_ids=prompts(1, seed=3)[0],
+                params=params(8),
+                bootstrap_room=random.getrandbits(63),
+            )
             streamed = pb_grpc.PrefillServiceStub(pch).PrefillStreamed(timeout=60)
             await streamed.write(pb.PrefillRequest(request=req))
             deadline = time.monotonic() + 30
@@ -329,8 +383,16 @@ def test_a_prefill_killed_mid_request_leaves_decode_healthy(servers, tiny_models
         return [], last, None
 
     try:
-        _, end, _ = asyncio.run(generate(decode, prefill, prompts(1, seed=11, low=150, high=151)[0], params(5),
-                                         "killed", after_destination=kill_during_prefill))
+        _, end, _ = asyncio.run(
+            generate(
+                decode,
+                prefill,
+                prompts(1, seed=11, low=150, high=151)[0],
+                params(5),
+                "killed",
+                after_destination=kill_during_prefill,
+            )
+        )
     finally:
         doomed.stop(signal.SIGKILL)
     # either the WRITE landed before the kill (then decoding finished) or the decode timed out
@@ -350,8 +412,10 @@ def test_sigterm_drains_in_flight_requests_then_exits(tiny_models):
         async def main():
             # Long enough to still be decoding when the late request comes (40 tokens once were
             # all done within the 0.3 s below, and the drained server was gone).
-            started = [asyncio.create_task(generate(decode, prefill, p, params(400, ignore_eos=True), f"drain-{i}"))
-                       for i, p in enumerate(prompts(4, seed=12))]
+            started = [
+                asyncio.create_task(generate(decode, prefill, p, params(400, ignore_eos=True), f"drain-{i}"))
+                for i, p in enumerate(prompts(4, seed=12))
+            ]
             for _ in range(200):  # until decoding is under way
                 if (await load(decode)).running_requests:
                     break

@@ -58,6 +58,15 @@ def test_a_server_sharing_a_gpu_touches_it_after_the_one_before_has_its_kv_pool(
 
 
 def test_the_clock_begins_when_the_process_began():
-    age = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3); from pdserve.common.startup import "
-                          "StartupClock; print(StartupClock().total)"], capture_output=True, text=True, check=True)
+    age = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time; time.sleep(0.3); from pdserve.common.startup import "
+            "StartupClock; print(StartupClock().total)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert float(age.stdout) >= 0.3

@@ -31,8 +31,10 @@ SCHEMAS = {
         "properties": {
             "point": {
                 "type": "object",
-                "properties": {"x": {"type": "integer", "minimum": -10, "maximum": 10},
-                               "y": {"type": "integer", "minimum": -10, "maximum": 10}},
+                "properties": {
+                    "x": {"type": "integer", "minimum": -10, "maximum": 10},
+                    "y": {"type": "integer", "minimum": -10, "maximum": 10},
+                },
                 "required": ["x", "y"],
             },
             "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
@@ -46,8 +48,11 @@ SCHEMAS = {
         "minItems": 2,
         "maxItems": 4,
     },
-    "flag": {"type": "object", "properties": {"level": {"enum": [1, 2, 3]}, "note": {"type": "null"}},
-             "required": ["level", "note"]},
+    "flag": {
+        "type": "object",
+        "properties": {"level": {"enum": [1, 2, 3]}, "note": {"type": "null"}},
+        "required": ["level", "note"],
+    },
 }
 PROMPTS = ["Describe someone.", "Pick a point", "hello world, how are you", "Rate these"]
 
@@ -79,8 +84,14 @@ def test_json_schema_outputs_parse_and_validate(stack, name):
     response_format = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
     for i, prompt in enumerate(PROMPTS):
         sampled = dict(temperature=1.0, seed=i) if i % 2 else dict(temperature=0)
-        out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                             max_tokens=120, response_format=response_format, n=2, **sampled)
+        out = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=120,
+            response_format=response_format,
+            n=2,
+            **sampled,
+        )
         for choice in out.choices:
             assert choice.finish_reason == "stop", (name, choice.message.content)
             jsonschema.validate(json.loads(choice.message.content), schema)
@@ -88,25 +99,48 @@ def test_json_schema_outputs_parse_and_validate(stack, name):
 
 def test_vllm_guided_fields_on_both_endpoints(stack):
     model, client = stack
-    out = client.completions.create(model=model, prompt="Pick one", max_tokens=20, temperature=1.0, seed=5, n=4,
-                                    extra_body={"guided_choice": ["yes", "no", "maybe \"so\""]})
-    assert {c.text for c in out.choices} <= {"yes", "no", "maybe \"so\""}
-    out = client.completions.create(model=model, prompt="An id:", max_tokens=20, temperature=0,
-                                    extra_body={"guided_regex": "[a-f0-9]{4}-[0-9]{2}"})
+    out = client.completions.create(
+        model=model,
+        prompt="Pick one",
+        max_tokens=20,
+        temperature=1.0,
+        seed=5,
+        n=4,
+        extra_body={"guided_choice": ["yes", "no", 'maybe "so"']},
+    )
+    assert {c.text for c in out.choices} <= {"yes", "no", 'maybe "so"'}
+    out = client.completions.create(
+        model=model, prompt="An id:", max_tokens=20, temperature=0, extra_body={"guided_regex": "[a-f0-9]{4}-[0-9]{2}"}
+    )
     text = out.choices[0].text
     assert len(text) == 7 and text[4] == "-" and out.choices[0].finish_reason == "stop", text
-    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=80,
-                                         temperature=0, extra_body={"structured_outputs": {"json": SCHEMAS["flag"]}})
+    out = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=80,
+        temperature=0,
+        extra_body={"structured_outputs": {"json": SCHEMAS["flag"]}},
+    )
     jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMAS["flag"])
-    out = client.completions.create(model=model, prompt="x", max_tokens=60, temperature=0,
-                                    extra_body={"guided_grammar": 'root ::= "(" [a-z]{1,4} ("," [a-z]{1,4})? ")"'})
+    out = client.completions.create(
+        model=model,
+        prompt="x",
+        max_tokens=60,
+        temperature=0,
+        extra_body={"guided_grammar": 'root ::= "(" [a-z]{1,4} ("," [a-z]{1,4})? ")"'},
+    )
     assert out.choices[0].text.startswith("(") and out.choices[0].text.endswith(")"), out.choices[0].text
 
 
 def test_streamed_output_equals_the_non_streamed_one(stack):
     model, client = stack
-    kwargs = dict(model=model, messages=[{"role": "user", "content": "Stream it"}], max_tokens=120, temperature=0,
-                  response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMAS["nested"]}})
+    kwargs = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Stream it"}],
+        max_tokens=120,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMAS["nested"]}},
+    )
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
     chunks = client.chat.completions.create(stream=True, **kwargs)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
@@ -121,8 +155,13 @@ class Point(pydantic.BaseModel):
 
 def test_the_openai_clients_parse_with_a_pydantic_model(stack):
     model, client = stack
-    out = client.chat.completions.parse(model=model, messages=[{"role": "user", "content": "A point, please"}],
-                                        max_tokens=80, temperature=0, response_format=Point)
+    out = client.chat.completions.parse(
+        model=model,
+        messages=[{"role": "user", "content": "A point, please"}],
+        max_tokens=80,
+        temperature=0,
+        response_format=Point,
+    )
     point = out.choices[0].message.parsed
     assert isinstance(point, Point) and -100 <= point.x <= 100
 
@@ -135,8 +174,13 @@ def test_json_object_output_is_json_as_far_as_it_goes(stack):
     from pdserve.common.tokenizer import load_tokenizer
 
     model, client = stack
-    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "JSON"}], max_tokens=40,
-                                         temperature=0, response_format={"type": "json_object"})
+    out = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "JSON"}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
     choice = out.choices[0]
     if choice.finish_reason == "stop":
         assert isinstance(json.loads(choice.message.content), (dict, list))
@@ -153,12 +197,26 @@ def test_requests_without_a_grammar_are_unchanged_beside_ones_with_one(stack):
     model, client = stack
 
     def plain():
-        return client.completions.create(model=model, prompt="The same words", max_tokens=12, temperature=0,
-                                         extra_body={"ignore_eos": True}).choices[0].text
+        return (
+            client.completions.create(
+                model=model, prompt="The same words", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+        )
 
     def constrained(i):
-        return client.completions.create(model=model, prompt=f"prompt {i}", max_tokens=60, temperature=0,
-                                         extra_body={"guided_json": SCHEMAS["person"]}).choices[0].text
+        return (
+            client.completions.create(
+                model=model,
+                prompt=f"prompt {i}",
+                max_tokens=60,
+                temperature=0,
+                extra_body={"guided_json": SCHEMAS["person"]},
+            )
+            .choices[0]
+            .text
+        )
 
     alone = plain()
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -169,28 +227,38 @@ def test_requests_without_a_grammar_are_unchanged_beside_ones_with_one(stack):
         assert beside.result() == alone
 
 
-@pytest.mark.parametrize("body, problem", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-     "cannot be compiled"),
-    ({"guided_regex": "([a-z"}, "cannot be compiled"),
-    ({"guided_grammar": "root ::= "}, "cannot be compiled"),
-    ({"response_format": {"type": "xml"}}, "must be one of text, json_object, json_schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "name' is required"),
-    ({"guided_json": {"type": "object"}, "guided_regex": "a+"}, "at most one structured-output constraint"),
-    ({"guided_choice": []}, "non-empty array"),
-    ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "this server uses xgrammar"),
-])
+@pytest.mark.parametrize(
+    "body, problem",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+            "cannot be compiled",
+        ),
+        ({"guided_regex": "([a-z"}, "cannot be compiled"),
+        ({"guided_grammar": "root ::= "}, "cannot be compiled"),
+        ({"response_format": {"type": "xml"}}, "must be one of text, json_object, json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "name' is required"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a+"}, "at most one structured-output constraint"),
+        ({"guided_choice": []}, "non-empty array"),
+        ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "this server uses xgrammar"),
+    ],
+)
 def test_bad_grammars_get_a_400_that_says_why(stack, body, problem):
     model, client = stack
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
-                                       extra_body=body)
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5, extra_body=body
+        )
     assert problem in str(bad.value)
 
 
-@pytest.mark.parametrize("tool_choice, only", [
-    ("required", None), ({"type": "function", "function": {"name": "get_weather"}}, "get_weather"),
-])
+@pytest.mark.parametrize(
+    "tool_choice, only",
+    [
+        ("required", None),
+        ({"type": "function", "function": {"name": "get_weather"}}, "get_weather"),
+    ],
+)
 def test_forced_tool_calls_through_the_openai_client_streamed_and_not(stack, tool_choice, only):
     """tool_choice "required" or a named function: the grammar makes the whole answer calls of the
     given tools, so even random weights give message.tool_calls; the stream carries the same calls."""
@@ -198,16 +266,25 @@ def test_forced_tool_calls_through_the_openai_client_streamed_and_not(stack, too
 
     model, client = stack
     for parallel in (False, True):
-        kwargs = dict(model=model, messages=[{"role": "user", "content": "The weather in Paris?"}], tools=TOOLS,
-                      tool_choice=tool_choice, parallel_tool_calls=parallel, max_tokens=200, temperature=1.0,
-                      seed=int(parallel), n=2)
+        kwargs = dict(
+            model=model,
+            messages=[{"role": "user", "content": "The weather in Paris?"}],
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel,
+            max_tokens=200,
+            temperature=1.0,
+            seed=int(parallel),
+            n=2,
+        )
         out = client.chat.completions.create(**kwargs)
         streamed = merge_stream([chunk.model_dump() for chunk in client.chat.completions.create(stream=True, **kwargs)])
         for i, choice in enumerate(out.choices):
             check_forced_answer(choice.message.model_dump(), choice.finish_reason, TOOLS, only=only, parallel=parallel)
             check_forced_answer(streamed[i], streamed[i]["finish_reason"], TOOLS, only=only, parallel=parallel)
-            assert [c["function"] for c in streamed[i]["tool_calls"]] == \
-                [c.function.model_dump() for c in choice.message.tool_calls]
+            assert [c["function"] for c in streamed[i]["tool_calls"]] == [
+                c.function.model_dump() for c in choice.message.tool_calls
+            ]
 
 
 def test_a_forced_tool_call_needs_tools_and_no_other_grammar(stack):
@@ -218,5 +295,11 @@ def test_a_forced_tool_call_needs_tools_and_no_other_grammar(stack):
     with pytest.raises(openai.BadRequestError, match="requires 'tools'"):
         client.chat.completions.create(model=model, messages=messages, tool_choice="required", max_tokens=5)
     with pytest.raises(openai.BadRequestError, match="cannot combine"):
-        client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="required",
-                                       max_tokens=5, response_format={"type": "json_object"})
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=5,
+            response_format={"type": "json_object"},
+        )

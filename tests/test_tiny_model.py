@@ -17,8 +17,14 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "gpt2": "GPT2LMHeadModel",
 }
-FILES = {"config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
-         "tokenizer.json", "tokenizer_config.json"}
+FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+}
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +126,10 @@ def test_same_seed_same_bytes_and_different_seed_different_weights(checkpoints, 
 
 def test_same_bytes_in_another_process(checkpoints, tmp_path):
     """Hash seeds and thread counts differ between processes; the files must not."""
-    code = "import sys; from pdserve.common.tiny_model import ARCHS, make_tiny_model\n" \
-           "[make_tiny_model(f'{sys.argv[1]}/{a}', a, 0) for a in ARCHS]"
+    code = (
+        "import sys; from pdserve.common.tiny_model import ARCHS, make_tiny_model\n"
+        "[make_tiny_model(f'{sys.argv[1]}/{a}', a, 0) for a in ARCHS]"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "RAYON_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, env=env, timeout=120)
     for arch in ARCHS:
@@ -130,7 +138,13 @@ def test_same_bytes_in_another_process(checkpoints, tmp_path):
 
 def test_tokenizer_special_tokens(tokenizer, checkpoints):
     assert tokenizer.is_fast and len(tokenizer) == 512
-    assert tokenizer.convert_ids_to_tokens([0, 1, 2, 3, 4]) == ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+    assert tokenizer.convert_ids_to_tokens([0, 1, 2, 3, 4]) == [
+        "<|bos|>",
+        "<|eos|>",
+        "<|pad|>",
+        "<|im_start|>",
+        "<|im_end|>",
+    ]
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 1, 2)
     assert sorted(tokenizer.all_special_ids) == [0, 1, 2, 3, 4]
     config = json.loads((checkpoints["gpt2"] / "config.json").read_text())

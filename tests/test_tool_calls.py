@@ -23,10 +23,16 @@ from tests.test_openai_api import build_tokenizer
 
 MODEL, CONTEXT = "tiny", 512
 USER = [{"role": "user", "content": "weather in Paris?"}]
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-           "required": ["city"]}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+}
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather of a city", "parameters": WEATHER},
+    },
     {"type": "function", "function": {"name": "get_time"}},  # no parameters: {"type": "object", "properties": {}}
 ]
 NAMES = frozenset({"get_weather", "get_time"})
@@ -40,7 +46,7 @@ HERMES = (  # NOTE: transformers renders with trim_blocks: a newline right after
     "{% for m in messages %}"
     "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
     "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-    "{% for call in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    '{% for call in m.tool_calls or [] %}<tool_call>\n{"name": "{{ call.function.name }}", "arguments": '
     "{{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -71,59 +77,120 @@ BAD = [  # (body fields, param, substring of the message)
     ({"tools": [{"type": "custom", "function": {"name": "f"}}]}, "tools", "'tools[0].type' must be \"function\""),
     ({"tools": [{"type": "function"}]}, "tools", "'tools[0].function' must be an object, got null"),
     ({"tools": [FN | {"x": 1}]}, "tools", "'tools[0]' has unsupported field(s): x"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "returns": {}}}]}, "tools",
-     "'tools[0].function' has unsupported field(s): returns"),
-    ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools",
-     "'tools[0].function.name' must be 1 to 64 of a-z"),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "returns": {}}}]},
+        "tools",
+        "'tools[0].function' has unsupported field(s): returns",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "get weather"}}]},
+        "tools",
+        "'tools[0].function.name' must be 1 to 64 of a-z",
+    ),
     ({"tools": [{"type": "function", "function": {"name": "f" * 65}}]}, "tools", "'tools[0].function.name'"),
     ({"tools": [{"type": "function", "function": {}}]}, "tools", "'tools[0].function.name' must be"),
     ({"tools": [FN, FN]}, "tools", "'tools[1].function.name' repeats 'f'; names must be unique"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools",
-     "'tools[0].function.parameters' must be a JSON schema object, got array"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"maximum": float("nan")}}}]}, "tools",
-     "must not hold NaN or Infinity"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "description": 3}}]}, "tools",
-     "'tools[0].function.description' must be a string, got integer"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools",
-     "'tools[0].function.strict' must be a boolean"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "description": "a\ud800"}}]}, "tools",
-     "'tools' is not valid Unicode"),
-    ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools",
-     "'tools' takes at most 128 tools, got 129"),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+        "tools",
+        "'tools[0].function.parameters' must be a JSON schema object, got array",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"maximum": float("nan")}}}]},
+        "tools",
+        "must not hold NaN or Infinity",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "description": 3}}]},
+        "tools",
+        "'tools[0].function.description' must be a string, got integer",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+        "tools",
+        "'tools[0].function.strict' must be a boolean",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "description": "a\ud800"}}]},
+        "tools",
+        "'tools' is not valid Unicode",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]},
+        "tools",
+        "'tools' takes at most 128 tools, got 129",
+    ),
     ({"tool_choice": "auto"}, "tool_choice", "'tool_choice' \"auto\" requires 'tools'"),
     ({"tool_choice": "required", "tools": []}, "tool_choice", "requires 'tools'"),
-    ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\""),
+    ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice", '\'tool_choice\' must be "none", "auto", "required"'),
     ({"tools": TOOLS, "tool_choice": 1}, "tool_choice", "'tool_choice' must be a string or an object, got integer"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice",
-     "'tool_choice' as an object must be"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-     "'tool_choice' names the function 'nope', which is not in 'tools'"),
+    (
+        {"tools": TOOLS, "tool_choice": {"type": "function", "name": "get_time"}},
+        "tool_choice",
+        "'tool_choice' as an object must be",
+    ),
+    (
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+        "'tool_choice' names the function 'nope', which is not in 'tools'",
+    ),
     ({"functions": [{"name": "f"}]}, "functions", "'functions' is not supported"),
     ({"function_call": "auto"}, "function_call", "'function_call' is not supported"),
     ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls", "'parallel_tool_calls' must be a boolean"),
 ]
-CALLED = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
-                                               "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+CALLED = {
+    "role": "assistant",
+    "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    ],
+}
 BAD_MESSAGES = [  # (messages, substring of the message); param "messages"
-    (USER + [{"role": "tool", "content": "sunny"}], "'messages[1].tool_call_id' must be a string (the call answered), got null"),
-    (USER + [{"role": "user", "content": "x", "tool_calls": []}], "'messages[1].tool_calls' is only allowed on assistant"),
-    (USER + [{"role": "user", "content": "x", "tool_call_id": "c1"}], "'messages[1].tool_call_id' is only allowed on tool"),
+    (
+        USER + [{"role": "tool", "content": "sunny"}],
+        "'messages[1].tool_call_id' must be a string (the call answered), got null",
+    ),
+    (
+        USER + [{"role": "user", "content": "x", "tool_calls": []}],
+        "'messages[1].tool_calls' is only allowed on assistant",
+    ),
+    (
+        USER + [{"role": "user", "content": "x", "tool_call_id": "c1"}],
+        "'messages[1].tool_call_id' is only allowed on tool",
+    ),
     (USER + [{"role": "assistant", "tool_calls": {}}], "'messages[1].tool_calls' must be an array, got object"),
     (USER + [{"role": "assistant", "tool_calls": []}], "'messages[1].content' is required"),
     (USER + [{"role": "assistant", "tool_calls": ["x"]}], "'messages[1].tool_calls[0]' must be {\"id\""),
-    (USER + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}, "x": 1}]}],
-     "'messages[1].tool_calls[0]' has unsupported field(s): x"),
-    (USER + [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
-     "'messages[1].tool_calls[0].id' must be a string, got null"),
-    (USER + [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]}],
-     "'messages[1].tool_calls[0].function.name' must be a string"),
-    (USER + [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{x"}}]}],
-     "'messages[1].tool_calls[0].function.arguments' must be a JSON object (as a string)"),
-    (USER + [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1]"}}]}],
-     "'messages[1].tool_calls[0].function.arguments' must be a JSON object, got array"),
-    (USER + [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}", "y": 2}}]}],
-     "'messages[1].tool_calls[0].function' has unsupported field(s): y"),
-    ([{"role": "function", "content": "x"}], "'messages[0].role' must be one of system, developer, user, assistant, tool"),
+    (
+        USER
+        + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}, "x": 1}]}],
+        "'messages[1].tool_calls[0]' has unsupported field(s): x",
+    ),
+    (
+        USER
+        + [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+        "'messages[1].tool_calls[0].id' must be a string, got null",
+    ),
+    (
+        USER + [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]}],
+        "'messages[1].tool_calls[0].function.name' must be a string",
+    ),
+    (
+        USER + [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{x"}}]}],
+        "'messages[1].tool_calls[0].function.arguments' must be a JSON object (as a string)",
+    ),
+    (
+        USER + [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1]"}}]}],
+        "'messages[1].tool_calls[0].function.arguments' must be a JSON object, got array",
+    ),
+    (
+        USER
+        + [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}", "y": 2}}]}],
+        "'messages[1].tool_calls[0].function' has unsupported field(s): y",
+    ),
+    (
+        [{"role": "function", "content": "x"}],
+        "'messages[0].role' must be one of system, developer, user, assistant, tool",
+    ),
 ]
 
 
@@ -149,8 +216,10 @@ def test_tool_choice_defaults_and_normal_forms(tokenizer):
     assert parse(tokenizer, tools=[], tool_choice="none").tool_choice == "none"  # empty tools ask for nothing
     auto = parse(tokenizer, tools=TOOLS)
     assert auto.tool_choice == "auto" and auto.params[0].grammar is None
-    assert auto.tools[1] == {"type": "function",
-                             "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    assert auto.tools[1] == {
+        "type": "function",
+        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+    }
     assert auto.tools[0]["function"] == TOOLS[0]["function"]
     named = {"type": "function", "function": {"name": "get_time"}}
     assert parse(tokenizer, tools=TOOLS, tool_choice=named).tool_choice == named
@@ -182,8 +251,12 @@ def test_a_forced_call_cannot_combine_with_structured_output(tokenizer):
     with pytest.raises(OpenAIError, match="cannot combine a structured-output constraint .* with a 'tool_choice'"):
         parse(tokenizer, tools=TOOLS, tool_choice="required", response_format=json_object)
     with pytest.raises(OpenAIError, match="cannot combine"):
-        parse(tokenizer, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
-              guided_regex="a+")
+        parse(
+            tokenizer,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+            guided_regex="a+",
+        )
     # "auto": the model decides, under the client's grammar.
     assert parse(tokenizer, tools=TOOLS, response_format=json_object).params[0].grammar == ("json_object", "")
 
@@ -211,17 +284,27 @@ def test_a_template_without_tools_ignores_them(tokenizer):
         "<|bos|><|im_start|>user\nweather in Paris?<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
         "<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n"
     ]
-    assert parsed.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert parsed.messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ],
+    }
     assert parsed.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
 
 
 def test_a_hermes_template_renders_tools_calls_and_results(hermes):
     text = parse(hermes, messages=CONVERSATION, tools=TOOLS).prompt_texts[0]
     assert text == (
-        "<|im_start|>system\n# Tools\n<tools>\n" + json.dumps(TOOLS[0]) + "\n"
-        + json.dumps({"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}})
-        + "\n</tools><|im_end|>\n<|im_start|>user\nweather in Paris?<|im_end|>\n<|im_start|>assistant\n" + CALL
+        "<|im_start|>system\n# Tools\n<tools>\n"
+        + json.dumps(TOOLS[0])
+        + "\n"
+        + json.dumps(
+            {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+        )
+        + "\n</tools><|im_end|>\n<|im_start|>user\nweather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+        + CALL
         + "<|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     )
     # "none": the model is not told of tools it may not call (the history's calls stay).
@@ -269,8 +352,15 @@ def test_required_grammar_takes_calls_and_nothing_else(tiny_tokenizer, matcher_o
     eos = tiny_tokenizer.eos_token_id
     assert accepts(matcher_of(grammar), CALL, eos) and accepts(matcher_of(grammar), CALL2, eos)
     assert accepts(matcher_of(grammar), CALL + "\n" + CALL2, eos) is parallel
-    for wrong in ["Sure! " + CALL, "", "hello", CALL.replace("Paris", "Oslo"), CALL.replace('"Paris"', '"Paris", "x": 1'),
-                  CALL.replace("get_weather", "get_wether"), CALL + " trailing"]:
+    for wrong in [
+        "Sure! " + CALL,
+        "",
+        "hello",
+        CALL.replace("Paris", "Oslo"),
+        CALL.replace('"Paris"', '"Paris", "x": 1'),
+        CALL.replace("get_weather", "get_wether"),
+        CALL + " trailing",
+    ]:
         assert not accepts(matcher_of(grammar), wrong, eos), wrong
     # What the grammar lets out, the parser reads as calls.
     content, calls = parse_tool_calls(CALL + "\n" + CALL2, NAMES)
@@ -294,20 +384,38 @@ PARSES = [  # (text, content, [(name, arguments)])
     ("Let me check.\n\n" + CALL, "Let me check.", [("get_weather", '{"city": "Paris"}')]),
     ("Checking. " + CALL + "\nDone.", "Checking.\nDone.", [("get_weather", '{"city": "Paris"}')]),
     ('<tool_call>{"name":"get_time","arguments":{ }}</tool_call>', None, [("get_time", "{}")]),
-    ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>', None,
-     [("get_weather", '{"city": "Rome"}')]),  # arguments encoded twice
+    (
+        '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>',
+        None,
+        [("get_weather", '{"city": "Rome"}')],
+    ),  # arguments encoded twice
     ("  just text, <b>no</b> calls <tool  \n", "just text, <b>no</b> calls <tool", []),
-    ("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": }\n</tool_call>",
-     "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": }\n</tool_call>", []),  # bad JSON: content
+    (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
+        [],
+    ),  # bad JSON: content
     ("a " + CALL.replace("get_weather", "rm_rf"), "a " + CALL.replace("get_weather", "rm_rf"), []),  # unknown name
-    ('<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>',
-     '<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>', []),
-    ('<tool_call>{"name": "get_time", "arguments": {}, "id": 1}</tool_call>',
-     '<tool_call>{"name": "get_time", "arguments": {}, "id": 1}</tool_call>', []),
-    ('<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>',
-     '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>', []),
-    ('<tool_call>{"name": "get_time", "arguments": {"x": NaN}}</tool_call>',
-     '<tool_call>{"name": "get_time", "arguments": {"x": NaN}}</tool_call>', []),
+    (
+        '<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>',
+        '<tool_call>{"name": ["get_time"], "arguments": {}}</tool_call>',
+        [],
+    ),
+    (
+        '<tool_call>{"name": "get_time", "arguments": {}, "id": 1}</tool_call>',
+        '<tool_call>{"name": "get_time", "arguments": {}, "id": 1}</tool_call>',
+        [],
+    ),
+    (
+        '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>',
+        '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>',
+        [],
+    ),
+    (
+        '<tool_call>{"name": "get_time", "arguments": {"x": NaN}}</tool_call>',
+        '<tool_call>{"name": "get_time", "arguments": {"x": NaN}}</tool_call>',
+        [],
+    ),
     ("Sure.\n" + CALL[:30], "Sure.\n" + CALL[:30], []),  # cut off inside a call: content
     (CALL + "\n" + CALL2[:-3], CALL2[:-3], [("get_weather", '{"city": "Paris"}')]),
     ("Sure <tool_ca", "Sure <tool_ca", []),
@@ -398,8 +506,9 @@ def merge_stream(events: list[dict]) -> dict[int, dict]:
     return choices
 
 
-def check_forced_answer(message: dict, finish_reason: str, tools: list[dict], only: str | None = None,
-                        parallel: bool = True) -> None:
+def check_forced_answer(
+    message: dict, finish_reason: str, tools: list[dict], only: str | None = None, parallel: bool = True
+) -> None:
     """What a tool_choice "required" (or named: `only`) answer must be, streamed (merge_stream's
     entry) or not (choices[i]["message"], e.g. the openai client's `.model_dump()`): no content,
     finish_reason "tool_calls", one or more calls (one without `parallel`) of the given tools (of
@@ -431,11 +540,13 @@ def stream_of(tokenizer, parsed, texts: list[list[str]], finishes: list[str], lo
 def test_the_stream_carries_the_calls(tokenizer):
     parsed = parse(tokenizer, tools=TOOLS, n=2)
     answer = "Checking.\n" + CALL + "\n" + CALL2
-    deltas = [answer[k:k + 7] for k in range(0, len(answer), 7)]  # "<tool_call>" split across deltas
+    deltas = [answer[k : k + 7] for k in range(0, len(answer), 7)]  # "<tool_call>" split across deltas
     merged = merge_stream(stream_of(tokenizer, parsed, [deltas, ["Hi", " there <tool_"]], ["stop", "length"]))
     assert merged[0]["content"] == "Checking." and merged[0]["finish_reason"] == "tool_calls"
     assert [c["function"] for c in merged[0]["tool_calls"]] == [
-        {"name": "get_weather", "arguments": '{"city": "Paris"}'}, {"name": "get_time", "arguments": "{}"}]
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"name": "get_time", "arguments": "{}"},
+    ]
     assert merged[1] == {"content": "Hi there <tool_", "tool_calls": [], "finish_reason": "length"}
     # Streamed and not, the same message.
     one = parse(tokenizer, tools=TOOLS)
@@ -466,8 +577,13 @@ def test_held_text_keeps_its_logprobs(tokenizer):
     parsed = parse(tokenizer, tools=TOOLS, logprobs=True)
     events = stream_of(tokenizer, parsed, [["ok <tool", "_call>\n{"]], ["stop"], logprobs=True)
     deltas = [(e["choices"][0]["delta"], e["choices"][0]["logprobs"] is not None) for e in events]
-    assert deltas == [({"role": "assistant", "content": ""}, False), ({"content": "ok"}, True), ({}, True),
-                      ({"content": " <tool_call>\n{"}, False), ({}, False)]
+    assert deltas == [
+        ({"role": "assistant", "content": ""}, False),
+        ({"content": "ok"}, True),
+        ({}, True),
+        ({"content": " <tool_call>\n{"}, False),
+        ({}, False),
+    ]
     assert events[-1]["choices"][0]["finish_reason"] == "stop"  # an unclosed call is no call
 
 
@@ -492,8 +608,9 @@ def client(tiny_models):
     from pdserve.common.ports import free_port
     from pdserve.router.app import Router, RouterConfig, create_app
 
-    config = RouterConfig(tiny_models("llama"), (f"127.0.0.1:{free_port()}",), (f"127.0.0.1:{free_port()}",),
-                          served_model_name="tiny")
+    config = RouterConfig(
+        tiny_models("llama"), (f"127.0.0.1:{free_port()}",), (f"127.0.0.1:{free_port()}",), served_model_name="tiny"
+    )
     router = Router(config)
 
     async def choice(prompt_ids, params, on_text=None, on_prompt=None):
@@ -502,7 +619,7 @@ def client(tiny_models):
             await on_prompt(None)
         for k in range(0, len(text), 5):
             if on_text is not None:
-                await on_text(text[k:k + 5], None)
+                await on_text(text[k : k + 5], None)
         ids = router.tokenizer(text, add_special_tokens=False)["input_ids"]
         return Completion("r", list(prompt_ids), ids, text, FinishReason.STOP)
 
@@ -515,8 +632,9 @@ def client(tiny_models):
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_openai_client_reads_the_calls(client, stream):
     for tool_choice, forced in (("required", True), ("auto", False)):
-        answer = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice=tool_choice,
-                                                max_tokens=50, stream=stream)
+        answer = client.chat.completions.create(
+            model="tiny", messages=USER, tools=TOOLS, tool_choice=tool_choice, max_tokens=50, stream=stream
+        )
         if stream:
             [merged] = merge_stream([chunk.model_dump() for chunk in answer]).values()
             message, finish = merged, merged["finish_reason"]
@@ -538,27 +656,57 @@ def test_no_tool_body_breaks_the_parser(tokenizer):
     from hypothesis import strategies as st
 
     text = st.one_of(st.text(max_size=12), st.sampled_from(["get_weather", "f", "\ud800", "a b", "x" * 65]))
-    junk = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), text),
-                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
-                        max_leaves=8)
-    function = st.fixed_dictionaries({"name": st.one_of(text, junk)},
-                                     optional={"description": junk, "parameters": st.one_of(st.just(WEATHER), junk),
-                                               "strict": junk})
-    tool = st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["function", "custom"]), "function": function}), junk)
-    choice = st.one_of(st.sampled_from(["none", "auto", "required", "any"]), st.sampled_from(["auto", "required"]), junk,
-                       st.fixed_dictionaries({"type": st.just("function"),
-                                              "function": st.fixed_dictionaries({"name": st.one_of(text, junk)})}))
-    call = st.one_of(junk, st.fixed_dictionaries(
-        {"id": st.one_of(text, junk), "function": st.fixed_dictionaries(
-            {"name": st.one_of(text, junk), "arguments": st.one_of(st.just('{"a": 1}'), text, junk)})},
-        optional={"type": st.one_of(st.just("function"), junk)}))
-    message = st.one_of(st.sampled_from(CONVERSATION), st.fixed_dictionaries(
-        {"role": st.sampled_from(["assistant", "tool", "user"])},
-        optional={"content": st.one_of(text, st.none(), junk), "tool_call_id": st.one_of(text, junk),
-                  "tool_calls": st.one_of(st.lists(call, max_size=2), junk)}))
-    body = st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3)},
-                                 optional={"tools": st.one_of(st.just(TOOLS), st.lists(tool, max_size=3), junk),
-                                           "tool_choice": choice, "parallel_tool_calls": st.one_of(st.booleans(), junk)})
+    junk = st.recursive(
+        st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), text),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+        max_leaves=8,
+    )
+    function = st.fixed_dictionaries(
+        {"name": st.one_of(text, junk)},
+        optional={"description": junk, "parameters": st.one_of(st.just(WEATHER), junk), "strict": junk},
+    )
+    tool = st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["function", "custom"]), "function": function}), junk
+    )
+    choice = st.one_of(
+        st.sampled_from(["none", "auto", "required", "any"]),
+        st.sampled_from(["auto", "required"]),
+        junk,
+        st.fixed_dictionaries(
+            {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.one_of(text, junk)})}
+        ),
+    )
+    call = st.one_of(
+        junk,
+        st.fixed_dictionaries(
+            {
+                "id": st.one_of(text, junk),
+                "function": st.fixed_dictionaries(
+                    {"name": st.one_of(text, junk), "arguments": st.one_of(st.just('{"a": 1}'), text, junk)}
+                ),
+            },
+            optional={"type": st.one_of(st.just("function"), junk)},
+        ),
+    )
+    message = st.one_of(
+        st.sampled_from(CONVERSATION),
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["assistant", "tool", "user"])},
+            optional={
+                "content": st.one_of(text, st.none(), junk),
+                "tool_call_id": st.one_of(text, junk),
+                "tool_calls": st.one_of(st.lists(call, max_size=2), junk),
+            },
+        ),
+    )
+    body = st.fixed_dictionaries(
+        {"messages": st.lists(message, min_size=1, max_size=3)},
+        optional={
+            "tools": st.one_of(st.just(TOOLS), st.lists(tool, max_size=3), junk),
+            "tool_choice": choice,
+            "parallel_tool_calls": st.one_of(st.booleans(), junk),
+        },
+    )
 
     @settings(max_examples=400, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
     @given(body)

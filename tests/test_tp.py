@@ -33,8 +33,9 @@ MODELS = {
     # One KV head for two ranks (replicated) and a vocab split 255 + 254 (+1 padding row).
     "llama_kv1_vocab509": ("llama", {"num_key_value_heads": 1, "vocab_size": 509}),
 }
-TP_ENGINE = dict(device="cpu", tp_size=2, max_total_tokens=8192, chunked_prefill_size=16, page_size=4,
-                 max_running_requests=8)
+TP_ENGINE = dict(
+    device="cpu", tp_size=2, max_total_tokens=8192, chunked_prefill_size=16, page_size=4, max_running_requests=8
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,9 @@ def checkpoints(tmp_path_factory, tiny_models):
     def get(name: str) -> str:
         arch, overrides = MODELS[name]
         if name not in built:
-            built[name] = tiny_models(arch) if overrides is None else str(make_tiny_model(root / name, arch, 0, overrides))
+            built[name] = (
+                tiny_models(arch) if overrides is None else str(make_tiny_model(root / name, arch, 0, overrides))
+            )
         return built[name]
 
     return get
@@ -64,7 +67,7 @@ def hf_cases(path: str) -> list[tuple[list[int], int, list[int]]]:
         max_new = rng.randint(4, 16)
         with torch.no_grad():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, pad_token_id=2)
-        cases.append((ids, max_new, out[0, len(ids):].tolist()))
+        cases.append((ids, max_new, out[0, len(ids) :].tolist()))
     return cases
 
 
@@ -118,7 +121,9 @@ def test_tp2_serial_loop_matches_transformers_and_seeded_sampling_matches_tp1(ch
     sampled = [SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=i) for i in range(len(cases))]
     single = make_engine("llama", max_total_tokens=8192)
     prompts = [ids for ids, _, _ in cases]
-    assert [o.output_ids for o in engine.generate(prompts, sampled)] == [o.output_ids for o in single.generate(prompts, sampled)]
+    assert [o.output_ids for o in engine.generate(prompts, sampled)] == [
+        o.output_ids for o in single.generate(prompts, sampled)
+    ]
     # Prompt logprobs: every rank runs the same scoring forward (its LM head all-gathers); chunked.
     scored = [SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=2)] * len(prompts)
     for tp2, tp1 in zip(engine.generate(prompts, scored), single.generate(prompts, scored)):
@@ -136,8 +141,26 @@ def test_tp2_run_batch_matches_transformers(checkpoints, tmp_path):
         for i, (ids, max_new, _) in enumerate(cases):
             body = {"prompt": ids, "max_tokens": max_new, "temperature": 0, "return_token_ids": True}
             f.write(json.dumps({"custom_id": f"p{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
-    cmd = [sys.executable, "-m", "pdserve.common.cli", "run-batch", "-i", str(src), "-o", str(dst), "--model-path", path,
-           "--device", "cpu", "--tp-size", "2", "--max-running-requests", "5", "--max-total-tokens", "8192"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve.common.cli",
+        "run-batch",
+        "-i",
+        str(src),
+        "-o",
+        str(dst),
+        "--model-path",
+        path,
+        "--device",
+        "cpu",
+        "--tp-size",
+        "2",
+        "--max-running-requests",
+        "5",
+        "--max-total-tokens",
+        "8192",
+    ]
     subprocess.run(cmd, check=True, timeout=300)
     lines = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [line["response"]["body"]["choices"][0]["token_ids"] for line in lines] == [e for _, _, e in cases]
@@ -214,17 +237,31 @@ def test_each_rank_loads_only_its_slices(checkpoints, name):
     if name == "gpt2":  # Conv1D [in, out]; q, k, v blocks of 64 each: rank 1 has columns 32..64 of each
         w = full["transformer.h.0.attn.c_attn.weight"].t()
         assert torch.equal(params["transformer.h.0.attn.c_attn.weight"], torch.cat([w[32:64], w[96:128], w[160:192]]))
-        assert torch.equal(params["transformer.h.0.attn.c_proj.weight"], full["transformer.h.0.attn.c_proj.weight"].t()[:, 32:64])
+        assert torch.equal(
+            params["transformer.h.0.attn.c_proj.weight"], full["transformer.h.0.attn.c_proj.weight"].t()[:, 32:64]
+        )
         assert not params["transformer.h.0.attn.c_proj.bias"].any(), "a row-parallel bias is rank 0's alone"
         assert torch.equal(params["transformer.wte.weight"], full["transformer.wte.weight"][256:512])
         return
     head = 16
-    assert torch.equal(params["model.layers.0.self_attn.q_proj.weight"], full["model.layers.0.self_attn.q_proj.weight"][2 * head:])
-    assert torch.equal(params["model.layers.0.self_attn.k_proj.weight"], full["model.layers.0.self_attn.k_proj.weight"])  # the one KV head
-    assert torch.equal(params["model.layers.0.self_attn.o_proj.weight"], full["model.layers.0.self_attn.o_proj.weight"][:, 2 * head:])
-    assert torch.equal(params["model.layers.0.mlp.down_proj.weight"], full["model.layers.0.mlp.down_proj.weight"][:, 64:])
+    assert torch.equal(
+        params["model.layers.0.self_attn.q_proj.weight"], full["model.layers.0.self_attn.q_proj.weight"][2 * head :]
+    )
+    assert torch.equal(
+        params["model.layers.0.self_attn.k_proj.weight"], full["model.layers.0.self_attn.k_proj.weight"]
+    )  # the one KV head
+    assert torch.equal(
+        params["model.layers.0.self_attn.o_proj.weight"], full["model.layers.0.self_attn.o_proj.weight"][:, 2 * head :]
+    )
+    assert torch.equal(
+        params["model.layers.0.mlp.down_proj.weight"], full["model.layers.0.mlp.down_proj.weight"][:, 64:]
+    )
     embed = params["model.embed_tokens.weight"]
-    assert embed.shape[0] == 255 and torch.equal(embed[:254], full["model.embed_tokens.weight"][255:]) and not embed[254].any()
+    assert (
+        embed.shape[0] == 255
+        and torch.equal(embed[:254], full["model.embed_tokens.weight"][255:])
+        and not embed[254].any()
+    )
     assert torch.equal(params["lm_head.weight"][:254], full["lm_head.weight"][255:])
 
 
@@ -244,8 +281,19 @@ def test_a_tp_size_the_model_or_the_machine_cannot_take_is_refused_at_start(tiny
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_a_server_whose_tp_size_does_not_divide_the_model_refuses_to_start(tiny_models, role):
-    cmd = [sys.executable, "-m", f"pdserve.{role}.cli", "--model-path", tiny_models("llama"), "--device", "cpu",
-           "--port", "1", "--tp-size", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        f"pdserve.{role}.cli",
+        "--model-path",
+        tiny_models("llama"),
+        "--device",
+        "cpu",
+        "--port",
+        "1",
+        "--tp-size",
+        "3",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--tp-size 3 does not divide the model's 4 attention heads" in proc.stderr
 

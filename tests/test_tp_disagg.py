@@ -22,7 +22,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.tp_messages import (
-    AddPeers, CancelWrite, ForgetPeers, Probe, RankState, Watch, WriteEnded, WriteKV,
+    AddPeers,
+    CancelWrite,
+    ForgetPeers,
+    Probe,
+    RankState,
+    Watch,
+    WriteEnded,
+    WriteKV,
 )
 from pdserve.common.kv_transfer import KVLayout, TransferState, decode_notif, encode_notif
 from pdserve.common.kv_transfer.base import KVTransferError, TransferHandle
@@ -74,8 +81,12 @@ def engines(tiny_models, kv1_model, one_thread):
     def get(model: str, role: str, tp: int):
         key = (model, role, tp)
         if key not in made:
-            config = EngineConfig(model_path=paths[model], tp_size=tp, **BASE,
-                                  **(dict(chunked_prefill_size=16) if role == "prefill" else {}))
+            config = EngineConfig(
+                model_path=paths[model],
+                tp_size=tp,
+                **BASE,
+                **(dict(chunked_prefill_size=16) if role == "prefill" else {}),
+            )
             cls = PrefillEngine if role == "prefill" else DecodeEngine
             made[key] = cls(config, f"{role}-tp{tp}-{model}-{next(_names)}", kv_transfer_timeout=30.0)
         return made[key]
@@ -99,9 +110,16 @@ def greedy(n, max_new):
     return [SamplingParams(max_new_tokens=max_new, temperature=0)] * n
 
 
-@pytest.mark.parametrize("model, prefill_tp, decode_tp", [
-    ("llama", 1, 2), ("llama", 2, 1), ("llama", 2, 2), ("kv1", 1, 2), ("kv1", 2, 2),
-])
+@pytest.mark.parametrize(
+    "model, prefill_tp, decode_tp",
+    [
+        ("llama", 1, 2),
+        ("llama", 2, 1),
+        ("llama", 2, 2),
+        ("kv1", 1, 2),
+        ("kv1", 2, 2),
+    ],
+)
 def test_greedy_across_tp_sizes_matches_transformers(engines, model, prefill_tp, decode_tp):
     prefill, decode = engines(model, "prefill", prefill_tp), engines(model, "decode", decode_tp)
     prompts = make_prompts(8, seed=prefill_tp * 10 + decode_tp)
@@ -145,8 +163,9 @@ def test_aborts_at_every_stage_leave_every_rank_idle(engines):
     assert decode.stats()["kv_used_tokens"] > 0
     for i, ids in enumerate(prompts):
         d = dests[f"a{i}"]
-        prefill.add_prefill_request(ids, params, d.room, d.agent_metadata, d.page_ids, rid=d.rid,
-                                    expires_unix_s=d.expires_unix_s)
+        prefill.add_prefill_request(
+            ids, params, d.room, d.agent_metadata, d.page_ids, rid=d.rid, expires_unix_s=d.expires_unix_s
+        )
     # a1: aborted on prefill while queued, and on decode (a client disconnect cancels both).
     assert prefill.abort("a1").error == "aborted"
     decode.abort("a1")
@@ -179,8 +198,11 @@ def test_an_incompatible_pairing_is_refused_with_a_clear_error(engines, tiny_mod
     decode.pop_preallocated()
     [d] = decode.destinations
     decode.destinations.clear()
-    with pytest.raises(ValueError, match=r"KV layout of '.*' \(rank 0 of 2 of server .*\) is incompatible with this "
-                                         r"server's: model_kv_heads 2 here vs 1 at the peer"):
+    with pytest.raises(
+        ValueError,
+        match=r"KV layout of '.*' \(rank 0 of 2 of server .*\) is incompatible with this "
+        r"server's: model_kv_heads 2 here vs 1 at the peer",
+    ):
         prefill.add_prefill_request([0, 5, 6, 7], SamplingParams(max_new_tokens=2), 77, d.agent_metadata, d.page_ids)
     decode.abort("mismatch")
     decode.scheduler.expire_transfers(time.monotonic() + 3600)
@@ -202,8 +224,11 @@ ONE_THREAD = ("--torch-threads", "1")  # see one_thread
 def clusters(tiny_models):
     """Two routers, each in front of one prefill and one decode server: P TP1 -> D TP2 and P TP2 -> D TP1."""
     model = tiny_models("llama")
-    servers = {(role, tp): Server(role, model, "--tp-size", str(tp), "--max-running-requests", "8", *ONE_THREAD)
-               for role in ("prefill", "decode") for tp in (1, 2)}
+    servers = {
+        (role, tp): Server(role, model, "--tp-size", str(tp), "--max-running-requests", "8", *ONE_THREAD)
+        for role in ("prefill", "decode")
+        for tp in (1, 2)
+    }
     routers = {}
     try:
         for s in servers.values():
@@ -228,12 +253,14 @@ def test_completions_through_the_router_across_tp_sizes_match_transformers(clust
     prompts = make_prompts(3, seed=prefill_tp)
     expected = hf_greedy(model, prompts, 8)
     for ids, want in zip(prompts, expected):
-        out = client.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0,
-                                        extra_body={"return_token_ids": True})
+        out = client.completions.create(
+            model=model, prompt=ids, max_tokens=8, temperature=0, extra_body={"return_token_ids": True}
+        )
         assert out.choices[0].model_extra["token_ids"] == want
     # Streamed, and one dropped by its client after a few chunks: both servers end idle.
-    stream = client.completions.create(model=model, prompt=prompts[0], max_tokens=200, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=model, prompt=prompts[0], max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     for i, _ in enumerate(stream):
         if i == 2:
             stream.close()
@@ -284,7 +311,11 @@ def test_the_plan_gives_each_receiver_rank_its_heads_from_one_sender_rank():
     # TP 4 over 2 heads (pairs share one) -> TP 1; and TP 1 -> TP 4
     assert plan_writes([r(0, 1), r(0, 1), r(1, 2), r(1, 2)], [r(0, 2)]) == [Write(0, 0, r(0, 1)), Write(2, 0, r(1, 2))]
     assert plan_writes([r(0, 2)], [r(0, 1), r(0, 1), r(1, 2), r(1, 2)]) == [
-        Write(0, 0, r(0, 1)), Write(0, 1, r(0, 1)), Write(0, 2, r(1, 2)), Write(0, 3, r(1, 2))]
+        Write(0, 0, r(0, 1)),
+        Write(0, 1, r(0, 1)),
+        Write(0, 2, r(1, 2)),
+        Write(0, 3, r(1, 2)),
+    ]
     with pytest.raises(ValueError, match="KV head 2 of receiver rank 0 is held by no sender rank"):
         plan_writes([r(0, 2)], [r(0, 4)])
 
@@ -292,7 +323,10 @@ def test_the_plan_gives_each_receiver_rank_its_heads_from_one_sender_rank():
 def layouts(tp: int, heads: int = 2) -> list[KVLayout]:
     from pdserve.common.engine.models.parallel import kv_heads_of_rank
 
-    return [KVLayout(4, 2, len(h), 8, "float32", 64, h.start, heads) for h in (kv_heads_of_rank(heads, tp, r) for r in range(tp))]
+    return [
+        KVLayout(4, 2, len(h), 8, "float32", 64, h.start, heads)
+        for h in (kv_heads_of_rank(heads, tp, r) for r in range(tp))
+    ]
 
 
 def test_a_room_completes_only_when_every_rank_has_all_its_heads():
@@ -324,8 +358,9 @@ def test_a_room_completes_only_when_every_rank_has_all_its_heads():
         assert refused.value.reason == reason
     # From a TP 1 prefill to a TP 1 decode: one notification, every head.
     single = KVArrivals(layouts(1), vocab_size=100)
-    assert single.accept(0, encode_notif(9, 1, None, 1, layouts(1)[0].transfer_bytes(1)), {9: 1}.get, {9}.__contains__) \
-        == (9, 1, None)
+    assert single.accept(
+        0, encode_notif(9, 1, None, 1, layouts(1)[0].transfer_bytes(1)), {9: 1}.get, {9}.__contains__
+    ) == (9, 1, None)
     # A room that stops waiting with heads missing is forgotten.
     arrivals.accept(1, encode_notif(7, 5, None, 3, one_head, range(1, 2)), granted, {7}.__contains__)
     arrivals.forget(set().__contains__)
@@ -340,8 +375,9 @@ class FakeAgent:
         self.peers, self.writes, self.states, self.released = [], [], {}, []
 
     def metadata(self):
-        return PoolMetadata(self.name, self.layout, "DRAM", 0, (1,) * self.layout.num_layers,
-                            (2,) * self.layout.num_layers, b"t")
+        return PoolMetadata(
+            self.name, self.layout, "DRAM", 0, (1,) * self.layout.num_layers, (2,) * self.layout.num_layers, b"t"
+        )
 
     def add_peer(self, meta):
         self.peers.append(meta.name)
@@ -382,8 +418,10 @@ class FakeWorkers:
 
 
 def fake_server(name, tp):
-    pools = [PoolMetadata(f"{name}.tp{r}" if r else name, layout, "DRAM", 0, (1, 1), (2, 2), b"t")
-             for r, layout in enumerate(layouts(tp))]
+    pools = [
+        PoolMetadata(f"{name}.tp{r}" if r else name, layout, "DRAM", 0, (1, 1), (2, 2), b"t")
+        for r, layout in enumerate(layouts(tp))
+    ]
     return pools
 
 

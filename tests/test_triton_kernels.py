@@ -2,8 +2,9 @@
 
 tests/conftest.py sets TRITON_INTERPRET=1 without a GPU before the kernel modules are imported;
 with a GPU the same tests run compiled on it. Sizes are small because the interpreter runs every
-program in Python; tests/gpu has the large shapes and bf16. Pools and req_to_token are built from shuffled pages, and every slot and table entry a
-kernel must not read holds live-looking data, so a wrong gather shows up in the numbers.
+program in Python; tests/gpu has the large shapes and bf16. Pools and req_to_token are built from
+shuffled pages, and every slot and table entry a kernel must not read holds live-looking data, so a
+wrong gather shows up in the numbers.
 """
 
 from __future__ import annotations
@@ -211,8 +212,20 @@ def test_decode_stores_the_new_kv_in_the_same_launch(name, dtype):
     out = torch.full_like(case.q, float("nan"))
     scale = head_dim**-0.5
     decode_attention(
-        case.q, case.k_buf, case.v_buf, out, case.req_to_token, case.req_pool_indices, case.seq_lens, scale, window,
-        splits, workspace, k_new, v_new, out_loc,
+        case.q,
+        case.k_buf,
+        case.v_buf,
+        out,
+        case.req_to_token,
+        case.req_pool_indices,
+        case.seq_lens,
+        scale,
+        window,
+        splits,
+        workspace,
+        k_new,
+        v_new,
+        out_loc,
     )
     assert torch.equal(case.k_buf, expected_k) and torch.equal(case.v_buf, expected_v)
     assert_close(out, reference_attention(case, scale, window), dtype)  # case now holds the stored pool
@@ -347,11 +360,30 @@ def _backend_parity(mode, seq_lens, extend_lens):
     if mode.value == "decode":
         workspace = DecodeWorkspace(len(seq_lens), heads, head_dim, 4, DEVICE)
         decode_attention(
-            q, k_pool, v_pool, out, req_pool.req_to_token, batch.req_pool_indices, device_lens[0], scale, window, 4, workspace
+            q,
+            k_pool,
+            v_pool,
+            out,
+            req_pool.req_to_token,
+            batch.req_pool_indices,
+            device_lens[0],
+            scale,
+            window,
+            4,
+            workspace,
         )
     else:
         extend_attention(
-            q, k_pool, v_pool, out, req_pool.req_to_token, batch.req_pool_indices, *device_lens, max(extend_lens), scale, window
+            q,
+            k_pool,
+            v_pool,
+            out,
+            req_pool.req_to_token,
+            batch.req_pool_indices,
+            *device_lens,
+            max(extend_lens),
+            scale,
+            window,
         )
     assert torch.isfinite(out).all()
     assert ((out - expected).norm() / expected.norm()).item() < 1e-5

@@ -139,7 +139,9 @@ def test_argmax_rows_under_a_bitmask_is_the_argmax_of_the_masked_logits(vocab):
 
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(5, vocab, generator=g).to(DEVICE, torch.bfloat16)
-    words = torch.randint(-2**31, 2**31 - 1, (5, bitmask_words(vocab)), generator=g, dtype=torch.int64).to(torch.int32)
+    words = torch.randint(-(2**31), 2**31 - 1, (5, bitmask_words(vocab)), generator=g, dtype=torch.int64).to(
+        torch.int32
+    )
     words[0] = 0
     words[0, (vocab - 1) // 32] = 1 << ((vocab - 1) % 32)  # only the last token
     words[1] = -1  # everything: bit 31 of each word included

@@ -30,9 +30,19 @@ from pdserve.common.config import TrustConfig
 from pdserve.common.engine.kv_pool import pages_for
 from pdserve.common.kv_transfer import encode_notif
 from pdserve.common.ports import free_port
-from pdserve.common.trust import (SECRET_ENV, SECRET_FILE_ENV, SECRET_METADATA_KEY, ClusterSecretCheck, add_port,
-                                  check_exposure, is_loopback, load_trust, open_channel, server_interceptors,
-                                  write_secret_file)
+from pdserve.common.trust import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    SECRET_METADATA_KEY,
+    ClusterSecretCheck,
+    add_port,
+    check_exposure,
+    is_loopback,
+    load_trust,
+    open_channel,
+    server_interceptors,
+    write_secret_file,
+)
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from tests.test_disagg_engines import hf_greedy
@@ -92,13 +102,50 @@ def cluster(tiny_models, tmp_path_factory):
     procs = {}
     try:
         for role, (port, metrics_port) in ports.items():
-            procs[role] = Proc(role, [f"pdserve.{role}.cli", "--model-path", model, "--device", "cpu", "--port", str(port),
-                                      "--metrics-port", str(metrics_port), "--max-total-tokens", "4096",
-                                      "--kv-transfer-timeout", "20", "--log-level", "warning", *secret], tmp)
-        procs["router"] = Proc("router", ["pdserve.router.cli", "--model-path", model, "--prefill",
-                                          f"127.0.0.1:{ports['prefill'][0]}", "--decode", f"127.0.0.1:{ports['decode'][0]}",
-                                          "--port", str(router_port), "--workers", "1", "--health-check-interval", "0.2",
-                                          "--log-level", "warning", *secret], tmp)
+            procs[role] = Proc(
+                role,
+                [
+                    f"pdserve.{role}.cli",
+                    "--model-path",
+                    model,
+                    "--device",
+                    "cpu",
+                    "--port",
+                    str(port),
+                    "--metrics-port",
+                    str(metrics_port),
+                    "--max-total-tokens",
+                    "4096",
+                    "--kv-transfer-timeout",
+                    "20",
+                    "--log-level",
+                    "warning",
+                    *secret,
+                ],
+                tmp,
+            )
+        procs["router"] = Proc(
+            "router",
+            [
+                "pdserve.router.cli",
+                "--model-path",
+                model,
+                "--prefill",
+                f"127.0.0.1:{ports['prefill'][0]}",
+                "--decode",
+                f"127.0.0.1:{ports['decode'][0]}",
+                "--port",
+                str(router_port),
+                "--workers",
+                "1",
+                "--health-check-interval",
+                "0.2",
+                "--log-level",
+                "warning",
+                *secret,
+            ],
+            tmp,
+        )
         base = f"http://127.0.0.1:{router_port}"
         deadline = time.monotonic() + 120
         while True:
@@ -113,9 +160,17 @@ def cluster(tiny_models, tmp_path_factory):
             assert time.monotonic() < deadline, "the cluster did not get ready"
             time.sleep(0.2)
         trust = load_trust(TrustConfig(cluster_secret_file=secret_file))
-        yield dict(model=model, base=base, trust=trust, procs=procs, secret_file=secret_file,
-                   decode=f"127.0.0.1:{ports['decode'][0]}", prefill=f"127.0.0.1:{ports['prefill'][0]}",
-                   decode_metrics=ports["decode"][1], prefill_metrics=ports["prefill"][1])
+        yield dict(
+            model=model,
+            base=base,
+            trust=trust,
+            procs=procs,
+            secret_file=secret_file,
+            decode=f"127.0.0.1:{ports['decode'][0]}",
+            prefill=f"127.0.0.1:{ports['prefill'][0]}",
+            decode_metrics=ports["decode"][1],
+            prefill_metrics=ports["prefill"][1],
+        )
     finally:
         for p in procs.values():
             p.stop()
@@ -161,8 +216,9 @@ def test_every_rpc_but_health_needs_the_secret(cluster):
     async def with_the_secret():
         async with open_channel(cluster["decode"], cluster["trust"]) as channel:
             stub = pb_grpc.DecodeServiceStub(channel)
-            return await stub.GetAgentMetadata(pb.GetAgentMetadataRequest(), timeout=10), \
-                await stub.GetLoad(pb.GetLoadRequest(), timeout=10)
+            return await stub.GetAgentMetadata(pb.GetAgentMetadataRequest(), timeout=10), await stub.GetLoad(
+                pb.GetLoadRequest(), timeout=10
+            )
 
     agent, _ = asyncio.run(with_the_secret())
     assert agent.agent_name and agent.metadata
@@ -188,14 +244,19 @@ def test_a_forged_prefill_writes_nothing_and_the_victims_stream_is_unchanged(clu
     thread = threading.Thread(target=lambda: got.update(tokens=completion(cluster["base"], victim, 40)))
     thread.start()
     try:
-        request = pb.GenerateRequest(request_id="forged", prompt_token_ids=victim, params=params(4),
-                                     bootstrap_room=random.getrandbits(63))
-        destination = pb.KVDestination(bootstrap_room=request.bootstrap_room, decode_agent_name="decode",
-                                       page_ids=list(range(1, 39)))
+        request = pb.GenerateRequest(
+            request_id="forged", prompt_token_ids=victim, params=params(4), bootstrap_room=random.getrandbits(63)
+        )
+        destination = pb.KVDestination(
+            bootstrap_room=request.bootstrap_room, decode_agent_name="decode", page_ids=list(range(1, 39))
+        )
         with grpc.insecure_channel(cluster["decode"]) as dch, grpc.insecure_channel(cluster["prefill"]) as pch:
-            for attempt in (lambda: pb_grpc.DecodeServiceStub(dch).GetAgentMetadata(pb.GetAgentMetadataRequest(), timeout=10),
-                            lambda: pb_grpc.PrefillServiceStub(pch).Prefill(
-                                pb.PrefillRequest(request=request, destination=destination), timeout=10)):
+            for attempt in (
+                lambda: pb_grpc.DecodeServiceStub(dch).GetAgentMetadata(pb.GetAgentMetadataRequest(), timeout=10),
+                lambda: pb_grpc.PrefillServiceStub(pch).Prefill(
+                    pb.PrefillRequest(request=request, destination=destination), timeout=10
+                ),
+            ):
                 with pytest.raises(grpc.RpcError) as refused:
                     attempt()
                 assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -234,12 +295,15 @@ def test_forged_notifications_are_refused_counted_and_change_nothing(cluster):
             decode = pb_grpc.DecodeServiceStub(dch)
             md = await decode.GetAgentMetadata(pb.GetAgentMetadataRequest(), timeout=10)
             [pool] = decode_pool_metadata(md.metadata)  # one TP rank
-            forger = nixl_agent(f"forger-{secrets.token_hex(3)}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+            forger = nixl_agent(
+                f"forger-{secrets.token_hex(3)}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            )
             target = forger.add_remote_agent(pool.transport_metadata)
             target = target.decode() if isinstance(target, bytes) else target
 
-            request = pb.GenerateRequest(request_id="victim", prompt_token_ids=victim, params=params(12),
-                                         bootstrap_room=random.getrandbits(63))
+            request = pb.GenerateRequest(
+                request_id="victim", prompt_token_ids=victim, params=params(12), bootstrap_room=random.getrandbits(63)
+            )
             call = decode.Generate(request, timeout=TIMEOUT_S)
             first = await call.read()
             dest = first.destination
@@ -258,18 +322,24 @@ def test_forged_notifications_are_refused_counted_and_change_nothing(cluster):
             while True:
                 forger.get_new_notifs()  # progresses the forger's UCX worker (no progress thread)
                 now = metrics(cluster["decode_metrics"])
-                delta = {r: metric(now, "pdserve_kv_rejected_transfers_total", role="decode", reason=r)
-                         - metric(before, "pdserve_kv_rejected_transfers_total", role="decode", reason=r) for r in forged}
+                delta = {
+                    r: metric(now, "pdserve_kv_rejected_transfers_total", role="decode", reason=r)
+                    - metric(before, "pdserve_kv_rejected_transfers_total", role="decode", reason=r)
+                    for r in forged
+                }
                 if all(delta.values()) or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.05)
             assert delta == dict.fromkeys(forged, 1.0)
             await asyncio.sleep(0.5)  # (GetLoad answers the scheduler's last report: they come every 0.2 s)
             load = await decode.GetLoad(pb.GetLoadRequest(), timeout=10)
-            assert load.running_requests == 0 and load.inflight_transfers == 1, "a forged notification started the victim"
+            assert load.running_requests == 0 and load.inflight_transfers == 1, (
+                "a forged notification started the victim"
+            )
 
-            answer = await pb_grpc.PrefillServiceStub(pch).Prefill(pb.PrefillRequest(request=request, destination=dest),
-                                                                    timeout=TIMEOUT_S)
+            answer = await pb_grpc.PrefillServiceStub(pch).Prefill(
+                pb.PrefillRequest(request=request, destination=dest), timeout=TIMEOUT_S
+            )
             assert not answer.HasField("error"), answer.error
             tokens = []
             while (msg := await call.read()) is not grpc.aio.EOF:
@@ -288,24 +358,81 @@ def test_forged_notifications_are_refused_counted_and_change_nothing(cluster):
 
 def test_a_public_address_needs_a_secret(tiny_models, tmp_path):
     model = tiny_models("llama")
-    out = subprocess.run([sys.executable, "-m", "pdserve.decode.cli", "--model-path", model, "--device", "cpu",
-                          "--host", "0.0.0.0", "--port", str(free_port())], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.decode.cli",
+            "--model-path",
+            model,
+            "--device",
+            "cpu",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2, out.stderr
-    assert "listening on 0.0.0.0 without a cluster secret or TLS" in out.stderr and "--cluster-secret-file" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "pdserve.router.cli", "--model-path", model, "--prefill", "10.1.2.3:30002",
-                          "--decode-dns", "pdserve-decode:30001", "--workers", "1"], capture_output=True, text=True, timeout=60)
+    assert (
+        "listening on 0.0.0.0 without a cluster secret or TLS" in out.stderr and "--cluster-secret-file" in out.stderr
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.router.cli",
+            "--model-path",
+            model,
+            "--prefill",
+            "10.1.2.3:30002",
+            "--decode-dns",
+            "pdserve-decode:30001",
+            "--workers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "reaching servers at 10.1.2.3, pdserve-decode without" in out.stderr, out.stderr
     empty = tmp_path / "empty"
     empty.write_text("\n")
-    out = subprocess.run([sys.executable, "-m", "pdserve.prefill.cli", "--model-path", model, "--device", "cpu",
-                          "--port", str(free_port()), "--cluster-secret-file", str(empty)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.prefill.cli",
+            "--model-path",
+            model,
+            "--device",
+            "cpu",
+            "--port",
+            str(free_port()),
+            "--cluster-secret-file",
+            str(empty),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "is empty" in out.stderr, out.stderr
 
 
 def test_trust_settings(tmp_path, monkeypatch):
-    for host, loopback in (("127.0.0.1", True), ("127.8.0.1", True), ("::1", True), ("localhost", True),
-                           ("0.0.0.0", False), ("::", False), ("10.0.0.7", False), ("pdserve-decode", False)):
+    for host, loopback in (
+        ("127.0.0.1", True),
+        ("127.8.0.1", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.7", False),
+        ("pdserve-decode", False),
+    ):
         assert is_loopback(host) is loopback, host
     monkeypatch.delenv(SECRET_ENV, raising=False)
     monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
@@ -340,11 +467,14 @@ def test_trust_settings(tmp_path, monkeypatch):
     assert len(load_trust(TrustConfig(cluster_secret_file=made)).secrets[0]) == 64  # the flag wins
     # A server accepts any line of its file (rotation), nothing else.
     check = ClusterSecretCheck(trust.secrets)
-    for metadata, allowed in (((SECRET_METADATA_KEY, "old-secret-0123456789"),), True), \
-                             (((SECRET_METADATA_KEY, "new-secret-0123456789"),), True), \
-                             (((SECRET_METADATA_KEY, "new-secret-012345678"),), False), \
-                             (((SECRET_METADATA_KEY, ""),), False), ((("authorization", "new-secret-0123456789"),), False), \
-                             ((), False):
+    for metadata, allowed in (
+        (((SECRET_METADATA_KEY, "old-secret-0123456789"),), True),
+        (((SECRET_METADATA_KEY, "new-secret-0123456789"),), True),
+        (((SECRET_METADATA_KEY, "new-secret-012345678"),), False),
+        (((SECRET_METADATA_KEY, ""),), False),
+        ((("authorization", "new-secret-0123456789"),), False),
+        ((), False),
+    ):
         assert check.allows(metadata) is allowed, metadata
 
 
@@ -357,16 +487,61 @@ def openssl(*args: str, cwd) -> None:
 
 
 def make_ca(directory, name: str) -> None:
-    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
-            "-keyout", f"{name}.key", "-out", f"{name}.pem", "-subj", f"/CN={name}", cwd=directory)
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-days",
+        "1",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        "-subj",
+        f"/CN={name}",
+        cwd=directory,
+    )
 
 
 def make_cert(directory, ca: str, name: str, san: str, usage: str) -> None:
     (directory / f"{name}.ext").write_text(f"subjectAltName={san}\nextendedKeyUsage={usage}\n")
-    openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", f"{name}.key",
-            "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=directory)
-    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-            "-days", "1", "-out", f"{name}.pem", "-extfile", f"{name}.ext", cwd=directory)
+    openssl(
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        "-subj",
+        f"/CN={name}",
+        cwd=directory,
+    )
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        f"{ca}.pem",
+        "-CAkey",
+        f"{ca}.key",
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-out",
+        f"{name}.pem",
+        "-extfile",
+        f"{name}.ext",
+        cwd=directory,
+    )
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make a throwaway CA")
@@ -383,15 +558,27 @@ def test_mutual_tls(tmp_path):
     secret.write_text(secrets.token_hex(32))
 
     def trust(name: str, with_secret: bool = True, ca: str = "ca"):
-        return load_trust(TrustConfig(cluster_secret_file=str(secret) if with_secret else "", tls_cert=str(tmp_path / f"{name}.pem"),
-                                      tls_key=str(tmp_path / f"{name}.key"), tls_ca=str(tmp_path / f"{ca}.pem")))
+        return load_trust(
+            TrustConfig(
+                cluster_secret_file=str(secret) if with_secret else "",
+                tls_cert=str(tmp_path / f"{name}.pem"),
+                tls_key=str(tmp_path / f"{name}.key"),
+                tls_ca=str(tmp_path / f"{ca}.pem"),
+            )
+        )
 
     async def main():
         async def get_load(request, context):
             return pb.Load(running_requests=7)
 
-        handler = grpc.method_handlers_generic_handler("pdserve.v1.DecodeService", {"GetLoad": grpc.unary_unary_rpc_method_handler(
-            get_load, pb.GetLoadRequest.FromString, pb.Load.SerializeToString)})
+        handler = grpc.method_handlers_generic_handler(
+            "pdserve.v1.DecodeService",
+            {
+                "GetLoad": grpc.unary_unary_rpc_method_handler(
+                    get_load, pb.GetLoadRequest.FromString, pb.Load.SerializeToString
+                )
+            },
+        )
         server_trust = trust("server")
         server = grpc.aio.server(interceptors=server_interceptors(server_trust))
         server.add_generic_rpc_handlers((handler,))
@@ -399,10 +586,12 @@ def test_mutual_tls(tmp_path):
         await server.start()
         outcomes = {}
         try:
-            for label, client, name in (("router", trust("router"), "pdserve-decode"),
-                                        ("router, no secret", trust("router", with_secret=False), "pdserve-decode"),
-                                        ("stranger", trust("stranger", ca="ca"), "pdserve-decode"),
-                                        ("wrong server name", trust("router"), "pdserve-prefill")):
+            for label, client, name in (
+                ("router", trust("router"), "pdserve-decode"),
+                ("router, no secret", trust("router", with_secret=False), "pdserve-decode"),
+                ("stranger", trust("stranger", ca="ca"), "pdserve-decode"),
+                ("wrong server name", trust("router"), "pdserve-prefill"),
+            ):
                 async with open_channel(f"127.0.0.1:{port}", client, server_name=name) as channel:
                     try:
                         load = await pb_grpc.DecodeServiceStub(channel).GetLoad(pb.GetLoadRequest(), timeout=10)
@@ -414,8 +603,12 @@ def test_mutual_tls(tmp_path):
         return outcomes
 
     outcomes = asyncio.run(main())
-    assert outcomes == {"router": 7, "router, no secret": grpc.StatusCode.UNAUTHENTICATED,
-                        "stranger": grpc.StatusCode.UNAVAILABLE, "wrong server name": grpc.StatusCode.UNAVAILABLE}
+    assert outcomes == {
+        "router": 7,
+        "router, no secret": grpc.StatusCode.UNAUTHENTICATED,
+        "stranger": grpc.StatusCode.UNAVAILABLE,
+        "wrong server name": grpc.StatusCode.UNAVAILABLE,
+    }
 
 
 # ---- the decode server's grant check, in process ----------------------------------------------
@@ -429,18 +622,24 @@ def test_decode_acts_only_on_notifications_matching_a_grant(tiny_models):
     from pdserve.common.types import SamplingParams
     from pdserve.decode.engine import DecodeEngine
 
-    engine = DecodeEngine(EngineConfig(model_path=tiny_models("llama"), device="cpu", max_total_tokens=1024, page_size=8),
-                          f"decode-grants-{secrets.token_hex(3)}")
+    engine = DecodeEngine(
+        EngineConfig(model_path=tiny_models("llama"), device="cpu", max_total_tokens=1024, page_size=8),
+        f"decode-grants-{secrets.token_hex(3)}",
+    )
     try:
         engine.add_decode_request(list(range(20)), SamplingParams(max_new_tokens=3, temperature=0), room=41, rid="r")
         engine.pop_preallocated()
         [dest] = engine.destinations
         assert len(dest.page_ids) == 3 == engine.scheduler.granted_pages(41)
         size = engine.agent.layout.transfer_bytes(3)
-        inbox = [("forger", encode_notif(42, 5, None, 3, size)), ("forger", encode_notif(41, 5, None, 2, size)),
-                 ("prefill", encode_notif(41, 5, None, 3, size - 1)), ("forger", b"\x00junk"),
-                 ("forger", encode_notif(41, engine.vocab_size, None, 3, size)),
-                 ("forger", encode_notif(41, 5, {"token_id": 5}, 3, size))]
+        inbox = [
+            ("forger", encode_notif(42, 5, None, 3, size)),
+            ("forger", encode_notif(41, 5, None, 2, size)),
+            ("prefill", encode_notif(41, 5, None, 3, size - 1)),
+            ("forger", b"\x00junk"),
+            ("forger", encode_notif(41, engine.vocab_size, None, 3, size)),
+            ("forger", encode_notif(41, 5, {"token_id": 5}, 3, size)),
+        ]
         engine.agent.get_notifs = lambda: [inbox.pop(0)] if inbox else []
         for _ in range(6):
             engine.pop_transferred()
@@ -448,7 +647,10 @@ def test_decode_acts_only_on_notifications_matching_a_grant(tiny_models):
         assert 41 in engine.scheduler.transferring and not engine.scheduler.running and not engine.outputs
         assert engine._refused_peers == {"forger", "prefill"}
 
-        inbox += [("prefill", encode_notif(41, 5, None, 3, size)), ("prefill-retry", encode_notif(41, 5, None, 3, size))]
+        inbox += [
+            ("prefill", encode_notif(41, 5, None, 3, size)),
+            ("prefill-retry", encode_notif(41, 5, None, 3, size)),
+        ]
         engine.pop_transferred()
         assert [r.rid for r in engine.scheduler.running] == ["r"] and engine.scheduler.running[0].output_ids == [5]
         engine.pop_transferred()  # the late copy: granted once, already served
@@ -465,4 +667,6 @@ def test_the_rpc_auth_microbenchmark_runs(capsys):
 
     main(["--calls", "20", "--messages", "20", "--repeats", "1"])
     out = capsys.readouterr().out
-    assert re.search(r"check +\d+\.\d+ us per RPC", out) and all(m in out for m in ("no secret", "secret", "client icpt"))
+    assert re.search(r"check +\d+\.\d+ us per RPC", out) and all(
+        m in out for m in ("no secret", "secret", "client icpt")
+    )

@@ -27,16 +27,31 @@ ARCHES = {
 }
 # Hugging Face name (its leaf module) -> llama.cpp name
 LLAMA_TENSORS = {
-    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 GPT2_TENSORS = {
-    "transformer.wte": "token_embd", "transformer.wpe": "position_embd", "transformer.ln_f": "output_norm",
-    "ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
-    "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down",
+    "transformer.wte": "token_embd",
+    "transformer.wpe": "position_embd",
+    "transformer.ln_f": "output_norm",
+    "ln_1": "attn_norm",
+    "attn.c_attn": "attn_qkv",
+    "attn.c_proj": "attn_output",
+    "ln_2": "ffn_norm",
+    "mlp.c_fc": "ffn_up",
+    "mlp.c_proj": "ffn_down",
 }
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -54,9 +69,11 @@ def permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarr
     """llama.cpp's LlamaModel.permute, as is."""
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2)
-            .reshape(weights.shape))
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def llama3_rope_freqs(config: dict) -> np.ndarray:
@@ -80,8 +97,9 @@ def llama3_rope_freqs(config: dict) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def write_gguf(checkpoint: str | pathlib.Path, out: str | pathlib.Path, qtype=gguf.GGMLQuantizationType.F32,
-               name: str = "tiny") -> pathlib.Path:
+def write_gguf(
+    checkpoint: str | pathlib.Path, out: str | pathlib.Path, qtype=gguf.GGMLQuantizationType.F32, name: str = "tiny"
+) -> pathlib.Path:
     checkpoint, out = pathlib.Path(checkpoint), pathlib.Path(out)
     config = json.loads((checkpoint / "config.json").read_text())
     hf_arch = config["architectures"][0]
@@ -144,7 +162,9 @@ def _add_hparams(writer: gguf.GGUFWriter, config: dict, arch: str) -> None:
         writer.add_value_length(config["head_dim"])
     if arch == "llama":
         writer.add_vocab_size(config["vocab_size"])
-        writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+        writer.add_rope_dimension_count(
+            config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        )
     if config.get("sliding_window") and config["architectures"][0] == "MistralForCausalLM":
         writer.add_sliding_window(config["sliding_window"])
 

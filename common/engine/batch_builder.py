@@ -111,7 +111,9 @@ class BatchBuilder:
             extend_lens.append(end - start)
         lens = np.asarray(extend_lens, dtype=np.int64)
         first = np.asarray(batch.starts, dtype=np.int64)
-        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(first - np.asarray(extend_starts, dtype=np.int64), lens)
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(
+            first - np.asarray(extend_starts, dtype=np.int64), lens
+        )
         page_index = np.repeat(np.asarray(page_base, dtype=np.int64), lens) + positions // page
         out_loc = np.asarray(page_table, dtype=np.int64)[page_index] * page + positions % page
         req_rows = [r.req_pool_idx for r in batch.reqs]

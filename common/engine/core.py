@@ -33,15 +33,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Sequence
 
-from pdserve.common.engine.batch import ForwardMode, ScheduleBatch
-from pdserve.common.engine.batch_builder import BatchBuilder
 from pdserve.common.config import EngineConfig
 from pdserve.common.detokenizer import IncrementalDetokenizer
-from pdserve.common.gc_tuning import tune_gc
-from pdserve.common.engine.model_runner import ModelRunner
+from pdserve.common.engine.batch import ForwardMode, ScheduleBatch
+from pdserve.common.engine.batch_builder import BatchBuilder
 from pdserve.common.engine.grammar import Grammars
+from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.overlap import ForwardResult, QueuedForward
 from pdserve.common.engine.sampling import SamplingBatchInfo, to_token_logprobs
+from pdserve.common.gc_tuning import tune_gc
 from pdserve.common.scheduling.output_processor import add_prompt_logprobs
 from pdserve.common.startup import StartupClock
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
@@ -59,6 +59,7 @@ class DeferredSample:
     slots: list[int]
     queued: QueuedForward
     masks: object = None  # being filled once the tokens before it are accepted: Grammars' MaskFuture
+
 
 class EngineCore:
     # A prefill ("sender") or decode ("receiver") server's engine: with TP, every rank runs a KV
@@ -84,8 +85,12 @@ class EngineCore:
             weakref.finalize(self, self.tp_workers.close)
             startup.mark("tp_ranks")
         try:
-            self.runner = ModelRunner(self.config, prefill_graphs=prefill_graphs,
-                                      tp=self.tp_workers.group if self.tp_workers else None, startup=startup)
+            self.runner = ModelRunner(
+                self.config,
+                prefill_graphs=prefill_graphs,
+                tp=self.tp_workers.group if self.tp_workers else None,
+                startup=startup,
+            )
         except BaseException:
             self.close(kill=True)
             raise
@@ -156,8 +161,13 @@ class EngineCore:
     def grammars(self) -> Grammars:
         """Structured output's compiler and cache; made on first use (xgrammar loads its kernels)."""
         cuda = self.runner.device.type == "cuda"
-        return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids, pin_memory=cuda,
-                        fence=self._after_queued_copies if cuda else None)
+        return Grammars(
+            self.tokenizer,
+            self.vocab_size,
+            self.eos_token_ids,
+            pin_memory=cuda,
+            fence=self._after_queued_copies if cuda else None,
+        )
 
     def _after_queued_copies(self):
         """An event on the forward stream after everything queued on it so far (the grammar
@@ -167,8 +177,9 @@ class EngineCore:
         event.record(streams.forward_stream)
         return event
 
-    def make_req(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None,
-                 detokenize: bool = True) -> Req:
+    def make_req(
+        self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None, detokenize: bool = True
+    ) -> Req:
         """A checked request with its seed drawn (when the client gave none); `detokenize` gives it a
         detokenizer (its text is built as it finishes, or per token for stop strings)."""
         self.check_request(prompt_ids, params)
@@ -241,7 +252,9 @@ class EngineCore:
                 # A grammar's mask needs the token still in flight: sampled once it is processed.
                 result = DeferredSample(forward_batch, info, slots, self.runner.launch_forward(forward_batch))
             else:
-                result = self.runner.launch(forward_batch, info, slots, self.grammar_bitmask(batch, launched=False).result())
+                result = self.runner.launch(
+                    forward_batch, info, slots, self.grammar_bitmask(batch, launched=False).result()
+                )
         except RuntimeError:
             if self.tp_workers is not None:
                 self.tp_workers.check_alive()  # a collective failed: name the rank that died, if one did
@@ -264,8 +277,9 @@ class EngineCore:
         """
         masks = deferred.masks if deferred.masks is not None else self.grammar_bitmask(batch, launched=True)
         try:
-            return self.runner.launch_sample(deferred.forward_batch, deferred.info, deferred.slots, deferred.queued,
-                                             masks.result())
+            return self.runner.launch_sample(
+                deferred.forward_batch, deferred.info, deferred.slots, deferred.queued, masks.result()
+            )
         except RuntimeError:
             if self.tp_workers is not None:
                 self.tp_workers.check_alive()
@@ -302,8 +316,9 @@ class EngineCore:
             # this batch below; the sampling is launched before anything reads its tokens
             # (launch_deferred).
             waiting, deferred = self.result_queue[0]
-            deferred.masks = self.grammars.accept_and_fill(batch.reqs, batch.samples, next_ids,
-                                                           waiting.reqs, waiting.samples)
+            deferred.masks = self.grammars.accept_and_fill(
+                batch.reqs, batch.samples, next_ids, waiting.reqs, waiting.samples
+            )
         logprobs = to_token_logprobs(host, batch.reqs)
         if result.prompt_logprobs is not None:
             add_prompt_logprobs(batch, result.prompt_logprobs)

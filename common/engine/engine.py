@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterator, Sequence
 
-from pdserve.common.engine.batch import ScheduleBatch
 from pdserve.common.config import EngineConfig
+from pdserve.common.engine.batch import ScheduleBatch
 from pdserve.common.engine.core import EngineCore
 from pdserve.common.scheduling.scheduler import Scheduler
 from pdserve.common.types import Completion, SamplingParams

@@ -58,8 +58,15 @@ class Grammars:
     """Compiles SamplingParams.grammar specs for one tokenizer and caches them by their text; the
     requests' matchers live in the grammar worker process (common/engine/grammar_worker.py)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], threads: int | None = None,
-                 pin_memory: bool = False, fence=None):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        threads: int | None = None,
+        pin_memory: bool = False,
+        fence=None,
+    ):
         import xgrammar as xgr  # imports torch and its kernels: only servers and engines load it
 
         from pdserve.common.engine.grammar_worker import GrammarWorker
@@ -137,8 +144,9 @@ class Grammars:
         """
         return self._submit([], [], reqs, samples, launched)
 
-    def accept_and_fill(self, reqs, samples: list[bool], token_ids: list[int], next_reqs,
-                        next_samples: list[bool]) -> "MaskFuture":
+    def accept_and_fill(
+        self, reqs, samples: list[bool], token_ids: list[int], next_reqs, next_samples: list[bool]
+    ) -> "MaskFuture":
         """Advance the matchers of a processed batch's grammar rows by their new tokens, then fill
         the masks of the batch launched after it (`next_reqs`, whose sampling waits for them), both
         in the worker; the result is `bitmask`'s. Rows the scheduler will drop (not sampling, or
@@ -153,8 +161,14 @@ class Grammars:
         accepting, tokens = [], []
         for req, sampling, token in zip(reqs, samples, token_ids):
             grammar = req.grammar
-            if grammar is None or not sampling or req.discard or req.finished or not grammar.usable() \
-                    or req.params.max_new_tokens <= 0:
+            if (
+                grammar is None
+                or not sampling
+                or req.discard
+                or req.finished
+                or not grammar.usable()
+                or req.params.max_new_tokens <= 0
+            ):
                 continue
             grammar.accepted_one(token)
             accepting.append(grammar)
@@ -176,8 +190,14 @@ class Grammars:
             # NOTE the matcher must have accepted exactly the tokens before the one this row
             # samples: the kept ones, and those in flight that will be kept (counted ahead by
             # accept_and_fill). A mask filled one token off would constrain the wrong position.
-            assert grammar.accepted == len(req.output_ids) + req.pending - req.discard - in_flight, \
-                (req.rid, grammar.accepted, len(req.output_ids), req.pending, req.discard, in_flight)
+            assert grammar.accepted == len(req.output_ids) + req.pending - req.discard - in_flight, (
+                req.rid,
+                grammar.accepted,
+                len(req.output_ids),
+                req.pending,
+                req.discard,
+                in_flight,
+            )
             if not grammar.announced:
                 self._announce(grammar)
             fills.append([grammar.id, i])
@@ -227,7 +247,9 @@ def grammar_source(xgr, kind: str, spec: str):
             # Compact JSON (no free whitespace): a weak or random model could otherwise emit
             # whitespace until max_tokens and never close the object. strict_mode: no
             # properties or items beyond the schema's, as OpenAI's strict mode.
-            return _no_raw_control_characters(xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True))
+            return _no_raw_control_characters(
+                xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)
+            )
         if kind == "regex":
             return xgr.Grammar.from_regex(spec)
         if kind == "ebnf":
@@ -258,8 +280,18 @@ class RequestGrammar:
     the grammar worker (made there when first used). A grammar whose compilation failed refuses
     every token (`failure` says why; the request then fails)."""
 
-    __slots__ = ("_grammars", "_compiled", "id", "key", "announced", "accepted", "refused", "failure", "terminated",
-                 "__weakref__")
+    __slots__ = (
+        "_grammars",
+        "_compiled",
+        "id",
+        "key",
+        "announced",
+        "accepted",
+        "refused",
+        "failure",
+        "terminated",
+        "__weakref__",
+    )
 
     def __init__(self, grammars: Grammars, compiled: Future, request_id: int, key: int):
         self._grammars, self._compiled = grammars, compiled

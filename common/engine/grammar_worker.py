@@ -52,8 +52,13 @@ class GrammarWorker:
         with tempfile.NamedTemporaryFile("w", prefix="pdserve-grammar-", suffix=".json", delete=False) as f:
             f.write(tokenizer_info)
         ours, theirs = socket.socketpair()
-        args = {"parent": os.getpid(), "fd": theirs.fileno(), "vocab_size": vocab_size, "threads": threads,
-                "tokenizer_info": f.name}
+        args = {
+            "parent": os.getpid(),
+            "fd": theirs.fileno(),
+            "vocab_size": vocab_size,
+            "threads": threads,
+            "tokenizer_info": f.name,
+        }
         self.process = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(args)], pass_fds=[theirs.fileno()])
         theirs.close()
         self.conn = Connection(ours.detach())
@@ -86,8 +91,17 @@ class GrammarWorker:
             self._ensure(rows)
             if self.fences[self.slot] is not None:
                 self.fences[self.slot].synchronize()  # its copy ran BUFFERS - 1 steps ago: at once
-        self._send({"op": "step", "new": new, "free": free, "accepts": accepts, "fills": fills, "rows": rows,
-                    "slot": self.slot})
+        self._send(
+            {
+                "op": "step",
+                "new": new,
+                "free": free,
+                "accepts": accepts,
+                "fills": fills,
+                "rows": rows,
+                "slot": self.slot,
+            }
+        )
         self.in_flight = WorkerStep(self, self.slot if fills else None, rows)
         return self.in_flight
 
@@ -185,6 +199,7 @@ def _register(masks: torch.Tensor) -> None:
 
 
 # ---- the worker process ----------------------------------------------------------------------
+
 
 def main(args: dict) -> None:
     from pdserve.common.lifetime import die_with_parent

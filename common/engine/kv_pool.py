@@ -82,7 +82,9 @@ class PagedKVPool:
         self.head_start = head_start
         self.model_kv_heads = model_kv_heads or kv_heads
         if not 0 <= head_start <= self.model_kv_heads - kv_heads:
-            raise ValueError(f"KV heads [{head_start}, {head_start + kv_heads}) are not heads of a model with {self.model_kv_heads}")
+            raise ValueError(
+                f"KV heads [{head_start}, {head_start + kv_heads}) are not heads of a model with {self.model_kv_heads}"
+            )
         shape = (kv_heads, num_pages * page_size, head_dim)
         # NOTE: the storages are what a transfer agent registers (contiguous); everything else
         # uses the [slots, kv_heads, head_dim] views.

@@ -18,16 +18,16 @@ import time
 
 import torch
 
+from pdserve.common.config import EngineConfig, model_kv_heads_of, read_hf_config
 from pdserve.common.engine.attention import create_backend
 from pdserve.common.engine.batch import ForwardBatch, ForwardMode
-from pdserve.common.config import EngineConfig, model_kv_heads_of, read_hf_config
 from pdserve.common.engine.cuda_graph import CudaGraphRunner
-from pdserve.common.engine.prefill_graph import PrefillGraphRunner
-from pdserve.common.engine.prompt_logprobs import score_prompt
 from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.engine.models.loader import load_model
 from pdserve.common.engine.models.parallel import kv_heads_of_rank
 from pdserve.common.engine.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs, QueuedForward
+from pdserve.common.engine.prefill_graph import PrefillGraphRunner
+from pdserve.common.engine.prompt_logprobs import score_prompt
 from pdserve.common.engine.sampling import SampleOutput, SamplingBatchInfo, sample
 from pdserve.common.engine.tp import TPGroup
 from pdserve.common.startup import KV_POOL, StartupClock
@@ -39,8 +39,13 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, prefill_graphs: bool = True, tp: TPGroup | None = None,
-                 startup: StartupClock | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        prefill_graphs: bool = True,
+        tp: TPGroup | None = None,
+        startup: StartupClock | None = None,
+    ):
         """`startup`: marks the start-up phases (weights, kv_pool, graphs) as they end."""
         startup = startup or StartupClock()
         self.config = config
@@ -78,7 +83,9 @@ class ModelRunner:
         )
         startup.mark(KV_POOL)
         num_heads = self.model.local_heads()
-        self.attn = create_backend(config.attention_backend, self.req_to_token_pool, self.kv_pool, num_heads, config.max_running_requests)
+        self.attn = create_backend(
+            config.attention_backend, self.req_to_token_pool, self.kv_pool, num_heads, config.max_running_requests
+        )
         self.streams = DeviceStreams(self.device)
         self.future_map = FutureMap(config.max_running_requests, self.device)
         self.pinned = PinnedOutputs(config.max_running_requests, MAX_TOP_LOGPROBS, self.device)
@@ -199,8 +206,12 @@ class ModelRunner:
         budget = total * c.mem_fraction_static - in_use
         self.memory_report = {"total": total, "in_use": in_use, "kv_budget": budget}
         logger.info(
-            "GPU memory: %.1f GiB in use of %.1f GiB after loading; KV cache budget %.2f GiB (--mem-fraction-static %s)",
-            in_use / 2**30, total / 2**30, budget / 2**30, c.mem_fraction_static,
+            "GPU memory: %.1f GiB in use of %.1f GiB after loading; KV cache budget %.2f GiB "
+            "(--mem-fraction-static %s)",
+            in_use / 2**30,
+            total / 2**30,
+            budget / 2**30,
+            c.mem_fraction_static,
         )
         if budget <= 0:
             raise ValueError(
@@ -217,16 +228,22 @@ class ModelRunner:
         hidden = self.model(input_ids, batch.positions, batch, self.attn)
         if batch.mode is ForwardMode.EXTEND:
             if batch.prompt_logprob_index is not None:
-                result = score_prompt(self.model, hidden, batch.prompt_logprob_index, batch.prompt_logprob_targets,
-                                      batch.prompt_top_n)
+                result = score_prompt(
+                    self.model, hidden, batch.prompt_logprob_index, batch.prompt_logprob_targets, batch.prompt_top_n
+                )
                 if scored is not None:
                     scored.append(result)
             hidden = hidden[batch.last_indices]  # decode has one token per request already
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def launch(self, batch: ForwardBatch, info: SamplingBatchInfo, future_slots: list[int],
-               grammar_mask: torch.Tensor | None = None) -> ForwardResult:
+    def launch(
+        self,
+        batch: ForwardBatch,
+        info: SamplingBatchInfo,
+        future_slots: list[int],
+        grammar_mask: torch.Tensor | None = None,
+    ) -> ForwardResult:
         """Queue forward + sample of `batch` and the copy of its results to pinned host memory.
 
         Returns at once; the host may read the result after `result.copy_done.synchronize()`.
@@ -249,8 +266,14 @@ class ModelRunner:
         return QueuedForward(logits, scored)
 
     @torch.inference_mode()
-    def launch_sample(self, batch: ForwardBatch, info: SamplingBatchInfo, future_slots: list[int],
-                      queued: "QueuedForward", grammar_mask: torch.Tensor | None = None) -> ForwardResult:
+    def launch_sample(
+        self,
+        batch: ForwardBatch,
+        info: SamplingBatchInfo,
+        future_slots: list[int],
+        queued: "QueuedForward",
+        grammar_mask: torch.Tensor | None = None,
+    ) -> ForwardResult:
         """The second half of `launch`: sample the queued forward's logits, then copy to the host.
         A graph's logits live in its output buffer until the next replay, which the forward stream
         orders after this sample."""
@@ -278,8 +301,16 @@ class ModelRunner:
             prompt = scored[0].to_host() if scored else None  # rare: into fresh pinned memory
             copy_done = streams.event()
             copy_done.record(streams.d2h_stream)
-        return ForwardResult(host, bs, out.logprobs is not None, k, copy_done, published,
-                             keep_alive=[batch, info, out, scored, mask], prompt_logprobs=prompt)
+        return ForwardResult(
+            host,
+            bs,
+            out.logprobs is not None,
+            k,
+            copy_done,
+            published,
+            keep_alive=[batch, info, out, scored, mask],
+            prompt_logprobs=prompt,
+        )
 
     @torch.inference_mode()
     def launch_replica(self, batch: ForwardBatch, future_slots: list[int]):

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-
 # numpy builds an array from a list ~3x faster than torch.tensor (128 x 6 ints: 14 vs 45 us).
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
 

@@ -54,7 +54,9 @@ def prefill_capture_sizes(max_tokens: int) -> list[int]:
 
 
 class PrefillGraphRunner:
-    def __init__(self, runner, max_tokens: int, max_reqs: int = MAX_PREFILL_GRAPH_REQS, pool=None, capture: bool = True):
+    def __init__(
+        self, runner, max_tokens: int, max_reqs: int = MAX_PREFILL_GRAPH_REQS, pool=None, capture: bool = True
+    ):
         if max_tokens % 16:
             raise ValueError(f"prefill graphs need a token count that is a multiple of 16, got {max_tokens}")
         self.runner = runner
@@ -128,7 +130,10 @@ class PrefillGraphRunner:
         used = (free_before - torch.cuda.mem_get_info(self.runner.device)[0]) / 2**20
         logger.info(
             "captured prefill CUDA graphs for %d token counts up to %d, %d requests each (%.0f MiB)",
-            len(self.sizes), self.max_tokens, self.max_reqs, used,
+            len(self.sizes),
+            self.max_tokens,
+            self.max_reqs,
+            used,
         )
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:

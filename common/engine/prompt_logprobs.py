@@ -27,6 +27,7 @@ class PromptLogprobs:
 
     def to_host(self) -> "PromptLogprobs":
         """Copies on the current stream into pinned host memory (on CUDA); read after it syncs."""
+
         def host(t):
             return None if t is None else t.to("cpu", non_blocking=True)
 
@@ -48,6 +49,8 @@ def score_prompt(model, hidden: torch.Tensor, index: torch.Tensor, targets: torc
             top_lps.append(values)
             top_ids.append(ids)
     return PromptLogprobs(
-        torch.cat(logprobs), torch.cat(ranks),
-        torch.cat(top_ids) if top_n else None, torch.cat(top_lps) if top_n else None,
+        torch.cat(logprobs),
+        torch.cat(ranks),
+        torch.cat(top_ids) if top_n else None,
+        torch.cat(top_lps) if top_n else None,
     )

@@ -4,7 +4,8 @@
 plus host-side flags that let `sample` skip whatever no row needs (an all-greedy batch is one
 argmax). Per row, in order: repetition/frequency/presence penalties -> logit_bias -> the grammar's
 token mask -> min_new_tokens masking of EOS and stop ids -> greedy rows take the argmax; the
-others: temperature -> top-k -> top-p -> min-p -> the exponential race `argmax(p / q)`, q ~ Exp(1). Logprobs are of the raw logits.
+others: temperature -> top-k -> top-p -> min-p -> the exponential race `argmax(p / q)`, q ~ Exp(1).
+Logprobs are of the raw logits.
 
 The noise q is a counter-based hash of (seed, step, token id) computed with int64 tensor ops, so a
 seeded request draws the same tokens whatever else is in the batch and in whatever order.
@@ -79,9 +80,7 @@ class SamplingBatchInfo:
     bias_values: torch.Tensor | None = None  # [L] float32: their biases
 
     @classmethod
-    def from_reqs(
-        cls, reqs: list[Req], vocab_size: int, eos_token_ids: tuple[int, ...], device
-    ) -> "SamplingBatchInfo":
+    def from_reqs(cls, reqs: list[Req], vocab_size: int, eos_token_ids: tuple[int, ...], device) -> "SamplingBatchInfo":
         """Builds the batch's tensors. The sample step (noise) and min_new_tokens count pending
         tokens too (req.num_sampled); penalties need the token values, so a batch with penalties
         must not have pending tokens (the overlap loop runs such batches serially)."""
@@ -95,10 +94,23 @@ class SamplingBatchInfo:
     def plain_greedy(cls, batch_size: int, vocab_size: int) -> "SamplingBatchInfo":
         """What build() gives a batch of plain greedy requests: argmax, nothing else."""
         return cls(
-            batch_size=batch_size, vocab_size=vocab_size, all_greedy=True, greedy=None, temperatures=None,
-            top_ks=None, top_ps=None, min_ps=None, noise_keys=None, repetition_penalties=None, seen_token_idx=None,
-            frequency_penalties=None, presence_penalties=None, output_token_idx=None, banned_token_idx=None,
-            want_logprobs=False, top_logprobs_k=0,
+            batch_size=batch_size,
+            vocab_size=vocab_size,
+            all_greedy=True,
+            greedy=None,
+            temperatures=None,
+            top_ks=None,
+            top_ps=None,
+            min_ps=None,
+            noise_keys=None,
+            repetition_penalties=None,
+            seen_token_idx=None,
+            frequency_penalties=None,
+            presence_penalties=None,
+            output_token_idx=None,
+            banned_token_idx=None,
+            want_logprobs=False,
+            top_logprobs_k=0,
         )
 
     @classmethod
@@ -144,7 +156,9 @@ class SamplingBatchInfo:
             top_ks=column(any(k < vocab_size for k in top_ks), top_ks, torch.int64),
             top_ps=column(any(p < float("inf") for p in top_ps), top_ps, torch.float32),
             min_ps=column(any(m > 0.0 for m in min_ps), min_ps, torch.float32),
-            noise_keys=None if all_greedy else column(True, [row_key(r.seed, r.num_sampled) for r in reqs], torch.int64),
+            noise_keys=None
+            if all_greedy
+            else column(True, [row_key(r.seed, r.num_sampled) for r in reqs], torch.int64),
             repetition_penalties=column(bool(seen), [p.repetition_penalty for p in params], torch.float32),
             seen_token_idx=upload(bool(seen), seen, torch.int64),
             frequency_penalties=column(bool(counted), [p.frequency_penalty for p in params], torch.float32),
@@ -166,7 +180,9 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None  # [B, K] float32, descending
 
 
-def process_logits(logits: torch.Tensor, info: SamplingBatchInfo, grammar_mask: torch.Tensor | None = None) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor, info: SamplingBatchInfo, grammar_mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Steps 1-4: penalties, logit_bias, the grammar's token mask, then min_new_tokens masking.
     Returns a new tensor; `logits` is untouched (logprobs are of the raw distribution)."""
     batch, vocab = logits.shape

@@ -42,8 +42,16 @@ class TPGroup:
         return cls(0, 1, device)
 
     @classmethod
-    def join(cls, rank: int, size: int, device: torch.device, store_port: int, timeout_s: float,
-             store=None, host: str = "127.0.0.1") -> "TPGroup":
+    def join(
+        cls,
+        rank: int,
+        size: int,
+        device: torch.device,
+        store_port: int,
+        timeout_s: float,
+        store=None,
+        host: str = "127.0.0.1",
+    ) -> "TPGroup":
         """Meet the other ranks. Rank 0 passes the TCPStore it serves (made before the other ranks
         were started, so its port is bound); the others connect to `host:store_port`."""
         timeout = datetime.timedelta(seconds=timeout_s)

@@ -49,10 +49,22 @@ class Step(msgspec.Struct, tag=True, array_like=True):
     @classmethod
     def of(cls, plan: BatchPlan, slots: list[int]) -> "Step":
         rw, scored = plan.row_writes, plan.prompt_logprobs
-        return cls(plan.mode.value, plan.packed.tobytes(), plan.num_tokens, plan.seq_lens, plan.extend_lens,
-                   plan.extend_starts, plan.req_rows, plan.samples, plan.has_placeholders,
-                   rw.tobytes() if rw is not None else b"", plan.seq, slots[0] if slots else 0,
-                   scored.tobytes() if scored is not None else b"", plan.prompt_top_n)
+        return cls(
+            plan.mode.value,
+            plan.packed.tobytes(),
+            plan.num_tokens,
+            plan.seq_lens,
+            plan.extend_lens,
+            plan.extend_starts,
+            plan.req_rows,
+            plan.samples,
+            plan.has_placeholders,
+            rw.tobytes() if rw is not None else b"",
+            plan.seq,
+            slots[0] if slots else 0,
+            scored.tobytes() if scored is not None else b"",
+            plan.prompt_top_n,
+        )
 
     def plan(self) -> BatchPlan:
         mode = ForwardMode(self.mode)
@@ -60,9 +72,24 @@ class Step(msgspec.Struct, tag=True, array_like=True):
         if mode is ForwardMode.DECODE:
             packed = packed.reshape(6, -1)
         rw = np.frombuffer(self.row_writes, dtype=np.int64).reshape(3, -1).copy() if self.row_writes else None
-        scored = np.frombuffer(self.prompt_logprobs, dtype=np.int64).reshape(2, -1).copy() if self.prompt_logprobs else None
-        return BatchPlan(mode, packed, self.num_tokens, self.seq_lens, self.extend_lens, self.extend_starts,
-                         self.req_rows, self.samples, self.has_placeholders, rw, self.seq, scored, self.prompt_top_n)
+        scored = (
+            np.frombuffer(self.prompt_logprobs, dtype=np.int64).reshape(2, -1).copy() if self.prompt_logprobs else None
+        )
+        return BatchPlan(
+            mode,
+            packed,
+            self.num_tokens,
+            self.seq_lens,
+            self.extend_lens,
+            self.extend_starts,
+            self.req_rows,
+            self.samples,
+            self.has_placeholders,
+            rw,
+            self.seq,
+            scored,
+            self.prompt_top_n,
+        )
 
     @property
     def slots(self) -> list[int]:

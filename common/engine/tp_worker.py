@@ -19,8 +19,9 @@ token ids reach the other ranks' FutureMaps by a broadcast inside the forward (M
 a later plan's placeholders resolve the same on every rank.
 
 Failure: rank 0 checks that every rank is alive before each send (and, in a server, every
-ALIVE_PERIOD_S when idle) and raises (after killing the rest) when one is not; a rank whose rank 0 is gone (its parent process changed) exits within a
-second; a collective with a dead peer fails at once on gloo, and after --dist-timeout at worst.
+ALIVE_PERIOD_S when idle) and raises (after killing the rest) when one is not; a rank whose rank 0
+is gone (its parent process changed) exits within a second; a collective with a dead peer fails at
+once on gloo, and after --dist-timeout at worst.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import tempfile
 import time
 import traceback
 from collections import deque
-
 from dataclasses import dataclass
 
 import zmq
@@ -111,10 +111,16 @@ class TPWorkers:
                 sock.bind(endpoint)
                 sockets.append(sock)
                 args = {
-                    "config": dataclasses.asdict(config), "rank": rank, "store_port": port, "endpoint": endpoint,
-                    "parent": os.getpid(), "prefill_graphs": prefill_graphs, "threads": torch.get_num_threads(),
+                    "config": dataclasses.asdict(config),
+                    "rank": rank,
+                    "store_port": port,
+                    "endpoint": endpoint,
+                    "parent": os.getpid(),
+                    "prefill_graphs": prefill_graphs,
+                    "threads": torch.get_num_threads(),
                     "log_level": logging.getLogger().getEffectiveLevel(),
-                    "kv": dataclasses.asdict(kv) if kv is not None else None, "reports": reports_endpoint,
+                    "kv": dataclasses.asdict(kv) if kv is not None else None,
+                    "reports": reports_endpoint,
                 }
                 procs.append(subprocess.Popen([sys.executable, "-m", __name__, json.dumps(args)]))
             workers.group = TPGroup.join(0, size, rank_device(config.device, 0), port, timeout, store=store)
@@ -344,7 +350,9 @@ def main(argv: list[str]) -> int:
     sock.connect(args["endpoint"])
     closers = []
     try:
-        group = TPGroup.join(rank, config.tp_size, rank_device(config.device, rank), args["store_port"], config.dist_timeout)
+        group = TPGroup.join(
+            rank, config.tp_size, rank_device(config.device, rank), args["store_port"], config.dist_timeout
+        )
         # The same start-up as rank 0's engine (EngineCore.__init__), step for step: the runner
         # (KV sizing and graph capture are collectives), the KV agent, then the warm-up.
         # NOTE the agent before the warm-up: rank 0 waits for every rank's pool (its scheduler)
@@ -358,7 +366,12 @@ def main(argv: list[str]) -> int:
         if runner.device.type == "cuda":
             chunk = config.chunked_prefill_size
             runner.warmup(chunk if chunk > 0 else 8192)
-        stopped = follow(runner, BatchBuilder(runner.req_to_token_pool, config.page_size), _receiver(sock, args["parent"], duty), duty)
+        stopped = follow(
+            runner,
+            BatchBuilder(runner.req_to_token_pool, config.page_size),
+            _receiver(sock, args["parent"], duty),
+            duty,
+        )
         if stopped:  # rank 0 shuts its communicator down alongside (TPWorkers.close)
             runner.release_graphs()
             group.shutdown()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -155,8 +154,9 @@ class KVTransferAgent(ABC):
         added again. Unknown names are ignored."""
 
     @abstractmethod
-    def write_pages(self, peer: str, src_pages: list[int], dst_pages: list[int], notif: bytes,
-                    heads: range | None = None) -> TransferHandle:
+    def write_pages(
+        self, peer: str, src_pages: list[int], dst_pages: list[int], notif: bytes, heads: range | None = None
+    ) -> TransferHandle:
         """Post a WRITE of every layer's K and V of local `src_pages` into the peer's `dst_pages`
         (pairwise, same order) and return at once: the model's KV heads `heads` (default: all of
         this pool's), which both pools must hold.

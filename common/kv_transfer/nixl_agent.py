@@ -76,15 +76,15 @@ class NixlKVAgent(KVTransferAgent):
         self._registered = self._agent.register_memory(regions, self._mem_type)
         # Taken after registration: the agent metadata carries the registered regions' remote keys.
         self._metadata = PoolMetadata(
-                name=name,
-                layout=self.layout,
-                mem_type=self._mem_type,
-                device_id=self._device_id,
-                k_addrs=self._k_addrs,
-                v_addrs=self._v_addrs,
-                transport_metadata=self._agent.get_agent_metadata(),
-                gpu_uuid=gpu_uuid(device) if device.type == "cuda" else "",
-                ipc_buffers=share_buffers(buffers) if device.type == "cuda" else (),
+            name=name,
+            layout=self.layout,
+            mem_type=self._mem_type,
+            device_id=self._device_id,
+            k_addrs=self._k_addrs,
+            v_addrs=self._v_addrs,
+            transport_metadata=self._agent.get_agent_metadata(),
+            gpu_uuid=gpu_uuid(device) if device.type == "cuda" else "",
+            ipc_buffers=share_buffers(buffers) if device.type == "cuda" else (),
         )
         self._peers: dict[str, PoolMetadata] = {}
         self._live: set[NixlTransferHandle] = set()
@@ -130,8 +130,9 @@ class NixlKVAgent(KVTransferAgent):
         except _NIXL_ERRORS as error:
             logger.warning("NIXL could not invalidate peer %r: %r", name, error)
 
-    def write_pages(self, peer: str, src_pages: list[int], dst_pages: list[int], notif: bytes,
-                    heads: range | None = None) -> TransferHandle:
+    def write_pages(
+        self, peer: str, src_pages: list[int], dst_pages: list[int], notif: bytes, heads: range | None = None
+    ) -> TransferHandle:
         agent = self._open_agent()
         target = self._peers.get(peer)
         if target is None:
@@ -143,23 +144,41 @@ class NixlKVAgent(KVTransferAgent):
         heads = self.layout.heads if heads is None else heads
         for side, layout in (("this", self.layout), (f"peer {peer!r}'s", target.layout)):
             if not heads or heads.start < layout.head_start or heads.stop > layout.heads.stop:
-                raise ValueError(f"KV heads [{heads.start}, {heads.stop}) are not all in {side} pool "
-                                 f"(it holds [{layout.heads.start}, {layout.heads.stop}))")
+                raise ValueError(
+                    f"KV heads [{heads.start}, {heads.stop}) are not all in {side} pool "
+                    f"(it holds [{layout.heads.start}, {layout.heads.stop}))"
+                )
         if self._same_gpu is not None and peer in self._same_gpu.peers:
-            handle = self._same_gpu.write(peer, src_pages, dst_pages, _local(heads, self.layout),
-                                          _local(heads, target.layout),
-                                          self.layout.transfer_bytes(len(src_pages), len(heads)), notif)
+            handle = self._same_gpu.write(
+                peer,
+                src_pages,
+                dst_pages,
+                _local(heads, self.layout),
+                _local(heads, target.layout),
+                self.layout.transfer_bytes(len(src_pages), len(heads)),
+                notif,
+            )
             self._live.add(handle)
             return handle
         runs = coalesce_runs(src_pages, dst_pages)
         hpb = self.layout.head_page_bytes
         local = run_descriptors(
-            self._k_addrs, self._v_addrs, hpb, self.layout.num_pages, self._device_id,
-            _local(heads, self.layout), [(src, n) for src, _, n in runs]
+            self._k_addrs,
+            self._v_addrs,
+            hpb,
+            self.layout.num_pages,
+            self._device_id,
+            _local(heads, self.layout),
+            [(src, n) for src, _, n in runs],
         )
         remote = run_descriptors(
-            target.k_addrs, target.v_addrs, hpb, target.layout.num_pages, target.device_id,
-            _local(heads, target.layout), [(dst, n) for _, dst, n in runs]
+            target.k_addrs,
+            target.v_addrs,
+            hpb,
+            target.layout.num_pages,
+            target.device_id,
+            _local(heads, target.layout),
+            [(dst, n) for _, dst, n in runs],
         )
         try:
             xfer = agent.initialize_xfer(

@@ -26,8 +26,9 @@ def new_room() -> int:
     return secrets.randbits(63)
 
 
-def encode_notif(room: int, first_token: int, logprobs: dict | None, pages: int, nbytes: int,
-                 heads: range | None = None) -> bytes:
+def encode_notif(
+    room: int, first_token: int, logprobs: dict | None, pages: int, nbytes: int, heads: range | None = None
+) -> bytes:
     """Bytes for `write_pages(..., notif=...)`: the room, the first sampled token, its logprobs,
     the page and byte counts of the WRITE and the KV heads it moved (None: all the receiver's).
 
@@ -35,8 +36,15 @@ def encode_notif(room: int, first_token: int, logprobs: dict | None, pages: int,
     """
     if not 0 <= room < _ROOM_LIMIT:
         raise ValueError(f"room must be a 63-bit non-negative int, got {room}")
-    message = {"v": NOTIF_VERSION, "room": room, "first_token": first_token, "logprobs": logprobs,
-               "pages": pages, "bytes": nbytes, "heads": [heads.start, heads.stop] if heads is not None else None}
+    message = {
+        "v": NOTIF_VERSION,
+        "room": room,
+        "first_token": first_token,
+        "logprobs": logprobs,
+        "pages": pages,
+        "bytes": nbytes,
+        "heads": [heads.start, heads.stop] if heads is not None else None,
+    }
     return json.dumps(message, separators=(",", ":")).encode()
 
 
@@ -54,13 +62,20 @@ def decode_notif(data: bytes) -> dict:
     if not isinstance(message, dict) or message.get("v") != NOTIF_VERSION or not all(f in message for f in _FIELDS):
         raise ValueError(f"not a version-{NOTIF_VERSION} KV transfer notification: {data[:64]!r}")
     ints = [message[f] for f in ("room", "first_token", "pages", "bytes")]
-    if not all(type(i) is int and i >= 0 for i in ints) or message["room"] >= _ROOM_LIMIT \
-            or not isinstance(message["logprobs"], dict | None):
+    if (
+        not all(type(i) is int and i >= 0 for i in ints)
+        or message["room"] >= _ROOM_LIMIT
+        or not isinstance(message["logprobs"], dict | None)
+    ):
         raise ValueError(f"a KV transfer notification with bad fields: {data[:64]!r}")
     heads = message["heads"]
     if heads is not None:
-        if not (isinstance(heads, list) and len(heads) == 2 and all(type(h) is int for h in heads)
-                and 0 <= heads[0] < heads[1]):
+        if not (
+            isinstance(heads, list)
+            and len(heads) == 2
+            and all(type(h) is int for h in heads)
+            and 0 <= heads[0] < heads[1]
+        ):
             raise ValueError(f"a KV transfer notification with bad heads: {data[:64]!r}")
         heads = range(heads[0], heads[1])
     return {f: message[f] for f in _FIELDS} | {"heads": heads}

@@ -71,8 +71,10 @@ def decode_pool_metadata(data: bytes) -> list[PoolMetadata]:
     if magic != MAGIC:
         raise ValueError(f"not pdserve KV pool metadata (magic {magic!r}, expected {MAGIC!r})")
     if version != VERSION:
-        raise ValueError(f"KV pool metadata version {version}, this side speaks version {VERSION} "
-                         "(prefill and decode servers must run the same pdserve release)")
+        raise ValueError(
+            f"KV pool metadata version {version}, this side speaks version {VERSION} "
+            "(prefill and decode servers must run the same pdserve release)"
+        )
     body_end = _HEADER.size + body_len
     if len(data) < body_end:
         raise ValueError(f"KV pool metadata truncated ({len(data)} bytes, header says at least {body_end})")
@@ -82,17 +84,19 @@ def decode_pool_metadata(data: bytes) -> list[PoolMetadata]:
             end = offset + int(fields["transport_len"])
             if end > len(data):
                 raise ValueError(f"KV pool metadata truncated ({len(data)} bytes, its ranks need {end})")
-            ranks.append(PoolMetadata(
-                name=fields["name"],
-                layout=KVLayout(**fields["layout"]),
-                mem_type=fields["mem_type"],
-                device_id=fields["device_id"],
-                k_addrs=tuple(fields["k_addrs"]),
-                v_addrs=tuple(fields["v_addrs"]),
-                transport_metadata=bytes(data[offset:end]),
-                gpu_uuid=str(fields.get("gpu_uuid", "")),
-                ipc_buffers=tuple(tuple(b) for b in fields.get("ipc_buffers", ())),
-            ))
+            ranks.append(
+                PoolMetadata(
+                    name=fields["name"],
+                    layout=KVLayout(**fields["layout"]),
+                    mem_type=fields["mem_type"],
+                    device_id=fields["device_id"],
+                    k_addrs=tuple(fields["k_addrs"]),
+                    v_addrs=tuple(fields["v_addrs"]),
+                    transport_metadata=bytes(data[offset:end]),
+                    gpu_uuid=str(fields.get("gpu_uuid", "")),
+                    ipc_buffers=tuple(tuple(b) for b in fields.get("ipc_buffers", ())),
+                )
+            )
             offset = end
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
         raise ValueError(f"malformed KV pool metadata: {error!r}") from error
@@ -108,6 +112,8 @@ def decode_pool_metadata(data: bytes) -> list[PoolMetadata]:
             )
         heads = meta.layout.heads
         if heads.start < 0 or heads.stop > meta.layout.model_kv_heads or not heads:
-            raise ValueError(f"KV pool metadata of {meta.name!r} holds KV heads [{heads.start}, {heads.stop}) "
-                             f"of a model with {meta.layout.model_kv_heads}")
+            raise ValueError(
+                f"KV pool metadata of {meta.name!r} holds KV heads [{heads.start}, {heads.stop}) "
+                f"of a model with {meta.layout.model_kv_heads}"
+            )
     return ranks

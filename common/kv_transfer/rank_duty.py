@@ -19,7 +19,15 @@ import time
 from typing import Callable
 
 from pdserve.common.engine.tp_messages import (
-    AddPeers, CancelWrite, ForgetPeers, Notifs, Probe, RankState, Watch, WriteEnded, WriteKV,
+    AddPeers,
+    CancelWrite,
+    ForgetPeers,
+    Notifs,
+    Probe,
+    RankState,
+    Watch,
+    WriteEnded,
+    WriteKV,
 )
 from pdserve.common.kv_transfer.base import KVTransferAgent, KVTransferError, TransferState
 from pdserve.common.kv_transfer.pool_metadata import decode_pool_metadata
@@ -70,16 +78,23 @@ class SenderDuty:
                 continue
             self.agent.release(handle)
             del self.posted[id]
-            self.report(WriteEnded(id, self.rank, "done" if state is TransferState.DONE else "failed",
-                                   "" if state is TransferState.DONE else f"WRITE to {handle.peer} failed"))
+            self.report(
+                WriteEnded(
+                    id,
+                    self.rank,
+                    "done" if state is TransferState.DONE else "failed",
+                    "" if state is TransferState.DONE else f"WRITE to {handle.peer} failed",
+                )
+            )
 
     def _post(self, order: WriteKV) -> None:
         if order.peer in self.bad_peers:
             self.report(WriteEnded(order.id, self.rank, "failed", self.bad_peers[order.peer]))
             return
         try:
-            handle = self.agent.write_pages(order.peer, order.src_pages, order.dst_pages, order.notif,
-                                            range(order.head_start, order.head_stop))
+            handle = self.agent.write_pages(
+                order.peer, order.src_pages, order.dst_pages, order.notif, range(order.head_start, order.head_stop)
+            )
         except (KVTransferError, ValueError) as e:
             self.report(WriteEnded(order.id, self.rank, "failed", f"could not start: {e}"))
             return

@@ -43,8 +43,18 @@ def share_buffers(buffers: list[torch.Tensor]) -> tuple[tuple, ...]:
     for buffer in buffers:
         storage = buffer.untyped_storage()
         _, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = storage._share_cuda_()
-        shared.append((handle.hex(), size, offset, ref_handle.hex(), ref_offset, event_handle.hex(), event_sync,
-                       buffer.storage_offset()))
+        shared.append(
+            (
+                handle.hex(),
+                size,
+                offset,
+                ref_handle.hex(),
+                ref_offset,
+                event_handle.hex(),
+                event_sync,
+                buffer.storage_offset(),
+            )
+        )
     return tuple(shared)
 
 
@@ -54,8 +64,15 @@ def open_buffers(shared: tuple[tuple, ...], layout: KVLayout, device: torch.devi
     itemsize = getattr(torch, layout.dtype).itemsize
     for handle, size, offset, ref_handle, ref_offset, event_handle, event_sync, storage_offset in shared:
         storage = torch.UntypedStorage._new_shared_cuda(
-            device.index, bytes.fromhex(handle), size, offset, bytes.fromhex(ref_handle), ref_offset,
-            bytes.fromhex(event_handle), event_sync)
+            device.index,
+            bytes.fromhex(handle),
+            size,
+            offset,
+            bytes.fromhex(ref_handle),
+            ref_offset,
+            bytes.fromhex(event_handle),
+            event_sync,
+        )
         flat = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
         start = storage_offset * itemsize
         views.append(page_view(flat[start : start + _buffer_bytes(layout)], layout))
@@ -71,8 +88,14 @@ def _buffer_bytes(layout: KVLayout) -> int:
     return layout.kv_heads * layout.num_pages * layout.head_page_bytes
 
 
-def copy_pages(src: list[torch.Tensor], dst: list[torch.Tensor], src_pages: list[int], dst_pages: list[int],
-               src_heads: range, dst_heads: range) -> None:
+def copy_pages(
+    src: list[torch.Tensor],
+    dst: list[torch.Tensor],
+    src_pages: list[int],
+    dst_pages: list[int],
+    src_heads: range,
+    dst_heads: range,
+) -> None:
     """dst[b][dst_heads, dst_pages] = src[b][src_heads, src_pages] for every buffer b (page views),
     on the current stream: one gather and one scatter per buffer."""
     device = dst[0].device
@@ -122,8 +145,16 @@ class SameGpuPeers:
     def remove(self, name: str) -> None:
         self.peers.pop(name, None)
 
-    def write(self, peer: str, src_pages: list[int], dst_pages: list[int], src_heads: range, dst_heads: range,
-              num_bytes: int, notif: bytes) -> SameGpuHandle:
+    def write(
+        self,
+        peer: str,
+        src_pages: list[int],
+        dst_pages: list[int],
+        src_heads: range,
+        dst_heads: range,
+        num_bytes: int,
+        notif: bytes,
+    ) -> SameGpuHandle:
         with torch.cuda.stream(self.stream):
             copy_pages(self.own, self.peers[peer], src_pages, dst_pages, src_heads, dst_heads)
             event = torch.cuda.Event()

@@ -68,8 +68,10 @@ class KVSender:
         for pool in pools:
             reason = self.layout.compatible_with(pool.layout)
             if reason is not None:
-                raise ValueError(f"KV layout of {pool.name!r} (rank {pools.index(pool)} of {len(pools)} of server "
-                                 f"{name!r}) is incompatible with this server's: {reason}")
+                raise ValueError(
+                    f"KV layout of {pool.name!r} (rank {pools.index(pool)} of {len(pools)} of server "
+                    f"{name!r}) is incompatible with this server's: {reason}"
+                )
         if known is not None:
             self.remove_peer(name)  # restarted under the same name: new addresses
         writes = plan_writes([p.heads for p in self.server.rank_layouts], [p.layout.heads for p in pools])
@@ -93,8 +95,16 @@ class KVSender:
         if self.workers is not None:
             self.workers.broadcast(ForgetPeers([p.name for p in peer.pools]))
 
-    def write(self, peer: str, src_pages: list[int], dst_pages: list[int], *, room: int, first_token: int,
-              logprobs: dict | None) -> WriteGroup:
+    def write(
+        self,
+        peer: str,
+        src_pages: list[int],
+        dst_pages: list[int],
+        *,
+        room: int,
+        first_token: int,
+        logprobs: dict | None,
+    ) -> WriteGroup:
         """Post every rank's WRITEs of one request; KVTransferError (nothing left running) or
         ValueError (bad pages) if rank 0's cannot start."""
         target = self.peers.get(peer)
@@ -112,8 +122,20 @@ class KVSender:
                 if w.src_rank == 0:
                     group.local.append(self.server.agent.write_pages(pool.name, src_pages, dst_pages, notif, w.heads))
                 else:
-                    orders.append((w.src_rank, WriteKV(next(self._ids), pool.name, list(src_pages), list(dst_pages),
-                                                       w.heads.start, w.heads.stop, notif)))
+                    orders.append(
+                        (
+                            w.src_rank,
+                            WriteKV(
+                                next(self._ids),
+                                pool.name,
+                                list(src_pages),
+                                list(dst_pages),
+                                w.heads.start,
+                                w.heads.stop,
+                                notif,
+                            ),
+                        )
+                    )
         except BaseException:
             self.release(group)
             raise
@@ -158,7 +180,9 @@ class KVSender:
                 continue  # released (cancelled) meanwhile
             group.remote.pop(ended.id, None)
             if ended.state != "done" and group.failure is None:
-                group.failure = f"KV transfer to {group.peer} failed on TP rank {ended.rank}: {ended.error or ended.state}"
+                group.failure = (
+                    f"KV transfer to {group.peer} failed on TP rank {ended.rank}: {ended.error or ended.state}"
+                )
 
     def open_transfers(self) -> int:
         return len(self.open)

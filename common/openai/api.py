@@ -12,8 +12,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.common.openai.fields import (  # OpenAIError: callers import it from here too
-    INT32_MAX, MASK64, UINT32_MAX, OpenAIError, _boolean, _check_unicode, _integer, _is_int, _json_type, _logit_bias, _number,
-    _stop, _stop_token_ids, _wrong_type,
+    INT32_MAX,
+    MASK64,
+    UINT32_MAX,
+    OpenAIError,
+    _boolean,
+    _check_unicode,
+    _integer,
+    _is_int,
+    _json_type,
+    _logit_bias,
+    _number,
+    _stop,
+    _stop_token_ids,
+    _wrong_type,
 )
 from pdserve.common.openai.structured import GUIDED_FIELDS, grammar_of
 from pdserve.common.types import MAX_TOP_LOGPROBS, SamplingParams
@@ -119,8 +131,13 @@ def _sampling_fields(body: dict, vocab_size: int) -> dict:
         "logit_bias": _logit_bias(body, vocab_size),
         "temperature": _number(body, "temperature", 1.0, lambda v: 0 <= v <= 2, "between 0 and 2"),
         "top_p": _number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
-        "top_k": _integer(body, "top_k", -1, lambda v: -1 <= v <= INT32_MAX,
-                          f"-1 (disabled), 0 (disabled) or positive, at most {INT32_MAX}"),
+        "top_k": _integer(
+            body,
+            "top_k",
+            -1,
+            lambda v: -1 <= v <= INT32_MAX,
+            f"-1 (disabled), 0 (disabled) or positive, at most {INT32_MAX}",
+        ),
         "min_p": _number(body, "min_p", 0.0, lambda v: 0 <= v <= 1, "in [0, 1]"),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0, lambda v: 0 < v <= 2, "in (0, 2]"),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "between -2 and 2"),
@@ -128,7 +145,9 @@ def _sampling_fields(body: dict, vocab_size: int) -> dict:
         "stop": _stop(body),
         "stop_token_ids": _stop_token_ids(body, vocab_size),
         "ignore_eos": _boolean(body, "ignore_eos", False),
-        "min_new_tokens": _integer(body, "min_tokens", 0, lambda v: 0 <= v <= UINT32_MAX, f"between 0 and {UINT32_MAX}"),
+        "min_new_tokens": _integer(
+            body, "min_tokens", 0, lambda v: 0 <= v <= UINT32_MAX, f"between 0 and {UINT32_MAX}"
+        ),
         "skip_special_tokens": _boolean(body, "skip_special_tokens", True),
         "include_stop_str_in_output": _boolean(body, "include_stop_str_in_output", False),
     }
@@ -160,8 +179,13 @@ def _shared(body: Any, served_model_name: str, accepted: frozenset, allow_stream
         "include_usage": include_usage,
         "return_token_ids": _boolean(body, "return_token_ids", False),
         "grammar": grammar_of(body),
-        "prompt_logprobs": _integer(body, "prompt_logprobs", None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
-                                    f"between 0 and {MAX_TOP_LOGPROBS} (-1, the whole vocabulary, is not supported)"),
+        "prompt_logprobs": _integer(
+            body,
+            "prompt_logprobs",
+            None,
+            lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+            f"between 0 and {MAX_TOP_LOGPROBS} (-1, the whole vocabulary, is not supported)",
+        ),
     }
 
 
@@ -200,8 +224,14 @@ def _build(
             try:
                 seed_of_choice = choice_seed(seed, choice)
                 params.append(
-                    SamplingParams(max_new_tokens=max_new, seed=seed_of_choice, logprobs=logprobs,
-                                   prompt_logprobs=prompt_logprobs, grammar=grammar, **shared["sampling"])
+                    SamplingParams(
+                        max_new_tokens=max_new,
+                        seed=seed_of_choice,
+                        logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs,
+                        grammar=grammar,
+                        **shared["sampling"],
+                    )
                 )
             except ValueError as e:
                 raise OpenAIError(str(e)) from None

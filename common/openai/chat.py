@@ -8,7 +8,14 @@ from typing import Any
 
 # The field rules both endpoints share (package-internal: api.py and this module are one parser).
 from pdserve.common.openai.api import (
-    CHAT_FIELDS, CHAT_ROLES, ParsedRequest, _build, _max_tokens, _shared, _tokenize, check_fan_out,
+    CHAT_FIELDS,
+    CHAT_ROLES,
+    ParsedRequest,
+    _build,
+    _max_tokens,
+    _shared,
+    _tokenize,
+    check_fan_out,
 )
 from pdserve.common.openai.fields import OpenAIError, _boolean, _integer, _json_type, _reject_unless_empty, _wrong_type
 from pdserve.common.openai.tools import CALL_BEGIN, forced_call_grammar, parse_tool_choice, parse_tools
@@ -27,7 +34,7 @@ def _message_content(content: Any, index: int) -> str:
         raise _message_error(index, f".content' must be a string or an array of text parts, got {_json_type(content)}")
     for part in content:
         if not isinstance(part, dict) or set(part) != {"type", "text"} or part["type"] != "text":
-            raise _message_error(index, ".content' parts must be {\"type\": \"text\", \"text\": ...} (only text)")
+            raise _message_error(index, '.content\' parts must be {"type": "text", "text": ...} (only text)')
         if not isinstance(part["text"], str):
             raise _message_error(index, f".content' part text must be a string, got {_json_type(part['text'])}")
     return "".join(part["text"] for part in content)
@@ -58,10 +65,16 @@ def _tool_calls(calls: Any, index: int) -> list[dict]:
     result = []
     for j, call in enumerate(calls):
         where = f".tool_calls[{j}]"
-        if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(call.get("function"), dict):
-            raise _message_error(index, f"{where}' must be {{\"id\", \"type\": \"function\", \"function\": {{...}}}}")
-        for part, fields, allowed in ((where, call, {"id", "type", "function"}),
-                                      (f"{where}.function", call["function"], {"name", "arguments"})):
+        if (
+            not isinstance(call, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(call.get("function"), dict)
+        ):
+            raise _message_error(index, f'{where}\' must be {{"id", "type": "function", "function": {{...}}}}')
+        for part, fields, allowed in (
+            (where, call, {"id", "type", "function"}),
+            (f"{where}.function", call["function"], {"name", "arguments"}),
+        ):
             unknown = sorted(set(fields) - allowed)
             if unknown:
                 raise _message_error(index, f"{part}' has unsupported field(s): {', '.join(unknown)}")
@@ -69,9 +82,13 @@ def _tool_calls(calls: Any, index: int) -> list[dict]:
             raise _message_error(index, f"{where}.id' must be a string, got {_json_type(call.get('id'))}")
         function = call["function"]
         if not isinstance(function.get("name"), str):
-            raise _message_error(index, f"{where}.function.name' must be a string, got {_json_type(function.get('name'))}")
+            raise _message_error(
+                index, f"{where}.function.name' must be a string, got {_json_type(function.get('name'))}"
+            )
         arguments = _call_arguments(function.get("arguments"), where, index)
-        result.append({"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+        result.append(
+            {"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        )
     return result
 
 
@@ -108,8 +125,11 @@ def _chat_messages(messages: Any) -> list[dict]:
             entry["tool_calls"] = calls
         if role == "tool":
             if not isinstance(message.get("tool_call_id"), str):
-                raise _message_error(i, f".tool_call_id' must be a string (the call answered), got "
-                                        f"{_json_type(message.get('tool_call_id'))}")
+                raise _message_error(
+                    i,
+                    f".tool_call_id' must be a string (the call answered), got "
+                    f"{_json_type(message.get('tool_call_id'))}",
+                )
             entry["tool_call_id"] = message["tool_call_id"]
         elif message.get("tool_call_id") is not None:
             raise _message_error(i, ".tool_call_id' is only allowed on tool messages")
@@ -169,9 +189,12 @@ def parse_chat_request(
     tool_choice = parse_tool_choice(body, tools)
     forced = forced_call_grammar(tools, tool_choice, _boolean(body, "parallel_tool_calls", True))
     if forced is not None and structured is not None:
-        raise OpenAIError("cannot combine a structured-output constraint ('response_format', 'structured_outputs' or "
-                          "'guided_*') with a 'tool_choice' that forces a call (\"required\" or a named function): "
-                          "both constrain the whole answer", param="tool_choice")
+        raise OpenAIError(
+            "cannot combine a structured-output constraint ('response_format', 'structured_outputs' or "
+            "'guided_*') with a 'tool_choice' that forces a call (\"required\" or a named function): "
+            "both constrain the whole answer",
+            param="tool_choice",
+        )
     if tool_choice != "none":
         _keep_call_tags(body, shared, tokenizer)
     logprobs = _chat_logprobs(body)
@@ -180,8 +203,9 @@ def parse_chat_request(
     if not getattr(tokenizer, "chat_template", None):
         raise OpenAIError("this model has no chat template; use /v1/completions")
     try:  # tools=None renders as before tools existed; a template without tools support ignores them
-        text = tokenizer.apply_chat_template(messages, tools=tools if tool_choice != "none" else None,
-                                             add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools if tool_choice != "none" else None, add_generation_prompt=True, tokenize=False
+        )
     except Exception as e:  # templates raise (jinja's raise_exception) on conversations they refuse
         raise OpenAIError(f"the chat template rejected the messages: {e}", param="messages") from None
     # The template already carries BOS; adding special tokens again would double it.

@@ -114,8 +114,10 @@ def _stop(body: dict) -> tuple[str, ...]:
     if not all(value):
         raise OpenAIError("'stop' strings must not be empty", param="stop")
     if len(value) > MAX_STOP_STRINGS or max(map(len, value), default=0) > MAX_STOP_STRING_CHARS:
-        raise OpenAIError(f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
-                          f"characters each", param="stop")
+        raise OpenAIError(
+            f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters each",
+            param="stop",
+        )
     for s in value:
         _check_unicode(s, "stop")
     return tuple(value)
@@ -128,10 +130,14 @@ def _stop_token_ids(body: dict, vocab_size: int) -> tuple[int, ...]:
     if not isinstance(value, list) or not all(_is_int(t) for t in value):
         raise _wrong_type("stop_token_ids", "an array of integers", value)
     if len(value) > MAX_STOP_TOKEN_IDS:
-        raise OpenAIError(f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(value)}", param="stop_token_ids")
+        raise OpenAIError(
+            f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(value)}", param="stop_token_ids"
+        )
     bad = [t for t in value if not 0 <= t < vocab_size]
     if bad:
-        raise OpenAIError(f"'stop_token_ids' must be token ids in [0, {vocab_size}), got {bad[:5]}", param="stop_token_ids")
+        raise OpenAIError(
+            f"'stop_token_ids' must be token ids in [0, {vocab_size}), got {bad[:5]}", param="stop_token_ids"
+        )
     return tuple(value)
 
 
@@ -161,14 +167,20 @@ def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
     if not isinstance(value, dict):
         raise _wrong_type("logit_bias", "an object mapping token ids to numbers", value)
     if len(value) > MAX_LOGIT_BIAS_TOKENS:
-        raise OpenAIError(f"'logit_bias' takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(value)}", param="logit_bias")
+        raise OpenAIError(
+            f"'logit_bias' takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(value)}", param="logit_bias"
+        )
     pairs = []
     for key, bias in value.items():
         token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
         if token is None or not 0 <= token < vocab_size:
-            raise OpenAIError(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {key!r}", param="logit_bias")
+            raise OpenAIError(
+                f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {key!r}", param="logit_bias"
+            )
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise OpenAIError(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r} for token {token}",
-                              param="logit_bias")
+            raise OpenAIError(
+                f"'logit_bias' values must be numbers in [-100, 100], got {bias!r} for token {token}",
+                param="logit_bias",
+            )
         pairs.append((token, float(bias)))
     return tuple(sorted(pairs))

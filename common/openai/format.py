@@ -74,16 +74,24 @@ def vllm_prompt_logprobs(parsed: ParsedRequest, completion: Completion, token_te
         ranked = {entry.token_id: (entry.logprob, entry.rank)}
         for rank, (token_id, lp) in enumerate(entry.top[:k], start=1):
             ranked.setdefault(token_id, (lp, rank))
-        out.append({str(t): {"logprob": _logprob(lp), "rank": r, "decoded_token": token_text(t)}
-                    for t, (lp, r) in ranked.items()})
+        out.append(
+            {
+                str(t): {"logprob": _logprob(lp), "rank": r, "decoded_token": token_text(t)}
+                for t, (lp, r) in ranked.items()
+            }
+        )
     return {"prompt_logprobs": out}
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------
 
 
-def completion_logprobs(logprobs: list[TokenLogprob], top_n: int, token_text: Callable[[int], str],
-                        prompt: tuple[list[int], list[TokenLogprob | None]] | None = None) -> dict:
+def completion_logprobs(
+    logprobs: list[TokenLogprob],
+    top_n: int,
+    token_text: Callable[[int], str],
+    prompt: tuple[list[int], list[TokenLogprob | None]] | None = None,
+) -> dict:
     """The legacy logprobs object: per token its text, logprob, the top `top_n` plus the sampled
     token (so up to top_n + 1 entries, as OpenAI documents), and its offset in the text.
 

@@ -36,15 +36,20 @@ def grammar_of(body: dict) -> tuple[str, str] | None:
     found += _structured_outputs(body.get("structured_outputs"))
     if len(found) > 1:
         names = ", ".join(sorted({param for param, _ in found}))
-        raise OpenAIError(f"give at most one structured-output constraint; this request has several ({names})",
-                          param=found[1][0])
+        raise OpenAIError(
+            f"give at most one structured-output constraint; this request has several ({names})", param=found[1][0]
+        )
     backend = body.get("guided_decoding_backend")
     if backend is not None and backend not in BACKENDS:
-        raise OpenAIError(f"'guided_decoding_backend' {backend!r} is not available; this server uses xgrammar",
-                          param="guided_decoding_backend")
+        raise OpenAIError(
+            f"'guided_decoding_backend' {backend!r} is not available; this server uses xgrammar",
+            param="guided_decoding_backend",
+        )
     if body.get("guided_whitespace_pattern") is not None:
-        raise OpenAIError("'guided_whitespace_pattern' is not supported (JSON is generated without free whitespace)",
-                          param="guided_whitespace_pattern")
+        raise OpenAIError(
+            "'guided_whitespace_pattern' is not supported (JSON is generated without free whitespace)",
+            param="guided_whitespace_pattern",
+        )
     return found[0][1] if found else None
 
 
@@ -56,8 +61,10 @@ def _response_format(value: Any) -> tuple[str, str] | None:
     kind = value.get("type")
     known = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
     if kind not in known:
-        raise OpenAIError(f"'response_format.type' must be one of text, json_object, json_schema; got {kind!r}",
-                          param="response_format")
+        raise OpenAIError(
+            f"'response_format.type' must be one of text, json_object, json_schema; got {kind!r}",
+            param="response_format",
+        )
     unknown = sorted(set(value) - known[kind])
     if unknown:
         raise OpenAIError(f"unknown field(s) in 'response_format': {', '.join(unknown)}", param="response_format")
@@ -70,8 +77,9 @@ def _response_format(value: Any) -> tuple[str, str] | None:
         raise _wrong_type("response_format.json_schema", "an object", spec)
     unknown = sorted(set(spec) - {"name", "description", "schema", "strict"})
     if unknown:
-        raise OpenAIError(f"unknown field(s) in 'response_format.json_schema': {', '.join(unknown)}",
-                          param="response_format")
+        raise OpenAIError(
+            f"unknown field(s) in 'response_format.json_schema': {', '.join(unknown)}", param="response_format"
+        )
     name = spec.get("name")
     if not isinstance(name, str) or not name:
         raise OpenAIError("'response_format.json_schema.name' is required (a string)", param="response_format")
@@ -143,8 +151,17 @@ def _structured_outputs(value: Any) -> list[tuple[str, tuple[str, str]]]:
     if not isinstance(value, dict):
         raise _wrong_type("structured_outputs", "an object", value)
     param = "structured_outputs"
-    known = {"json", "regex", "choice", "grammar", "json_object", "structural_tag", "disable_any_whitespace",
-             "disable_additional_properties", "whitespace_pattern"}
+    known = {
+        "json",
+        "regex",
+        "choice",
+        "grammar",
+        "json_object",
+        "structural_tag",
+        "disable_any_whitespace",
+        "disable_additional_properties",
+        "whitespace_pattern",
+    }
     unknown = sorted(set(value) - known)
     if unknown:
         raise OpenAIError(f"unknown field(s) in 'structured_outputs': {', '.join(unknown)}", param=param)
@@ -174,6 +191,7 @@ def _structured_outputs(value: Any) -> list[tuple[str, tuple[str, str]]]:
             raise _wrong_type("structured_outputs.structural_tag", "an object or its JSON text", tag)
         found.append(("structural_tag", ("structural_tag", _limited(text, "structured_outputs.structural_tag"))))
     if len(found) > 1:
-        raise OpenAIError(f"'structured_outputs' takes one constraint, got {', '.join(name for name, _ in found)}",
-                          param=param)
+        raise OpenAIError(
+            f"'structured_outputs' takes one constraint, got {', '.join(name for name, _ in found)}", param=param
+        )
     return [(param, grammar) for _, grammar in found]

@@ -70,7 +70,7 @@ class ToolCallStream:
                 end = self.block.find(CALL_END)
                 if end < 0:
                     return out
-                inner, self.pending, self.block = self.block[:end], self.block[end + len(CALL_END):], None
+                inner, self.pending, self.block = self.block[:end], self.block[end + len(CALL_END) :], None
                 call = self._call(inner)
                 if call is None:
                     self.space = self.space_before_block
@@ -87,7 +87,7 @@ class ToolCallStream:
                 return out
             self._content(self.pending[:begin], out)
             self.space_before_block, self.space = self.space, ""
-            self.block, self.pending = self.pending[begin + len(CALL_BEGIN):], ""
+            self.block, self.pending = self.pending[begin + len(CALL_BEGIN) :], ""
 
     def finish(self) -> list[str | dict]:
         """What is still held, as content: an unclosed block or a partial tag. Trailing whitespace is dropped."""
@@ -103,7 +103,7 @@ class ToolCallStream:
     def _content(self, text: str, out: list[str | dict]) -> None:
         text = self.space + text
         body = text.rstrip()
-        self.space = text[len(body):]
+        self.space = text[len(body) :]
         if not body:
             return
         if not self.started:
@@ -129,8 +129,11 @@ class ToolCallStream:
             arguments.encode("utf-8")
         except (ValueError, TypeError, RecursionError):  # TypeError: a name that is a list or a dict
             return None
-        return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-                "function": {"name": call["name"], "arguments": arguments}}
+        return {
+            "id": f"call_{secrets.token_hex(12)}",
+            "type": "function",
+            "function": {"name": call["name"], "arguments": arguments},
+        }
 
 
 def parse_tool_calls(text: str, names: frozenset[str]) -> tuple[str | None, list[dict]]:

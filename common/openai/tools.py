@@ -52,7 +52,9 @@ def _function(tool: Any, where: str) -> dict:
     if unknown:
         raise _tool_error(where, f"has unsupported field(s): {', '.join(unknown)}")
     if tool.get("type") != "function":
-        raise _tool_error(f"{where}.type", f"must be \"function\" (the only tool type supported), got {tool.get('type')!r}")
+        raise _tool_error(
+            f"{where}.type", f'must be "function" (the only tool type supported), got {tool.get("type")!r}'
+        )
     function = tool.get("function")
     where = f"{where}.function"
     if not isinstance(function, dict):
@@ -110,22 +112,31 @@ def parse_tools(body: dict) -> list[dict] | None:
 
 
 def parse_tool_choice(body: dict, tools: list[dict] | None) -> str | dict:
-    """"none", "auto", "required" or {"type": "function", "function": {"name": X}} with X a tool;
+    """ "none", "auto", "required" or {"type": "function", "function": {"name": X}} with X a tool;
     absent: "auto" with tools, "none" without."""
     choice = body.get("tool_choice")
     if choice is None:
         return "auto" if tools else "none"
     if isinstance(choice, str):
         if choice not in CHOICES:
-            raise OpenAIError(f"'tool_choice' must be \"none\", \"auto\", \"required\" or "
-                              f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}",
-                              param="tool_choice")
+            raise OpenAIError(
+                f'\'tool_choice\' must be "none", "auto", "required" or '
+                f'{{"type": "function", "function": {{"name": ...}}}}, got {choice!r}',
+                param="tool_choice",
+            )
     elif isinstance(choice, dict):
         function = choice.get("function")
-        if set(choice) != {"type", "function"} or choice["type"] != "function" or not isinstance(function, dict) \
-                or set(function) != {"name"} or not isinstance(function["name"], str):
-            raise OpenAIError("'tool_choice' as an object must be {\"type\": \"function\", \"function\": "
-                              "{\"name\": ...}}", param="tool_choice")
+        if (
+            set(choice) != {"type", "function"}
+            or choice["type"] != "function"
+            or not isinstance(function, dict)
+            or set(function) != {"name"}
+            or not isinstance(function["name"], str)
+        ):
+            raise OpenAIError(
+                '\'tool_choice\' as an object must be {"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
+            )
     else:
         raise _wrong_type("tool_choice", "a string or an object", choice)
     if choice != "none" and not tools:
@@ -133,7 +144,9 @@ def parse_tool_choice(body: dict, tools: list[dict] | None) -> str | dict:
     if isinstance(choice, dict):
         name = choice["function"]["name"]
         if all(tool["function"]["name"] != name for tool in tools):
-            raise OpenAIError(f"'tool_choice' names the function {name!r}, which is not in 'tools'", param="tool_choice")
+            raise OpenAIError(
+                f"'tool_choice' names the function {name!r}, which is not in 'tools'", param="tool_choice"
+            )
         return {"type": "function", "function": {"name": name}}
     return choice
 
@@ -163,8 +176,13 @@ def forced_call_grammar(tools: list[dict] | None, choice: str | dict, parallel: 
     elif choice == "required":
         # NOTE: tags_with_separator, not triggered_tags: it admits no text before the first call,
         # so even a model that would rather talk (or a random-weight one) writes a call at once.
-        form = {"type": "tags_with_separator", "tags": [_call_tag(t["function"]) for t in tools],
-                "separator": "\n", "at_least_one": True, "stop_after_first": not parallel}
+        form = {
+            "type": "tags_with_separator",
+            "tags": [_call_tag(t["function"]) for t in tools],
+            "separator": "\n",
+            "at_least_one": True,
+            "stop_after_first": not parallel,
+        }
     else:
         return None
     return "structural_tag", json.dumps({"type": "structural_tag", "format": form})

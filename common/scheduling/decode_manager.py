@@ -14,6 +14,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.scheduling.kv_manager import KVManager
 from pdserve.common.types import Req
 
+
 class DecodeManager:
     def __init__(self, config: EngineConfig, kv: KVManager, retract: Callable[[Req], None]):
         self.config = config

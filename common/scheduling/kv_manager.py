@@ -20,8 +20,9 @@ from pdserve.common.types import Req
 
 
 class KVManager:
-    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: PagedKVPool, prefix_cache: bool,
-                 reserve_decode_tokens: int):
+    def __init__(
+        self, req_to_token_pool: ReqToTokenPool, kv_pool: PagedKVPool, prefix_cache: bool, reserve_decode_tokens: int
+    ):
         self.req_to_token_pool = req_to_token_pool
         # Room each request that decodes here keeps for its next tokens (0 where none decode: prefill).
         self.reserve_decode_tokens = reserve_decode_tokens
@@ -77,7 +78,13 @@ class KVManager:
 
     def _assign(self, req: Req, pages: list[int], prefix_pages: int, node, kv_len: int) -> None:
         row = self.req_to_token_pool.alloc()
-        req.req_pool_idx, req.pages, req.prefix_pages, req.last_node, req.kv_len = row, pages, prefix_pages, node, kv_len
+        req.req_pool_idx, req.pages, req.prefix_pages, req.last_node, req.kv_len = (
+            row,
+            pages,
+            prefix_pages,
+            node,
+            kv_len,
+        )
         if kv_len:
             self.row_writes.append(RowWrite(row, 0, slots_for_positions(pages, 0, kv_len, self.page_size)))
 

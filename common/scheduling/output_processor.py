@@ -25,7 +25,9 @@ def append_token(
     if logprob is not None:
         req.output_logprobs.append(logprob)
     if req.grammar is not None:
-        if not req.grammar.accept(token, len(req.output_ids) - 1):  # the mask allowed only what it accepts: a bug if reached
+        if not req.grammar.accept(
+            token, len(req.output_ids) - 1
+        ):  # the mask allowed only what it accepts: a bug if reached
             req.finish_reason = FinishReason.ABORT
             req.error = req.grammar.failure or f"token {req.grammar.refused} is outside the request's grammar"
             req.error_code = ErrorCode.INTERNAL

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.common.engine.batch import ForwardMode, ScheduleBatch
 from pdserve.common.config import EngineConfig
+from pdserve.common.engine.batch import ForwardMode, ScheduleBatch
+from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.scheduling.decode_manager import DecodeManager
 from pdserve.common.scheduling.kv_manager import KVManager
-from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
 from pdserve.common.scheduling.output_processor import append_token, finalize, finalize_all
 from pdserve.common.scheduling.prefill_manager import PrefillManager
 from pdserve.common.types import Completion, FinishReason, Req, SamplingParams, TokenLogprob
@@ -44,9 +44,15 @@ def check_fits(config: EngineConfig, kv_pool: PagedKVPool, prompt_ids: Sequence[
 def extend_batch(spans, kv: KVManager) -> ScheduleBatch:
     """The prefill ScheduleBatch of (req, start, end) spans, carrying the rows decided since the last one."""
     reqs = [req for req, _, _ in spans]
-    return ScheduleBatch(ForwardMode.EXTEND, reqs, [s for _, s, _ in spans], [e for _, _, e in spans],
-                         [end == req.seq_len for req, _, end in spans], kv.take_row_writes(),
-                         prompt_logprobs=prompt_logprob_spans(spans))
+    return ScheduleBatch(
+        ForwardMode.EXTEND,
+        reqs,
+        [s for _, s, _ in spans],
+        [e for _, _, e in spans],
+        [end == req.seq_len for req, _, end in spans],
+        kv.take_row_writes(),
+        prompt_logprobs=prompt_logprob_spans(spans),
+    )
 
 
 def prompt_logprob_spans(spans) -> list[tuple[int, int, int]]:
@@ -166,8 +172,9 @@ class Scheduler:
         if not reqs:
             return None
         # Every request of a decode step samples its next token.
-        return ScheduleBatch(ForwardMode.DECODE, reqs, [n - 1 for n in ends], ends, [True] * len(reqs),
-                             self.kv.take_row_writes())
+        return ScheduleBatch(
+            ForwardMode.DECODE, reqs, [n - 1 for n in ends], ends, [True] * len(reqs), self.kv.take_row_writes()
+        )
 
     def _retract(self, victim: Req) -> None:
         self.kv.cache_and_release(victim)

@@ -20,16 +20,15 @@ import zmq.asyncio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from pdserve.common.gc_tuning import tune_gc
-from pdserve.common.serving import ipc
 from pdserve.common.config import ServerConfig
 from pdserve.common.errors import ErrorCode
+from pdserve.common.gc_tuning import tune_gc
+from pdserve.common.serving import ipc
 from pdserve.common.startup import process_age
 from pdserve.common.trust import add_port, check_exposure, load_trust, server_interceptors
 from pdserve.proto import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
-
 
 
 class Metrics:
@@ -42,22 +41,32 @@ class Metrics:
         def gauge(name, doc):
             return Gauge(name, doc, ["role"], registry=r).labels(**labels)
 
-        self.kv_used = gauge("pdserve_kv_used_tokens", "KV tokens held by requests (not counting the free or evictable cache).")
+        self.kv_used = gauge(
+            "pdserve_kv_used_tokens", "KV tokens held by requests (not counting the free or evictable cache)."
+        )
         self.kv_total = gauge("pdserve_kv_total_tokens", "KV cache capacity in tokens.")
         self.running = gauge("pdserve_running_requests", "Requests in the running batch.")
         self.waiting = gauge("pdserve_waiting_requests", "Requests queued (waiting, preallocating or transferring KV).")
         self.transfer_seconds = Histogram(
-            "pdserve_kv_transfer_seconds", "Time from the start of a request's KV WRITE to its completion.",
-            ["role"], registry=r, buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
+            "pdserve_kv_transfer_seconds",
+            "Time from the start of a request's KV WRITE to its completion.",
+            ["role"],
+            registry=r,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
         ).labels(**labels)
-        self.transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes written to decode servers.", ["role"], registry=r).labels(**labels)
+        self.transfer_bytes = Counter(
+            "pdserve_kv_transfer_bytes", "KV bytes written to decode servers.", ["role"], registry=r
+        ).labels(**labels)
         self.transfer_failures = Counter(
             "pdserve_kv_transfer_failures", "KV transfers that failed or timed out.", ["role"], registry=r
         ).labels(**labels)
         # Decode: notifications that matched no destination this server granted (decode/engine.py).
         self.rejected_transfers = Counter(
-            "pdserve_kv_rejected_transfers", "KV transfer notifications refused: no such grant, or not matching it.",
-            ["role", "reason"], registry=r)
+            "pdserve_kv_rejected_transfers",
+            "KV transfer notifications refused: no such grant, or not matching it.",
+            ["role", "reason"],
+            registry=r,
+        )
         for reason in ipc.REJECT_REASONS:  # every series exists from the start, at 0 (alerts need no absent())
             self.rejected_transfers.labels(role, reason)
         self.unauthenticated = Counter(
@@ -139,7 +148,11 @@ class SchedulerBridge:
                 if isinstance(msg, ipc.PrefillDone) and msg.error is None:
                     self.metrics.transfer_seconds.observe(msg.transfer_s)
                     self.metrics.transfer_bytes.inc(msg.transfer_bytes)
-                elif isinstance(msg, ipc.PrefillDone | ipc.Finished) and msg.error_code and msg.error_code.is_transfer_failure:
+                elif (
+                    isinstance(msg, ipc.PrefillDone | ipc.Finished)
+                    and msg.error_code
+                    and msg.error_code.is_transfer_failure
+                ):
                     self.metrics.transfer_failures.inc()
                 self.queues[msg.rid].put_nowait(msg)
 
@@ -185,8 +198,13 @@ class CommonRpcs:
 
     async def GetLoad(self, request, context):
         load = self.bridge.load
-        return pb.Load(running_requests=load.running, waiting_requests=load.waiting, kv_used_tokens=load.kv_used_tokens,
-                       kv_total_tokens=load.kv_total_tokens, inflight_transfers=load.inflight_transfers)
+        return pb.Load(
+            running_requests=load.running,
+            waiting_requests=load.waiting,
+            kv_used_tokens=load.kv_used_tokens,
+            kv_total_tokens=load.kv_total_tokens,
+            inflight_transfers=load.inflight_transfers,
+        )
 
     async def GetServerInfo(self, request, context):
         from importlib.metadata import PackageNotFoundError, version
@@ -197,26 +215,40 @@ class CommonRpcs:
             ver = "dev"
         i = self.ready.info
         return pb.ServerInfo(
-            role=self.role, model_path=i["model_path"], served_model_name=i["served_model_name"],
-            architecture=i["architecture"], layout=layout_to_proto(self.ready.layout),
-            context_length=i["context_length"], max_running_requests=i["max_running_requests"],
-            max_total_tokens=i["max_total_tokens"], transfer_backend="nixl", version=ver,
+            role=self.role,
+            model_path=i["model_path"],
+            served_model_name=i["served_model_name"],
+            architecture=i["architecture"],
+            layout=layout_to_proto(self.ready.layout),
+            context_length=i["context_length"],
+            max_running_requests=i["max_running_requests"],
+            max_total_tokens=i["max_total_tokens"],
+            transfer_backend="nixl",
+            version=ver,
         )
 
     async def GetAgentMetadata(self, request, context):
-        return pb.AgentMetadata(agent_name=self.ready.agent_name, metadata=self.ready.agent_metadata,
-                                layout=layout_to_proto(self.ready.layout))
+        return pb.AgentMetadata(
+            agent_name=self.ready.agent_name,
+            metadata=self.ready.agent_metadata,
+            layout=layout_to_proto(self.ready.layout),
+        )
 
 
 def ready_message(engine) -> ipc.Ready:
     """What a scheduler announces once its engine is up (both roles): its agent name and metadata
     (every TP rank's pool) and its layout (every KV head of the model)."""
     kv, c = engine.kv, engine.config
-    layout = {k: getattr(kv.layout, k) for k in ("page_size", "num_layers", "kv_heads", "head_dim", "dtype", "num_pages")}
+    layout = {
+        k: getattr(kv.layout, k) for k in ("page_size", "num_layers", "kv_heads", "head_dim", "dtype", "num_pages")
+    }
     info = {
-        "model_path": c.model_path, "served_model_name": c.served_model_name,
-        "architecture": type(engine.runner.model).__name__, "context_length": c.context_length,
-        "max_running_requests": c.max_running_requests, "max_total_tokens": engine.runner.kv_pool.capacity_tokens,
+        "model_path": c.model_path,
+        "served_model_name": c.served_model_name,
+        "architecture": type(engine.runner.model).__name__,
+        "context_length": c.context_length,
+        "max_running_requests": c.max_running_requests,
+        "max_total_tokens": engine.runner.kv_pool.capacity_tokens,
     }
     return ipc.Ready(agent_name=kv.name, agent_metadata=kv.encoded, layout=layout, info=info)
 
@@ -254,7 +286,9 @@ def logprob_to_proto(lp) -> pb.TokenLogprob | None:
     if lp is None:
         return None
     token_id, logprob, top, *rank = lp
-    out = pb.TokenLogprob(token_id=token_id, logprob=logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
+    out = pb.TokenLogprob(
+        token_id=token_id, logprob=logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top]
+    )
     if rank:
         out.rank = rank[0]
     return out
@@ -265,7 +299,9 @@ def error_to_proto(code: ErrorCode | None, message: str) -> pb.Error:
     return pb.Error(code=pb.Error.Code.Value((code or ErrorCode.INTERNAL).value), message=message)
 
 
-async def serve(servicer_factory, add_servicer, bridge: SchedulerBridge, config: ServerConfig, service_name: str) -> None:
+async def serve(
+    servicer_factory, add_servicer, bridge: SchedulerBridge, config: ServerConfig, service_name: str
+) -> None:
     """Start the scheduler, then gRPC and metrics; on SIGTERM/SIGINT drain and exit."""
     host, port, metrics_port = config.host, config.port, config.metrics_port
     if metrics_port:
@@ -276,7 +312,9 @@ async def serve(servicer_factory, add_servicer, bridge: SchedulerBridge, config:
         log.warning("%s", warning)
     spawned_at = process_age()
     ready = await bridge.start(config.startup_timeout)
-    server = grpc.aio.server(interceptors=server_interceptors(trust, lambda method: bridge.metrics.unauthenticated.inc()))
+    server = grpc.aio.server(
+        interceptors=server_interceptors(trust, lambda method: bridge.metrics.unauthenticated.inc())
+    )
     servicer = servicer_factory(bridge, ready)
     add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -288,17 +326,29 @@ async def serve(servicer_factory, add_servicer, bridge: SchedulerBridge, config:
     tune_gc()  # (the scheduler process tunes its own: the engine does)
     for name in ("", service_name):
         await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s serving on %s:%d (metrics on %s; %s, %s)", service_name, host, port, metrics_port or "off",
-             "mutual TLS" if trust.tls else "plaintext", "cluster secret required" if trust.secrets else "no secret")
+    log.info(
+        "%s serving on %s:%d (metrics on %s; %s, %s)",
+        service_name,
+        host,
+        port,
+        metrics_port or "off",
+        "mutual TLS" if trust.tls else "plaintext",
+        "cluster secret required" if trust.secrets else "no secret",
+    )
     # Printed, not logged (as the scheduler's phases are): where a slow start went, before the engine.
-    print(f"{service_name} serving {process_age():.1f} s after its process began (its scheduler process "
-          f"spawned at {spawned_at:.1f} s)", file=sys.stderr, flush=True)
+    print(
+        f"{service_name} serving {process_age():.1f} s after its process began (its scheduler process "
+        f"spawned at {spawned_at:.1f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await asyncio.wait([asyncio.create_task(stop.wait()), asyncio.create_task(bridge.bye.wait())],
-                       return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait(
+        [asyncio.create_task(stop.wait()), asyncio.create_task(bridge.bye.wait())], return_when=asyncio.FIRST_COMPLETED
+    )
     # Drain: stop admitting (health and the scheduler both say so), finish in-flight, exit.
     for name in ("", service_name):
         await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.NOT_SERVING)

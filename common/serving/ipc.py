@@ -186,7 +186,9 @@ class Bye(msgspec.Struct, tag=True):
 
 
 ToScheduler = NewRequest | SetDestination | Abort | Drain
-ToFrontend = Ready | Rejected | Destination | Tokens | StepTokens | Finished | PrefillDone | LoadReport | TransfersRejected | Bye
+ToFrontend = (
+    Ready | Rejected | Destination | Tokens | StepTokens | Finished | PrefillDone | LoadReport | TransfersRejected | Bye
+)
 
 _to_scheduler = msgspec.msgpack.Decoder(ToScheduler)
 _to_frontend = msgspec.msgpack.Decoder(ToFrontend)

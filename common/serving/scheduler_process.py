@@ -21,10 +21,10 @@ import traceback
 
 import zmq
 
-from pdserve.common.serving import ipc
 from pdserve.common.config import ServerConfig
 from pdserve.common.errors import ErrorCode
 from pdserve.common.lifetime import die_with_parent
+from pdserve.common.serving import ipc
 from pdserve.common.startup import READY, StartupClock
 
 log = logging.getLogger(__name__)

@@ -48,9 +48,18 @@ def test_greedy_on_cuda_agrees_with_transformers(arch, backend, tiny_models):
 def test_overlap_equals_serial_on_cuda(tiny_models):
     path = tiny_models("qwen3")
     cases = prompts(40, seed=1)
-    params = [SamplingParams(max_new_tokens=24, temperature=0.0 if i % 2 else 0.9, seed=i, top_p=0.9) for i in range(40)]
-    kw = dict(model_path=path, device="cuda", dtype="float32", max_total_tokens=4096, max_running_requests=16,
-              chunked_prefill_size=32, page_size=8)
+    params = [
+        SamplingParams(max_new_tokens=24, temperature=0.0 if i % 2 else 0.9, seed=i, top_p=0.9) for i in range(40)
+    ]
+    kw = dict(
+        model_path=path,
+        device="cuda",
+        dtype="float32",
+        max_total_tokens=4096,
+        max_running_requests=16,
+        chunked_prefill_size=32,
+        page_size=8,
+    )
     serial = Engine(disable_overlap_schedule=True, **kw).generate(cases, params)
     overlap_engine = Engine(**kw)
     overlap = overlap_engine.generate(cases, params)
@@ -74,8 +83,9 @@ def strict(fn):
 def test_steady_state_scheduling_never_syncs(tiny_models):
     """Scheduling, launching and result processing run under sync_debug_mode("error"); only
     `copy_done.synchronize()` (in EngineCore.process_batch_result, between those) waits for the device."""
-    engine = Engine(model_path=tiny_models("llama"), device="cuda", max_total_tokens=8192, page_size=4,
-                    chunked_prefill_size=16)
+    engine = Engine(
+        model_path=tiny_models("llama"), device="cuda", max_total_tokens=8192, page_size=4, chunked_prefill_size=16
+    )
     cases = prompts(16, seed=2)
     params = [SamplingParams(max_new_tokens=20, temperature=0.7, top_k=20, seed=i, logprobs=2) for i in range(16)]
     engine.generate(cases, params)  # warm-up: pinned-memory pools, kernels
@@ -146,7 +156,15 @@ def test_timeline_host_work_for_n_plus_1_overlaps_device_work_for_n(tiny_models)
     for seq in sorted(host)[1:]:
         h_start, h_end = host[seq]
         g_start, g_end = spans[seq - 1]
-        rows.append((seq, (h_start - t0) * 1e3, (h_end - t0) * 1e3, t0_event.elapsed_time(g_start), t0_event.elapsed_time(g_end)))
+        rows.append(
+            (
+                seq,
+                (h_start - t0) * 1e3,
+                (h_end - t0) * 1e3,
+                t0_event.elapsed_time(g_start),
+                t0_event.elapsed_time(g_end),
+            )
+        )
     print("\nbatch | host schedule+launch of N (ms) | device forward of N-1 (ms)")
     for seq, hs, he, gs, ge in rows:
         print(f"{seq:5d} | {hs:8.2f} .. {he:8.2f}          | {gs:8.2f} .. {ge:8.2f}")
@@ -160,12 +178,16 @@ def test_timeline_host_work_for_n_plus_1_overlaps_device_work_for_n(tiny_models)
 
 
 def test_mem_fraction_static_sizes_the_kv_cache_from_measured_memory(tiny_models):
-    engine = Engine(model_path=tiny_models("llama"), device="cuda", mem_fraction_static=0.05, max_running_requests=100000)
+    engine = Engine(
+        model_path=tiny_models("llama"), device="cuda", mem_fraction_static=0.05, max_running_requests=100000
+    )
     pool = engine.runner.kv_pool
     kv_bytes = pool.capacity_tokens * pool.bytes_per_token()
     m = engine.runner.memory_report  # what the runner measured before sizing the pool
-    print(f"\nmem_fraction_static 0.05 of {m['total'] / 2**30:.1f} GiB, {m['in_use'] / 2**30:.2f} GiB in use "
-          f"(context, weights, earlier tests' leftovers): KV cache {kv_bytes / 2**30:.2f} GiB")
+    print(
+        f"\nmem_fraction_static 0.05 of {m['total'] / 2**30:.1f} GiB, {m['in_use'] / 2**30:.2f} GiB in use "
+        f"(context, weights, earlier tests' leftovers): KV cache {kv_bytes / 2**30:.2f} GiB"
+    )
     assert m["kv_budget"] == 0.05 * m["total"] - m["in_use"] > 0
     # The usable pool is the budget in whole pages (rounded up: at most one page over).
     page_bytes = pool.page_size * pool.bytes_per_token()

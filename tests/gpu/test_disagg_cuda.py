@@ -129,11 +129,17 @@ def test_kv_transfer_latency_and_bandwidth_on_gpu(path, tmp_path):
     rng = random.Random(2)
     for length in (512, 2048):
         prompts = [[rng.randrange(5, 50000) for _ in range(length)] for _ in range(8)]
-        _, transfers = run_disaggregated(model, "bfloat16", prompts, SamplingParams(max_new_tokens=2, temperature=0), path)
+        _, transfers = run_disaggregated(
+            model, "bfloat16", prompts, SamplingParams(max_new_tokens=2, temperature=0), path
+        )
         sizes = [b for b, _ in transfers]
         secs = [s for _, s in transfers]
         gbps = [b / s / 1e9 for b, s in transfers]
-        print(f"\n{path}: GPT-2-small bf16, {length}-token prompt: KV {statistics.median(sizes) / 2**20:.1f} MiB per request, "
-              f"transfer latency median {statistics.median(secs) * 1e3:.2f} ms (min {min(secs) * 1e3:.2f}, "
-              f"max {max(secs) * 1e3:.2f}), bandwidth median {statistics.median(gbps):.1f} GB/s over {len(sizes)} requests")
+        print(
+            f"\n{path}: GPT-2-small bf16, {length}-token prompt: "
+            f"KV {statistics.median(sizes) / 2**20:.1f} MiB per request, "
+            f"transfer latency median {statistics.median(secs) * 1e3:.2f} ms "
+            f"(min {min(secs) * 1e3:.2f}, max {max(secs) * 1e3:.2f}), "
+            f"bandwidth median {statistics.median(gbps):.1f} GB/s over {len(sizes)} requests"
+        )
         assert all(b == 2 * 12 * 12 * 64 * 2 * ((length + 15) // 16 * 16) for b in sizes)

@@ -25,8 +25,13 @@ def test_grammar_outputs_on_cuda_validate_and_equal_cpu(arch, tiny_models):
     params = _batch(len(prompts))
     outs = {}
     for overlap in (True, False):
-        engine = Engine(model_path=path, device="cuda", dtype="float32", max_total_tokens=16384,
-                        disable_overlap_schedule=not overlap)
+        engine = Engine(
+            model_path=path,
+            device="cuda",
+            dtype="float32",
+            max_total_tokens=16384,
+            disable_overlap_schedule=not overlap,
+        )
         assert engine.runner.cuda_graphs is not None
         outs[overlap] = [c.output_ids for c in engine.generate(prompts, params)]
         for c in engine.generate(prompts, params):

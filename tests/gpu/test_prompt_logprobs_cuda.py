@@ -24,8 +24,10 @@ def test_prompt_logprobs_on_cuda_with_graphs_equal_transformers(arch, tiny_model
     assert engine.runner.cuda_graphs is not None and engine.runner.prefill_graphs is not None
     plain = SamplingParams(max_new_tokens=8, temperature=0)
     before = [c.output_ids for c in engine.generate(cases, [plain] * len(cases))]
-    params = [SamplingParams(max_new_tokens=8, temperature=0, prompt_logprobs=4) if i % 3 == 0 else plain
-              for i in range(len(cases))]
+    params = [
+        SamplingParams(max_new_tokens=8, temperature=0, prompt_logprobs=4) if i % 3 == 0 else plain
+        for i in range(len(cases))
+    ]
     outs = engine.generate(cases, params)
     assert [c.output_ids for c in outs] == before, "scoring some prompts changes nobody's tokens"
     reference = hf_prompt_logprobs_cuda(path, [cases[i] for i in range(0, len(cases), 3)])
@@ -45,9 +47,9 @@ def hf_prompt_logprobs_cuda(path, prompts_):
 def test_a_gguf_checkpoint_on_cuda_in_bf16(tiny_models, tmp_path):
     """A Q8_0 GGUF served in bf16 with the fast path: the same tokens as its dequantized fp32 weights
     on the first step for most prompts (bf16 is not exact), every request ends, KV idle."""
-    from tests.tiny_gguf import write_gguf
-
     import gguf as gguf_package
+
+    from tests.tiny_gguf import write_gguf
 
     gguf = write_gguf(tiny_models("llama"), tmp_path / "tiny.gguf", gguf_package.GGMLQuantizationType.Q8_0)
     cases = prompts(16, seed=5)

@@ -74,7 +74,9 @@ def test_the_recorder_catches_a_write_on_another_stream(tiny_models):
     recorder = StreamRecorder(engine.runner)
     pool = engine.runner.req_to_token_pool
     with recorder, torch.cuda.stream(torch.cuda.default_stream()):
-        pool.write_slots(torch.tensor([0], device="cuda"), torch.tensor([0], device="cuda"), torch.tensor([1], device="cuda"))
+        pool.write_slots(
+            torch.tensor([0], device="cuda"), torch.tensor([0], device="cuda"), torch.tensor([1], device="cuda")
+        )
     assert recorder.off_stream(engine.streams.schedule_stream), "a default-stream write went unnoticed"
 
 
@@ -91,7 +93,9 @@ def test_decode_arrivals_and_batches_are_written_on_the_schedule_stream(tiny_mod
         pages[room] = pages_for(len(prompt), engine.config.page_size)
     # The prefill server's notifications, played: the KV pages hold zeros, which is all this test
     # needs (it checks streams, not tokens).
-    arrived = [("prefill", encode_notif(room, 7, None, n, engine.agent.layout.transfer_bytes(n))) for room, n in pages.items()]
+    arrived = [
+        ("prefill", encode_notif(room, 7, None, n, engine.agent.layout.transfer_bytes(n))) for room, n in pages.items()
+    ]
     engine.agent.get_notifs = lambda: [arrived.pop()] if arrived else []
     loop = engine.event_loop()
     done = []

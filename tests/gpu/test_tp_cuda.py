@@ -24,16 +24,25 @@ def prompts(n, vocab, seed=0):
 
 
 @two_gpus
-@pytest.mark.parametrize("arch,overrides", [("llama", None), ("qwen3", None), ("gpt2", None),
-                                            ("llama", {"num_key_value_heads": 1, "vocab_size": 509})])
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [("llama", None), ("qwen3", None), ("gpt2", None), ("llama", {"num_key_value_heads": 1, "vocab_size": 509})],
+)
 @pytest.mark.parametrize("overlap", [True, False])
 def test_tp2_greedy_on_two_gpus_agrees_with_transformers(tmp_path, tiny_models, arch, overrides, overlap):
     path = tiny_models(arch) if overrides is None else str(make_tiny_model(tmp_path / arch, arch, 0, overrides))
     vocab = (overrides or {}).get("vocab_size", 512)
     cases = prompts(24, vocab)
     expected = hf_greedy(path, cases, 16, device="cuda")
-    engine = Engine(model_path=path, device="cuda", dtype="float32", tp_size=2, max_total_tokens=16384,
-                    chunked_prefill_size=32, disable_overlap_schedule=not overlap)
+    engine = Engine(
+        model_path=path,
+        device="cuda",
+        dtype="float32",
+        tp_size=2,
+        max_total_tokens=16384,
+        chunked_prefill_size=32,
+        disable_overlap_schedule=not overlap,
+    )
     try:
         assert engine.runner.cuda_graphs is not None and engine.runner.prefill_graphs is not None
         got = [c.output_ids for c in engine.generate(cases, SamplingParams(max_new_tokens=16, temperature=0))]
@@ -51,7 +60,9 @@ def test_tp2_bf16_runs_and_mostly_agrees_with_tp1(tiny_models):
     path = tiny_models("llama")
     cases = prompts(32, 512, seed=3)
     params = SamplingParams(max_new_tokens=24, temperature=0)
-    single = [c.output_ids for c in Engine(model_path=path, device="cuda", max_total_tokens=16384).generate(cases, params)]
+    single = [
+        c.output_ids for c in Engine(model_path=path, device="cuda", max_total_tokens=16384).generate(cases, params)
+    ]
     engine = Engine(model_path=path, device="cuda", tp_size=2, max_total_tokens=16384)
     try:
         got = [c.output_ids for c in engine.generate(cases, params)]

@@ -26,8 +26,15 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two
 def worker(role: str, model: str, tp: int, device: str, conn) -> None:
     from pdserve.common.config import EngineConfig
 
-    config = EngineConfig(model_path=model, device=device, dtype="float32", tp_size=tp, max_total_tokens=16384,
-                          page_size=16, chunked_prefill_size=64)
+    config = EngineConfig(
+        model_path=model,
+        device=device,
+        dtype="float32",
+        tp_size=tp,
+        max_total_tokens=16384,
+        page_size=16,
+        chunked_prefill_size=64,
+    )
     name = f"{role}-tp{tp}-{device.replace(':', '')}"
     if role == "decode":
         from pdserve.decode.engine import DecodeEngine
@@ -113,8 +120,11 @@ def run(model, prefill, decode, prompts, params):
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
-@pytest.mark.parametrize("prefill, decode", [((1, "cuda:0"), (2, "cuda:0")), ((2, "cuda:0"), (1, "cuda:1"))],
-                         ids=["p_tp1-d_tp2", "p_tp2-d_tp1"])
+@pytest.mark.parametrize(
+    "prefill, decode",
+    [((1, "cuda:0"), (2, "cuda:0")), ((2, "cuda:0"), (1, "cuda:1"))],
+    ids=["p_tp1-d_tp2", "p_tp2-d_tp1"],
+)
 def test_disaggregated_across_tp_sizes_on_two_gpus_matches_transformers(tmp_path, prefill, decode, kv_heads):
     model = str(make_tiny_model(tmp_path / "llama", "llama", 0, {"num_key_value_heads": kv_heads}))
     rng = random.Random(5)

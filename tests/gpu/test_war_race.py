@@ -41,8 +41,9 @@ def record_all_samples(engine):
 
 
 def run(path, prompts, params, barrier, sleep_cycles):
-    engine = Engine(model_path=path, device="cuda", dtype="float32", max_running_requests=ROWS,
-                    max_total_tokens=8192, page_size=4)
+    engine = Engine(
+        model_path=path, device="cuda", dtype="float32", max_running_requests=ROWS, max_total_tokens=8192, page_size=4
+    )
     if not barrier:  # the loop's schedule_stream.wait_stream(forward_stream) does nothing
         engine.streams.schedule_stream.wait_stream = lambda stream: None
     engine.runner.before_forward = lambda batch: torch.cuda._sleep(sleep_cycles)
@@ -57,23 +58,28 @@ def test_barrier_prevents_the_race_and_its_absence_is_detected(tiny_models):
     rng = random.Random(5)
     prompts = [[0] + [rng.randrange(5, 512) for _ in range(rng.randrange(20, 60))] for _ in range(NUM_REQS)]
     free_run = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True)
-    reference = Engine(model_path=path, device="cuda", dtype="float32", max_total_tokens=8192,
-                       disable_overlap_schedule=True).generate(prompts, free_run)
+    reference = Engine(
+        model_path=path, device="cuda", dtype="float32", max_total_tokens=8192, disable_overlap_schedule=True
+    ).generate(prompts, free_run)
     ref = {f"req-{i}": c.output_ids for i, c in enumerate(reference)}
     # Each request stops on a token it first samples at step 3..12: it finishes early, with its
     # next step already in flight, and the waiting queue takes its row at once.
     params = []
     for c in reference:
         k = next(k for k in range(3 + len(params) % 10, MAX_NEW - 1) if c.output_ids[k] not in c.output_ids[:k])
-        params.append(SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True, stop_token_ids=(c.output_ids[k],)))
+        params.append(
+            SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True, stop_token_ids=(c.output_ids[k],))
+        )
 
     def mismatches(sampled):
         return [(rid, step) for (rid, step), tok in sampled.items() if ref[rid][step] != tok]
 
     outs, sampled, _ = run(path, prompts, params, barrier=True, sleep_cycles=20_000_000)
     discarded = [(rid, step) for rid, step in sampled if step >= len(outs[rid])]
-    print(f"\nbarrier on: {len(sampled)} samples, {len(discarded)} discarded in-flight steps, "
-          f"{len(mismatches(sampled))} differ from the reference")
+    print(
+        f"\nbarrier on: {len(sampled)} samples, {len(discarded)} discarded in-flight steps, "
+        f"{len(mismatches(sampled))} differ from the reference"
+    )
     assert len(discarded) >= NUM_REQS // 2, "the scenario never put a finished request's next step in flight"
     assert not mismatches(sampled)
     assert all(outs[rid] == ref[rid][: len(outs[rid])] for rid in outs)

@@ -65,7 +65,9 @@ class TritonBackend(AttentionBackend):
         if batch.mode is ForwardMode.DECODE:
             self.meta = DecodeMeta(batch.req_pool_indices, batch.seq_lens_dev, self.kv_splits(bs))
             return
-        packed = h2d([batch.seq_lens, batch.extend_lens, batch.extend_starts], torch.int32, batch.req_pool_indices.device)
+        packed = h2d(
+            [batch.seq_lens, batch.extend_lens, batch.extend_starts], torch.int32, batch.req_pool_indices.device
+        )
         self.meta = ExtendMeta(batch.req_pool_indices, packed[0], packed[1], packed[2], max(batch.extend_lens))
 
     def bind_decode(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -89,14 +91,34 @@ class TritonBackend(AttentionBackend):
         if isinstance(m, DecodeMeta):
             new = () if kv_stored else (k, v, batch.out_cache_loc)  # decode stores K/V in its own launch
             decode_attention(
-                q, k_buf, v_buf, out, r2t, m.req_pool_indices, m.seq_lens, scale, sliding_window, m.num_kv_splits,
-                self.workspace, *new,
+                q,
+                k_buf,
+                v_buf,
+                out,
+                r2t,
+                m.req_pool_indices,
+                m.seq_lens,
+                scale,
+                sliding_window,
+                m.num_kv_splits,
+                self.workspace,
+                *new,
             )
         else:
             if not kv_stored:
                 store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
             extend_attention(
-                q, k_buf, v_buf, out, r2t, m.req_pool_indices, m.seq_lens, m.extend_lens, m.extend_starts,
-                m.max_extend_len, scale, sliding_window,
+                q,
+                k_buf,
+                v_buf,
+                out,
+                r2t,
+                m.req_pool_indices,
+                m.seq_lens,
+                m.extend_lens,
+                m.extend_starts,
+                m.max_extend_len,
+                scale,
+                sliding_window,
             )
         return out

@@ -44,9 +44,24 @@ class DecodeWorkspace:
 
 @triton.jit
 def _attend_block(
-    q_tile, m_i, l_i, acc, block_start, lo, end, row_slots, k_buf, v_buf, kv_head_offset,
-    stride_buf_s, qk_scale, offs_d, mask_d,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
+    q_tile,
+    m_i,
+    l_i,
+    acc,
+    block_start,
+    lo,
+    end,
+    row_slots,
+    k_buf,
+    v_buf,
+    kv_head_offset,
+    stride_buf_s,
+    qk_scale,
+    offs_d,
+    mask_d,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     """Online softmax over keys [max(block_start, lo), min(block_start + BLOCK_N, end)): one gather
     of slots, then [BLOCK_N, BLOCK_D] of K and of V."""
@@ -170,15 +185,47 @@ def _decode_split_kernel(
         block_start = start
         while block_start < end:
             m_i, l_i, acc = _attend_block(
-                q_tile, m_i, l_i, acc, block_start, lo, end, row_slots, k_buf, v_buf, kv_head_offset,
-                stride_buf_s, qk_scale, offs_d, mask_d, BLOCK_N, DOT_PRECISION, WINDOWED,
+                q_tile,
+                m_i,
+                l_i,
+                acc,
+                block_start,
+                lo,
+                end,
+                row_slots,
+                k_buf,
+                v_buf,
+                kv_head_offset,
+                stride_buf_s,
+                qk_scale,
+                offs_d,
+                mask_d,
+                BLOCK_N,
+                DOT_PRECISION,
+                WINDOWED,
             )
             block_start += BLOCK_N
     else:
         for block_start in range(start, end, BLOCK_N):
             m_i, l_i, acc = _attend_block(
-                q_tile, m_i, l_i, acc, block_start, lo, end, row_slots, k_buf, v_buf, kv_head_offset,
-                stride_buf_s, qk_scale, offs_d, mask_d, BLOCK_N, DOT_PRECISION, WINDOWED,
+                q_tile,
+                m_i,
+                l_i,
+                acc,
+                block_start,
+                lo,
+                end,
+                row_slots,
+                k_buf,
+                v_buf,
+                kv_head_offset,
+                stride_buf_s,
+                qk_scale,
+                offs_d,
+                mask_d,
+                BLOCK_N,
+                DOT_PRECISION,
+                WINDOWED,
             )
 
     if SINGLE_SPLIT:

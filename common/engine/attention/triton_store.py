@@ -11,7 +11,6 @@ TRITON_INTERPRET when a @triton.jit function is defined, and the CPU tests set i
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -97,10 +96,28 @@ def store_kv(k_buf, v_buf, loc, k, v) -> None:
 
 @triton.jit
 def _rope_store_kv_kernel(
-    q, k, v, positions, inv_freq, k_buf, v_buf, loc,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_buf_s, stride_buf_h,
-    num_q_heads, num_kv_heads, half,
-    BLOCK_HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+    q,
+    k,
+    v,
+    positions,
+    inv_freq,
+    k_buf,
+    v_buf,
+    loc,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_buf_s,
+    stride_buf_h,
+    num_q_heads,
+    num_kv_heads,
+    half,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
 ):
     # One program per token: rope_'s math (the same helpers), then store_kv's writes.
     token = tl.program_id(0).to(tl.int64)
@@ -111,7 +128,9 @@ def _rope_store_kv_kernel(
     kv_heads = tl.arange(0, BLOCK_KH)
     kv_mask = (kv_heads < num_kv_heads)[:, None] & mask_d[None, :]
     # k too is rotated in place, so after this call k holds what rope_ would have left there.
-    k1, k2 = _rotate_store(k + token * stride_kt + kv_heads[:, None] * stride_kh + offs[None, :], cos, sin, half, kv_mask)
+    k1, k2 = _rotate_store(
+        k + token * stride_kt + kv_heads[:, None] * stride_kh + offs[None, :], cos, sin, half, kv_mask
+    )
     # int64: slot * stride overflows int32 on pools past 2^31 elements.
     slot = tl.load(loc + token).to(tl.int64)
     dst = slot * stride_buf_s + kv_heads[:, None].to(tl.int64) * stride_buf_h + offs[None, :]
@@ -140,9 +159,27 @@ def rope_store_kv(q, k, v, positions, inv_freq, k_buf, v_buf, loc) -> None:
     assert v_buf.shape == k_buf.shape and v_buf.stride() == k_buf.stride() and k.dtype == q.dtype
     assert q.stride(2) == k.stride(2) == v.stride(2) == k_buf.stride(2) == 1
     _rope_store_kv_kernel[(num_tokens,)](
-        q, k, v, positions, inv_freq, k_buf, v_buf, loc,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_buf.stride(0), k_buf.stride(1),
-        num_q_heads, num_kv_heads, half,
-        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_QH=triton.next_power_of_2(num_q_heads),
-        BLOCK_KH=triton.next_power_of_2(num_kv_heads), num_warps=4,
+        q,
+        k,
+        v,
+        positions,
+        inv_freq,
+        k_buf,
+        v_buf,
+        loc,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        num_q_heads,
+        num_kv_heads,
+        half,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_QH=triton.next_power_of_2(num_q_heads),
+        BLOCK_KH=triton.next_power_of_2(num_kv_heads),
+        num_warps=4,
     )

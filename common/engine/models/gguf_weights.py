@@ -40,8 +40,12 @@ LLAMA_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-GPT2_NAMES = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe", "output_norm": "transformer.ln_f",
-              "output": "lm_head"}
+GPT2_NAMES = {
+    "token_embd": "transformer.wte",
+    "position_embd": "transformer.wpe",
+    "output_norm": "transformer.ln_f",
+    "output": "lm_head",
+}
 GPT2_LAYER_PREFIX = "transformer.h"
 GPT2_LAYER_NAMES = {
     "attn_norm": "ln_1",
@@ -57,14 +61,19 @@ NOT_WEIGHTS = ("rope_freqs.weight",)
 
 def hf_name(gguf_name: str, gpt2: bool) -> str:
     """The Hugging Face name of a llama.cpp tensor name; ValueError for one not in the tables."""
-    names, prefix, layer_names = (GPT2_NAMES, GPT2_LAYER_PREFIX, GPT2_LAYER_NAMES) if gpt2 else (
-        LLAMA_NAMES, LLAMA_LAYER_PREFIX, LLAMA_LAYER_NAMES)
+    names, prefix, layer_names = (
+        (GPT2_NAMES, GPT2_LAYER_PREFIX, GPT2_LAYER_NAMES)
+        if gpt2
+        else (LLAMA_NAMES, LLAMA_LAYER_PREFIX, LLAMA_LAYER_NAMES)
+    )
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
         return f"{prefix}.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in names:
         return f"{names[parts[0]]}.{parts[1]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} is not one of the {'gpt2' if gpt2 else 'llama-family'} tensors pdserve knows")
+    raise ValueError(
+        f"GGUF tensor {gguf_name!r} is not one of the {'gpt2' if gpt2 else 'llama-family'} tensors pdserve knows"
+    )
 
 
 @dataclass(frozen=True)
@@ -100,7 +109,10 @@ class GGUFWeights:
             leaf = tensor.name.split(".")[-2]
             conv1d = gpt2 and name.endswith(TRANSPOSED)
             self.entries[name] = _Entry(
-                tensor, shape[::-1] if conv1d else shape, rope_heads[leaf] if permuted and leaf in rope_heads else 0, conv1d
+                tensor,
+                shape[::-1] if conv1d else shape,
+                rope_heads[leaf] if permuted and leaf in rope_heads else 0,
+                conv1d,
             )
 
     def keys(self) -> list[str]:

@@ -36,7 +36,9 @@ def model_class(cfg: dict) -> type:
     raise ValueError(f"unsupported architectures {archs}; supported: {sorted(MODEL_REGISTRY)}")
 
 
-def load_model(model_path: str, dtype: torch.dtype, device: torch.device | str, tp: TPGroup | None = None) -> torch.nn.Module:
+def load_model(
+    model_path: str, dtype: torch.dtype, device: torch.device | str, tp: TPGroup | None = None
+) -> torch.nn.Module:
     """The model (this rank's shard of it with tp), its weights loaded, in eval mode."""
     cfg = read_hf_config(model_path)
     cls = model_class(cfg)
