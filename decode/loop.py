@@ -9,10 +9,12 @@ the device runs this one. Each loop yields, after every iteration, what it finis
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from pdserve.common.types import Completion
-from pdserve.decode.engine import DecodeEngine
+
+if TYPE_CHECKING:  # (the engine runs these loops: engine.py imports this module)
+    from pdserve.decode.engine import DecodeEngine
 
 
 def event_loop_overlap_disagg_decode(decode: DecodeEngine) -> Iterator[list[Completion]]:
@@ -25,7 +27,7 @@ def event_loop_overlap_disagg_decode(decode: DecodeEngine) -> Iterator[list[Comp
             decode.pop_transferred()  # KV landed: those requests join the running batch
             batch = decode.get_next_batch_to_run()
             if batch is not None:
-                decode.result_queue.append((batch, decode.run_batch(batch)))  # launch N
+                decode.launch(batch)  # N
                 # WAR barrier: the next scheduling step rewrites req_to_token rows and KV slots
                 # that forward N may still be reading.
                 schedule_stream.wait_stream(forward_stream)

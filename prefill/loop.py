@@ -10,10 +10,12 @@ WRITEs in flight are polled: those that ended become results. Each loop yields t
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from pdserve.prefill.engine import PrefillEngine
 from pdserve.prefill.scheduler import PrefillResult
+
+if TYPE_CHECKING:  # (the engine runs these loops: engine.py imports this module)
+    from pdserve.prefill.engine import PrefillEngine
 
 
 def event_loop_normal_disagg_prefill(prefill: PrefillEngine) -> Iterator[list[PrefillResult]]:
@@ -37,7 +39,7 @@ def event_loop_overlap_disagg_prefill(prefill: PrefillEngine) -> Iterator[list[P
         with prefill.streams.use(schedule_stream):
             batch = prefill.get_next_batch_to_run()
             if batch is not None:
-                prefill.result_queue.append((batch, prefill.run_batch(batch)))  # launch N
+                prefill.launch(batch)  # N
                 # WAR barrier: the next scheduling step rewrites req_to_token rows and KV slots
                 # that forward N may still be reading.
                 schedule_stream.wait_stream(forward_stream)

@@ -4,13 +4,13 @@
         runner          the model, the KV pools, the streams, FutureMap and pinned outputs
         builder         ScheduleBatch -> ForwardBatch: the scheduling side's device writes
         scheduler       the role's host-only scheduler (made by the role: make_scheduler)
-        result_queue    launched batches whose results are not processed yet (at most two)
+        in_flight       launched batches whose results are not processed yet (common/engine/in_flight.py)
         tp_workers      with --tp-size N > 1: ranks 1..N-1 (common/engine/tp_worker.py); this
                         process is rank 0, and every launch is sent to them first
 
 The loops themselves live with their roles (common/engine/engine.py: colocated; prefill/loop.py;
 decode/loop.py); the launch/process pair they share is here:
-    run_batch(batch)                launch forward + sample of batch N; returns its ForwardResult
+    launch(batch)                   launch forward + sample of batch N; it joins in_flight
     process_results_before(batch)   process N-1 once N is launched (the last one when nothing was)
 `copy_done.synchronize()` in process_batch_result is the only place the host waits for the device.
 
@@ -35,13 +35,14 @@ from typing import Sequence
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.detokenizer import IncrementalDetokenizer
-from pdserve.common.engine.batch import ForwardMode, ScheduleBatch
 from pdserve.common.engine.batch_builder import BatchBuilder
 from pdserve.common.engine.grammar import Grammars
+from pdserve.common.engine.in_flight import InFlight
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.overlap import ForwardResult, QueuedForward
 from pdserve.common.engine.sampling import SamplingBatchInfo, to_token_logprobs
 from pdserve.common.gc_tuning import tune_gc
+from pdserve.common.scheduling.batch import ForwardMode, ScheduleBatch
 from pdserve.common.scheduling.output_processor import add_prompt_logprobs
 from pdserve.common.startup import StartupClock
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
@@ -102,7 +103,7 @@ class EngineCore:
             self.close(kill=True)
             raise
         startup.mark("scheduler")
-        self.result_queue: deque[tuple[ScheduleBatch, ForwardResult]] = deque()
+        self.in_flight = InFlight()
         self.outputs: list = []  # what this iteration finished, for send_outputs
         self.channel = None  # the scheduler process's I/O; None offline
         self.trace: deque = deque(maxlen=4096)  # ("launch" | "process", batch.seq), for ordering tests
@@ -203,10 +204,10 @@ class EngineCore:
 
     def busy(self) -> bool:
         """Something is queued, running, transferring or in flight on the device."""
-        return bool(self.result_queue) or self.scheduler.has_work()
+        return bool(self.in_flight) or self.scheduler.has_work()
 
     def is_idle(self) -> bool:
-        return not self.result_queue and self.scheduler.is_idle()
+        return not self.in_flight and self.scheduler.is_idle()
 
     def stats(self) -> dict:
         s, pool = self.scheduler, self.runner.kv_pool
@@ -230,6 +231,10 @@ class EngineCore:
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         return self.scheduler.get_next_batch_to_run()
 
+    def launch(self, batch: ScheduleBatch) -> None:
+        """Launch batch N (run_batch); it stays in flight until process_results_before takes it."""
+        self.in_flight.push(batch, self.run_batch(batch))
+
     def run_batch(self, batch: ScheduleBatch) -> ForwardResult:
         """Queue batch N's forward + sample and the copy of its results to pinned memory; returns
         at once. The batch's device inputs are built here, on the current (schedule) stream."""
@@ -237,7 +242,7 @@ class EngineCore:
         forward_batch = self.builder.build(batch)
         # NOTE: built before the previous result is processed: that may finish (and free) a
         # request of this batch, whose token is then discarded (Scheduler.on_launched).
-        if self.result_queue and self.must_run_serially(batch):
+        if self.in_flight and self.must_run_serially(batch):
             self.process_results_before(None)
         info = SamplingBatchInfo.from_reqs(batch.reqs, self.vocab_size, self.eos_token_ids, self.runner.device)
         slots = self.runner.future_map.alloc(batch.batch_size)
@@ -287,9 +292,13 @@ class EngineCore:
 
     def launch_deferred(self) -> None:
         """Launch the sampling of queued batches whose masks are being filled."""
-        for i, (launched, result) in enumerate(self.result_queue):
+
+        def launched(batch: ScheduleBatch, result):
             if isinstance(result, DeferredSample) and result.masks is not None:
-                self.result_queue[i] = (launched, self.sample_deferred(launched, result))
+                return self.sample_deferred(batch, result)
+            return result
+
+        self.in_flight.map_results(launched)
 
     def grammar_bitmask(self, batch: ScheduleBatch, launched: bool):
         """The batch's grammar masks (host), filling: a future whose result() is the mask, or
@@ -310,12 +319,12 @@ class EngineCore:
         self.trace.append(("process", batch.seq))
         host = self.runner.host_sample_output(result)
         next_ids = host.next_token_ids.tolist()
-        if self.result_queue and isinstance(self.result_queue[0][1], DeferredSample):
+        waiting, deferred = self.in_flight.oldest() or (None, None)
+        if isinstance(deferred, DeferredSample):
             # The next batch's sampling waits for these tokens' grammar masks: the matchers
             # accept them and fill its masks in the grammar worker while the scheduler processes
             # this batch below; the sampling is launched before anything reads its tokens
             # (launch_deferred).
-            waiting, deferred = self.result_queue[0]
             deferred.masks = self.grammars.accept_and_fill(
                 batch.reqs, batch.samples, next_ids, waiting.reqs, waiting.samples
             )
@@ -328,8 +337,8 @@ class EngineCore:
     def process_results_before(self, batch: ScheduleBatch | None) -> None:
         """Process every launched batch before `batch`: N-1 right after N is launched, or the last
         one when nothing was launched this iteration."""
-        while self.result_queue and self.result_queue[0][0] is not batch:
-            self.process_batch_result(*self.result_queue.popleft())
+        for launched, result in self.in_flight.take_before(batch):
+            self.process_batch_result(launched, result)
 
     def must_run_serially(self, batch: ScheduleBatch) -> bool:
         """Cases where overlapping with the previous batch would be wrong or hurt.
@@ -340,7 +349,7 @@ class EngineCore:
         """
         if any(r.params.has_penalties for r in batch.reqs):
             return True
-        last = self.result_queue[-1][0] if self.result_queue else None
+        last = self.in_flight.last_batch()
         consecutive_prefill = batch.mode is ForwardMode.EXTEND and last is not None and last.mode is ForwardMode.EXTEND
         return self.config.serial_consecutive_prefill and consecutive_prefill
 

@@ -15,8 +15,8 @@ from collections import deque
 from typing import Iterator, Sequence
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine.batch import ScheduleBatch
 from pdserve.common.engine.core import EngineCore
+from pdserve.common.scheduling.batch import ScheduleBatch
 from pdserve.common.scheduling.scheduler import Scheduler
 from pdserve.common.types import Completion, SamplingParams
 
@@ -28,12 +28,12 @@ def event_loop_overlap(engine: Engine) -> Iterator[list[Completion]]:
         with engine.streams.use(schedule_stream):  # scheduling's device writes queue here
             batch = engine.get_next_batch_to_run()
             if batch is not None:
-                engine.result_queue.append((batch, engine.run_batch(batch)))
+                engine.launch(batch)  # N
                 # WAR barrier: the next scheduling step rewrites req_to_token rows and KV slots
                 # that this forward may still be reading.
                 schedule_stream.wait_stream(forward_stream)
             engine.check_not_stalled(batch)
-            engine.process_results_before(batch)
+            engine.process_results_before(batch)  # N-1, while the device runs N
         yield engine.take_outputs()
 
 
@@ -73,7 +73,7 @@ class Engine(EngineCore):
     def check_not_stalled(self, batch: ScheduleBatch | None) -> None:
         """Nothing ran and nothing is in flight, yet work is queued: a scheduling bug, never a wait
         (a colocated engine waits on nothing outside itself)."""
-        if batch is None and not self.result_queue and self.scheduler.has_work():
+        if batch is None and not self.in_flight and self.scheduler.has_work():
             raise RuntimeError(f"scheduler stalled with work queued: {self.stats()}")
 
     def event_loop(self) -> Iterator[list[Completion]]:
@@ -88,7 +88,7 @@ class Engine(EngineCore):
 
     def step(self) -> list[Completion]:
         """One serial iteration: schedule a batch, run it, process its result. Returns what finished."""
-        if self.result_queue:
+        if self.in_flight:
             raise RuntimeError("step() needs no batch in flight")
         return next(event_loop_normal(self))
 
