@@ -24,6 +24,7 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode_streams import DecodeStreams
+from pdserve.router.statuses import in_band_fault, in_band_status, rpc_status, server_fault
 
 
 class UpstreamError(Exception):
@@ -36,36 +37,6 @@ class UpstreamError(Exception):
         super().__init__(message)
         self.status = status
         self.decode_failed = decode_failed
-
-
-# The gRPC statuses that say a server (or the way to it) is broken: down, crashed, misbehaving, or
-# not letting this router in. Not in it, and never blamed: CANCELLED (we cancelled: the client left,
-# or a sibling choice failed), DEADLINE_EXCEEDED (the request's deadline, or the router's limit on one
-# attempt: a slow server, as every server is under load; a hung one fails its health checks),
-# RESOURCE_EXHAUSTED (full), and the statuses of a request the server refused as malformed.
-SERVER_FAULT_STATUSES = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS,
-    grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-})  # fmt: skip
-
-
-def server_fault(code: grpc.StatusCode) -> bool:
-    """Whether a call that ended with `code` counts against the server's circuit breaker."""
-    return code in SERVER_FAULT_STATUSES
-
-
-def rpc_status(code: grpc.StatusCode) -> int:
-    """The HTTP status of a request whose call ended with `code`: 429 for a full server, 504 for a
-    deadline, 503 otherwise (the server is unavailable now)."""
-    return {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.DEADLINE_EXCEEDED: 504}.get(code, 503)
-
-
-def in_band_fault(code) -> bool:
-    """Whether a server's in-band Error (`pb.Error.Code`) is that server's fault: INTERNAL (or no code),
-    and KV_TRANSFER_FAILED (its side of the transfer broke). INVALID_REQUEST (the client's), OVERLOADED
-    (full or draining), ABORTED (cancelled, or the request's deadline) and KV_TRANSFER_TIMEOUT (the KV
-    did not arrive in time: under load a queued prefill misses the reservation) are not."""
-    return code in (pb.Error.INTERNAL, pb.Error.KV_TRANSFER_FAILED, pb.Error.CODE_UNSPECIFIED)
 
 
 @dataclass
@@ -388,7 +359,7 @@ async def _prefill_with_retries(
             if response.error.code == pb.Error.INVALID_REQUEST:
                 raise UpstreamError(response.error.message, 400)
             failure, fault = response.error.message, in_band_fault(response.error.code)
-            status = {pb.Error.OVERLOADED: 429, pb.Error.ABORTED: 504}.get(response.error.code, 503)
+            status = in_band_status(response.error.code, after_retries=True)
         last = f"prefill {url}: {failure}"
         if streamed is not None:
             # The early attempt may fail for reasons that are not the prefill server's: no
@@ -402,13 +373,10 @@ async def _prefill_with_retries(
     raise UpstreamError(f"prefill failed after {attempts} attempt(s): {last}", status)
 
 
-def _status(code) -> int:
-    """The HTTP status of a request a server failed in-band with `code` (a pb.Error.Code)."""
-    return {pb.Error.INVALID_REQUEST: 400, pb.Error.OVERLOADED: 429, pb.Error.ABORTED: 504}.get(code, 502)
-
-
 def _error(msg) -> UpstreamError:
     if msg is grpc.aio.EOF or msg.WhichOneof("response") != "error":
         return UpstreamError("the decode server answered out of protocol", decode_failed=True)
     code = msg.error.code
-    return UpstreamError(msg.error.message, _status(code), decode_failed=in_band_fault(code))
+    return UpstreamError(
+        msg.error.message, in_band_status(code, after_retries=False), decode_failed=in_band_fault(code)
+    )
