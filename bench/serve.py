@@ -12,14 +12,13 @@ import argparse
 import asyncio
 import itertools
 import math
-import os
-import time
 from contextlib import ExitStack, nullcontext
 
 from pdserve.bench.client_workers import ClientWorkers
 from pdserve.bench.http_client import get_json
 from pdserve.bench.loadgen import OpenAIBackend, run_schedule, timed_request
 from pdserve.bench.metrics import parse_goodput, summarize
+from pdserve.bench.proc_cpu import cpu_per_1k_tokens, process_cpu_s, process_tree_cpu_s
 from pdserve.bench.random_weights import model_path_from_args
 from pdserve.bench.report import command_line, device_name, emit, table
 from pdserve.bench.sweep import StackSpec, goodput_rate, parse_stack, plot_sweep
@@ -257,55 +256,6 @@ def check_client_args(args: argparse.Namespace) -> None:
             raise ValueError("--router-pid is for a --base-url server's router; a local stack's is measured anyway")
         if args.router_pid < 1 or process_cpu_s(args.router_pid) is None:
             raise ValueError(f"--router-pid {args.router_pid}: no such process on this host")
-
-
-def process_cpu_s(pid: int | None) -> float | None:
-    """CPU seconds (user + system, all threads) a process has used, from /proc; None where unreadable."""
-    if pid is None:
-        return time.process_time()
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # the name, in parentheses, may hold spaces
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-
-
-def process_tree_cpu_s(pid: int) -> float | None:
-    """CPU seconds a process and all its descendants have used (user + system, all threads, and
-    the children each has reaped), from /proc; None where the process is gone or unreadable.
-
-    NOTE: compare two readings (after - before). A descendant that exits between them keeps
-    counting only through its parent's reaped-children time (cutime, cstime), once a process of
-    the tree has waited for it; one that is not reaped by the tree (orphaned, or its parent ignores
-    SIGCHLD) or still a zombie at the second reading loses its CPU from the sum, and a reap that
-    races the scan may count it twice or not at all. Acceptable for a per-run figure.
-    """
-    ticks, children = {}, {}  # pid -> own + reaped-children ticks; pid -> its child pids
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # the name, in parentheses, may hold spaces
-        except OSError:  # exited since the listing
-            continue
-        ticks[int(name)] = sum(int(field) for field in fields[11:15])  # utime, stime, cutime, cstime
-        children.setdefault(int(fields[1]), []).append(int(name))  # ppid
-    if pid not in ticks:
-        return None
-    total, tree = 0, [pid]
-    while tree:
-        member = tree.pop()
-        total += ticks.get(member, 0)
-        tree += children.get(member, [])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_per_1k_tokens(before: float | None, after: float | None, tokens: int) -> float | None:
-    if before is None or after is None or not tokens:
-        return None
-    return (after - before) / tokens * 1000
 
 
 async def bench_runs(

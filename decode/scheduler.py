@@ -29,10 +29,11 @@ from __future__ import annotations
 from collections import deque
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine.batch import ForwardMode, ScheduleBatch
-from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
+from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool
 from pdserve.common.errors import ErrorCode
+from pdserve.common.scheduling.batch import ForwardMode, ScheduleBatch
 from pdserve.common.scheduling.output_processor import append_token, finalize
+from pdserve.common.scheduling.pages import pages_for
 from pdserve.common.scheduling.scheduler import Scheduler
 from pdserve.common.types import KV_WRITE_GRACE_S, Completion, FinishReason, Req, TokenLogprob
 

@@ -27,11 +27,12 @@ import time
 from dataclasses import dataclass
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine.batch import ScheduleBatch
-from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
+from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool
 from pdserve.common.errors import ErrorCode
 from pdserve.common.kv_transfer import KVTransferError, TransferState
+from pdserve.common.scheduling.batch import ScheduleBatch
 from pdserve.common.scheduling.kv_manager import KVManager
+from pdserve.common.scheduling.pages import pages_for
 from pdserve.common.scheduling.prefill_manager import PrefillManager
 from pdserve.common.scheduling.scheduler import check_fits, extend_batch, on_launched
 from pdserve.common.types import KV_WRITE_GRACE_S, FinishReason, Req, SamplingParams, TokenLogprob

@@ -185,7 +185,8 @@ def test_masks_and_accepts_in_shares_equal_one_thread(make_engine):
     acceptances as one thread, step after step, for rows in different states of different
     grammars. As in the overlap loop, each step's tokens are counted ahead and accepted in the
     worker with the next masks (accept_and_fill), a refused token failing its row."""
-    from pdserve.common.engine.grammar import PARALLEL_ROWS, Grammars
+    from pdserve.common.engine.grammar import Grammars
+    from pdserve.common.engine.grammar_worker import PARALLEL_ROWS
 
     engine = make_engine("llama")
     one = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids, threads=1)

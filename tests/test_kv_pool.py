@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for, slots_for_positions
+from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool
+from pdserve.common.scheduling.pages import pages_for, slots_for_positions
 
 
 def test_req_to_token_rows_are_handed_out_in_order_and_reused_fifo():

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pdserve.common.engine.batch import ForwardMode
+from pdserve.common.scheduling.batch import ForwardMode
 from pdserve.common.types import FinishReason, SamplingParams
 from tests.test_disagg_engines import Stepper, drive, engines, hf_greedy, make_prompts
 

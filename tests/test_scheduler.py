@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine.batch import ForwardMode
 from pdserve.common.engine.batch_builder import BatchBuilder
 from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool
+from pdserve.common.scheduling.batch import ForwardMode
 from pdserve.common.scheduling.scheduler import Scheduler
 from pdserve.common.types import FinishReason, Req, SamplingParams
 

@@ -111,8 +111,8 @@ def test_prefill_graph_sizes_pad_by_at_most_a_quarter():
 def test_prefill_graphs_take_only_small_extend_batches(make_engine):
     """can_run: extend batches within the captured token count and request slots, with their
     upload rows; decode batches, bigger batches and batches without an upload run eagerly."""
-    from pdserve.common.engine.batch import ForwardMode
     from pdserve.common.engine.prefill_graph import PrefillGraphRunner
+    from pdserve.common.scheduling.batch import ForwardMode
 
     engine = make_engine("llama", attention_backend="triton", max_total_tokens=4096)
     graphs = PrefillGraphRunner(engine.runner, max_tokens=48, max_reqs=2, capture=False)

@@ -312,7 +312,8 @@ def _backend_parity(mode, seq_lens, extend_lens):
     """store_kv + the kernel vs TorchNativeBackend.forward, through the real pools and batch."""
     from pdserve.common.engine.attention.torch_native import TorchNativeBackend
     from pdserve.common.engine.batch import ForwardBatch
-    from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, slots_for_positions
+    from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool
+    from pdserve.common.scheduling.pages import slots_for_positions
 
     page_size, heads, kv_heads, head_dim, scale, window = 4, 4, 2, 16, 0.25, 11
     kv_pool = PagedKVPool(32, page_size, 1, kv_heads, head_dim, torch.float32, DEVICE)
@@ -390,13 +391,13 @@ def _backend_parity(mode, seq_lens, extend_lens):
 
 
 def test_extend_matches_torch_native_backend():
-    from pdserve.common.engine.batch import ForwardMode
+    from pdserve.common.scheduling.batch import ForwardMode
 
     _backend_parity(ForwardMode.EXTEND, seq_lens=[9, 30, 4], extend_lens=[9, 12, 1])
 
 
 def test_decode_matches_torch_native_backend():
-    from pdserve.common.engine.batch import ForwardMode
+    from pdserve.common.scheduling.batch import ForwardMode
 
     _backend_parity(ForwardMode.DECODE, seq_lens=[9, 30, 4], extend_lens=[1, 1, 1])
 

@@ -1,7 +1,8 @@
 """What one forward pass runs, on both sides of vLLM's seam.
 
-    ScheduleBatch   the scheduler's decision, plain host data: which requests, which positions,
-                    which req_to_token rows to fill first. The scheduler never touches the device.
+    ScheduleBatch   the scheduler's decision, plain host data (common/scheduling/batch.py): which
+                    requests, which positions, which req_to_token rows to fill first. The scheduler
+                    never touches the device.
     BatchPlan       the runner side's host half of it: the one upload's values and the host-side
                     lengths, with no request state (what a TP server's other ranks receive).
     ForwardBatch    device tensors plus the host-side lengths, built from a BatchPlan by the
@@ -14,50 +15,13 @@ tokens [extend_starts[i], extend_starts[i] + extend_lens[i]).
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from pdserve.common.scheduling.batch import ForwardMode
 from pdserve.common.types import Req
-
-
-class ForwardMode(enum.Enum):
-    EXTEND = "extend"  # prefill: each request adds one or more tokens after its cached prefix
-    DECODE = "decode"  # each request adds exactly one token
-
-
-@dataclass
-class RowWrite:
-    """req_to_token[row, start : start + len(slots)] = slots: the KV a request has before its first
-    forward here (a prefix-cache hit, or pages a decode server reserved for a transfer)."""
-
-    row: int
-    start: int
-    slots: list[int]
-
-
-@dataclass
-class ScheduleBatch:
-    """One forward as the scheduler decided it. Request i computes positions [starts[i], ends[i])."""
-
-    mode: ForwardMode
-    reqs: list[Req]
-    starts: list[int]
-    ends: list[int]
-    samples: list[bool]  # False for a mid-prompt chunk: its sampled token is discarded
-    # Rows to fill before this forward, in the order they were decided (a row freed and handed out
-    # again is written again later in the list, so the last write wins).
-    row_writes: list[RowWrite] = field(default_factory=list)
-    # Prompt logprobs to compute (extend only): (request index, first position, end position); the
-    # logits at position p score prompt token p + 1.
-    prompt_logprobs: list[tuple[int, int, int]] = field(default_factory=list)
-    seq: int = 0  # launch order, set when launched (for traces and tests)
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.reqs)
 
 
 @dataclass

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from pdserve.common.engine.batch import BatchPlan, ForwardBatch, ForwardMode, RowWrite, ScheduleBatch
+from pdserve.common.engine.batch import BatchPlan, ForwardBatch
 from pdserve.common.engine.kv_pool import ReqToTokenPool
 from pdserve.common.engine.overlap import h2d_array
+from pdserve.common.scheduling.batch import ForwardMode, RowWrite, ScheduleBatch
 
 
 class BatchBuilder:

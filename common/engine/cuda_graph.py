@@ -26,7 +26,8 @@ import logging
 
 import torch
 
-from pdserve.common.engine.batch import ForwardBatch, ForwardMode
+from pdserve.common.engine.batch import ForwardBatch
+from pdserve.common.scheduling.batch import ForwardMode
 
 logger = logging.getLogger(__name__)
 

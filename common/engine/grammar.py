@@ -28,7 +28,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import re
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,20 +35,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from pdserve.common.engine.grammar_source import grammar_source
+from pdserve.common.engine.grammar_worker import FILL_THREADS, GrammarWorker
+
 # How many compiled grammars a server keeps (by kind and text), least recently used out first.
 CACHE_ENTRIES = 512
-# The grammar worker's threads that accept a batch's tokens and fill its masks (at most the cores
-# this process may use, less two), from PARALLEL_ROWS grammar rows on. Each takes every k-th row
-# (the costly states spread out) through its own one-thread BatchGrammarMatcher (xgrammar's own
-# max_threads > 1 was slower than one thread): two xgrammar calls a step. Four (Llama-1B shape,
-# batch 128 on an H200, docs/benchmarks.md, measured with the threads in the server's process: the
-# bounded-strings schema 2.5-2.8x the plain step with four, 2.9-3.4x with two, 4.3x with one).
-FILL_THREADS = 4
-PARALLEL_ROWS = 16
-MAX_ERROR_CHARS = 400
-# xgrammar's messages start with "[03:59:31] /project/cpp/regex_converter.cc:83: " and may hold
-# "Check failed: (...) is false: ": noise for the client.
-_LOCATION = re.compile(r"\[[\d:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +58,6 @@ class Grammars:
         fence=None,
     ):
         import xgrammar as xgr  # imports torch and its kernels: only servers and engines load it
-
-        from pdserve.common.engine.grammar_worker import GrammarWorker
 
         self._xgr = xgr
         self.vocab_size = vocab_size
@@ -235,44 +223,6 @@ class MaskFuture:
                 grammar.refused, grammar.failure = token, reason or None
                 logger.error("a grammar refused token %d: its request fails at its next token", token)
         return mask
-
-
-def grammar_source(xgr, kind: str, spec: str):
-    """(kind, spec) parsed into an xgrammar Grammar (or its EBNF text); ValueError, with the
-    library's reason, if refused. (The server and its grammar worker both call this.)"""
-    try:
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
-        if kind == "json_schema":
-            # Compact JSON (no free whitespace): a weak or random model could otherwise emit
-            # whitespace until max_tokens and never close the object. strict_mode: no
-            # properties or items beyond the schema's, as OpenAI's strict mode.
-            return _no_raw_control_characters(
-                xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)
-            )
-        if kind == "regex":
-            return xgr.Grammar.from_regex(spec)
-        if kind == "ebnf":
-            return xgr.Grammar.from_ebnf(spec)
-        if kind == "structural_tag":
-            return _no_raw_control_characters(xgr.Grammar.from_structural_tag(spec))
-    except Exception as e:  # xgrammar raises RuntimeError, ValueError or its own InvalidJSONError
-        reason = _LOCATION.sub("", " ".join(str(e).split()))[:MAX_ERROR_CHARS]
-        raise ValueError(f"the {kind} grammar cannot be compiled: {reason}") from None
-    raise ValueError(f"unknown grammar kind {kind!r}")
-
-
-# xgrammar 0.2.8 writes a string with maxLength as `[^"\\\r\n]{0, n}`: raw control characters
-# (U+0000-U+001F other than CR and LF) are allowed there, which JSON forbids (json.loads and
-# JSON.parse refuse the output; its unbounded strings exclude them). The class is rewritten as
-# its unbounded strings have it.
-_LOOSE_STRING_CHARACTER = '[^\\"\\\\\\r\\n]'
-_JSON_STRING_CHARACTER = '[^\\0-\\x1f\\"\\\\]'
-
-
-def _no_raw_control_characters(grammar) -> str:
-    """The grammar's EBNF with JSON's rule for string characters everywhere."""
-    return str(grammar).replace(_LOOSE_STRING_CHARACTER, _JSON_STRING_CHARACTER)
 
 
 class RequestGrammar:

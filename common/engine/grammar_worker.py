@@ -33,6 +33,15 @@ from multiprocessing.shared_memory import SharedMemory
 
 import torch
 
+# The grammar worker's threads that accept a batch's tokens and fill its masks (at most the cores
+# this process may use, less two), from PARALLEL_ROWS grammar rows on. Each takes every k-th row
+# (the costly states spread out) through its own one-thread BatchGrammarMatcher (xgrammar's own
+# max_threads > 1 was slower than one thread): two xgrammar calls a step. Four (Llama-1B shape,
+# batch 128 on an H200, docs/benchmarks.md, measured with the threads in the server's process: the
+# bounded-strings schema 2.5-2.8x the plain step with four, 2.9-3.4x with two, 4.3x with one).
+FILL_THREADS = 4
+PARALLEL_ROWS = 16
+
 logger = logging.getLogger(__name__)
 
 BUFFERS = 3  # mask slots: one filling, one being copied, one spare
@@ -211,7 +220,7 @@ def main(args: dict) -> None:
     import xgrammar as xgr
     from xgrammar.matcher import _core
 
-    from pdserve.common.engine.grammar import PARALLEL_ROWS, grammar_source
+    from pdserve.common.engine.grammar_source import grammar_source
 
     with open(args["tokenizer_info"]) as f:
         info = xgr.TokenizerInfo.deserialize_json(f.read())

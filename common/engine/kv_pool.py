@@ -127,12 +127,3 @@ class PagedKVPool:
         """Store the new tokens' K and V at slots `loc` ([T] int64) of one layer."""
         self.k_buffers[layer][loc] = k.to(self.dtype)
         self.v_buffers[layer][loc] = v.to(self.dtype)
-
-
-def pages_for(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
-
-
-def slots_for_positions(pages: list[int], start: int, end: int, page_size: int) -> list[int]:
-    """KV slots of positions [start, end) of a request whose i-th page is pages[i]."""
-    return [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]

@@ -20,9 +20,9 @@ import torch
 
 from pdserve.common.config import EngineConfig, model_kv_heads_of, read_hf_config
 from pdserve.common.engine.attention import create_backend
-from pdserve.common.engine.batch import ForwardBatch, ForwardMode
+from pdserve.common.engine.batch import ForwardBatch
 from pdserve.common.engine.cuda_graph import CudaGraphRunner
-from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
+from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool
 from pdserve.common.engine.models.loader import load_model
 from pdserve.common.engine.models.parallel import kv_heads_of_rank
 from pdserve.common.engine.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs, QueuedForward
@@ -30,6 +30,8 @@ from pdserve.common.engine.prefill_graph import PrefillGraphRunner
 from pdserve.common.engine.prompt_logprobs import score_prompt
 from pdserve.common.engine.sampling import SampleOutput, SamplingBatchInfo, sample
 from pdserve.common.engine.tp import TPGroup
+from pdserve.common.scheduling.batch import ForwardMode
+from pdserve.common.scheduling.pages import pages_for
 from pdserve.common.startup import KV_POOL, StartupClock
 from pdserve.common.types import MAX_TOP_LOGPROBS
 

@@ -34,9 +34,10 @@ import logging
 import numpy as np
 import torch
 
-from pdserve.common.engine.batch import ForwardBatch, ForwardMode
+from pdserve.common.engine.batch import ForwardBatch
 from pdserve.common.engine.cuda_graph import capture_graph
 from pdserve.common.engine.overlap import h2d_array
+from pdserve.common.scheduling.batch import ForwardMode
 
 logger = logging.getLogger(__name__)
 

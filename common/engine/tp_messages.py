@@ -25,7 +25,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from pdserve.common.engine.batch import BatchPlan, ForwardMode
+from pdserve.common.engine.batch import BatchPlan
+from pdserve.common.scheduling.batch import ForwardMode
 
 
 class Step(msgspec.Struct, tag=True, array_like=True):

@@ -13,10 +13,15 @@ handed to the next ScheduleBatch (`take_row_writes`); the batch builder writes i
 
 from __future__ import annotations
 
-from pdserve.common.engine.batch import RowWrite
-from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for, slots_for_positions
+from typing import TYPE_CHECKING
+
+from pdserve.common.scheduling.batch import RowWrite
+from pdserve.common.scheduling.pages import pages_for, slots_for_positions
 from pdserve.common.scheduling.radix_cache import RadixCache
 from pdserve.common.types import Req
+
+if TYPE_CHECKING:  # (the pools hold device memory: scheduling only calls their host-side methods)
+    from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool
 
 
 class KVManager:

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from typing import TYPE_CHECKING
 
-from pdserve.common.engine.kv_pool import PagedKVPool
+if TYPE_CHECKING:  # (the pools hold device memory: scheduling only calls their host-side methods)
+    from pdserve.common.engine.kv_pool import PagedKVPool
 
 
 class TreeNode:

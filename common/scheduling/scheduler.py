@@ -16,15 +16,19 @@ so far.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine.batch import ForwardMode, ScheduleBatch
-from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool, pages_for
+from pdserve.common.scheduling.batch import ForwardMode, ScheduleBatch
 from pdserve.common.scheduling.decode_manager import DecodeManager
 from pdserve.common.scheduling.kv_manager import KVManager
 from pdserve.common.scheduling.output_processor import append_token, finalize, finalize_all
+from pdserve.common.scheduling.pages import pages_for
 from pdserve.common.scheduling.prefill_manager import PrefillManager
 from pdserve.common.types import Completion, FinishReason, Req, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:  # (the pools hold device memory: scheduling only calls their host-side methods)
+    from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool
 
 
 def check_fits(config: EngineConfig, kv_pool: PagedKVPool, prompt_ids: Sequence[int], params: SamplingParams) -> None:

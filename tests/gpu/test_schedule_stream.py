@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.engine import Engine
-from pdserve.common.engine.kv_pool import pages_for
 from pdserve.common.kv_transfer import encode_notif
+from pdserve.common.scheduling.pages import pages_for
 from pdserve.common.types import SamplingParams
 from pdserve.decode.engine import DecodeEngine
 

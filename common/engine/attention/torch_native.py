@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from pdserve.common.engine.attention.base import AttentionBackend
-from pdserve.common.engine.batch import ForwardBatch, ForwardMode
+from pdserve.common.engine.batch import ForwardBatch
 from pdserve.common.engine.overlap import h2d
+from pdserve.common.scheduling.batch import ForwardMode
 
 
 class TorchNativeBackend(AttentionBackend):

@@ -20,9 +20,10 @@ from pdserve.common.engine.attention.base import AttentionBackend
 from pdserve.common.engine.attention.triton_decode import DecodeWorkspace, decode_attention, num_kv_splits_for
 from pdserve.common.engine.attention.triton_extend import extend_attention
 from pdserve.common.engine.attention.triton_store import rope_store_kv, store_kv
-from pdserve.common.engine.batch import ForwardBatch, ForwardMode
+from pdserve.common.engine.batch import ForwardBatch
 from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool
 from pdserve.common.engine.overlap import h2d
+from pdserve.common.scheduling.batch import ForwardMode
 
 MAX_KV_SPLITS = 16
 

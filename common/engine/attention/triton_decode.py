@@ -17,6 +17,10 @@ shapes and num_kv_splits. Padded rows (seq_len 1, req_to_token row of zeros) rea
 
 NOTE: import this module lazily (never from common/engine/attention/__init__.py): Triton reads
 TRITON_INTERPRET when a @triton.jit function is defined, and the CPU tests set it in conftest.
+
+Why this file is long: the two kernels, the block they share and the launcher that picks their
+grid and split configuration are one unit (a kernel's constexprs and its launch config change
+together); the split-K kernel alone is ~150 lines once formatted.
 """
 
 from __future__ import annotations
