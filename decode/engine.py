@@ -26,6 +26,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.engine.core import EngineCore
 from pdserve.common.engine.tp_messages import Notifs, Watch
 from pdserve.common.kv_transfer import KVLayout
+from pdserve.common.kv_transfer.base import KVSide
 from pdserve.common.kv_transfer.server import ServerKV
 from pdserve.common.serving import ipc
 from pdserve.common.startup import StartupClock
@@ -52,7 +53,7 @@ class KVDestination:
 
 
 class DecodeEngine(EngineCore):
-    kv_duty = "receiver"
+    kv_duty = KVSide.RECEIVER
 
     def __init__(
         self,
@@ -62,6 +63,8 @@ class DecodeEngine(EngineCore):
         startup: StartupClock | None = None,
     ):
         self.kv_agent_name, self.kv_transfer_timeout = agent_name, kv_transfer_timeout
+        # The KV agents this engine owns (every rank's), opened with the scheduler (make_scheduler).
+        self.kv: ServerKV | None = None
         # KV arrives over NIXL (only a retracted request is prefilled again here, eagerly): no
         # prefill graphs.
         super().__init__(config, prefill_graphs=False, startup=startup)
@@ -73,7 +76,7 @@ class DecodeEngine(EngineCore):
 
     def close(self, kill: bool = False) -> None:
         super().close(kill)
-        if hasattr(self, "kv"):
+        if self.kv is not None:
             self.kv.close()
 
     def make_scheduler(self) -> DecodeScheduler:

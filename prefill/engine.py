@@ -21,6 +21,7 @@ from typing import Iterator, Sequence
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.core import EngineCore
+from pdserve.common.kv_transfer.base import KVSide
 from pdserve.common.kv_transfer.sender import KVSender
 from pdserve.common.kv_transfer.server import ServerKV
 from pdserve.common.serving import ipc
@@ -30,7 +31,7 @@ from pdserve.prefill.scheduler import Destination, PrefillResult, PrefillSchedul
 
 
 class PrefillEngine(EngineCore):
-    kv_duty = "sender"
+    kv_duty = KVSide.SENDER
 
     def __init__(
         self,
@@ -40,6 +41,8 @@ class PrefillEngine(EngineCore):
         startup: StartupClock | None = None,
     ):
         self.kv_agent_name, self.kv_transfer_timeout = agent_name, kv_transfer_timeout
+        # The KV agents this engine owns (every rank's), opened with the scheduler (make_scheduler).
+        self.kv: ServerKV | None = None
         super().__init__(config, startup=startup)
 
     def make_scheduler(self) -> PrefillScheduler:
@@ -56,7 +59,7 @@ class PrefillEngine(EngineCore):
 
     def close(self, kill: bool = False) -> None:
         super().close(kill)
-        if hasattr(self, "kv"):
+        if self.kv is not None:
             self.kv.close()
 
     def event_loop(self) -> Iterator[list[PrefillResult]]:

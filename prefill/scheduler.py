@@ -32,6 +32,7 @@ from pdserve.common.errors import ErrorCode
 from pdserve.common.kv_transfer import KVTransferError, TransferState
 from pdserve.common.scheduling.batch import ScheduleBatch
 from pdserve.common.scheduling.kv_manager import KVManager
+from pdserve.common.scheduling.output_processor import sampled_tokens
 from pdserve.common.scheduling.pages import pages_for
 from pdserve.common.scheduling.prefill_manager import PrefillManager
 from pdserve.common.scheduling.scheduler import check_fits, extend_batch, on_launched
@@ -133,6 +134,9 @@ class PrefillScheduler:
     def kv_used_tokens(self) -> int:
         return self.kv.used_tokens()
 
+    def num_running(self) -> int:
+        return 0  # a prefill server runs none: each prompt leaves with its first token
+
     @property
     def stats(self) -> dict[str, int]:
         return self.prefill.stats
@@ -166,13 +170,7 @@ class PrefillScheduler:
 
     def process_batch_result(self, batch, next_token_ids: list[int], logprobs: list[TokenLogprob | None]):
         """Each finished prompt starts its KV WRITE; nothing finishes here (see poll_transfers)."""
-        for req, sampling, token, lp in zip(batch.reqs, batch.samples, next_token_ids, logprobs):
-            if not sampling:
-                continue
-            req.pending -= 1
-            if req.discard:  # aborted after launch
-                req.discard -= 1
-                continue
+        for req, token, lp in sampled_tokens(batch, next_token_ids, logprobs):
             if req.finish_reason is FinishReason.ABORT:  # aborted while its last chunk ran: answered then
                 self._finish(req)
                 continue

@@ -1,60 +1,48 @@
-"""The router's HTTP API (OpenAI-compatible): validate, tokenize, wait for a turn (admission),
-pair a prefill and a decode worker per choice, stream or collect the tokens, answer in OpenAI's
-shapes.
+"""The router's HTTP app: the Router, one per router process, and `create_app`, which serves it.
 
-Bodies are validated by common/openai/api.py (the same rules as run-batch) and answered by
-common/openai/format.py; streaming follows OpenAI's SSE chunks, `stream_options.include_usage`
-and `data: [DONE]`. Every error a client sees is OpenAI's error body: 400/404 for the body, 429
-(with Retry-After) when the router's queue is full or a request's turn does not come in time
-(router/admission.py), 5xx only for the servers' failures.
+The Router holds what every request needs (the tokenizer, the worker registry and its health checks,
+the routing policies, admission, the metrics) and runs one choice: pick a decode server (and a
+prefill server, unless the decode server prefills it: router/disagg.py), pair them
+(router/pairing.py), and turn the tokens they stream into text by the engine's own output rules.
+The endpoints live by what they serve: router/openai_routes.py (/v1/completions,
+/v1/chat/completions), router/native_routes.py (/generate) and router/operations_routes.py
+(/health, /readiness, /metrics, /v1/models); create_app puts them on one FastAPI app.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdserve.common.config import read_hf_config
 from pdserve.common.detokenizer import IncrementalDetokenizer
-from pdserve.common.openai.api import OpenAIError, ParsedRequest, parse_completion_request
-from pdserve.common.openai.chat import parse_chat_request
-from pdserve.common.openai.format import format_response
+from pdserve.common.openai.api import OpenAIError
 from pdserve.common.scheduling.output_processor import append_token, finalize
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Completion, FinishReason, Req
-from pdserve.router.admission import Admission, Overloaded
+from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode_streams import DecodeStreams
-from pdserve.router.disagg import Disaggregation
-from pdserve.router.http_answers import (
-    AdmittedStream,
-    ClientGone,
-    error_response,
-    overloaded_response,
-    queued_batches,
-    run_choices,
-    until_disconnect,
-    upstream_response,
-)
+from pdserve.router.disagg import Disaggregation, Where
+from pdserve.router.http_answers import error_response
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.native_routes import native_routes
+from pdserve.router.openai_routes import openai_routes
+from pdserve.router.operations_routes import operations_routes
 from pdserve.router.pairing import (
+    EventKind,
     UpstreamError,
-    fix_seed,
     local_generate,
     paired_generate,
     prefill_only,
     prompt_logprobs_of,
 )
 from pdserve.router.policies import make_policy
-from pdserve.router.stream_chunks import StreamChunks
 from pdserve.router.workers import WorkerRegistry, resolve_dns
 
 log = logging.getLogger(__name__)
@@ -151,10 +139,10 @@ class Router:
         where, why = self.disagg.decide(
             decode, prompt_ids, params.prompt_logprobs is not None, lambda: self.registry.views("prefill")
         )
-        self.metrics.prefill_decisions.labels(where, why).inc()
+        self.metrics.prefill_decisions.labels(where.value, why).inc()
         stream = (
             local_generate(self.decode_target(decode), prompt_ids, params, c)
-            if where == "local"
+            if where is Where.LOCAL
             else paired_generate(self.decode_target(decode), pick_prefill, self.registry.record, prompt_ids, params, c)
         )
         decode_worker.inflight += 1
@@ -176,7 +164,7 @@ class Router:
                 ):  # the first event (the prefill's answer), or a local prefill's finish
                     req.cached_tokens = event.cached_tokens
                     req.prompt_logprobs = event.prompt_logprobs
-                    if on_prompt is not None and event.kind == "tokens":
+                    if on_prompt is not None and event.kind is EventKind.TOKENS:
                         await on_prompt(req.prompt_logprobs)
                 logprobs = event.logprobs if params.logprobs is not None else []
                 for i, token in enumerate(event.token_ids):
@@ -189,10 +177,8 @@ class Router:
                 if on_text is not None and final > emitted:
                     await on_text(req.text[emitted:final], req.output_logprobs[reported:])
                     emitted, reported = final, len(req.output_logprobs)
-                if event.kind == "finish" or (
-                    req.finished and where == "remote"
-                ):  # (local: its cached tokens come last)
-                    break
+                if event.kind is EventKind.FINISH or (req.finished and where is Where.REMOTE):
+                    break  # (local: its cached tokens come last)
         except UpstreamError as e:
             if e.decode_failed and decode in workers:
                 self.registry.record(decode, ok=False)
@@ -226,6 +212,9 @@ class Router:
 
 
 def create_app(router: Router) -> FastAPI:
+    """The router's FastAPI app: `router`'s lifetime, OpenAI's error body for the router's own bugs,
+    and the endpoints, grouped by what they serve."""
+
     @asynccontextmanager
     async def lifespan(app):
         await router.start()  # channels and health checks live on the server's event loop
@@ -245,220 +234,7 @@ def create_app(router: Router) -> FastAPI:
         log.error("unhandled error on %s", request.url.path, exc_info=e)
         return error_response(OpenAIError(f"internal error of the router: {type(e).__name__}", status_code=500))
 
-    async def body_of(request: Request) -> dict:
-        if router.config.api_key and request.headers.get("authorization") != f"Bearer {router.config.api_key}":
-            raise OpenAIError("invalid or missing API key (Authorization: Bearer ...)", status_code=401)
-        try:
-            body = json.loads(await request.body())
-        except ValueError as e:
-            raise OpenAIError(f"the request body is not valid JSON: {e}") from e
-        except RecursionError:
-            raise OpenAIError("the request body is nested too deeply") from None
-        if not isinstance(body, dict):
-            raise OpenAIError("the request body must be a JSON object")
-        return body
-
-    def parse_body(parse, body: dict):
-        return parse(
-            body,
-            router.tokenizer,
-            router.model,
-            router.context_len,
-            allow_stream=True,
-            max_choices=router.config.max_choices,
-            vocab_size=router.vocab_size,
-        )
-
-    async def admit(request: Request, choices: int) -> int:
-        """Wait for the request's turn (its slots); Overloaded or ClientGone when it does not come."""
-        return await until_disconnect(
-            request, router.admission.acquire(min(choices, router.config.max_choices_at_once))
-        )
-
-    async def handle(request: Request, parse):
-        response = await answer(request, parse)
-        router.metrics.requests.labels(status=str(response.status_code)).inc()
-        return response
-
-    async def answer(request: Request, parse):
-        try:
-            parsed = parse_body(parse, await body_of(request))
-        except OpenAIError as e:
-            return error_response(e)
-        if not router.serving():
-            return error_response(OpenAIError("no healthy prefill or decode server", status_code=503))
-        choices = [(ids, fix_seed(p)) for ids, p in parsed.engine_requests()]
-        try:
-            lanes = await admit(request, len(choices))
-        except Overloaded as e:
-            return overloaded_response(e)
-        except ClientGone:
-            return JSONResponse({}, status_code=499)
-        request_id, created = secrets.token_hex(12), int(time.time())
-        if parsed.stream:
-            return AdmittedStream(
-                counted(stream(parsed, choices, lanes, request_id, created)),
-                lambda: router.admission.release(lanes),
-                media_type="text/event-stream",
-            )
-        router.inflight += 1
-        try:
-            completions = await until_disconnect(
-                request, run_choices(choices, lanes, lambda i, ids, p: router.choice(ids, p))
-            )
-        except UpstreamError as e:
-            return upstream_response(e)
-        except ClientGone:
-            return JSONResponse({}, status_code=499)
-        finally:
-            router.inflight -= 1
-            router.admission.release(lanes)
-        return JSONResponse(format_response(parsed, completions, router.tokenizer, request_id, created))
-
-    async def counted(chunks):
-        router.inflight += 1
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            router.inflight -= 1
-
-    async def stream(parsed: ParsedRequest, choices, lanes: int, request_id: str, created: int):
-        chunks = StreamChunks(parsed, router.tokenizer, request_id, created)
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def run(index: int, ids, params):
-            async def on_text(delta: str, logprobs):
-                for chunk in chunks.text(index, delta, logprobs):  # none while a tool call is held back
-                    await queue.put(chunk)
-
-            async def on_prompt(prompt_logprobs):
-                """Echo: the prompt leads the choice's stream, with its logprobs when asked."""
-                if parsed.echo:
-                    await queue.put(chunks.echo(index, ids, prompt_logprobs))
-
-            try:
-                completion = await router.choice(ids, params, on_text, on_prompt)
-                for chunk in chunks.finish(index, completion.finish_reason.value):
-                    await queue.put(chunk)
-                return completion
-            except UpstreamError as e:
-                await queue.put(json.dumps(OpenAIError(str(e), status_code=e.status).to_body()))
-                return None
-
-        if chunks.chat:
-            for i in range(len(choices)):
-                yield f"data: {chunks.choice(i, None, None, role=True)}\n\n"
-        # One task runs every choice, `lanes` at a time (run() answers a failed choice in the stream).
-        tasks = [asyncio.create_task(run_choices(choices, lanes, run))]
-        try:
-            async for items in queued_batches(queue, tasks):
-                yield "".join(f"data: {item}\n\n" for item in items)
-            [completions] = [task.result() for task in tasks]
-            if parsed.include_usage and all(c is not None for c in completions):
-                yield f"data: {chunks.usage(completions)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            for task in tasks:  # the client went away: cancel both sides of every choice
-                task.cancel()
-
-    @app.post("/generate")
-    async def generate(request: Request):
-        """Native: {"text" | "input_ids", "sampling_params": {OpenAI completion fields}, "stream"} ->
-        {"text", "output_ids", "finish_reason", "usage"} (or SSE of {"text", "output_ids"} deltas)."""
-        try:
-            body = await body_of(request)
-            if ("text" in body) == ("input_ids" in body):
-                raise OpenAIError("give exactly one of 'text' or 'input_ids'")
-            sampling = body.get("sampling_params") or {}
-            if not isinstance(sampling, dict):
-                raise OpenAIError("'sampling_params' must be an object")
-            openai_body = {
-                **sampling,
-                "prompt": body.get("text", body.get("input_ids")),
-                "stream": bool(body.get("stream")),
-            }
-            parsed = parse_body(parse_completion_request, openai_body)
-        except OpenAIError as e:
-            return error_response(e)
-        if parsed.n != 1 or len(parsed.prompts) != 1:
-            return error_response(OpenAIError("/generate takes one prompt and n = 1"))
-        [(ids, params)] = [(i, fix_seed(p)) for i, p in parsed.engine_requests()]
-        try:
-            lanes = await admit(request, 1)
-        except Overloaded as e:
-            return overloaded_response(e)
-        except ClientGone:
-            return JSONResponse({}, status_code=499)
-        if parsed.stream:
-
-            async def native_stream():
-                queue: asyncio.Queue = asyncio.Queue()
-
-                async def on_text(delta, logprobs):
-                    if delta:
-                        await queue.put({"text": delta})
-
-                task = asyncio.create_task(router.choice(ids, params, on_text))
-                try:
-                    async for items in queued_batches(queue, [task]):
-                        yield "".join(f"data: {json.dumps(item)}\n\n" for item in items)
-                    c = task.result()
-                    yield (
-                        "data: "
-                        + json.dumps({"output_ids": c.output_ids, "finish_reason": c.finish_reason.value})
-                        + "\n\n"
-                    )
-                    yield "data: [DONE]\n\n"
-                finally:
-                    task.cancel()
-
-            return AdmittedStream(
-                native_stream(), lambda: router.admission.release(lanes), media_type="text/event-stream"
-            )
-        try:
-            c = await router.choice(ids, params)
-        except UpstreamError as e:
-            return upstream_response(e)
-        finally:
-            router.admission.release(lanes)
-        return {
-            "text": c.text,
-            "output_ids": c.output_ids,
-            "finish_reason": c.finish_reason.value,
-            "usage": {
-                "prompt_tokens": len(ids),
-                "completion_tokens": len(c.output_ids),
-                "cached_tokens": c.cached_tokens,
-            },
-        }
-
-    @app.get("/metrics")
-    async def metrics():
-        router.metrics.update(router.inflight)
-        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, parse_completion_request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handle(request, parse_chat_request)
-
-    @app.get("/v1/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [{"id": router.model, "object": "model", "created": 0, "owned_by": "pdserve"}],
-        }
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/readiness")
-    async def readiness():
-        return JSONResponse({"ready": router.serving(), **router.ready()}, status_code=200 if router.serving() else 503)
-
+    app.include_router(openai_routes(router))
+    app.include_router(native_routes(router))
+    app.include_router(operations_routes(router))
     return app

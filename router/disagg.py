@@ -16,6 +16,7 @@ pdserve_router_prefill_decisions_total{where, reason}.
 
 from __future__ import annotations
 
+import enum
 from typing import Callable
 
 from pdserve.router.policies import ApproxRadixTree, WorkerView
@@ -23,6 +24,13 @@ from pdserve.router.policies import ApproxRadixTree, WorkerView
 POLICIES = ("always", "never", "auto")
 # Prompt tokens the router remembers per decode server, for auto's estimate of its prefix cache.
 DECODE_TREE_TOKENS = 1 << 20
+
+
+class Where(str, enum.Enum):
+    """Where a choice's prompt is prefilled."""
+
+    LOCAL = "local"  # by its decode server, between decode steps: no KV moves
+    REMOTE = "remote"  # by a prefill server, whose KV then moves to the decode server
 
 
 class Disaggregation:
@@ -41,8 +49,8 @@ class Disaggregation:
         prompt_ids: list[int],
         prompt_logprobs: bool,
         prefill_servers: Callable[[], list[WorkerView]],
-    ) -> tuple[str, str]:
-        """(where, reason) for a choice going to `decode_url`; where is "local" or "remote".
+    ) -> tuple[Where, str]:
+        """(where, reason) for a choice going to `decode_url`.
         `prefill_servers()` gives their views (asked for only when the decision needs them)."""
         cached = 0
         if self.decode_prefixes is not None:
@@ -67,20 +75,20 @@ def decide(
     prefill_servers: Callable[[], list[WorkerView]],
     local_max_tokens: int,
     queue_threshold: int,
-) -> tuple[str, str]:
-    """(where, reason): where is "local" or "remote"; `uncached`: the prompt's tokens the decode
+) -> tuple[Where, str]:
+    """(where, reason); `uncached`: the prompt's tokens the decode
     server is not believed to hold."""
     if prompt_logprobs:
-        return "remote", "prompt_logprobs"
+        return Where.REMOTE, "prompt_logprobs"
     if policy == "always":
-        return "remote", "always"
+        return Where.REMOTE, "always"
     if policy == "never":
-        return "local", "never"
+        return Where.LOCAL, "never"
     if uncached <= local_max_tokens:
-        return "local", "cached_prefix" if prefix_hit else "short_prompt"
+        return Where.LOCAL, "cached_prefix" if prefix_hit else "short_prompt"
     healthy = [v for v in prefill_servers() if v.healthy]
     if not healthy:
-        return "local", "no_prefill_server"
+        return Where.LOCAL, "no_prefill_server"
     if min(v.total_load for v in healthy) >= queue_threshold:
-        return "local", "prefill_saturated"
-    return "remote", "long_prompt"
+        return Where.LOCAL, "prefill_saturated"
+    return Where.REMOTE, "long_prompt"

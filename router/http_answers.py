@@ -1,6 +1,7 @@
-"""How the router answers over HTTP, apart from what it answers (router/app.py): OpenAI error bodies
-with Retry-After, streamed answers that hold admission slots, a request's choices run in lanes,
-SSE events batched per write, and requests whose client went away.
+"""How the router answers over HTTP, apart from what it answers (router/openai_routes.py,
+router/native_routes.py): OpenAI error bodies with Retry-After, streamed answers that hold admission
+slots, a request's choices run in lanes, SSE events batched per write, and requests whose client
+went away.
 """
 
 from __future__ import annotations

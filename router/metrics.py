@@ -1,7 +1,7 @@
 """The router's Prometheus series, served on /metrics — by one process, or summed over all of them.
 
-With `--workers N` every worker sets PROMETHEUS_MULTIPROC_DIR to a fresh directory the supervisor
-made (router/serve.py's run_worker); prometheus_client then keeps every
+With `--workers N` every worker sets PROMETHEUS_MULTIPROC_DIR (router/metrics_env.py) to a fresh
+directory the supervisor made (router/serve.py's run_worker); prometheus_client then keeps every
 process's values in files there, and /metrics, in whichever process the scrape lands, reads them
 all (prometheus_client's multiprocess mode). Without it (--workers 1) the series live in one
 private registry, as they always did.
@@ -25,7 +25,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from pdserve.router.serve import MULTIPROC_DIR_ENV
+from pdserve.router.metrics_env import MULTIPROC_DIR_ENV
 from pdserve.router.workers import WorkerRegistry
 
 

@@ -12,6 +12,7 @@ would in the colocated engine.
 from __future__ import annotations
 
 import asyncio
+import enum
 import random
 import secrets
 import time
@@ -39,9 +40,14 @@ class UpstreamError(Exception):
         self.decode_failed = decode_failed
 
 
+class EventKind(str, enum.Enum):
+    TOKENS = "tokens"  # new tokens of the choice (the first one as soon as prefill answers)
+    FINISH = "finish"  # the choice ended
+
+
 @dataclass
 class Event:
-    kind: str  # "tokens" | "finish"
+    kind: EventKind
     token_ids: list[int]
     index: int = 0
     logprobs: list = field(default_factory=list)  # TokenLogprob per token, when requested
@@ -144,8 +150,8 @@ async def paired_generate(
     params: SamplingParams,
     config: RouterConfig,
 ):
-    """Yields Event("tokens", ids, index) as they arrive (the first token as soon as prefill
-    answers), then Event("finish"). Raises UpstreamError on a worker error. Cancelling the
+    """Yields Event(TOKENS, ids, index) as they arrive (the first token as soon as prefill
+    answers), then Event(FINISH). Raises UpstreamError on a worker error. Cancelling the
     consumer cancels both RPCs (the servers free the request's KV).
 
     `pick_prefill(tried_urls)` returns (url, channel) of a prefill server not tried yet, or None;
@@ -191,7 +197,7 @@ async def paired_generate(
         sent = 1
         first_lp = [_logprob(response.first_logprob)] if response.HasField("first_logprob") else []
         yield Event(
-            "tokens",
+            EventKind.TOKENS,
             [response.first_token_id],
             0,
             first_lp,
@@ -260,10 +266,12 @@ async def _decode_events(call, sent: int, pending: asyncio.Future | None = None,
             new = list(chunk.token_ids)[skip:]
             if new:
                 cached = 0 if local and sent == 0 else None
-                yield Event("tokens", new, sent, [_logprob(lp) for lp in chunk.logprobs[skip:]], cached_tokens=cached)
+                yield Event(
+                    EventKind.TOKENS, new, sent, [_logprob(lp) for lp in chunk.logprobs[skip:]], cached_tokens=cached
+                )
                 sent += len(new)
         elif kind == "finish":
-            yield Event("finish", [], cached_tokens=msg.finish.usage.cached_tokens if local else None)
+            yield Event(EventKind.FINISH, [], cached_tokens=msg.finish.usage.cached_tokens if local else None)
             return
         else:
             raise _error(msg)

@@ -24,16 +24,12 @@ from typing import TYPE_CHECKING
 from pdserve.common.config import check_model_path
 from pdserve.common.gc_tuning import tune_gc
 from pdserve.router.config import RouterConfig
+from pdserve.router.metrics_env import MULTIPROC_DIR_ENV
 
 if TYPE_CHECKING:
     import uvicorn
 
 log = logging.getLogger(__name__)
-
-# NOTE: prometheus_client reads this variable once, when it is first imported, to decide where its
-# values live (a file per process in that directory, or its own memory): a worker sets it before
-# anything imports prometheus_client, and --workers 1 clears it. RouterMetrics reads it to render.
-MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # uvicorn calls its process-manager hook (callback_notify) from its once-a-second tick when at
 # least this long has passed since the last call: so once a second, and at once when it starts.

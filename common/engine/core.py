@@ -42,6 +42,7 @@ from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.overlap import ForwardResult, QueuedForward
 from pdserve.common.engine.sampling import SamplingBatchInfo, to_token_logprobs
 from pdserve.common.gc_tuning import tune_gc
+from pdserve.common.kv_transfer.base import KVSide
 from pdserve.common.scheduling.batch import ForwardMode, ScheduleBatch
 from pdserve.common.scheduling.output_processor import add_prompt_logprobs
 from pdserve.common.startup import StartupClock
@@ -63,9 +64,9 @@ class DeferredSample:
 
 
 class EngineCore:
-    # A prefill ("sender") or decode ("receiver") server's engine: with TP, every rank runs a KV
-    # transfer agent named after `kv_agent_name` (common/kv_transfer/rank_duty.py).
-    kv_duty: str | None = None
+    # A prefill (KVSide.SENDER) or decode (KVSide.RECEIVER) server's engine: with TP, every rank runs
+    # a KV transfer agent named after `kv_agent_name` (common/kv_transfer/rank_duty.py).
+    kv_duty: KVSide | None = None
     kv_agent_name: str = ""
 
     def __init__(self, config: EngineConfig, prefill_graphs: bool = True, startup: StartupClock | None = None):
@@ -215,7 +216,7 @@ class EngineCore:
             "kv_used_tokens": s.kv_used_tokens(),
             "kv_cached_tokens": pool.used_tokens() - s.kv_used_tokens(),
             "kv_total_tokens": pool.capacity_tokens,
-            "running_requests": len(getattr(s, "running", ())),  # a prefill server runs none
+            "running_requests": s.num_running(),
             "waiting_requests": len(s.prefill.waiting),
         }
 

@@ -46,6 +46,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.engine import tp_messages
 from pdserve.common.engine.batch import BatchPlan
 from pdserve.common.engine.tp_messages import RankReady, Step, Stop
+from pdserve.common.kv_transfer.base import KVSide
 from pdserve.common.lifetime import die_with_parent
 from pdserve.common.ports import free_port
 
@@ -64,10 +65,10 @@ _decoder, _encoder = tp_messages.to_rank_decoder, tp_messages.encoder
 
 @dataclass(frozen=True)
 class KVRanks:
-    """A prefill or decode server's TP ranks each run a KV transfer agent: `duty` "sender" or
-    "receiver" (common/kv_transfer/rank_duty.py), rank r's agent named f"{agent_name}.tp{r}"."""
+    """A prefill or decode server's TP ranks each run a KV transfer agent on the server's side
+    (common/kv_transfer/rank_duty.py), rank r's agent named f"{agent_name}.tp{r}"."""
 
-    duty: str
+    duty: KVSide
     agent_name: str
 
 
@@ -327,7 +328,7 @@ def _kv_duty(kv: dict, rank: int, runner, ctx, reports_endpoint: str):
         out.send(_encoder.encode(msg))
 
     report(RankReady(rank, encode_pool_metadata([agent.metadata()])))
-    duty = (SenderDuty if kv["duty"] == "sender" else ReceiverDuty)(rank, agent, report)
+    duty = (SenderDuty if KVSide(kv["duty"]) is KVSide.SENDER else ReceiverDuty)(rank, agent, report)
     return duty, agent, out
 
 

@@ -27,6 +27,13 @@ class KVTransferError(RuntimeError):
     """A transfer could not be started, or an agent or peer was used in a state that forbids it."""
 
 
+class KVSide(str, enum.Enum):
+    """A server's side of every KV transfer (a str: it travels to TP ranks as JSON)."""
+
+    SENDER = "sender"  # a prefill server: its ranks WRITE the prompt's pages
+    RECEIVER = "receiver"  # a decode server: its ranks receive them and hand the notifications on
+
+
 class TransferState(enum.Enum):
     DONE = "done"
     IN_PROGRESS = "in_progress"

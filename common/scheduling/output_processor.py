@@ -12,9 +12,31 @@ min_new_tokens is enforced at sampling time (EOS and stop ids are masked until i
 
 from __future__ import annotations
 
+from typing import Iterator
+
 from pdserve.common.detokenizer import find_stop_string, flush_all
 from pdserve.common.errors import ErrorCode
+from pdserve.common.scheduling.batch import ScheduleBatch
 from pdserve.common.types import Completion, FinishReason, Req, TokenLogprob
+
+
+def sampled_tokens(
+    batch: ScheduleBatch, next_token_ids: list[int], logprobs: list[TokenLogprob | None]
+) -> Iterator[tuple[Req, int, TokenLogprob | None]]:
+    """The batch's tokens that count, with their requests: where every role's result processing
+    starts (colocated and decode: common/scheduling/scheduler.py; prefill: prefill/scheduler.py).
+
+    A mid-prompt chunk samples nothing real. Every sampled token was pending (`req.pending` counts
+    the sampled-but-unseen ones); one whose request finished, was aborted or was retracted after
+    the batch was launched is dropped (`req.discard`)."""
+    for req, sampling, token, lp in zip(batch.reqs, batch.samples, next_token_ids, logprobs):
+        if not sampling:
+            continue
+        req.pending -= 1
+        if req.discard:
+            req.discard -= 1
+            continue
+        yield req, token, lp
 
 
 def append_token(

@@ -22,7 +22,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.scheduling.batch import ForwardMode, ScheduleBatch
 from pdserve.common.scheduling.decode_manager import DecodeManager
 from pdserve.common.scheduling.kv_manager import KVManager
-from pdserve.common.scheduling.output_processor import append_token, finalize, finalize_all
+from pdserve.common.scheduling.output_processor import append_token, finalize, finalize_all, sampled_tokens
 from pdserve.common.scheduling.pages import pages_for
 from pdserve.common.scheduling.prefill_manager import PrefillManager
 from pdserve.common.types import Completion, FinishReason, Req, SamplingParams, TokenLogprob
@@ -203,13 +203,7 @@ class Scheduler:
         later reuse by the forward stream and the WAR barrier.
         """
         done: list[Req] = []
-        for req, sampling, token, lp in zip(batch.reqs, batch.samples, next_token_ids, logprobs):
-            if not sampling:
-                continue
-            req.pending -= 1
-            if req.discard:
-                req.discard -= 1
-                continue
+        for req, token, lp in sampled_tokens(batch, next_token_ids, logprobs):
             if req.params.max_new_tokens == 0:  # only the prompt was asked for (its logprobs, say)
                 req.finish_reason = FinishReason.LENGTH
             else:
@@ -225,6 +219,9 @@ class Scheduler:
 
     def kv_used_tokens(self) -> int:
         return self.kv.used_tokens()
+
+    def num_running(self) -> int:
+        return len(self.running)
 
     def is_idle(self) -> bool:
         """Nothing queued, every row back, and every page either free or cached and unlocked."""

@@ -1,0 +1,108 @@
+"""The native endpoint: POST /generate, one prompt (text or token ids) with OpenAI's completion
+fields as its sampling parameters, answered with text and token ids (whole, or SSE deltas).
+
+The body becomes an OpenAI completion body and is validated by the same rules
+(router/http_requests.py). Unlike the OpenAI endpoints it is not counted in
+pdserve_router_requests_total and does not check for a healthy server before admission.
+
+`router` is the app's Router (router/app.py); this module does not import it, since app.py imports
+this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from pdserve.common.openai.api import OpenAIError, parse_completion_request
+from pdserve.router.admission import Overloaded
+from pdserve.router.http_answers import (
+    AdmittedStream,
+    ClientGone,
+    error_response,
+    overloaded_response,
+    queued_batches,
+    upstream_response,
+)
+from pdserve.router.http_requests import admit, body_of, parse_body
+from pdserve.router.pairing import UpstreamError, fix_seed
+
+
+def native_routes(router) -> APIRouter:
+    """POST /generate, served by `router`."""
+    routes = APIRouter()
+
+    @routes.post("/generate")
+    async def generate(request: Request):
+        """Native: {"text" | "input_ids", "sampling_params": {OpenAI completion fields}, "stream"} ->
+        {"text", "output_ids", "finish_reason", "usage"} (or SSE of {"text", "output_ids"} deltas)."""
+        try:
+            parsed = parse_body(router, parse_completion_request, completion_body(await body_of(router, request)))
+        except OpenAIError as e:
+            return error_response(e)
+        if parsed.n != 1 or len(parsed.prompts) != 1:
+            return error_response(OpenAIError("/generate takes one prompt and n = 1"))
+        [(ids, params)] = [(i, fix_seed(p)) for i, p in parsed.engine_requests()]
+        try:
+            lanes = await admit(router, request, 1)
+        except Overloaded as e:
+            return overloaded_response(e)
+        except ClientGone:
+            return JSONResponse({}, status_code=499)
+        if parsed.stream:
+            return AdmittedStream(
+                native_stream(router, ids, params),
+                lambda: router.admission.release(lanes),
+                media_type="text/event-stream",
+            )
+        try:
+            c = await router.choice(ids, params)
+        except UpstreamError as e:
+            return upstream_response(e)
+        finally:
+            router.admission.release(lanes)
+        # A dict, not a JSONResponse: FastAPI serializes it, as it always has for this endpoint.
+        return {
+            "text": c.text,
+            "output_ids": c.output_ids,
+            "finish_reason": c.finish_reason.value,
+            "usage": {
+                "prompt_tokens": len(ids),
+                "completion_tokens": len(c.output_ids),
+                "cached_tokens": c.cached_tokens,
+            },
+        }
+
+    return routes
+
+
+def completion_body(body: dict) -> dict:
+    """The OpenAI completion body a native one stands for (its prompt, stream and sampling fields)."""
+    if ("text" in body) == ("input_ids" in body):
+        raise OpenAIError("give exactly one of 'text' or 'input_ids'")
+    sampling = body.get("sampling_params") or {}
+    if not isinstance(sampling, dict):
+        raise OpenAIError("'sampling_params' must be an object")
+    return {**sampling, "prompt": body.get("text", body.get("input_ids")), "stream": bool(body.get("stream"))}
+
+
+async def native_stream(router, ids: list[int], params):
+    """The SSE body of a streamed /generate: {"text"} deltas, then the output ids and finish reason."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def on_text(delta, logprobs):
+        if delta:
+            await queue.put({"text": delta})
+
+    task = asyncio.create_task(router.choice(ids, params, on_text))
+    try:
+        async for items in queued_batches(queue, [task]):
+            yield "".join(f"data: {json.dumps(item)}\n\n" for item in items)
+        c = task.result()
+        yield "data: " + json.dumps({"output_ids": c.output_ids, "finish_reason": c.finish_reason.value}) + "\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        task.cancel()

@@ -1,0 +1,150 @@
+"""The OpenAI-compatible endpoints: POST /v1/completions and /v1/chat/completions.
+
+Validate and tokenize the body (router/http_requests.py), wait for a turn (admission), run every
+choice through a prefill/decode pair (the Router's `choice`), and answer in OpenAI's shapes:
+common/openai/format.py for a whole answer; OpenAI's SSE chunks (router/stream_chunks.py),
+`stream_options.include_usage` and `data: [DONE]` for a streamed one. Every error a client sees is
+OpenAI's error body: 400/404 for the body, 429 (with Retry-After) when the router's queue is full
+or a request's turn does not come in time (router/admission.py), 5xx only for the servers' failures.
+
+`router` is the app's Router (router/app.py); this module does not import it, since app.py imports
+this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from pdserve.common.openai.api import OpenAIError, ParsedRequest, parse_completion_request
+from pdserve.common.openai.chat import parse_chat_request
+from pdserve.common.openai.format import format_response
+from pdserve.router.admission import Overloaded
+from pdserve.router.http_answers import (
+    AdmittedStream,
+    ClientGone,
+    error_response,
+    overloaded_response,
+    queued_batches,
+    run_choices,
+    until_disconnect,
+    upstream_response,
+)
+from pdserve.router.http_requests import admit, body_of, parse_body
+from pdserve.router.pairing import UpstreamError, fix_seed
+from pdserve.router.stream_chunks import StreamChunks
+
+
+def openai_routes(router) -> APIRouter:
+    """POST /v1/completions and /v1/chat/completions, served by `router`."""
+    routes = APIRouter()
+
+    @routes.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(router, request, parse_completion_request)
+
+    @routes.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(router, request, parse_chat_request)
+
+    return routes
+
+
+async def handle(router, request: Request, parse):
+    """The answer, its status counted (pdserve_router_requests_total)."""
+    response = await answer(router, request, parse)
+    router.metrics.requests.labels(status=str(response.status_code)).inc()
+    return response
+
+
+async def answer(router, request: Request, parse):
+    """Checks in this order: the key and body, validation, a server to serve it, admission."""
+    try:
+        parsed = parse_body(router, parse, await body_of(router, request))
+    except OpenAIError as e:
+        return error_response(e)
+    if not router.serving():
+        return error_response(OpenAIError("no healthy prefill or decode server", status_code=503))
+    choices = [(ids, fix_seed(p)) for ids, p in parsed.engine_requests()]
+    try:
+        lanes = await admit(router, request, len(choices))
+    except Overloaded as e:
+        return overloaded_response(e)
+    except ClientGone:
+        return JSONResponse({}, status_code=499)
+    request_id, created = secrets.token_hex(12), int(time.time())
+    if parsed.stream:
+        return AdmittedStream(
+            counted(router, stream(router, parsed, choices, lanes, request_id, created)),
+            lambda: router.admission.release(lanes),
+            media_type="text/event-stream",
+        )
+    router.inflight += 1
+    try:
+        completions = await until_disconnect(
+            request, run_choices(choices, lanes, lambda i, ids, p: router.choice(ids, p))
+        )
+    except UpstreamError as e:
+        return upstream_response(e)
+    except ClientGone:
+        return JSONResponse({}, status_code=499)
+    finally:
+        router.inflight -= 1
+        router.admission.release(lanes)
+    return JSONResponse(format_response(parsed, completions, router.tokenizer, request_id, created))
+
+
+async def counted(router, chunks):
+    """A streamed request is in flight until its last chunk is sent, not until it is admitted."""
+    router.inflight += 1
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        router.inflight -= 1
+
+
+async def stream(router, parsed: ParsedRequest, choices, lanes: int, request_id: str, created: int):
+    """The SSE body of a streamed request: every choice's chunks as they come, usage, [DONE]."""
+    chunks = StreamChunks(parsed, router.tokenizer, request_id, created)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def run(index: int, ids, params):
+        async def on_text(delta: str, logprobs):
+            for chunk in chunks.text(index, delta, logprobs):  # none while a tool call is held back
+                await queue.put(chunk)
+
+        async def on_prompt(prompt_logprobs):
+            """Echo: the prompt leads the choice's stream, with its logprobs when asked."""
+            if parsed.echo:
+                await queue.put(chunks.echo(index, ids, prompt_logprobs))
+
+        try:
+            completion = await router.choice(ids, params, on_text, on_prompt)
+            for chunk in chunks.finish(index, completion.finish_reason.value):
+                await queue.put(chunk)
+            return completion
+        except UpstreamError as e:
+            await queue.put(json.dumps(OpenAIError(str(e), status_code=e.status).to_body()))
+            return None
+
+    if chunks.chat:
+        for i in range(len(choices)):
+            yield f"data: {chunks.choice(i, None, None, role=True)}\n\n"
+    # One task runs every choice, `lanes` at a time (run() answers a failed choice in the stream).
+    tasks = [asyncio.create_task(run_choices(choices, lanes, run))]
+    try:
+        async for items in queued_batches(queue, tasks):
+            yield "".join(f"data: {item}\n\n" for item in items)
+        [completions] = [task.result() for task in tasks]
+        if parsed.include_usage and all(c is not None for c in completions):
+            yield f"data: {chunks.usage(completions)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:  # the client went away: cancel both sides of every choice
+            task.cancel()
