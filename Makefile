@@ -20,9 +20,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 setup: $(VENV)/.installed
 
 # The CPU test suite (what CI runs): the linter and the format check first, then pytest. Exit code 5
-# (no tests collected) is a failure, as it should be.
+# (no tests collected) is a failure, as it should be. Two pytest workers, a test file each at a time
+# (--dist loadfile: a module's started servers stay shared by its tests): the suite alone keeps a
+# 2-core machine ~55% busy (13.6 -> 9.9 min on CI's machine).
+TEST_WORKERS ?= 2
 test: lint
-	$(VENV)/bin/python -m pytest tests -q -ra --durations=15
+	$(VENV)/bin/python -m pytest tests -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # ruff (pyproject.toml's [tool.ruff]): lint, and check that the tree is formatted (`make format` formats it).
 lint: setup
