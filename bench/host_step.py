@@ -38,7 +38,7 @@ def main() -> None:
         max_running_requests=args.num_prompts,
     )
     vocab = engine.vocab_size
-    engine.runner.forward = lambda batch, ids: torch.zeros(batch.batch_size, vocab)
+    engine.runner.forward = lambda batch, ids, scored=None: torch.zeros(batch.batch_size, vocab)
     times: dict[str, list[float]] = {"schedule": [], "build": [], "process": []}
 
     def timed(name, fn):
