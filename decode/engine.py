@@ -53,8 +53,6 @@ class KVDestination:
 
 
 class DecodeEngine(EngineCore):
-    kv_duty = KVSide.RECEIVER
-
     def __init__(
         self,
         config: EngineConfig,
@@ -62,12 +60,23 @@ class DecodeEngine(EngineCore):
         kv_transfer_timeout: float = 30.0,
         startup: StartupClock | None = None,
     ):
-        self.kv_agent_name, self.kv_transfer_timeout = agent_name, kv_transfer_timeout
-        # The KV agents this engine owns (every rank's), opened with the scheduler (make_scheduler).
-        self.kv: ServerKV | None = None
+        startup = startup or StartupClock()
+        self.kv: ServerKV | None = None  # the KV agents this engine owns (every rank's)
         # KV arrives over NIXL (only a retracted request is prefilled again here, eagerly): no
         # prefill graphs.
-        super().__init__(config, prefill_graphs=False, startup=startup)
+        super().__init__(config, startup, prefill_graphs=False, kv_side=KVSide.RECEIVER, kv_agent_name=agent_name)
+        with self.closed_on_error():
+            self.kv = ServerKV.open(agent_name, self.runner.kv_pool, self.tp_workers)  # the ranks' agents meet
+            self.agent = self.kv.agent  # rank 0's
+            self.arrivals = KVArrivals(self.kv.rank_layouts, self.vocab_size)
+            scheduler = DecodeScheduler(
+                self.config,
+                self.runner.req_to_token_pool,
+                self.runner.kv_pool,
+                self.eos_token_ids,
+                kv_transfer_timeout=kv_transfer_timeout,
+            )
+        self.start(scheduler, startup)
         self.destinations: deque[KVDestination] = deque()
         self.streaming: dict[str, list] = {}  # rid -> [req, output tokens sent], with a channel
         self.rejected: dict[str, int] = {}  # reason -> notifications refused, not yet reported
@@ -78,18 +87,6 @@ class DecodeEngine(EngineCore):
         super().close(kill)
         if self.kv is not None:
             self.kv.close()
-
-    def make_scheduler(self) -> DecodeScheduler:
-        self.kv = ServerKV.open(self.kv_agent_name, self.runner.kv_pool, self.tp_workers)
-        self.agent = self.kv.agent  # rank 0's
-        self.arrivals = KVArrivals(self.kv.rank_layouts, self.vocab_size)
-        return DecodeScheduler(
-            self.config,
-            self.runner.req_to_token_pool,
-            self.runner.kv_pool,
-            self.eos_token_ids,
-            kv_transfer_timeout=self.kv_transfer_timeout,
-        )
 
     def add_decode_request(
         self, prompt_ids: Sequence[int], params: SamplingParams, room: int, rid: str | None = None

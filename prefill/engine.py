@@ -31,8 +31,6 @@ from pdserve.prefill.scheduler import Destination, PrefillResult, PrefillSchedul
 
 
 class PrefillEngine(EngineCore):
-    kv_duty = KVSide.SENDER
-
     def __init__(
         self,
         config: EngineConfig,
@@ -40,22 +38,21 @@ class PrefillEngine(EngineCore):
         kv_transfer_timeout: float = 30.0,
         startup: StartupClock | None = None,
     ):
-        self.kv_agent_name, self.kv_transfer_timeout = agent_name, kv_transfer_timeout
-        # The KV agents this engine owns (every rank's), opened with the scheduler (make_scheduler).
-        self.kv: ServerKV | None = None
-        super().__init__(config, startup=startup)
-
-    def make_scheduler(self) -> PrefillScheduler:
-        self.kv = ServerKV.open(self.kv_agent_name, self.runner.kv_pool, self.tp_workers)
-        self.agent = self.kv.agent  # rank 0's
-        self.sender = KVSender(self.kv, self.tp_workers)
-        return PrefillScheduler(
-            self.config,
-            self.runner.req_to_token_pool,
-            self.runner.kv_pool,
-            sender=self.sender,
-            kv_transfer_timeout=self.kv_transfer_timeout,
-        )
+        startup = startup or StartupClock()
+        self.kv: ServerKV | None = None  # the KV agents this engine owns (every rank's)
+        super().__init__(config, startup, kv_side=KVSide.SENDER, kv_agent_name=agent_name)
+        with self.closed_on_error():
+            self.kv = ServerKV.open(agent_name, self.runner.kv_pool, self.tp_workers)  # the ranks' agents meet
+            self.agent = self.kv.agent  # rank 0's
+            self.sender = KVSender(self.kv, self.tp_workers)
+            scheduler = PrefillScheduler(
+                self.config,
+                self.runner.req_to_token_pool,
+                self.runner.kv_pool,
+                sender=self.sender,
+                kv_transfer_timeout=kv_transfer_timeout,
+            )
+        self.start(scheduler, startup)
 
     def close(self, kill: bool = False) -> None:
         super().close(kill)

@@ -3,7 +3,7 @@
     EngineCore
         runner          the model, the KV pools, the streams, FutureMap and pinned outputs
         builder         ScheduleBatch -> ForwardBatch: the scheduling side's device writes
-        scheduler       the role's host-only scheduler (made by the role: make_scheduler)
+        scheduler       the role's host-only scheduler (the role's constructor passes it to start())
         in_flight       launched batches whose results are not processed yet (common/engine/in_flight.py)
         tp_workers      with --tp-size N > 1: ranks 1..N-1 (common/engine/tp_worker.py); this
                         process is rank 0, and every launch is sent to them first
@@ -22,6 +22,7 @@ are added by calls and the loops yield their outputs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -64,14 +65,22 @@ class DeferredSample:
 
 
 class EngineCore:
-    # A prefill (KVSide.SENDER) or decode (KVSide.RECEIVER) server's engine: with TP, every rank runs
-    # a KV transfer agent named after `kv_agent_name` (common/kv_transfer/rank_duty.py).
-    kv_duty: KVSide | None = None
-    kv_agent_name: str = ""
+    """Built in two steps by each role's constructor: `EngineCore.__init__` (tokenizer, TP ranks, the
+    model runner and its pools), then the role's own parts (its KV agents, its scheduler) made from
+    them, then `start(scheduler, startup)` (the warm-up). Whatever fails on the way closes what was
+    opened (`closed_on_error`)."""
 
-    def __init__(self, config: EngineConfig, prefill_graphs: bool = True, startup: StartupClock | None = None):
-        """`startup`: marks the start-up phases as they end (a server prints them; common/startup.py)."""
-        startup = startup or StartupClock()
+    def __init__(
+        self,
+        config: EngineConfig,
+        startup: StartupClock,
+        prefill_graphs: bool = True,
+        kv_side: KVSide | None = None,
+        kv_agent_name: str = "",
+    ):
+        """`startup`: marks the start-up phases as they end (a server prints them; common/startup.py).
+        `kv_side`: a prefill (SENDER) or decode (RECEIVER) server's engine; with TP, every rank then
+        runs a KV transfer agent named after `kv_agent_name` (common/kv_transfer/rank_duty.py)."""
         self.config = config.resolve()
         self.tokenizer = load_tokenizer(self.config.model_path)
         self.eos_token_ids = eos_token_ids(self.config.model_path, self.tokenizer)
@@ -81,7 +90,7 @@ class EngineCore:
         if self.config.tp_size > 1:
             from pdserve.common.engine.tp_worker import KVRanks, TPWorkers  # pyzmq and msgspec: only with TP
 
-            kv = KVRanks(self.kv_duty, self.kv_agent_name) if self.kv_duty else None
+            kv = KVRanks(kv_side, kv_agent_name) if kv_side is not None else None
             self.tp_workers = TPWorkers.start(self.config, prefill_graphs, kv)
             # Stops them with the engine (garbage-collected, or at exit) unless close() came first.
             weakref.finalize(self, self.tp_workers.close)
@@ -98,12 +107,7 @@ class EngineCore:
             raise
         self.builder = BatchBuilder(self.runner.req_to_token_pool, self.config.page_size)
         self.streams = self.runner.streams
-        try:
-            self.scheduler = self.make_scheduler()  # a server's: its ranks' transfer agents meet here
-        except BaseException:
-            self.close(kill=True)
-            raise
-        startup.mark("scheduler")
+        self.scheduler = None  # the role's: start() takes it
         self.in_flight = InFlight()
         self.outputs: list = []  # what this iteration finished, for send_outputs
         self.channel = None  # the scheduler process's I/O; None offline
@@ -112,15 +116,27 @@ class EngineCore:
         seed = None if self.config.random_seed < 0 else self.config.random_seed
         self._rng = random.Random(seed)
         self._ids = itertools.count()
+
+    @contextlib.contextmanager
+    def closed_on_error(self):
+        """A role's construction step: on any failure, close what the engine has opened (kill the
+        TP ranks), then raise."""
+        try:
+            yield
+        except BaseException:
+            self.close(kill=True)
+            raise
+
+    def start(self, scheduler, startup: StartupClock) -> None:
+        """The role's scheduler, then the warm-up: the engine is ready to run its loops."""
+        self.scheduler = scheduler
+        startup.mark("scheduler")
         if self.runner.device.type == "cuda":
             chunk = self.config.chunked_prefill_size
             seconds = self.runner.warmup(chunk if chunk > 0 else 8192)
             logger.info("prefill kernels warmed up in %.2f s", seconds)
             startup.mark("warmup")
         tune_gc()
-
-    def make_scheduler(self):
-        raise NotImplementedError
 
     def close(self, kill: bool = False) -> None:
         """Stop the other TP ranks (nothing to do with tp = 1). The engine is unusable after."""

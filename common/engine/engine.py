@@ -18,6 +18,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.engine.core import EngineCore
 from pdserve.common.scheduling.batch import ScheduleBatch
 from pdserve.common.scheduling.scheduler import Scheduler
+from pdserve.common.startup import StartupClock
 from pdserve.common.types import Completion, SamplingParams
 
 
@@ -55,14 +56,15 @@ class Engine(EngineCore):
             config = EngineConfig(**overrides)
         elif overrides:
             raise TypeError("pass either a config or keyword overrides, not both")
-        super().__init__(config)
+        startup = StartupClock()
+        super().__init__(config, startup)
+        with self.closed_on_error():
+            scheduler = Scheduler(self.config, self.runner.req_to_token_pool, self.runner.kv_pool, self.eos_token_ids)
+        self.start(scheduler, startup)
 
     @property
     def max_context_len(self) -> int:
         return self.config.context_length
-
-    def make_scheduler(self) -> Scheduler:
-        return Scheduler(self.config, self.runner.req_to_token_pool, self.runner.kv_pool, self.eos_token_ids)
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None) -> str:
         """Queue one sequence; raises ValueError (and queues nothing) when it cannot be served."""
