@@ -30,6 +30,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.decode_streams import DecodeStreams
 from pdserve.router.disagg import Disaggregation, Where
 from pdserve.router.http_answers import error_response
+from pdserve.router.loop_lag import LoopLag
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.native_routes import native_routes
 from pdserve.router.openai_routes import openai_routes
@@ -58,11 +59,17 @@ class Router:
         self.context_len = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 2048)
         # Token ids both the tokenizer and the model's embedding take (either may have extra rows).
         self.vocab_size = min(len(self.tokenizer), int(hf.get("vocab_size") or len(self.tokenizer)))
+        # Bounds checked before a body is parsed or a prompt tokenized (router/http_requests.py).
+        self.max_body_bytes = config.max_body_bytes or max(16 << 20, 64 * self.context_len)
+        self.longest_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
         self.admission = Admission(config.max_inflight, config.max_queued, config.queue_timeout)
-        self.registry = WorkerRegistry(config, resolve=resolve or resolve_dns, on_removed=self._removed)
+        self.loop_lag = LoopLag()
+        self.registry = WorkerRegistry(
+            config, resolve=resolve or resolve_dns, on_removed=self._removed, loop_lag=self.loop_lag
+        )
         self.decode_streams: dict[str, DecodeStreams] = {}  # decode url -> its shared GenerateMany call
         self._closing: set[asyncio.Task] = set()
-        self.metrics = RouterMetrics(self.registry)
+        self.metrics = RouterMetrics(self.registry, self.loop_lag)
         self.inflight = 0
         self.policies = {
             "prefill": make_policy(config.prefill_policy, "prefill"),
@@ -73,12 +80,14 @@ class Router:
         )
 
     async def start(self) -> None:
+        self.loop_lag.start()
         await self.registry.start()
 
     async def stop(self) -> None:
         for streams in self.decode_streams.values():
             await streams.close()
         await self.registry.stop()
+        await self.loop_lag.stop()
 
     def _removed(self, role: str, url: str) -> None:
         self.policies[role].on_removed(url)

@@ -75,6 +75,11 @@ class RouterConfig(TrustConfig):
         "Choices of one request that run at once (each holds one of the --max-inflight slots); the rest "
         "follow as these finish, so one large request cannot fill the servers.",
     )
+    max_body_bytes: int = option(
+        0,
+        "Largest request body read; a larger one gets 413 before it is parsed (0: from the model's context "
+        "length, 64 bytes a token, at least 16 MiB).",
+    )
     request_timeout: float = option(600.0, "Seconds a request may take (its deadline on both servers).")
     prefill_timeout: float = option(
         0.0,
@@ -154,6 +159,8 @@ class RouterConfig(TrustConfig):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_queued < 0:
             raise ValueError(f"--max-queued must be >= 0 (0: no queue), got {self.max_queued}")
+        if self.max_body_bytes < 0:
+            raise ValueError(f"--max-body-bytes must be >= 0 (0: from the context length), got {self.max_body_bytes}")
         for name in (
             "request_timeout",
             "health_check_interval",

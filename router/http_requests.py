@@ -3,10 +3,16 @@ body validated as OpenAI's (common/openai/api.py, the same rules as run-batch), 
 the request's turn (router/admission.py). Shared by the OpenAI and the native endpoints
 (router/openai_routes.py, router/native_routes.py); each failure is an OpenAIError, answered as
 OpenAI's error body.
+
+No request may hold the worker's event loop (every other request, stream and health check of the
+process waits on it): a body is read up to the router's byte limit and refused past it (413), a
+text that cannot fit the model's context is refused before it is tokenized (400), and a large body
+is parsed, templated and tokenized on a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from fastapi import Request
@@ -14,24 +20,91 @@ from fastapi import Request
 from pdserve.common.openai.api import OpenAIError, ParsedRequest
 from pdserve.router.http_answers import until_disconnect
 
+# Bodies larger than this are parsed, templated and tokenized on a thread, off the event loop.
+OFF_LOOP_BYTES = 256 * 1024
 
-async def body_of(router, request: Request) -> dict:
-    """The request's JSON object, once its API key (when the router has one) is right."""
+
+async def body_of(router, request: Request) -> tuple[dict, int]:
+    """The request's JSON object and its size in bytes, once its API key (when the router has one)
+    is right."""
     if router.config.api_key and request.headers.get("authorization") != f"Bearer {router.config.api_key}":
         raise OpenAIError("invalid or missing API key (Authorization: Bearer ...)", status_code=401)
+    raw = await read_limited(request, router.max_body_bytes)
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw) if len(raw) < OFF_LOOP_BYTES else await asyncio.to_thread(json.loads, raw)
     except ValueError as e:
         raise OpenAIError(f"the request body is not valid JSON: {e}") from e
     except RecursionError:
         raise OpenAIError("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
-    return body
+    return body, len(raw)
 
 
-def parse_body(router, parse, body: dict) -> ParsedRequest:
-    """`body` validated and tokenized by `parse` (a completion or a chat request) for this model."""
+async def read_limited(request: Request, limit: int) -> bytes:
+    """The body, or 413 once it is known to pass `limit` bytes: from its Content-Length before any
+    of it is read, else as it arrives (chunked)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise _too_large(int(length), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> OpenAIError:
+    return OpenAIError(
+        f"the request body is larger than this router takes ({size} > {limit} bytes: --max-body-bytes)",
+        status_code=413,
+    )
+
+
+async def parse_body(router, parse, body: dict, body_bytes: int = 0) -> ParsedRequest:
+    """`body` validated and tokenized by `parse` (a completion or a chat request) for this model; on
+    a thread when the body was large (`body_bytes`). A text too long for the context is refused first."""
+    check_text_fits(router, body)
+    if body_bytes >= OFF_LOOP_BYTES:
+        return await asyncio.to_thread(_parse, router, parse, body)
+    return _parse(router, parse, body)
+
+
+def check_text_fits(router, body: dict) -> None:
+    """400 for a prompt whose text could not fit the context even at the tokenizer's longest token
+    per token (with a factor 2 for normalizers that drop characters), before anything tokenizes it."""
+    limit = 2 * router.context_len * router.longest_token_chars
+    for chars in _prompt_chars(body):
+        if chars > limit:
+            raise OpenAIError(
+                f"the prompt has {chars} characters: more than {router.context_len} tokens of this model "
+                f"can hold (its tokens are at most {router.longest_token_chars} characters)"
+            )
+
+
+def _prompt_chars(body: dict) -> list[int]:
+    """The characters of each text prompt in an OpenAI body (a completion's prompts, or a chat's
+    messages together); non-text parts are the parsers' to check."""
+    prompt = body.get("prompt")
+    sizes = [len(prompt)] if isinstance(prompt, str) else []
+    if isinstance(prompt, list):
+        sizes += [len(p) for p in prompt if isinstance(p, str)]
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        total = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        sizes.append(total)
+    return sizes
+
+
+def _parse(router, parse, body: dict) -> ParsedRequest:
     return parse(
         body,
         router.tokenizer,

@@ -25,6 +25,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from pdserve.router.loop_lag import GAUGE_WINDOW_S, LoopLag
 from pdserve.router.metrics_env import MULTIPROC_DIR_ENV
 from pdserve.router.workers import WorkerRegistry
 
@@ -32,9 +33,9 @@ from pdserve.router.workers import WorkerRegistry
 class RouterMetrics:
     """The router's Prometheus series (served on /metrics)."""
 
-    def __init__(self, registry: WorkerRegistry):
+    def __init__(self, registry: WorkerRegistry, loop_lag: LoopLag):
         self.registry = CollectorRegistry()
-        r, self.workers = self.registry, registry
+        r, self.workers, self.loop_lag = self.registry, registry, loop_lag
         self.requests = Counter("pdserve_router_requests", "HTTP API requests by status code.", ["status"], registry=r)
         buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
         self.ttft = Histogram(
@@ -73,6 +74,13 @@ class RouterMetrics:
             registry=r,
             multiprocess_mode="liveall",
         )
+        self.event_loop_lag = Gauge(
+            "pdserve_router_event_loop_lag_seconds",
+            f"How late the router process's event loop ran at worst in the last {GAUGE_WINDOW_S:g} s "
+            "(router/loop_lag.py): every request, stream and health check of the process waits on it.",
+            registry=r,
+            multiprocess_mode="liveall",
+        )
         self.exposition = self.registry
         path = os.environ.get(MULTIPROC_DIR_ENV)
         if path:
@@ -86,6 +94,7 @@ class RouterMetrics:
         others wrote last: each worker calls this about once a second (router/serve.py)."""
         self.inflight.set(inflight)
         now = time.monotonic()
+        self.event_loop_lag.set(self.loop_lag.worst_since(now - GAUGE_WINDOW_S, now))
         for w in self.workers.workers.values():
             self.worker_errors.labels(worker=w.url, role=w.role).set(w.errors)
             self.worker_healthy.labels(worker=w.url, role=w.role).set(1 if w.routable(now) else 0)

@@ -40,7 +40,8 @@ def native_routes(router) -> APIRouter:
         """Native: {"text" | "input_ids", "sampling_params": {OpenAI completion fields}, "stream"} ->
         {"text", "output_ids", "finish_reason", "usage"} (or SSE of {"text", "output_ids"} deltas)."""
         try:
-            parsed = parse_body(router, parse_completion_request, completion_body(await body_of(router, request)))
+            body, size = await body_of(router, request)
+            parsed = await parse_body(router, parse_completion_request, completion_body(body), size)
         except OpenAIError as e:
             return error_response(e)
         if parsed.n != 1 or len(parsed.prompts) != 1:

@@ -65,7 +65,8 @@ async def handle(router, request: Request, parse):
 async def answer(router, request: Request, parse):
     """Checks in this order: the key and body, validation, a server to serve it, admission."""
     try:
-        parsed = parse_body(router, parse, await body_of(router, request))
+        body, size = await body_of(router, request)
+        parsed = await parse_body(router, parse, body, size)
     except OpenAIError as e:
         return error_response(e)
     if not router.serving():

@@ -31,6 +31,7 @@ from pdserve.common.trust import load_trust, open_channel
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.config import RouterConfig, name_port
+from pdserve.router.loop_lag import LoopLag
 from pdserve.router.policies import WorkerView
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,9 @@ def resolve_dns(name: str, port: int) -> set[str]:
 
 
 class WorkerRegistry:
-    def __init__(self, config: RouterConfig, resolve=resolve_dns, on_removed=None):
+    def __init__(self, config: RouterConfig, resolve=resolve_dns, on_removed=None, loop_lag: LoopLag | None = None):
         self.config = config
+        self.loop_lag = loop_lag  # this process's event loop's lateness: a probe it delayed is no evidence
         self.urls = {"prefill": config.prefill, "decode": config.decode}
         self.dns = {
             "prefill": [name_port(d) for d in config.prefill_dns],
@@ -149,6 +151,12 @@ class WorkerRegistry:
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(w) for w in list(self.workers.values())))
 
+    def _loop_was_late(self, error: grpc.aio.AioRpcError, sent: float, timeout: float) -> bool:
+        """A probe that timed out while this process's own loop stalled for half its timeout or more
+        (a request held it) says nothing about the server: its answer may have come and waited."""
+        late = self.loop_lag is not None and self.loop_lag.worst_since(sent) >= timeout / 2
+        return error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and late
+
     async def _check_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_check_interval)
@@ -156,11 +164,15 @@ class WorkerRegistry:
 
     async def _check(self, w: Worker) -> None:
         timeout = self.config.health_check_timeout
+        sent = time.monotonic()
         try:
             reply = await health_pb2_grpc.HealthStub(w.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             stub = pb_grpc.DecodeServiceStub(w.channel) if w.role == "decode" else pb_grpc.PrefillServiceStub(w.channel)
             load = await stub.GetLoad(pb.GetLoadRequest(), timeout=timeout)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as e:
+            if self._loop_was_late(e, sent, timeout):
+                log.info("%s %s: a health check timed out while this router's loop was late: no result", w.role, w.url)
+                return
             if w.serving:
                 log.warning("%s %s failed its health check", w.role, w.url)
             w.serving = False

@@ -36,6 +36,7 @@ FLAGS = [
     "--queue-timeout",
     "--max-choices",
     "--max-choices-at-once",
+    "--max-body-bytes",
     "--request-timeout",
     "--prefill-timeout",
     "--decode-timeout",

@@ -1,0 +1,171 @@
+"""Requests that would hold a router worker's event loop, against a real router and decode server:
+a body past the byte limit (413 before it is read, by its Content-Length or as it arrives chunked),
+a text prompt that cannot fit the context (400 before it is tokenized), the loop-lag gauge; and a
+health probe that timed out while the router's own loop was late, which blames no server."""
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent import futures
+
+import grpc
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.common.ports import free_port
+from pdserve.common.tokenizer import load_tokenizer
+from tests.test_servers import Server, load
+
+MAX_BODY = 200_000
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_models):
+    model = tiny_models("llama")
+    decode = Server("decode", model)
+    decode.wait_ready()
+    port = free_port()
+    router = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.router.cli", "--model-path", model, "--port", str(port),
+         "--decode", decode.address, "--disagg-policy", "never", "--workers", "1",
+         "--max-body-bytes", str(MAX_BODY), "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readiness", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline and router.poll() is None, "router not ready"
+        time.sleep(0.2)
+    yield model, port, decode
+    router.terminate()
+    router.wait(30)
+    decode.stop()
+
+
+def raw_post(port: int, head: str, body_parts: list[bytes]) -> tuple[int, dict]:
+    """POST /v1/completions over a plain socket: `head` holds the length or chunking headers; the
+    body parts are sent as long as the router reads them. Returns the status and the JSON answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{head}\r\n".encode())
+        try:
+            for part in body_parts:
+                s.sendall(part)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the router answered and closed before the whole body went
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head_bytes, _, payload = data.partition(b"\r\n\r\n")
+    return int(head_bytes.split()[1]), json.loads(payload[: _length(data)])
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 1 << 30
+
+
+def bystander_ok(model: str, port: int) -> bool:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=30, max_retries=0)
+    out = client.completions.create(model=model, prompt=[0, 5, 6], max_tokens=2, temperature=0)
+    return len(out.choices[0].text) >= 0 and out.usage.completion_tokens == 2
+
+
+def test_a_body_past_the_limit_gets_413_before_it_is_read(stack):
+    model, port, decode = stack
+    started = time.monotonic()
+    status, reply = raw_post(port, "Content-Length: 50000000\r\n", [b'{"prompt": "' + b"a" * 4096])
+    assert status == 413 and "--max-body-bytes" in reply["error"]["message"], reply
+    assert time.monotonic() - started < 10  # answered from the header: the 50 MB never came
+    assert bystander_ok(model, port)
+
+
+def test_a_chunked_body_past_the_limit_gets_413_as_it_arrives(stack):
+    model, port, _ = stack
+    piece = b"a" * 50_000
+    chunks = [b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(6)] + [b"0\r\n\r\n"]
+    status, reply = raw_post(port, "Transfer-Encoding: chunked\r\n", chunks)
+    assert status == 413 and str(MAX_BODY) in reply["error"]["message"], reply
+    assert bystander_ok(model, port)
+
+
+def test_a_text_prompt_that_cannot_fit_the_context_gets_400_before_it_is_tokenized(stack):
+    model, port, decode = stack
+    tokenizer = load_tokenizer(model)
+    longest = max(map(len, tokenizer.get_vocab()))
+    context = json.load(open(f"{model}/config.json"))["max_position_embeddings"]
+    chars = 2 * context * longest + 1
+    assert chars < MAX_BODY - 100  # under the byte limit: this is the text check, not the body's
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=30, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="a" * chars, max_tokens=2)
+    assert f"{chars} characters" in str(e.value) and f"{context} tokens" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "b" * chars}], max_tokens=2)
+    assert bystander_ok(model, port)
+    assert asyncio.run(load(decode)).running_requests == 0
+
+
+def test_metrics_show_the_event_loop_lag(stack):
+    _, port, _ = stack
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    [line] = [x for x in text.splitlines() if x.startswith("pdserve_router_event_loop_lag_seconds")]
+    assert 0 <= float(line.split()[-1]) < 5
+
+
+class SlowHealth(health_pb2_grpc.HealthServicer):
+    def Check(self, request, context):  # noqa: N802 - gRPC's name
+        time.sleep(0.6)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+@pytest.mark.parametrize("loop_late", [False, True])
+def test_a_probe_that_timed_out_while_the_routers_loop_was_late_blames_no_server(loop_late):
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.loop_lag import LoopLag
+    from pdserve.router.workers import Worker, WorkerRegistry
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(SlowHealth(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    url = f"127.0.0.1:{port}"
+    lag = LoopLag(period_s=0.02)
+    registry = WorkerRegistry(RouterConfig(prefill=(url,), health_check_timeout=0.3), loop_lag=lag)
+
+    async def probe() -> Worker:
+        lag.start()
+        w = registry.workers[url] = Worker(url, "prefill", grpc.aio.insecure_channel(url), serving=True, seen=True)
+        await asyncio.sleep(0.1)
+        check = asyncio.create_task(registry.check_all())
+        await asyncio.sleep(0.01)  # the probe is out
+        if loop_late:
+            time.sleep(0.5)  # the router's own loop is held (a huge request, say) past the probe's timeout
+        await check
+        await lag.stop()
+        await w.channel.close()
+        return w
+
+    try:
+        w = asyncio.run(probe())
+    finally:
+        server.stop(0)
+    if loop_late:  # no evidence about the server: nothing changes
+        assert (w.failures, w.errors, w.serving) == (0, 0, True)
+    else:  # the server itself was slow: a failed check
+        assert (w.failures, w.errors, w.serving) == (1, 1, False)
