@@ -81,6 +81,11 @@ class RouterConfig(TrustConfig):
         "length, 64 bytes a token, at least 16 MiB).",
     )
     request_timeout: float = option(600.0, "Seconds a request may take (its deadline on both servers).")
+    stream_send_timeout: float = option(
+        30.0,
+        "Seconds a streamed answer may wait for its client to take a chunk (the client stopped reading and "
+        "the buffers are full); past it the client is dropped and its request aborted on the servers.",
+    )
     prefill_timeout: float = option(
         0.0,
         "Seconds one prefill attempt may take before it is retried elsewhere; 0: the request's deadline "
@@ -168,6 +173,7 @@ class RouterConfig(TrustConfig):
             "dns_interval",
             "circuit_open_time",
             "queue_timeout",
+            "stream_send_timeout",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")

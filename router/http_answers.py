@@ -7,6 +7,7 @@ went away.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -14,6 +15,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pdserve.common.openai.api import OpenAIError
 from pdserve.router.admission import Overloaded
 from pdserve.router.pairing import UpstreamError
+
+log = logging.getLogger(__name__)
 
 
 async def run_choices(choices: list, lanes: int, run_one) -> list:
@@ -102,17 +105,39 @@ def overloaded_response(e: Overloaded) -> JSONResponse:
     return error_response(OpenAIError(str(e), status_code=429, code="overloaded"))
 
 
+class ClientStalled(Exception):
+    """The client stopped reading a stream: a chunk waited past the send timeout."""
+
+
 class AdmittedStream(StreamingResponse):
     """A streamed answer holding admission slots: they are handed back when the answer ends, however
     it ends. NOTE: not in the body generator's `finally`: a generator never started (the client gone
-    before the first write) never runs it, and the slots would leak."""
+    before the first write) never runs it, and the slots would leak.
 
-    def __init__(self, content, release, **kwargs):
+    A client that stops reading fills the socket's buffers and then the transport's (uvicorn pauses
+    writing past 64 KiB); a chunk that cannot be handed over within `send_timeout` seconds drops the
+    client: the body generator is closed, which cancels the request's choices on the servers (their
+    KV freed), and the connection is closed without the rest of the answer."""
+
+    def __init__(self, content, release, send_timeout: float, **kwargs):
         super().__init__(content, **kwargs)
-        self.release = release
+        self.release, self.send_timeout = release, send_timeout
 
     async def __call__(self, scope, receive, send) -> None:
+        async def send_or_drop(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.send_timeout)
+            except asyncio.TimeoutError:
+                raise ClientStalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_drop)
+        except ClientStalled:
+            log.warning("a client took no streamed chunk for %g s: dropped, its request aborted", self.send_timeout)
+            # NOTE: close the body now: an async generator left mid-iteration runs its `finally`
+            # (which cancels the choices on the servers) only when collected, or at the loop's end.
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
         finally:
             self.release()

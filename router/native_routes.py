@@ -58,6 +58,7 @@ def native_routes(router) -> APIRouter:
                 native_stream(router, ids, params),
                 lambda: router.admission.release(lanes),
                 media_type="text/event-stream",
+                send_timeout=router.config.stream_send_timeout,
             )
         try:
             c = await router.choice(ids, params)

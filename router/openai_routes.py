@@ -84,6 +84,7 @@ async def answer(router, request: Request, parse):
             counted(router, stream(router, parsed, choices, lanes, request_id, created)),
             lambda: router.admission.release(lanes),
             media_type="text/event-stream",
+            send_timeout=router.config.stream_send_timeout,
         )
     router.inflight += 1
     try:
@@ -108,6 +109,7 @@ async def counted(router, chunks):
             yield chunk
     finally:
         router.inflight -= 1
+        await chunks.aclose()  # (closed mid-answer: `chunks`' own finally cancels the choices)
 
 
 async def stream(router, parsed: ParsedRequest, choices, lanes: int, request_id: str, created: int):

@@ -38,6 +38,7 @@ FLAGS = [
     "--max-choices-at-once",
     "--max-body-bytes",
     "--request-timeout",
+    "--stream-send-timeout",
     "--prefill-timeout",
     "--decode-timeout",
     "--max-prefill-attempts",

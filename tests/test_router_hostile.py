@@ -1,7 +1,8 @@
 """Requests that would hold a router worker's event loop, against a real router and decode server:
 a body past the byte limit (413 before it is read, by its Content-Length or as it arrives chunked),
-a text prompt that cannot fit the context (400 before it is tokenized), the loop-lag gauge; and a
-health probe that timed out while the router's own loop was late, which blames no server."""
+a text prompt that cannot fit the context (400 before it is tokenized), a client that stops reading
+its stream (dropped, its request aborted), the loop-lag gauge; and a health probe that timed out
+while the router's own loop was late, which blames no server."""
 
 import asyncio
 import json
@@ -33,7 +34,7 @@ def stack(tiny_models):
     router = subprocess.Popen(
         [sys.executable, "-m", "pdserve.router.cli", "--model-path", model, "--port", str(port),
          "--decode", decode.address, "--disagg-policy", "never", "--workers", "1",
-         "--max-body-bytes", str(MAX_BODY), "--log-level", "warning"],
+         "--max-body-bytes", str(MAX_BODY), "--stream-send-timeout", "2", "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 60
@@ -118,6 +119,45 @@ def test_a_text_prompt_that_cannot_fit_the_context_gets_400_before_it_is_tokeniz
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "b" * chars}], max_tokens=2)
     assert bystander_ok(model, port)
     assert asyncio.run(load(decode)).running_requests == 0
+
+
+def test_a_stream_whose_client_takes_no_chunk_is_dropped_and_its_body_closed():
+    """The client stopped reading (its buffers are full: a send never returns): past the send timeout
+    the answer's body generator is closed (the route's `finally` cancels its choices on the servers)
+    and the admission slots go back."""
+    from pdserve.router.http_answers import AdmittedStream
+    from pdserve.router.openai_routes import counted
+
+    closed, released, sent = [], [], []
+
+    async def body():
+        try:
+            for i in range(10_000):
+                yield f"data: {i}\n\n"
+        finally:
+            closed.append(True)
+
+    async def send(message):
+        sent.append(message)
+        if len(sent) > 3:
+            await asyncio.sleep(3600)  # the transport never drains
+
+    async def receive():
+        await asyncio.sleep(3600)  # no disconnect either: the client is there, it just does not read
+        return {"type": "http.disconnect"}
+
+    router = type("Router", (), {"inflight": 0})()
+    chunks = counted(router, body())  # as the OpenAI route wraps its stream
+    response = AdmittedStream(chunks, lambda: released.append(True), send_timeout=0.3, media_type="text/event-stream")
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "POST"}
+    started = time.monotonic()
+
+    async def answer() -> list:
+        await asyncio.wait_for(response(scope, receive, send), 10)
+        return list(closed)  # closed by then, not only when the loop shuts down its generators
+
+    assert asyncio.run(answer()) == [True] and released == [True] and len(sent) == 4 and router.inflight == 0
+    assert time.monotonic() - started < 5
 
 
 def test_metrics_show_the_event_loop_lag(stack):
