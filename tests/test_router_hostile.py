@@ -7,8 +7,6 @@ while the router's own loop was late, which blames no server."""
 import asyncio
 import json
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from concurrent import futures
@@ -18,9 +16,9 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.common.ports import free_port
 from pdserve.common.tokenizer import load_tokenizer
-from tests.test_servers import Server, load
+from tests.router_stack import RouterProcess
+from tests.test_servers import Server, load, wait_idle
 
 MAX_BODY = 200_000
 
@@ -30,26 +28,11 @@ def stack(tiny_models):
     model = tiny_models("llama")
     decode = Server("decode", model)
     decode.wait_ready()
-    port = free_port()
-    router = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.router.cli", "--model-path", model, "--port", str(port),
-         "--decode", decode.address, "--disagg-policy", "never", "--workers", "1",
-         "--max-body-bytes", str(MAX_BODY), "--stream-send-timeout", "2", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readiness", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        assert time.monotonic() < deadline and router.poll() is None, "router not ready"
-        time.sleep(0.2)
-    yield model, port, decode
-    router.terminate()
-    router.wait(30)
+    router = RouterProcess(model, [], [decode], "--disagg-policy", "never", "--max-body-bytes", str(MAX_BODY),
+                           "--stream-send-timeout", "2")  # fmt: skip
+    router.wait_ready()
+    yield model, router.port, decode, router
+    router.stop()
     decode.stop()
 
 
@@ -87,7 +70,7 @@ def bystander_ok(model: str, port: int) -> bool:
 
 
 def test_a_body_past_the_limit_gets_413_before_it_is_read(stack):
-    model, port, decode = stack
+    model, port, decode, _ = stack
     started = time.monotonic()
     status, reply = raw_post(port, "Content-Length: 50000000\r\n", [b'{"prompt": "' + b"a" * 4096])
     assert status == 413 and "--max-body-bytes" in reply["error"]["message"], reply
@@ -96,7 +79,7 @@ def test_a_body_past_the_limit_gets_413_before_it_is_read(stack):
 
 
 def test_a_chunked_body_past_the_limit_gets_413_as_it_arrives(stack):
-    model, port, _ = stack
+    model, port, _, _ = stack
     piece = b"a" * 50_000
     chunks = [b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(6)] + [b"0\r\n\r\n"]
     status, reply = raw_post(port, "Transfer-Encoding: chunked\r\n", chunks)
@@ -105,7 +88,7 @@ def test_a_chunked_body_past_the_limit_gets_413_as_it_arrives(stack):
 
 
 def test_a_text_prompt_that_cannot_fit_the_context_gets_400_before_it_is_tokenized(stack):
-    model, port, decode = stack
+    model, port, decode, _ = stack
     tokenizer = load_tokenizer(model)
     longest = max(map(len, tokenizer.get_vocab()))
     context = json.load(open(f"{model}/config.json"))["max_position_embeddings"]
@@ -161,7 +144,7 @@ def test_a_stream_whose_client_takes_no_chunk_is_dropped_and_its_body_closed():
 
 
 def test_metrics_show_the_event_loop_lag(stack):
-    _, port, _ = stack
+    _, port, _, _ = stack
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
     [line] = [x for x in text.splitlines() if x.startswith("pdserve_router_event_loop_lag_seconds")]
@@ -209,3 +192,45 @@ def test_a_probe_that_timed_out_while_the_routers_loop_was_late_blames_no_server
         assert (w.failures, w.errors, w.serving) == (0, 0, True)
     else:  # the server itself was slow: a failed check
         assert (w.failures, w.errors, w.serving) == (1, 1, False)
+
+
+def test_deep_json_gets_400(stack):
+    _, port, _, _ = stack
+    depth = 40_000
+    body = b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"
+    status, reply = raw_post(port, f"Content-Length: {len(body)}\r\n", [body])
+    assert status == 400 and "nested too deeply" in reply["error"]["message"], reply
+
+
+def test_idle_slow_and_aborted_clients_leave_bystanders_served_and_no_server_blamed(stack):
+    model, port, decode, router = stack
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(300)]
+    loris = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(100)]
+    for s in loris:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    worst, deadline = 0.0, time.monotonic() + 3
+    while time.monotonic() < deadline:  # a header byte each 0.2 s, bystanders asking meanwhile
+        for s in loris:
+            s.sendall(b"x")
+        asked = time.monotonic()
+        assert bystander_ok(model, port)
+        worst = max(worst, time.monotonic() - asked)
+        time.sleep(0.2)
+    body = json.dumps({"model": model, "prompt": [0, 5, 6], "max_tokens": 200, "stream": True}).encode()
+    for _ in range(30):  # streams dropped after their first bytes
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            assert s.recv(64).startswith(b"HTTP/1.1 200")
+    for s in idle + loris:
+        s.close()
+    asked = time.monotonic()
+    assert bystander_ok(model, port)
+    worst = max(worst, time.monotonic() - asked)
+    asyncio.run(wait_idle(decode))  # every aborted stream's KV back
+    assert set(router.worker_errors().values()) == {0.0} and router.unhealthy() == []
+    [lag] = [
+        float(x.split()[-1]) for x in router.metrics().splitlines() if x.startswith("pdserve_router_event_loop_lag")
+    ]
+    print(f"\nbystanders' slowest answer {worst * 1e3:.0f} ms; the router's loop at worst {lag * 1e3:.0f} ms late")
+    assert worst < 10
