@@ -17,10 +17,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+if TYPE_CHECKING:
+    import torch
+    from tokenizers import Tokenizer
+
+# NOTE: torch, safetensors and tokenizers are imported where they are used: `pdserve --help` (common/cli.py)
+# reads ARCHS and must not pay for torch.
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
 
@@ -99,6 +103,8 @@ def make_tiny_model(
     shapes = gpt2_shapes(config) if arch == "gpt2" else llama_like_shapes(arch, config)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation_config())
+    from safetensors.torch import save_file
+
     save_file(random_weights(shapes, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     write_tokenizer(out)
     return out
@@ -267,6 +273,8 @@ def generation_config() -> dict:
 
 def random_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
     """float32 tensors drawn from one seeded generator in sorted key order (so: reproducible)."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     weights = {}
     for name in sorted(shapes):
@@ -292,6 +300,8 @@ def train_tokenizer() -> Tokenizer:
     Deterministic across processes although the trainer uses randomly seeded hash maps: it sorts
     the alphabet and breaks equal-count merges by pair ids, and CORPUS is fed in a fixed order.
     """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

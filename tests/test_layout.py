@@ -144,3 +144,19 @@ def test_scheduling_is_host_only_and_below_the_engine():
     code = f"import sys; import {', '.join(modules)}; print('torch' in sys.modules)"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "False"
+
+
+def test_pdserve_help_loads_no_torch():
+    """`pdserve --help` (every sub-command's parser, `up` and `bench` included) answers without torch."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from pdserve.common.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\n"
+        "for sub in ('up', 'bench', 'make-tiny-model', 'run-batch'):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main([sub, '--help'])\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
