@@ -174,7 +174,10 @@ def up(
     secret = ["--cluster-secret-file", write_secret_file(run_dir)]
     procs: list[subprocess.Popen] = []
     sharing = None
-    signal.signal(signal.SIGTERM, _interrupt)  # from here on SIGTERM stops everything, even mid-start
+    # From here on SIGTERM and SIGINT stop everything, even mid-start, whatever was inherited: a shell
+    # starts a background job (`pdserve up &` in a script) with SIGINT ignored, and Python then leaves it so.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         sharing = GpuSharing.start(plan, run_dir, mps, shares)
         if sharing.unavailable and without_mps(layout, sharing.unavailable) != layout:
@@ -272,7 +275,8 @@ Ctrl-C stops everything.""",
     except KeyboardInterrupt:
         return 0
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # already stopping: a second one must not cut it short
+        for sig in (signal.SIGTERM, signal.SIGINT):  # already stopping: a second one must not cut it short
+            signal.signal(sig, signal.SIG_IGN)
         stop_processes(procs)
         if sharing is not None:
             sharing.stop()  # after the servers: an MPS client loses its GPU when the daemon goes

@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -140,9 +141,12 @@ def openai_error_problem(answer: Answer) -> str | None:
     return None
 
 
-def pdserve_up(model: str, *flags: str, timeout: float = 180.0) -> tuple[subprocess.Popen, int, str]:
+def pdserve_up(
+    model: str, *flags: str, timeout: float = 180.0, sigint_ignored: bool = False
+) -> tuple[subprocess.Popen, int, str]:
     """`pdserve up --model-path MODEL --device cpu` on a free port: (the process, the router's port,
-    the line that says it is up). Stop it with SIGINT (Ctrl-C), then wait for exit code 0."""
+    the line that says it is up). Stop it with SIGINT (Ctrl-C), then wait for exit code 0.
+    `sigint_ignored`: started as a shell starts a background job, with SIGINT ignored."""
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -161,6 +165,7 @@ def pdserve_up(model: str, *flags: str, timeout: float = 180.0) -> tuple[subproc
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
     )
     deadline = time.monotonic() + timeout
     lines = []

@@ -173,7 +173,8 @@ def test_pdserve_up_with_decode_servers_alone(tiny_models):
         timeout=60,
     )
     assert refused.returncode == 2 and "--num-prefill 0 needs --disagg-policy never" in refused.stderr
-    proc, port, _ = pdserve_up(model, "--num-prefill", "0", "--router-workers", "1")
+    # (started as `pdserve up &` in a script: SIGINT ignored, and still it stops on one)
+    proc, port, _ = pdserve_up(model, "--num-prefill", "0", "--router-workers", "1", sigint_ignored=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
         ids = prompts_of([9])[0]
