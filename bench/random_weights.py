@@ -25,15 +25,11 @@ import tempfile
 import time
 
 from pdserve.bench.shapes import resolve_shape, shape_names
+from pdserve.common.cache import cache_root
 
 SEED = 0
 RECIPE_FILE = "pdserve-random-weights.json"
 RECIPE_VERSION = 1
-
-
-def cache_root() -> pathlib.Path:
-    """$PDSERVE_CACHE, else ~/.cache/pdserve (the one place the bench reads it)."""
-    return pathlib.Path(os.environ.get("PDSERVE_CACHE") or pathlib.Path.home() / ".cache" / "pdserve")
 
 
 def add_model_args(parser: argparse.ArgumentParser, model_path_flag: bool = True) -> None:

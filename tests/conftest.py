@@ -18,6 +18,15 @@ from pdserve.common.tiny_model import ARCHS, make_tiny_model  # noqa: E402
 pytest_plugins = ("tests.real_model",)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_cache(tmp_path_factory):
+    """pdserve's cache (common/cache.py: converted tokenizers, random weights) in a folder of the test
+    session's own, for the processes the tests start too: nothing of a test's lands in ~/.cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PDSERVE_CACHE", str(tmp_path_factory.mktemp("pdserve-cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def unfreeze_gc():
     """Engines freeze the heap they start with (gc.freeze); a test's dropped engines, caught in

@@ -256,3 +256,40 @@ def test_smollm2_greedy_chat_through_run_batch_matches_transformers_to_its_eos(s
     router = Router(RouterConfig(path, ("127.0.0.1:1",), ("127.0.0.1:2",)))
     assert (router.eos, router.context_len, router.vocab_size) == ((tokenizer.eos_token_id,), 8192, 49152)
     assert router.tokenizer is tokenizer, "built once per process"
+
+
+def test_a_ggufs_tokenizer_is_converted_once_and_loads_the_same_from_the_cache(tiny_ggufs, tmp_path, monkeypatch):
+    import transformers
+
+    from pdserve.common import gguf_checkpoint
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    _, path = tiny_ggufs("llama", "Q8_0")
+    gguf_checkpoint.load_tokenizer.cache_clear()
+    try:
+        converted = gguf_checkpoint.load_tokenizer(path)
+        [saved] = (tmp_path / "tokenizers").iterdir()
+        assert (saved / "tokenizer.json").is_file()
+        gguf_checkpoint.load_tokenizer.cache_clear()
+        convert = transformers.AutoTokenizer.from_pretrained
+
+        def no_conversion(*args, **kwargs):
+            assert "gguf_file" not in kwargs, "converted again: the cache was not used"
+            return convert(*args, **kwargs)
+
+        monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_conversion)
+        cached = gguf_checkpoint.load_tokenizer(path)
+    finally:
+        gguf_checkpoint.load_tokenizer.cache_clear()
+    texts = ["Hello world", "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n", " spaces  and\ttabs ", "é 日本 🙂"]
+    assert [cached(t).input_ids for t in texts] == [converted(t).input_ids for t in texts]
+    ids = converted(texts[1]).input_ids
+    assert cached.decode(ids) == converted.decode(ids) and cached.decode(ids, skip_special_tokens=True) == (
+        converted.decode(ids, skip_special_tokens=True)
+    )
+    assert cached.chat_template == converted.chat_template and len(cached) == len(converted)
+    assert cached.all_special_tokens == converted.all_special_tokens and cached.eos_token_id == converted.eos_token_id
+    messages = [{"role": "user", "content": "hi"}]
+    assert cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
+        converted.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    )

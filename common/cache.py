@@ -1,0 +1,14 @@
+"""pdserve's cache on this host: $PDSERVE_CACHE, else ~/.cache/pdserve (the one place it is read).
+
+random-weights/   the benchmarks' random-weight checkpoints (bench/random_weights.py)
+tokenizers/       GGUF tokenizers converted once (common/gguf_checkpoint.py)
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+
+def cache_root() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("PDSERVE_CACHE") or pathlib.Path.home() / ".cache" / "pdserve")
