@@ -20,6 +20,7 @@ import sys
 from importlib.metadata import entry_points
 
 from pdserve.common.config import EngineConfig, add_cli_args, from_cli_args
+from pdserve.common.openai.defaults import DefaultsFlags
 
 COMMANDS = "pdserve.commands"  # entry-point group: callables that add sub-commands to `pdserve`
 
@@ -41,11 +42,12 @@ def _run_batch(args: argparse.Namespace) -> int:
         return 2
     config = from_cli_args(args, EngineConfig)
     try:
+        defaults = from_cli_args(args, DefaultsFlags).sampling_defaults(config.model_path)
         engine = Engine(config)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    counts = run_batch(engine, args.input, args.output, engine.config.served_model_name)
+    counts = run_batch(engine, args.input, args.output, engine.config.served_model_name, defaults)
     print(
         f"{counts['total']} requests: {counts['succeeded']} succeeded, {counts['failed']} failed; "
         f"results in {args.output}"
@@ -73,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("-i", "--input", required=True, help="Input JSONL: {custom_id, method, url, body} per line.")
     batch.add_argument("-o", "--output", required=True, help="Output JSONL: one result line per input line.")
     add_cli_args(batch, EngineConfig)
+    add_cli_args(batch, DefaultsFlags)
     batch.set_defaults(func=_run_batch)
 
     for command in sorted(entry_points(group=COMMANDS), key=lambda ep: ep.name):

@@ -35,7 +35,11 @@ class EngineConfig:
         "Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer), or a GGUF file (or a "
         "directory holding one), dequantized at load.",
     )
-    served_model_name: str = option("", "Model name clients must use; default: --model-path as given.")
+    served_model_name: str = option(
+        "",
+        "Model name clients use; default: the checkpoint's short name (its directory's, or its file's "
+        "without .gguf). --model-path as given is accepted too.",
+    )
     device: str = option("auto", "cpu, cuda or cuda:N; auto picks cuda when available.")
     dtype: str = option("auto", "float32, float16 or bfloat16; auto: float32 on CPU, bfloat16 on CUDA.")
     page_size: int = option(16, "Tokens per KV page.")
@@ -157,7 +161,7 @@ class EngineConfig:
             attention_backend=attention_backend,
             mem_fraction_static=mem_fraction_static,
             kv_cache_memory_gb=kv_cache_memory_gb,
-            served_model_name=self.served_model_name or self.model_path,
+            served_model_name=self.served_model_name or short_model_name(self.model_path),
             device=device,
             dtype=dtype,
             context_length=context_length,
@@ -213,6 +217,13 @@ def cuda_device_count() -> int:
 def model_kv_heads_of(hf: dict) -> int:
     """The checkpoint's KV heads (its attention heads when it has no grouped-query attention)."""
     return hf.get("num_key_value_heads") or hf.get("num_attention_heads") or hf.get("n_head")
+
+
+def short_model_name(model_path: str) -> str:
+    """The name a model is served under unless --served-model-name says otherwise: its directory's
+    name, or its file's without .gguf (`--model-path` as given is accepted too: an alias)."""
+    name = os.path.basename(os.path.abspath(model_path))
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
 def check_model_path(model_path: str) -> None:

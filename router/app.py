@@ -19,9 +19,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 
-from pdserve.common.config import read_hf_config
+from pdserve.common.config import read_hf_config, short_model_name
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.openai.api import OpenAIError
+from pdserve.common.openai.defaults import load_generation_defaults
 from pdserve.common.scheduling.output_processor import append_token, finalize
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Completion, FinishReason, Req
@@ -52,11 +53,18 @@ log = logging.getLogger(__name__)
 class Router:
     def __init__(self, config: RouterConfig, resolve=None):
         self.config = config
-        self.model = config.served_model_name or config.model_path
+        self.model = config.served_model_name or short_model_name(config.model_path)
+        self.aliases = (config.model_path,)  # the path as given is a name of the model too
+        self.defaults = load_generation_defaults(
+            config.model_path, config.generation_config, config.override_generation_config, config.default_max_tokens
+        )
+        log.info("%s", self.defaults.describe())
         self.tokenizer = load_tokenizer(config.model_path)
         self.eos = eos_token_ids(config.model_path, self.tokenizer)
         hf = read_hf_config(config.model_path)
-        self.context_len = int(hf.get("max_position_embeddings") or hf.get("n_positions") or 2048)
+        self.context_len = config.context_length or int(
+            hf.get("max_position_embeddings") or hf.get("n_positions") or 2048
+        )
         # Token ids both the tokenizer and the model's embedding take (either may have extra rows).
         self.vocab_size = min(len(self.tokenizer), int(hf.get("vocab_size") or len(self.tokenizer)))
         # Bounds checked before a body is parsed or a prompt tokenized (router/http_requests.py).

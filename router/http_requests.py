@@ -113,6 +113,8 @@ def _parse(router, parse, body: dict) -> ParsedRequest:
         allow_stream=True,
         max_choices=router.config.max_choices,
         vocab_size=router.vocab_size,
+        defaults=router.defaults,
+        aliases=router.aliases,
     )
 
 

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from pdserve.common.config import short_model_name
 from pdserve.common.tiny_model import ARCHS
 from pdserve.common.types import FinishReason, SamplingParams
 
@@ -215,4 +216,4 @@ def test_greedy_matches_transformers_through_run_batch(reference, tmp_path):
             len(expected),
             len(ids) + len(expected),
         )
-        assert body["model"] == path
+        assert body["model"] == short_model_name(path)

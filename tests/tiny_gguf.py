@@ -98,8 +98,13 @@ def llama3_rope_freqs(config: dict) -> np.ndarray:
 
 
 def write_gguf(
-    checkpoint: str | pathlib.Path, out: str | pathlib.Path, qtype=gguf.GGMLQuantizationType.F32, name: str = "tiny"
+    checkpoint: str | pathlib.Path,
+    out: str | pathlib.Path,
+    qtype=gguf.GGMLQuantizationType.F32,
+    name: str = "tiny",
+    metadata: dict | None = None,
 ) -> pathlib.Path:
+    """`metadata`: more keys to write (float values as float32, int values as int32)."""
     checkpoint, out = pathlib.Path(checkpoint), pathlib.Path(out)
     config = json.loads((checkpoint / "config.json").read_text())
     hf_arch = config["architectures"][0]
@@ -109,6 +114,8 @@ def write_gguf(
     writer.add_name(f"{name} mistral" if hf_arch == "MistralForCausalLM" else name)
     _add_hparams(writer, config, arch)
     _add_tokenizer(writer, checkpoint)
+    for key, value in (metadata or {}).items():
+        (writer.add_float32 if isinstance(value, float) else writer.add_int32)(key, value)
     weights = load_file(str(checkpoint / "model.safetensors"))
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if rope.get("rope_type") == "llama3":

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.common.openai.defaults import GenerationDefaults
 from pdserve.common.openai.fields import (  # OpenAIError: callers import it from here too
     INT32_MAX,
     MASK64,
@@ -97,13 +98,13 @@ def _check_fields(body: Any, accepted: frozenset | set) -> None:
             raise _wrong_type(name, {str: "a string", dict: "an object", bool: "a boolean"}[kind], value)
 
 
-def _check_model(body: dict, served_model_name: str) -> None:
+def _check_model(body: dict, served_model_name: str, aliases: tuple[str, ...]) -> None:
     model = body.get("model")
     if model is None:
         return
     if not isinstance(model, str):
         raise _wrong_type("model", "a string", model)
-    if model != served_model_name:
+    if model != served_model_name and model not in aliases:
         raise OpenAIError(f"The model `{model}` does not exist.", status_code=404, code="model_not_found")
 
 
@@ -125,21 +126,24 @@ def _stream_options(body: dict, allow_stream: bool) -> tuple[bool, bool]:
     return stream, _boolean(options, "include_usage", False)
 
 
-def _sampling_fields(body: dict, vocab_size: int) -> dict:
-    """SamplingParams keyword arguments common to both endpoints (not max tokens, seed, logprobs)."""
+def _sampling_fields(body: dict, vocab_size: int, defaults: GenerationDefaults) -> dict:
+    """SamplingParams keyword arguments common to both endpoints (not max tokens, seed, logprobs);
+    a field the body leaves out takes the server's default (defaults.py: the model's, or OpenAI's)."""
     return {
         "logit_bias": _logit_bias(body, vocab_size),
-        "temperature": _number(body, "temperature", 1.0, lambda v: 0 <= v <= 2, "between 0 and 2"),
-        "top_p": _number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
+        "temperature": _number(body, "temperature", defaults.temperature, lambda v: 0 <= v <= 2, "between 0 and 2"),
+        "top_p": _number(body, "top_p", defaults.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
         "top_k": _integer(
             body,
             "top_k",
-            -1,
+            defaults.top_k,
             lambda v: -1 <= v <= INT32_MAX,
             f"-1 (disabled), 0 (disabled) or positive, at most {INT32_MAX}",
         ),
-        "min_p": _number(body, "min_p", 0.0, lambda v: 0 <= v <= 1, "in [0, 1]"),
-        "repetition_penalty": _number(body, "repetition_penalty", 1.0, lambda v: 0 < v <= 2, "in (0, 2]"),
+        "min_p": _number(body, "min_p", defaults.min_p, lambda v: 0 <= v <= 1, "in [0, 1]"),
+        "repetition_penalty": _number(
+            body, "repetition_penalty", defaults.repetition_penalty, lambda v: 0 < v <= 2, "in (0, 2]"
+        ),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "between -2 and 2"),
         "presence_penalty": _number(body, "presence_penalty", 0.0, lambda v: -2 <= v <= 2, "between -2 and 2"),
         "stop": _stop(body),
@@ -164,17 +168,23 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     return x ^ (x >> 31)
 
 
-def _shared(body: Any, served_model_name: str, accepted: frozenset, allow_stream: bool, vocab_size: int) -> dict:
-    """The checks and values both endpoints share, keyed for _build."""
+def _shared(
+    body: Any, served_model_name: str, accepted: frozenset, allow_stream: bool, vocab_size: int,
+    defaults: GenerationDefaults | None, aliases: tuple[str, ...] = (),
+) -> dict:  # fmt: skip
+    """The checks and values both endpoints share, keyed for _build. `defaults`: what missing
+    sampling fields take (None: OpenAI's); `aliases`: other names the model answers to."""
+    defaults = defaults or GenerationDefaults()
     _check_fields(body, accepted)
-    _check_model(body, served_model_name)
+    _check_model(body, served_model_name, aliases)
     stream, include_usage = _stream_options(body, allow_stream)
     if stream and body.get("prompt_logprobs") is not None:  # as vLLM: they are not streamed
         raise OpenAIError("'prompt_logprobs' is not available when 'stream' is true", param="prompt_logprobs")
     return {
         "n": _integer(body, "n", 1, lambda v: 1 <= v <= MAX_N, f"between 1 and {MAX_N}"),
         "seed": _integer(body, "seed", None, lambda v: -(2**63) <= v <= MASK64, "a 64-bit integer"),
-        "sampling": _sampling_fields(body, vocab_size),
+        "sampling": _sampling_fields(body, vocab_size, defaults),
+        "default_max_tokens": defaults.max_tokens,
         "stream": stream,
         "include_usage": include_usage,
         "return_token_ids": _boolean(body, "return_token_ids", False),
@@ -212,7 +222,10 @@ def _build(
                 f"{prompt_len} input tokens. Please reduce the length of the {prompt_word}.",
                 param=prompt_word, code="context_length_exceeded",
             )  # fmt: skip
-        max_new = max_tokens if max_tokens is not None else max_context_len - prompt_len  # vLLM's default
+        # vLLM's default: the rest of the context (bounded by the server's default, if it has one)
+        max_new = max_tokens if max_tokens is not None else max_context_len - prompt_len
+        if max_tokens is None and shared["default_max_tokens"] is not None:
+            max_new = min(max_new, shared["default_max_tokens"])
         if prompt_len + max_new > max_context_len:
             raise OpenAIError(
                 f"This model's maximum context length is {max_context_len} tokens. However, you requested "
@@ -303,14 +316,16 @@ def _prompt_count(prompt: Any) -> int:
 
 def parse_completion_request(
     body: dict, tokenizer, served_model_name: str, max_context_len: int, *, allow_stream: bool = False,
-    max_choices: int | None = None, vocab_size: int | None = None,
+    max_choices: int | None = None, vocab_size: int | None = None, defaults: GenerationDefaults | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> ParsedRequest:  # fmt: skip
     """Validate a /v1/completions body and tokenize its prompts. Raises OpenAIError.
 
     `max_choices`: most prompts x n one request may ask for (None: no limit); `vocab_size`: token
-    ids the model takes (default: the tokenizer's)."""
+    ids the model takes (default: the tokenizer's); `defaults`: the sampling defaults (defaults.py;
+    None: OpenAI's); `aliases`: names besides `served_model_name` that `model` may give."""
     vocab_size = len(tokenizer) if vocab_size is None else vocab_size
-    shared = _shared(body, served_model_name, COMPLETION_FIELDS, allow_stream, vocab_size)
+    shared = _shared(body, served_model_name, COMPLETION_FIELDS, allow_stream, vocab_size, defaults, aliases)
     check_fan_out(_prompt_count(body.get("prompt")), shared["n"], max_choices, "prompt")
     _integer(body, "best_of", 1, lambda v: v == 1, "1 (nothing else is supported)")
     if body.get("suffix") is not None:

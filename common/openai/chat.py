@@ -17,6 +17,7 @@ from pdserve.common.openai.api import (
     _tokenize,
     check_fan_out,
 )
+from pdserve.common.openai.defaults import GenerationDefaults
 from pdserve.common.openai.fields import OpenAIError, _boolean, _integer, _json_type, _reject_unless_empty, _wrong_type
 from pdserve.common.openai.tools import CALL_BEGIN, forced_call_grammar, parse_tool_choice, parse_tools
 from pdserve.common.types import MAX_TOP_LOGPROBS
@@ -172,15 +173,16 @@ def _keep_call_tags(body: dict, shared: dict, tokenizer) -> None:
 
 def parse_chat_request(
     body: dict, tokenizer, served_model_name: str, max_context_len: int, *, allow_stream: bool = False,
-    max_choices: int | None = None, vocab_size: int | None = None,
+    max_choices: int | None = None, vocab_size: int | None = None, defaults: GenerationDefaults | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> ParsedRequest:  # fmt: skip
     """Validate a /v1/chat/completions body and render its conversation. Raises OpenAIError.
 
-    `max_choices` and `vocab_size` as in parse_completion_request. Tools: see tools.py (the legacy
-    `functions` and `function_call` are refused unless they ask for nothing: their answer has
-    another shape, message.function_call)."""
+    `max_choices`, `vocab_size`, `defaults` and `aliases` as in parse_completion_request. Tools: see
+    tools.py (the legacy `functions` and `function_call` are refused unless they ask for nothing:
+    their answer has another shape, message.function_call)."""
     vocab_size = len(tokenizer) if vocab_size is None else vocab_size
-    shared = _shared(body, served_model_name, CHAT_FIELDS, allow_stream, vocab_size)
+    shared = _shared(body, served_model_name, CHAT_FIELDS, allow_stream, vocab_size, defaults, aliases)
     check_fan_out(1, shared["n"], max_choices, "n")
     structured = shared.get("grammar")  # response_format and vLLM's structured outputs (structured.py)
     _reject_unless_empty(body, "functions")

@@ -32,7 +32,7 @@ class _Line:
     first: int = 0  # index of this line's first choice in the generate call
 
 
-def _parse_line(raw: bytes, line_number: int, seen_ids: set, engine, served_model_name: str) -> _Line:
+def _parse_line(raw: bytes, line_number: int, seen_ids: set, engine, served_model_name: str, defaults) -> _Line:
     try:
         request = json.loads(raw)
     except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
@@ -43,7 +43,14 @@ def _parse_line(raw: bytes, line_number: int, seen_ids: set, engine, served_mode
     try:
         _check_envelope(request, seen_ids)
         parse = PARSERS[request["url"]]
-        line.parsed = parse(request["body"], engine.tokenizer, served_model_name, engine.max_context_len)
+        line.parsed = parse(
+            request["body"],
+            engine.tokenizer,
+            served_model_name,
+            engine.max_context_len,
+            defaults=defaults,
+            aliases=_aliases(engine),
+        )
         check = getattr(engine, "check_request", None)
         for prompt_ids, params in line.parsed.engine_requests() if check else ():
             check(prompt_ids, params)
@@ -85,8 +92,15 @@ def _result(line: _Line, completions: list, tokenizer, created: int) -> dict:
     return {"id": batch_request_id, "custom_id": line.custom_id, "response": response, "error": None}
 
 
-def run_batch(engine, input_path, output_path, served_model_name: str) -> dict:
+def _aliases(engine) -> tuple[str, ...]:
+    """--model-path as given names the model too (beside its served name)."""
+    config = getattr(engine, "config", None)
+    return (config.model_path,) if config is not None else ()
+
+
+def run_batch(engine, input_path, output_path, served_model_name: str, defaults=None) -> dict:
     """Run an OpenAI Batch input file through `engine`; returns {"total", "succeeded", "failed"}.
+    `defaults`: what sampling fields a line leaves out take (common/openai/defaults.py; None: OpenAI's).
 
     `engine` needs `.tokenizer`, `.max_context_len` and `.generate(prompts, params)`; when it has
     `.check_request(prompt_ids, params)` (raising ValueError), each line is checked against the
@@ -97,7 +111,7 @@ def run_batch(engine, input_path, output_path, served_model_name: str) -> dict:
     with open(input_path, "rb") as f:  # bytes: one line that is not UTF-8 must not sink the others
         for line_number, raw in enumerate(f, start=1):
             if raw.strip():
-                lines.append(_parse_line(raw, line_number, seen_ids, engine, served_model_name))
+                lines.append(_parse_line(raw, line_number, seen_ids, engine, served_model_name, defaults))
 
     prompts, params = [], []
     for line in lines:
