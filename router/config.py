@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, replace
 
 from pdserve.common.config import TrustConfig, option
+from pdserve.common.openai.defaults import FLAG_HELP
 from pdserve.router.disagg import POLICIES
 from pdserve.router.policies import make_policy
 
@@ -33,7 +34,17 @@ class RouterConfig(TrustConfig):
         metavar="NAME:PORT",
     )
     decode_dns: tuple[str, ...] = option((), "Discover decode servers, likewise.", metavar="NAME:PORT")
-    served_model_name: str = option("", "Model name clients use; default: --model-path as given.")
+    served_model_name: str = option(
+        "",
+        "Model name clients use; default: the checkpoint's short name (its directory's, or its file's without "
+        ".gguf). --model-path as given is accepted too.",
+    )
+    context_length: int = option(
+        0, "Longest sequence (prompt + output) a request may ask for; 0: the model's (give the servers' if smaller)."
+    )
+    generation_config: str = option("auto", FLAG_HELP["generation_config"])
+    override_generation_config: str = option("", FLAG_HELP["override_generation_config"])
+    default_max_tokens: int = option(0, FLAG_HELP["default_max_tokens"])
     api_key: str = option("", "Require 'Authorization: Bearer KEY' on the API.")
     prefill_policy: str = option(
         "round_robin",
@@ -85,6 +96,17 @@ class RouterConfig(TrustConfig):
         30.0,
         "Seconds a streamed answer may wait for its client to take a chunk (the client stopped reading and "
         "the buffers are full); past it the client is dropped and its request aborted on the servers.",
+    )
+    header_timeout: float = option(
+        20.0,
+        "Seconds a connection may take to send a whole request head (from its accept, or from the first "
+        "byte of a next request on a kept-alive connection); past it the answer is 408 and the connection "
+        "is closed.",
+    )
+    max_connections_per_worker: int = option(
+        0,
+        "Connections each router process serves at once; one more is answered 503 with Retry-After and "
+        "closed before it is read (0: 4096, or the open-file limit less 256 where that is lower).",
     )
     prefill_timeout: float = option(
         0.0,
@@ -164,6 +186,8 @@ class RouterConfig(TrustConfig):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_queued < 0:
             raise ValueError(f"--max-queued must be >= 0 (0: no queue), got {self.max_queued}")
+        if self.context_length < 0 or self.default_max_tokens < 0:
+            raise ValueError("--context-length and --default-max-tokens must be >= 0 (0: the model's / the context)")
         if self.max_body_bytes < 0:
             raise ValueError(f"--max-body-bytes must be >= 0 (0: from the context length), got {self.max_body_bytes}")
         for name in (

@@ -16,6 +16,7 @@ import asyncio
 import json
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from pdserve.common.openai.api import OpenAIError, ParsedRequest
 from pdserve.router.http_answers import until_disconnect
@@ -43,16 +44,19 @@ async def body_of(router, request: Request) -> tuple[dict, int]:
 
 async def read_limited(request: Request, limit: int) -> bytes:
     """The body, or 413 once it is known to pass `limit` bytes: from its Content-Length before any
-    of it is read, else as it arrives (chunked)."""
+    of it is read, else as it arrives (chunked); 499 when the client goes away before all of it came."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise _too_large(int(length), limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # answered as the routes answer a client gone while it waits: 499, to nobody
+        raise OpenAIError("the client went away before its whole body came", status_code=499) from None
     return b"".join(chunks)
 
 

@@ -25,6 +25,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from pdserve.router.http_protocol import REASONS as CONNECTION_GUARDS
 from pdserve.router.loop_lag import GAUGE_WINDOW_S, LoopLag
 from pdserve.router.metrics_env import MULTIPROC_DIR_ENV
 from pdserve.router.workers import WorkerRegistry
@@ -81,6 +82,16 @@ class RouterMetrics:
             registry=r,
             multiprocess_mode="liveall",
         )
+        self.connections_closed = Counter(
+            "pdserve_router_connections_closed",
+            "Connections the router answered and closed itself (router/http_protocol.py): header_timeout "
+            "(408: no whole request head within --header-timeout), over_cap (503: past "
+            "--max-connections-per-worker).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in CONNECTION_GUARDS:
+            self.connections_closed.labels(reason=reason)  # shown from the start, at 0
         self.exposition = self.registry
         path = os.environ.get(MULTIPROC_DIR_ENV)
         if path:

@@ -5,6 +5,9 @@ supervisor (router/supervisor.py) runs it, every one binding --host/--port with 
 kernel spreads new connections over the listening sockets (by address hash), and a connection stays
 with the process that accepted it — so a worker that dies takes only its own connections along.
 
+uvicorn serves with its own HTTP protocol and the guards of router/http_protocol.py (a header-read
+timeout, a cap on connections).
+
 The port is bound before the Router is built (tokenizer, chat template), so a port in use fails
 at once. The supervisor's warm spare (`run_spare`) builds first and binds only once it is promoted
 into a dead worker's slot: a socket bound with SO_REUSEPORT gets its share of the connections, and
@@ -118,9 +121,11 @@ def build(config: RouterConfig, supervisor: Connection | None) -> uvicorn.Server
     import uvicorn
 
     from pdserve.router.app import Router, create_app
+    from pdserve.router.http_protocol import Guards, guarded_protocol
 
     try:
         router = Router(config)
+        guards = Guards.from_config(config, count=lambda reason: router.metrics.connections_closed.labels(reason).inc())
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
@@ -145,7 +150,7 @@ def build(config: RouterConfig, supervisor: Connection | None) -> uvicorn.Server
         uvicorn.Config(
             create_app(router),
             loop=loop,
-            http=http,
+            http=guarded_protocol(http, guards),
             log_level=config.log_level.lower(),
             callback_notify=None if supervisor is None else heartbeat,
             timeout_notify=HEARTBEAT_S,

@@ -80,7 +80,10 @@ class RouterProcess:
 
     def unhealthy(self) -> list[str]:
         """Servers the router does not route to now (health check failed or circuit open)."""
-        found = re.findall(r'pdserve_router_worker_healthy\{role="\w+",worker="([^"]+)"\} (\S+)', self.metrics())
+        # (with --workers > 1 every process has its own series, labelled with its pid)
+        found = re.findall(
+            r'pdserve_router_worker_healthy\{(?:pid="\d+",)?role="\w+",worker="([^"]+)"\} (\S+)', self.metrics()
+        )
         return [url for url, v in found if float(v) == 0]
 
     def stop(self) -> None:

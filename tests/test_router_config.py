@@ -27,6 +27,10 @@ FLAGS = [
     "--prefill-dns",
     "--decode-dns",
     "--served-model-name",
+    "--context-length",
+    "--generation-config",
+    "--override-generation-config",
+    "--default-max-tokens",
     "--api-key",
     "--prefill-policy",
     "--decode-policy",
@@ -39,6 +43,8 @@ FLAGS = [
     "--max-body-bytes",
     "--request-timeout",
     "--stream-send-timeout",
+    "--header-timeout",
+    "--max-connections-per-worker",
     "--prefill-timeout",
     "--decode-timeout",
     "--max-prefill-attempts",
@@ -201,3 +207,25 @@ def test_the_prefill_timeout_follows_the_request_timeout():
     assert prefill_time_given("--request-timeout", "10", "--prefill-timeout", "30") == pytest.approx(
         10, abs=3
     )  # the deadline
+
+
+def test_the_connection_guards_take_their_flags_and_size_the_cap_from_the_open_file_limit(monkeypatch):
+    import resource
+
+    from pdserve.router import http_protocol
+    from pdserve.router.http_protocol import DEFAULT_MAX_CONNECTIONS, FD_RESERVE, Guards
+
+    def guards(*argv: str) -> Guards:
+        config = from_cli_args(build_parser().parse_args(["--model-path", "/m", *SERVERS, *argv]), RouterConfig)
+        return Guards.from_config(config, count=lambda reason: None)
+
+    assert (RouterConfig().header_timeout, RouterConfig().max_connections_per_worker) == (20.0, 0)
+    given = guards("--header-timeout", "5", "--max-connections-per-worker", "100")
+    assert (given.header_timeout_s, given.max_connections) == (5.0, 100)
+    for soft, cap in [(1024, 1024 - FD_RESERVE), (1 << 20, DEFAULT_MAX_CONNECTIONS), (200, 64)]:
+        monkeypatch.setattr(http_protocol.resource, "getrlimit", lambda _, soft=soft: (soft, resource.RLIM_INFINITY))
+        assert guards().max_connections == cap
+    with pytest.raises(ValueError, match="--header-timeout must be > 0"):
+        guards("--header-timeout", "0")
+    with pytest.raises(ValueError, match="--max-connections-per-worker must be >= 0"):
+        guards("--max-connections-per-worker", "-1")

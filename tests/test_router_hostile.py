@@ -2,11 +2,18 @@
 a body past the byte limit (413 before it is read, by its Content-Length or as it arrives chunked),
 a text prompt that cannot fit the context (400 before it is tokenized), a client that stops reading
 its stream (dropped, its request aborted), the loop-lag gauge; and a health probe that timed out
-while the router's own loop was late, which blames no server."""
+while the router's own loop was late, which blames no server.
+
+Then the connection guards (router/http_protocol.py), on both of uvicorn's protocols in-process and
+on a second router with 2 worker processes over the same decode server: heads that do not come whole
+in time (408), connections past the cap (503 with Retry-After), and streams aborted mid-answer —
+bystanders served throughout, no server blamed, the KV idle after, the loops never held."""
 
 import asyncio
 import json
+import select
 import socket
+import struct
 import time
 import urllib.request
 from concurrent import futures
@@ -64,8 +71,9 @@ def _length(data: bytes) -> int:
 
 
 def bystander_ok(model: str, port: int) -> bool:
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=30, max_retries=0)
-    out = client.completions.create(model=model, prompt=[0, 5, 6], max_tokens=2, temperature=0)
+    """A small request on a connection of its own (closed after: it holds no place under a cap)."""
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=30, max_retries=0) as client:
+        out = client.completions.create(model=model, prompt=[0, 5, 6], max_tokens=2, temperature=0)
     return len(out.choices[0].text) >= 0 and out.usage.completion_tokens == 2
 
 
@@ -234,3 +242,295 @@ def test_idle_slow_and_aborted_clients_leave_bystanders_served_and_no_server_bla
     ]
     print(f"\nbystanders' slowest answer {worst * 1e3:.0f} ms; the router's loop at worst {lag * 1e3:.0f} ms late")
     assert worst < 10
+
+
+# ---- connection guards: the header-read timeout and the cap (router/http_protocol.py) --------------
+
+
+async def ok_app(scope, receive, send):
+    """An ASGI app that reads the whole body and answers 200 "ok"."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def read_answer(reader: asyncio.StreamReader) -> bytes:
+    """One answer: its head and as many body bytes as its Content-Length says."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    return head + await reader.readexactly(_length(head))
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_both_uvicorn_protocols_time_out_a_slow_head_and_refuse_connections_past_the_cap(http):
+    """uvicorn's two HTTP protocols, each with the guards: a head that does not come whole within the
+    timeout gets 408 (from the accept, and on a kept-alive connection from its next request's first
+    byte), a body that comes slowly does not; a connection past the cap gets 503 with Retry-After, even
+    one that has sent its request, and a new one is served once one of the held ones closed."""
+    import uvicorn
+
+    from pdserve.router.http_protocol import Guards, guarded_protocol
+
+    timeout = 0.3
+    closed: list[str] = []
+    guards = Guards(header_timeout_s=timeout, max_connections=2, count=closed.append)
+    config = uvicorn.Config(ok_app, http=guarded_protocol(http, guards), lifespan="off", log_level="warning")
+    post = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n"
+
+    async def run() -> None:
+        server = uvicorn.Server(config)
+        sock = socket.create_server(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            started = time.monotonic()
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n")  # and no more of the head
+            assert (await reader.read()).startswith(b"HTTP/1.1 408 ")  # then the connection closed
+            assert time.monotonic() - started >= timeout
+            writer.close()
+
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(post + b"o")
+            await asyncio.sleep(2 * timeout)  # the body is slow: not the head timer's business
+            writer.write(b"k")
+            assert (await read_answer(reader)).endswith(b"\r\n\r\nok")
+            await asyncio.sleep(2 * timeout)  # kept alive, idle: uvicorn's keep-alive timeout's business
+            writer.write(b"GET / HTTP/1.1\r\n")  # the next request's head, never whole
+            started = time.monotonic()
+            answer = await reader.read()
+            assert answer.startswith(b"HTTP/1.1 408 ") and time.monotonic() - started >= 0.9 * timeout
+            assert b'"code": "header_timeout"' in answer
+            writer.close()
+
+            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+            for _, w in held:
+                w.write(post)  # heads whole, bodies to come: the connections stay
+            await asyncio.sleep(0.1)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(post + b"ok")  # sent before the answer is read: still answered, not reset
+            await asyncio.sleep(0.1)
+            answer = await reader.read()
+            assert answer.startswith(b"HTTP/1.1 503 ") and b"\r\nretry-after: 1\r\n" in answer, answer
+            assert b'"code": "too_many_connections"' in answer
+            writer.close()
+            held[0][1].close()
+            await asyncio.sleep(0.1)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(post + b"ok")
+            assert (await read_answer(reader)).endswith(b"ok")
+            writer.close()
+            held[1][1].write(b"ok")
+            assert (await read_answer(held[1][0])).endswith(b"ok")
+            held[1][1].close()
+        finally:
+            server.should_exit = True
+            await serving
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+    assert closed == ["header_timeout", "header_timeout", "over_cap"]
+
+
+HEAD_TIMEOUT = 2.0  # the guarded router's --header-timeout
+CAP = 32  # its --max-connections-per-worker: more than the other tests open at once
+
+
+@pytest.fixture(scope="module")
+def guarded(stack):
+    """A second router on the module's decode server, with 2 worker processes (the kernel spreads the
+    connections over them: bystanders and hostile clients land on both), a short header timeout and a
+    small connection cap. Yields once both workers serve."""
+    model, _, decode, _ = stack
+    router = RouterProcess(model, [], [decode], "--disagg-policy", "never", "--workers", "2", "--no-warm-spare",
+                           "--header-timeout", str(HEAD_TIMEOUT), "--max-connections-per-worker", str(CAP))  # fmt: skip
+    router.wait_ready()
+    deadline = time.monotonic() + 60
+    while len(serving_pids(router)) < 2:
+        assert time.monotonic() < deadline, "the second worker does not serve:\n" + router.output()
+        time.sleep(0.2)
+    yield model, router.port, decode, router
+    router.stop()
+
+
+def series(router: RouterProcess, name: str) -> dict[str, float]:
+    """The samples of one metric: their labels as written -> value."""
+    return {
+        line.split(" ")[0].removeprefix(name): float(line.split(" ")[1])
+        for line in router.metrics().splitlines()
+        if line.startswith(name)
+    }
+
+
+def serving_pids(router: RouterProcess) -> set[str]:
+    """The router processes that serve (each writes its health series once it does)."""
+    return {labels.split('pid="')[1].split('"')[0] for labels in series(router, "pdserve_router_worker_healthy")}
+
+
+def closed_connections(router: RouterProcess) -> dict[str, float]:
+    """Connections the router's guards closed, by reason, over its processes."""
+    found = series(router, "pdserve_router_connections_closed_total")
+    return {reason: found.get(f'{{reason="{reason}"}}', 0.0) for reason in ("header_timeout", "over_cap")}
+
+
+def assert_no_server_blamed(router: RouterProcess, workers: int) -> None:
+    health = series(router, "pdserve_router_worker_healthy")
+    assert len(health) == workers and set(health.values()) == {1.0}, health  # no circuit opened in any process
+    assert set(router.worker_errors().values()) == {0.0}
+    assert "circuit open" not in router.output()
+
+
+def assert_loops_not_held(router: RouterProcess) -> None:
+    """No router process's loop ran 50 ms late in the last 10 s (the gauge, a series per process)."""
+    lag = max(series(router, "pdserve_router_event_loop_lag_seconds").values())
+    print(f"\nthe router's loops at worst {lag * 1e3:.0f} ms late")
+    assert lag < 0.05
+
+
+def read_to_close(s: socket.socket) -> bytes:
+    """What the router sends before it closes the connection (a reset ends it too)."""
+    data = b""
+    s.settimeout(10)
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_heads_that_do_not_come_whole_in_time_get_408_while_bystanders_and_slow_bodies_are_served(guarded):
+    """Slow-loris and idle connections on both workers: each gets 408 and is closed once its head has
+    not come whole within --header-timeout of its accept (not before), while bystanders are answered
+    throughout, and a request whose body comes slower than that (its head was whole) is served."""
+    model, port, _, router = guarded
+    before = closed_connections(router)
+    payload = json.dumps({"model": model, "prompt": [0, 5, 6], "max_tokens": 2}).encode()
+    slow = socket.create_connection(("127.0.0.1", port), timeout=30)
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(payload))  # fmt: skip
+    pieces = [payload[i : i + 4] for i in range(0, len(payload), 4)]
+    opened = time.monotonic()
+    loris = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(16)]
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(6)]
+    for s in loris:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    answers: dict[socket.socket, tuple[bytes, float]] = {}  # what each got before it was closed, and when
+    deadline = time.monotonic() + 6 * HEAD_TIMEOUT
+    while (len(answers) < len(loris + idle) or pieces) and time.monotonic() < deadline:
+        waiting = [s for s in loris + idle if s not in answers]
+        for s in select.select(waiting, [], [], 0)[0]:
+            answers[s] = (read_to_close(s), time.monotonic() - opened)
+        for s in loris:
+            if s not in answers:
+                s.sendall(b"x")  # a header byte each round
+        if pieces:
+            slow.sendall(pieces.pop(0))  # a body of 13 pieces over 13 rounds: past the header timeout
+        assert bystander_ok(model, port)
+        time.sleep(0.25)
+    assert time.monotonic() - opened > HEAD_TIMEOUT  # the slow body took longer than a head may
+    status, reply = raw_read(slow)
+    assert status == 200 and reply["usage"]["completion_tokens"] == 2, reply
+    assert len(answers) == len(loris + idle), f"{len(loris + idle) - len(answers)} connections left open"
+    for got, after in answers.values():
+        assert got.startswith(b"HTTP/1.1 408 ") and b'"code": "header_timeout"' in got, got
+        assert after >= HEAD_TIMEOUT
+    for s in loris + idle + [slow]:
+        s.close()
+    after = closed_connections(router)
+    assert after["header_timeout"] - before["header_timeout"] == len(loris + idle)
+    assert after["over_cap"] == before["over_cap"]
+    assert bystander_ok(model, port)
+    assert_no_server_blamed(router, workers=2)
+    assert_loops_not_held(router)
+
+
+def raw_read(s: socket.socket) -> tuple[int, dict]:
+    """The status and JSON body of the answer on `s`."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
+        chunk = s.recv(65536)
+        assert chunk, f"closed before a whole answer: {data!r}"
+        data += chunk
+    head, _, payload = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(payload[: _length(data)])
+
+
+def test_connections_past_the_cap_get_503_with_retry_after_and_bystanders_recover_once_they_close(guarded):
+    """More connections than both workers' caps together, each holding a request whose body has not
+    come: each worker keeps exactly --max-connections-per-worker of them and answers every other with
+    503 and Retry-After (an OpenAI error body), though it had sent its request; once they close,
+    bystanders are served again."""
+    model, port, _, router = guarded
+    before = closed_connections(router)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{")  # fmt: skip
+    extra = 40
+    conns = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(2 * CAP + extra)]
+    for s in conns:
+        s.sendall(head)
+    refused: dict[socket.socket, bytes] = {}
+    deadline = time.monotonic() + 10
+    while len(refused) < extra and time.monotonic() < deadline:
+        for s in select.select([s for s in conns if s not in refused], [], [], 0.2)[0]:
+            refused[s] = read_to_close(s)
+    time.sleep(0.5)  # (any more answers would come by now)
+    refused.update((s, read_to_close(s)) for s in select.select([s for s in conns if s not in refused], [], [], 0)[0])
+    assert len(refused) == extra  # each worker holds exactly its cap (the kernel gave each more than that)
+    for got in refused.values():
+        assert got.startswith(b"HTTP/1.1 503 ") and b"\r\nretry-after: 1\r\n" in got.lower(), got
+        reply = json.loads(got.partition(b"\r\n\r\n")[2])
+        assert reply["error"]["code"] == "too_many_connections" and "--max-connections-per-worker" in str(reply)
+    with pytest.raises(openai.APIStatusError) as e:  # a bystander now: 503 too, whichever worker it reaches
+        bystander_ok(model, port)
+    assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+    for s in conns:
+        s.close()
+    deadline = time.monotonic() + 10
+    while True:  # the workers see the closes
+        try:
+            if bystander_ok(model, port):
+                break
+        except openai.APIStatusError:
+            assert time.monotonic() < deadline, "bystanders still refused after the held connections closed"
+            time.sleep(0.1)
+    assert all(bystander_ok(model, port) for _ in range(8))  # fresh connections: both workers
+    assert closed_connections(router)["over_cap"] - before["over_cap"] >= extra + 1
+    assert_no_server_blamed(router, workers=2)
+    assert "Traceback" not in router.output()  # (a client gone before its body came: 499, not a 500)
+    assert_loops_not_held(router)
+
+
+def test_many_streams_aborted_mid_answer_leave_the_kv_idle_and_no_server_blamed(guarded):
+    """Clients that start a streamed completion and go away after its first tokens, with a FIN or a
+    reset, in waves of 8 over both workers: bystanders are served meanwhile; afterwards the decode
+    server holds no KV and runs nothing, no server is blamed, and no router loop was held."""
+    model, port, decode, router = guarded
+    body = json.dumps({"model": model, "prompt": [0, 5, 6], "max_tokens": 800, "ignore_eos": True, "stream": True})
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body.encode()))  # fmt: skip
+    aborted = 0
+    for wave in range(5):
+        streams = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(8)]
+        for s in streams:
+            s.sendall(request)
+        for i, s in enumerate(streams):
+            got = b""
+            while got.count(b"data: ") < 2:  # a token or two in
+                chunk = s.recv(65536)
+                assert chunk, got
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 200 ") and b"[DONE]" not in got
+            if i % 2:  # a reset rather than a FIN
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+            aborted += 1
+        assert bystander_ok(model, port)
+    assert aborted == 40
+    asyncio.run(wait_idle(decode))  # every aborted stream's KV back
+    assert all(bystander_ok(model, port) for _ in range(8))
+    assert_no_server_blamed(router, workers=2)
+    assert_loops_not_held(router)
