@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 
@@ -39,6 +40,8 @@ from pdserve.router.http_requests import admit, body_of, parse_body
 from pdserve.router.pairing import UpstreamError, fix_seed
 from pdserve.router.stream_chunks import StreamChunks
 
+log = logging.getLogger(__name__)
+
 
 def openai_routes(router) -> APIRouter:
     """POST /v1/completions and /v1/chat/completions, served by `router`."""
@@ -62,12 +65,32 @@ async def handle(router, request: Request, parse):
     return response
 
 
+def log_request(request_id: str, parsed: ParsedRequest, status: int, completions, started: float) -> None:
+    """The request's one line at info level (vLLM's "Finished request" line): what it asked, what it got."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    done = [c for c in completions or () if c is not None]
+    log.info(
+        "request %s: %s, %d prompt tokens x %d choices -> %d; %d completion tokens, finish %s, %.3f s",
+        request_id,
+        parsed.kind + (" (streamed)" if parsed.stream else ""),
+        sum(map(len, parsed.prompts)),
+        len(parsed.params),
+        status,
+        sum(len(c.output_ids) for c in done),
+        ",".join(sorted({c.finish_reason.value for c in done})) or "-",
+        time.monotonic() - started,
+    )
+
+
 async def answer(router, request: Request, parse):
     """Checks in this order: the key and body, validation, a server to serve it, admission."""
+    started = time.monotonic()
     try:
         body, size = await body_of(router, request)
         parsed = await parse_body(router, parse, body, size)
     except OpenAIError as e:
+        log.info("request refused: %d %s", e.status_code, e)
         return error_response(e)
     if not router.serving():
         return error_response(OpenAIError("no healthy prefill or decode server", status_code=503))
@@ -81,7 +104,7 @@ async def answer(router, request: Request, parse):
     request_id, created = secrets.token_hex(12), int(time.time())
     if parsed.stream:
         return AdmittedStream(
-            counted(router, stream(router, parsed, choices, lanes, request_id, created)),
+            counted(router, stream(router, parsed, choices, lanes, request_id, created, started)),
             lambda: router.admission.release(lanes),
             media_type="text/event-stream",
             send_timeout=router.config.stream_send_timeout,
@@ -92,12 +115,15 @@ async def answer(router, request: Request, parse):
             request, run_choices(choices, lanes, lambda i, ids, p: router.choice(ids, p))
         )
     except UpstreamError as e:
+        log_request(request_id, parsed, e.status, None, started)
         return upstream_response(e)
     except ClientGone:
+        log_request(request_id, parsed, 499, None, started)
         return JSONResponse({}, status_code=499)
     finally:
         router.inflight -= 1
         router.admission.release(lanes)
+    log_request(request_id, parsed, 200, completions, started)
     return JSONResponse(format_response(parsed, completions, router.tokenizer, request_id, created))
 
 
@@ -112,7 +138,7 @@ async def counted(router, chunks):
         await chunks.aclose()  # (closed mid-answer: `chunks`' own finally cancels the choices)
 
 
-async def stream(router, parsed: ParsedRequest, choices, lanes: int, request_id: str, created: int):
+async def stream(router, parsed: ParsedRequest, choices, lanes: int, request_id: str, created: int, started: float):
     """The SSE body of a streamed request: every choice's chunks as they come, usage, [DONE]."""
     chunks = StreamChunks(parsed, router.tokenizer, request_id, created)
     queue: asyncio.Queue = asyncio.Queue()
@@ -141,6 +167,7 @@ async def stream(router, parsed: ParsedRequest, choices, lanes: int, request_id:
             yield f"data: {chunks.choice(i, None, None, role=True)}\n\n"
     # One task runs every choice, `lanes` at a time (run() answers a failed choice in the stream).
     tasks = [asyncio.create_task(run_choices(choices, lanes, run))]
+    completions = None
     try:
         async for items in queued_batches(queue, tasks):
             yield "".join(f"data: {item}\n\n" for item in items)
@@ -149,5 +176,7 @@ async def stream(router, parsed: ParsedRequest, choices, lanes: int, request_id:
             yield f"data: {chunks.usage(completions)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
+        # 200 was sent with the first chunk; a client gone mid-answer shows as fewer tokens, finish "-"
+        log_request(request_id, parsed, 200, completions, started)
         for task in tasks:  # the client went away: cancel both sides of every choice
             task.cancel()

@@ -12,7 +12,7 @@ import json
 
 from pdserve.common.openai.api import ParsedRequest
 from pdserve.common.openai.format import chat_logprobs, completion_logprobs, token_text_of, usage
-from pdserve.common.openai.tool_parser import ToolCallStream, finish_reason, tool_names
+from pdserve.common.openai.tool_parser import ToolCallStream, finish_reason, forces_calls, tool_names
 
 _INDEX_MARK = 918273645  # placeholders in StreamChunks' text template
 _TEXT_MARK = "\x00text\x00"
@@ -59,7 +59,7 @@ class StreamChunks:
         (none while it is held back; its logprobs then come in a chunk of their own, with no text)."""
         if self.tools is None:
             return [self.choice(index, text, None, logprobs=logprobs)]
-        stream = self.tool_streams.setdefault(index, ToolCallStream(self.tools))
+        stream = self.tool_streams.setdefault(index, ToolCallStream(self.tools, forces_calls(self.parsed)))
         chunks = self._tool_chunks(index, stream, stream.feed(text), logprobs)
         if not chunks and logprobs and self.parsed.logprobs is not None:
             chunks = [self._chat_chunk(index, {}, logprobs, None)]

@@ -10,7 +10,9 @@ stops everything: the servers first (SIGTERM: they drain), then the MPS daemon.
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -18,9 +20,13 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from typing import Callable
 
+from pdserve.common.config import short_model_name
+from pdserve.common.default_model import GGUF_NAME, INSTALL, MAX_TOKENS, SAMPLING, default_model_path
 from pdserve.common.lifetime import parent_death_signal_setter
+from pdserve.common.openai.defaults import FLAG_HELP
 from pdserve.common.ports import free_port
 from pdserve.common.trust import RECONNECT_OPTIONS
 from pdserve.router.disagg import POLICIES
@@ -46,6 +52,22 @@ from pdserve.router.placement import (
 from pdserve.router.policies import POLICY_NAMES
 
 READY_TIMEOUT_S = 300
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class Passthrough:
+    """What `pdserve up` hands its processes as given: `router` and `servers` are flags of
+    pdserve-router and of prefill-server/decode-server; `served_model_name` and `api_key` (also in
+    `router`) go into the example it prints."""
+
+    log_level: str = "info"
+    router: tuple[str, ...] = ()
+    servers: tuple[str, ...] = ()
+    served_model_name: str = ""
+    api_key: str = ""
+
+
 HEALTH_CHECK_INTERVAL_S = 1.0  # the router's default --health-check-interval, which pdserve up keeps
 
 
@@ -152,9 +174,11 @@ def up(
     disagg_policy: str | None = None,
     mps: str = "auto",
     sm_shares: str = "auto",
+    passthrough: Passthrough = Passthrough(),
 ) -> int:
     """`gpus`: --gpus as given (None: every visible GPU); `num_prefill`, `disagg_policy`: None when
-    not given (router/layout.py picks them); `mps`, `sm_shares`: router/gpu_sharing.py."""
+    not given (router/layout.py picks them); `mps`, `sm_shares`: router/gpu_sharing.py; `model_path`
+    None: a tiny random llama made on the fly."""
     started_at = time.monotonic()
     shares = DEFAULT_SM_SHARES if sm_shares == "auto" else parse_sm_shares(sm_shares)
     visible = visible_gpu_names() if device != "cpu" else []
@@ -186,7 +210,9 @@ def up(
             sharing = GpuSharing.start(plan, run_dir, mps, shares)
         tp_of = {"prefill": prefill_tp, "decode": decode_tp}
         threads = rank_threads(layout.num_prefill * prefill_tp + num_decode * decode_tp, usable_cores())
-        common = ["--model-path", model_path, "--device", device, "--log-level", "warning", *secret]
+        common = ["--model-path", model_path, "--device", device, "--log-level", passthrough.log_level, *secret]
+        common += passthrough.servers
+        metrics: dict[str, str] = {}  # "prefill 0" -> its /metrics URL
 
         def command(server: ServerPlacement, port: int) -> list[str]:
             tp = tp_of[server.role]
@@ -195,6 +221,8 @@ def up(
                 flags += ["--mem-fraction-static", str(server.mem_fraction)]
             elif tp > 1:
                 flags += ["--torch-threads", str(threads)]  # the ranks must not fight over the cores
+            metrics_port = free_port()
+            metrics[f"{server.role} {server.index}"] = f"http://127.0.0.1:{metrics_port}/metrics"
             return [
                 py,
                 "-m",
@@ -204,7 +232,7 @@ def up(
                 "--port",
                 str(port),
                 "--metrics-port",
-                str(free_port()),
+                str(metrics_port),
             ]
 
         print(
@@ -246,8 +274,9 @@ def up(
                     "--workers",
                     str(router_workers),
                     "--log-level",
-                    "warning",
+                    passthrough.log_level,
                     *secret,
+                    *passthrough.router,
                 ],
                 preexec_fn=parent_death_signal_setter(signal.SIGTERM),
             )
@@ -258,14 +287,18 @@ def up(
         time.sleep(2 * HEALTH_CHECK_INTERVAL_S)
         base = f"http://{host}:{port}"
         _wait_ready(base + "/readiness", procs)
+        name = passthrough.served_model_name or short_model_name(model_path)
         print(
-            f"pdserve is up after {time.monotonic() - started_at:.1f} s: {base}  (model {model_path}; "
+            f"pdserve is up after {time.monotonic() - started_at:.1f} s: {base}  (model {name}: {model_path}; "
             f"prefill {' '.join(prefill) or 'none'}; decode {' '.join(decode)})"
         )
+        print("metrics: " + ", ".join(f"{who} {url}" for who, url in [("router", base + "/metrics"), *metrics.items()]))
+        key = f" -H 'Authorization: Bearer {passthrough.api_key}'" if passthrough.api_key else ""
+        body = {"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
         print(
             f"""try:
-  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model_path}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 16}}'
+  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{key} \\
+    -d '{json.dumps(body)}'
 Ctrl-C stops everything.""",
             flush=True,
         )
@@ -304,7 +337,15 @@ def add_parser(sub) -> None:
     """`pdserve up` on the `pdserve` command's sub-parsers (entry point group pdserve.commands)."""
     local = sub.add_parser("up", help="Start a local router + prefill + decode deployment (Ctrl-C stops it).")
     local.add_argument(
-        "--model-path", default=None, help="Checkpoint directory or GGUF file; default: a tiny llama made on the fly."
+        "--model-path",
+        default=None,
+        help=f"Checkpoint directory or GGUF file; default: {GGUF_NAME} (installed by make setup: {INSTALL}), with "
+        "its model card's sampling defaults.",
+    )
+    local.add_argument(
+        "--tiny-model",
+        action="store_true",
+        help="Serve a tiny random-weight llama made on the fly instead (no download; its answers are noise).",
     )
     local.add_argument(
         "--num-prefill",
@@ -364,13 +405,71 @@ def add_parser(sub) -> None:
         default=0,
         help="The router's --workers: its processes; 0: from the CPU cores (see pdserve-router --help).",
     )
+    passed = local.add_argument_group(
+        "passed to the router and servers", "As pdserve-router and prefill-server/decode-server take them."
+    )
+    passed.add_argument(
+        "--log-level", default="info", choices=LOG_LEVELS, help="Every process's; info logs each request."
+    )
+    passed.add_argument("--served-model-name", default="", help="Model name clients use; default: the file's or "
+                        "directory's short name.")  # fmt: skip
+    passed.add_argument("--api-key", default="", help="Require 'Authorization: Bearer KEY' on the API.")
+    passed.add_argument("--dtype", default="auto", help="Weights' and KV's dtype on the servers.")
+    passed.add_argument("--context-length", type=int, default=0, help="Longest sequence; 0: the model's.")
+    for flag, default in (("generation_config", "auto"), ("override_generation_config", ""), ("default_max_tokens", 0)):
+        passed.add_argument("--" + flag.replace("_", "-"), type=type(default), default=default, help=FLAG_HELP[flag])
+    passed.add_argument(
+        "--router-args", default="", metavar="'FLAGS'", help="More pdserve-router flags, as one string."
+    )
+    passed.add_argument(
+        "--server-args",
+        default="",
+        metavar="'FLAGS'",
+        help="More prefill-server and decode-server flags, as one string.",
+    )
     local.set_defaults(func=_up)
+
+
+def passthrough_of(args) -> tuple[str | None, Passthrough]:
+    """The model to serve (None: the tiny one) and what goes to the processes, from `pdserve up`'s
+    flags. ValueError for flags that contradict each other."""
+    if args.tiny_model and args.model_path:
+        raise ValueError("--tiny-model and --model-path: give one")
+    model_path, override = args.model_path, args.override_generation_config
+    if model_path is None and not args.tiny_model:
+        try:
+            model_path = default_model_path()
+        except FileNotFoundError as e:
+            raise ValueError(f"{e}; or give --model-path, or --tiny-model") from None
+        if args.generation_config == "auto" and not override:
+            override = json.dumps(SAMPLING)  # its model card's: the GGUF carries none
+        max_tokens = args.default_max_tokens or MAX_TOKENS
+        print(f"model: {GGUF_NAME} (the default); sampling defaults: {override or 'as asked'}, max_tokens {max_tokens}")
+    else:
+        max_tokens = args.default_max_tokens
+    router = ["--generation-config", args.generation_config, "--default-max-tokens", str(max_tokens)]
+    router += ["--override-generation-config", override] if override else []
+    both = ["--context-length", str(args.context_length)]
+    both += ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    router += ["--api-key", args.api_key] if args.api_key else []
+    try:
+        extra_router, extra_servers = shlex.split(args.router_args), shlex.split(args.server_args)
+    except ValueError as e:
+        raise ValueError(f"--router-args / --server-args: {e}") from None
+    return model_path, Passthrough(
+        log_level=args.log_level,
+        router=(*router, *both, *extra_router),
+        servers=("--dtype", args.dtype, *both, *extra_servers),
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+    )
 
 
 def _up(args) -> int:
     try:
+        model_path, passthrough = passthrough_of(args)
         return up(
-            args.model_path,
+            model_path,
             args.num_prefill,
             args.num_decode,
             args.device,
@@ -385,6 +484,7 @@ def _up(args) -> int:
             args.disagg_policy,
             args.mps,
             args.sm_shares,
+            passthrough,
         )
     except ValueError as e:  # bad flags (placement, device): up() checks them before it starts anything
         print(f"error: {e}", file=sys.stderr)

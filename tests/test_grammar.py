@@ -304,3 +304,51 @@ def test_a_request_dropped_with_a_token_queued_is_forgotten_by_the_worker(make_e
     mask = grammars.bitmask([other], [True], launched=False).result()
     assert np.array_equal(mask.numpy(), first.numpy())
     assert other.grammar.refused is None and not grammars._freed and not grammars._queued
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        ("json_schema", json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})),
+        ("json_schema", json.dumps({"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]})),
+    ],
+)
+def test_numbers_end_even_when_the_model_wants_digits_forever(make_engine, grammar):
+    """A model that would write digits forever (here: every digit token biased by +100) still ends
+    its number and its object: integer parts of at most 20 digits, fractions of 20, exponents of 3
+    (common/engine/grammar_source.py). Without the bound it writes digits until max_tokens."""
+    engine = make_engine("llama")
+    digits = [t for t in range(engine.vocab_size) if engine.tokenizer.decode([t]) in list("0123456789.")]
+    [out] = engine.generate(
+        [[5, 6]],
+        [
+            SamplingParams(
+                max_new_tokens=200, temperature=0, grammar=grammar, logit_bias=tuple((t, 100.0) for t in digits)
+            )
+        ],
+    )
+    assert out.finish_reason is FinishReason.STOP, out.text
+    value = json.loads(out.text)
+    number = next(iter(value.values())) if isinstance(value, dict) else value
+    mantissa, _, exponent = out.text.strip("{}[] ").split(":")[-1].strip().lower().partition("e")
+    whole, _, fraction = mantissa.lstrip("-").partition(".")
+    assert isinstance(number, (int, float)) and len(exponent.lstrip("+-")) <= 3, out.text
+    assert len(whole) <= 20 and len(fraction) <= 20, out.text
+    if "integer" in grammar[1]:
+        assert len(whole) == 20, out.text  # as many as the bound lets the biased model write
+    else:  # "." is biased too: the digits run to one of the bounds
+        assert 20 in (len(whole), len(fraction)), out.text
+
+
+def test_json_object_numbers_are_bounded_too(make_engine):
+    """json_object's grammar (xgrammar's builtin JSON) gets the same bounds: a 21st digit of an
+    integer part, a 21st of a fraction and a 4th of an exponent are refused."""
+    import xgrammar as xgr
+
+    engine = make_engine("llama")
+    compiled = engine.grammars.compile(("json_object", "")).result()
+    for text, longest in (("[" + "9" * 20, "9"), ("[1." + "5" * 20, "5"), ("[1e+" + "2" * 3, "2")):
+        matcher = xgr.GrammarMatcher(compiled)
+        assert matcher.accept_string(text), text
+        assert not matcher.accept_string(longest), text
+        assert matcher.accept_string("]"), text

@@ -14,14 +14,14 @@ import random
 import pytest
 
 from pdserve.common.openai.api import OpenAIError
-from pdserve.common.openai.chat import parse_chat_request
+from pdserve.common.openai.chat import parse_chat_request, tools_prompt
 from pdserve.common.openai.format import format_chat_response
 from pdserve.common.openai.tool_parser import ToolCallStream, parse_tool_calls, tool_names
 from pdserve.common.types import Completion, FinishReason, TokenLogprob
 from pdserve.router.stream_chunks import StreamChunks
 from tests.test_openai_api import build_tokenizer
 
-MODEL, CONTEXT = "tiny", 512
+MODEL, CONTEXT = "tiny", 4096  # (the tools prompt alone is ~600 of the tiny tokenizer's tokens)
 USER = [{"role": "user", "content": "weather in Paris?"}]
 WEATHER = {
     "type": "object",
@@ -276,12 +276,26 @@ def test_call_tags_survive_skip_special_tokens(tokenizer):
 CONVERSATION = USER + [CALLED, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
 
 
-def test_a_template_without_tools_ignores_them(tokenizer):
-    """The tiny ChatML template does not render tools; a call's turn has content "" (as vLLM)."""
-    assert parse(tokenizer, tools=TOOLS).prompt_texts == parse(tokenizer).prompt_texts
+def test_a_template_without_tools_gets_them_in_a_system_message(tokenizer):
+    """The tiny ChatML template does not render tools: they are told to the model by the built-in
+    Hermes tools prompt, closing the system message (or in one of their own), never dropped; a
+    call's turn has content "" (as vLLM)."""
+    told = parse(tokenizer, tools=TOOLS)  # (its tools: TOOLS, each with its parameters defaulted)
+    plain, with_tools = parse(tokenizer).prompt_texts[0], told.prompt_texts[0]
+    prompt = tools_prompt(told.tools)
+    assert with_tools == "<|bos|><|im_start|>system\n" + prompt + "<|im_end|>\n" + plain[len("<|bos|>") :]
+    for tool in told.tools:
+        assert json.dumps(tool) in with_tools
+    system = [{"role": "system", "content": "Be brief."}]
+    told = parse(tokenizer, messages=system + USER, tools=TOOLS).prompt_texts[0]
+    assert (
+        told.startswith("<|bos|><|im_start|>system\nBe brief.\n\n# Tools\n") and told.count("<|im_start|>system") == 1
+    )
+    assert parse(tokenizer, tools=TOOLS, tool_choice="none").prompt_texts[0] == plain  # "none": no tools told
     parsed = parse(tokenizer, messages=CONVERSATION, tools=TOOLS)
     assert parsed.prompt_texts == [
-        "<|bos|><|im_start|>user\nweather in Paris?<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+        "<|bos|><|im_start|>system\n" + prompt + "<|im_end|>\n"
+        "<|im_start|>user\nweather in Paris?<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
         "<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n"
     ]
     assert parsed.messages[1] == {
@@ -571,6 +585,26 @@ def test_check_forced_answer_on_both_paths(tokenizer):
             check_forced_answer(message, finish, TOOLS, only="get_weather")
     [single] = merge_stream(stream_of(tokenizer, parsed, [[CALL]], ["stop"])).values()
     check_forced_answer(single, single["finish_reason"], TOOLS, only="get_weather", parallel=False)
+
+
+def test_a_forced_answer_cut_short_sends_no_raw_call_text(tokenizer):
+    """With tool_choice forcing calls, a call that max_tokens cut short is dropped, not sent as
+    content (under "auto" it is content: the model may have meant it as text)."""
+    cut = CALL + "\n" + CALL2[:30]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        parsed = parse(tokenizer, tools=TOOLS, tool_choice=choice)
+        [streamed] = merge_stream(stream_of(tokenizer, parsed, [[cut[:20], cut[20:]]], ["length"])).values()
+        [whole] = format_chat_response(parsed, [completion(tokenizer, cut, FinishReason.LENGTH)], tokenizer, "x", 0)[
+            "choices"
+        ]
+        for message, finish in ((streamed, streamed["finish_reason"]), (whole["message"], whole["finish_reason"])):
+            assert not message["content"] and finish == "length"
+            assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    auto = parse(tokenizer, tools=TOOLS)
+    [whole] = format_chat_response(auto, [completion(tokenizer, cut, FinishReason.LENGTH)], tokenizer, "x", 0)[
+        "choices"
+    ]
+    assert whole["message"]["content"] == CALL2[:30]
 
 
 def test_held_text_keeps_its_logprobs(tokenizer):

@@ -19,7 +19,7 @@ from pdserve.common.openai.api import (
 )
 from pdserve.common.openai.defaults import GenerationDefaults
 from pdserve.common.openai.fields import OpenAIError, _boolean, _integer, _json_type, _reject_unless_empty, _wrong_type
-from pdserve.common.openai.tools import CALL_BEGIN, forced_call_grammar, parse_tool_choice, parse_tools
+from pdserve.common.openai.tools import CALL_BEGIN, CALL_END, forced_call_grammar, parse_tool_choice, parse_tools
 from pdserve.common.types import MAX_TOP_LOGPROBS
 
 
@@ -171,6 +171,49 @@ def _keep_call_tags(body: dict, shared: dict, tokenizer) -> None:
         shared["sampling"]["skip_special_tokens"] = False
 
 
+def _render(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+    """The conversation through the chat template, with `tools` told to the model: by the template
+    where it renders them, else by tools_prompt() in a system message (a template without tools
+    support ignores `tools`: they would be dropped without a word)."""
+    text = _apply_template(tokenizer, messages, None)
+    if tools is None:
+        return text
+    with_tools = _apply_template(tokenizer, messages, tools)
+    if with_tools != text:
+        return with_tools
+    return _apply_template(tokenizer, with_tools_prompt(messages, tools), None)
+
+
+def _apply_template(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+    try:  # tools=None renders as before tools existed
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # templates raise (jinja's raise_exception) on conversations they refuse
+        raise OpenAIError(f"the chat template rejected the messages: {e}", param="messages") from None
+
+
+def with_tools_prompt(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """`messages` with tools_prompt(tools) closing the system message (a new one first, if none)."""
+    prompt = tools_prompt(tools)
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0], content=f"{messages[0]['content']}\n\n{prompt}")
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
+def tools_prompt(tools: list[dict]) -> str:
+    """The tools and how to call them, in the Hermes format (Qwen2.5's and Hermes' templates teach
+    it; tool_parser.py reads it back): what a template without tools support gets instead."""
+    listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        f"{CALL_BEGIN}{CALL_END} XML tags:\n{CALL_BEGIN}\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n'
+        f"{CALL_END}"
+    )
+
+
 def parse_chat_request(
     body: dict, tokenizer, served_model_name: str, max_context_len: int, *, allow_stream: bool = False,
     max_choices: int | None = None, vocab_size: int | None = None, defaults: GenerationDefaults | None = None,
@@ -204,12 +247,7 @@ def parse_chat_request(
     messages = _chat_messages(body.get("messages"))
     if not getattr(tokenizer, "chat_template", None):
         raise OpenAIError("this model has no chat template; use /v1/completions")
-    try:  # tools=None renders as before tools existed; a template without tools support ignores them
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools if tool_choice != "none" else None, add_generation_prompt=True, tokenize=False
-        )
-    except Exception as e:  # templates raise (jinja's raise_exception) on conversations they refuse
-        raise OpenAIError(f"the chat template rejected the messages: {e}", param="messages") from None
+    text = _render(tokenizer, messages, tools if tool_choice != "none" else None)
     # The template already carries BOS; adding special tokens again would double it.
     prompt = _tokenize(tokenizer, text, False, "messages")
     return _build(

@@ -76,7 +76,7 @@ class GenerationDefaults:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     max_tokens: int | None = None  # None: the rest of the context
-    source: str = "OpenAI's defaults"
+    source: str = "OpenAI's"
 
     def __post_init__(self) -> None:
         checks = {
@@ -107,6 +107,8 @@ class GenerationDefaults:
         changed = self.changed()
         if not changed:
             return f"sampling defaults: {self.source} (temperature 1, top_p 1, max_tokens: the rest of the context)"
+        if "max_tokens" not in changed:
+            changed["max_tokens"] = "the rest of the context"
         return f"sampling defaults ({self.source}): " + ", ".join(f"{k} {v}" for k, v in changed.items())
 
 
@@ -135,15 +137,14 @@ def load_generation_defaults(
 ) -> GenerationDefaults:
     """The defaults the flags ask for (see the module's docstring). ValueError names a bad flag."""
     if generation_config == "auto":
-        values, source = model_defaults(model_path), "the model's generation config"
+        values = model_defaults(model_path)
+        source = "the model's generation config" if values else "OpenAI's; the model carries none"
     elif generation_config == "none":
-        values, source = {}, "OpenAI's defaults"
+        values, source = {}, "OpenAI's"
     elif os.path.isdir(generation_config):
         values, source = _generation_config(generation_config), f"{generation_config}/generation_config.json"
     else:
         raise ValueError(f"--generation-config must be {CHOICES}, got {generation_config!r}")
-    if not values and generation_config == "auto":
-        source = "OpenAI's defaults; the model carries none"
     if override:
         try:
             extra = json.loads(override)
@@ -156,7 +157,7 @@ def load_generation_defaults(
             known = ", ".join(sorted(set(HF_KEYS) | {"max_tokens"}))
             raise ValueError(f"--override-generation-config: unknown field(s) {', '.join(unknown)} (known: {known})")
         values.update({HF_KEYS.get(k, k): v for k, v in extra.items()})
-        source += " with --override-generation-config"
+        source = f"--override-generation-config over {source}"
     if default_max_tokens:
         values["max_tokens"] = default_max_tokens
     try:

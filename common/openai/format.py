@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from pdserve.common.openai.api import ParsedRequest
-from pdserve.common.openai.tool_parser import finish_reason, parse_tool_calls, tool_names
+from pdserve.common.openai.tool_parser import finish_reason, forces_calls, parse_tool_calls, tool_names
 from pdserve.common.types import Completion, TokenLogprob
 
 # JSON has no -inf (or NaN): a token the model gave zero probability is reported with this, as vLLM does.
@@ -183,7 +183,7 @@ def format_chat_response(
             logprobs = chat_logprobs(completion.logprobs or [], parsed.logprobs, token_text)
         message, finish = {"role": "assistant", "content": completion.text}, completion.finish_reason.value
         if tools is not None:  # the calls out of the text (tool_parser.py); the rest is the content
-            message["content"], calls = parse_tool_calls(completion.text, tools)
+            message["content"], calls = parse_tool_calls(completion.text, tools, forces_calls(parsed))
             if calls:
                 message["tool_calls"] = calls
                 finish = finish_reason(finish, called=True)

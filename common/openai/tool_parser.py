@@ -29,6 +29,13 @@ def tool_names(parsed: ParsedRequest) -> frozenset[str] | None:
     return frozenset(tool["function"]["name"] for tool in parsed.tools)
 
 
+def forces_calls(parsed: ParsedRequest) -> bool:
+    """Whether tool_choice forces calls ("required" or a named function): the grammar then admits
+    nothing but calls, and what is not a whole call (one cut short by max_tokens) is dropped, never
+    sent as content."""
+    return parsed.tool_choice not in ("none", "auto")
+
+
 def finish_reason(finish: str, called: bool) -> str:
     """OpenAI's finish_reason: "tool_calls" for an answer that ended (not cut short) with calls."""
     return "tool_calls" if called and finish == "stop" else finish
@@ -50,8 +57,9 @@ class ToolCallStream:
     (it must never leak into content), a block until its "</tool_call>", and trailing whitespace
     (dropped if a call or the end follows). finish() releases what is held."""
 
-    def __init__(self, names: frozenset[str]):
+    def __init__(self, names: frozenset[str], forced: bool = False):
         self.names = names
+        self.forced = forced  # forces_calls(): no content at all
         self.pending = ""  # outside a block: text not yet judged (a partial CALL_BEGIN at most)
         self.block: str | None = None  # inside a block: its text since CALL_BEGIN
         self.space = ""  # whitespace held after the content sent
@@ -101,6 +109,8 @@ class ToolCallStream:
         return out
 
     def _content(self, text: str, out: list[str | dict]) -> None:
+        if self.forced:
+            return
         text = self.space + text
         body = text.rstrip()
         self.space = text[len(body) :]
@@ -136,9 +146,9 @@ class ToolCallStream:
         }
 
 
-def parse_tool_calls(text: str, names: frozenset[str]) -> tuple[str | None, list[dict]]:
-    """A whole answer's (content or None when there is none, calls)."""
-    stream = ToolCallStream(names)
+def parse_tool_calls(text: str, names: frozenset[str], forced: bool = False) -> tuple[str | None, list[dict]]:
+    """A whole answer's (content or None when there is none, calls); `forced` as ToolCallStream's."""
+    stream = ToolCallStream(names, forced)
     items = stream.feed(text) + stream.finish()
     content = "".join(item for item in items if isinstance(item, str))
     return content or None, [item for item in items if isinstance(item, dict)]
