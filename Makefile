@@ -40,10 +40,12 @@ format: setup
 test-gpu: setup
 	$(VENV)/bin/python -m pytest tests/gpu -q -ra
 
-# Run the system: router + prefill server + decode server on a tiny model made on the fly
-# (OpenAI API on http://127.0.0.1:8000; Ctrl-C stops everything).
+# Run the system: router + prefill server + decode server with SmolLM2-135M-Instruct (installed by
+# setup; OpenAI API on http://127.0.0.1:8000; Ctrl-C stops everything). UP_ARGS: more `pdserve up`
+# flags, e.g. UP_ARGS=--tiny-model (a random-weight llama made on the fly).
+UP_ARGS ?=
 up: setup
-	$(VENV)/bin/pdserve up
+	$(VENV)/bin/pdserve up $(UP_ARGS)
 
 # An OpenAI Batch file through the colocated engine on a tiny llama checkpoint.
 demo: setup

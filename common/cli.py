@@ -19,7 +19,7 @@ import os
 import sys
 from importlib.metadata import entry_points
 
-from pdserve.common.config import EngineConfig, add_cli_args, from_cli_args
+from pdserve.common.config import EngineConfig, add_cli_args, from_cli_args, show_defaults
 from pdserve.common.openai.defaults import DefaultsFlags
 
 COMMANDS = "pdserve.commands"  # entry-point group: callables that add sub-commands to `pdserve`
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for command in sorted(entry_points(group=COMMANDS), key=lambda ep: ep.name):
         command.load()(sub)  # adds its sub-parser(s), each with set_defaults(func=...)
-    return parser
+    return show_defaults(parser)
 
 
 def main(argv: list[str] | None = None) -> int:

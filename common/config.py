@@ -244,6 +244,32 @@ def read_hf_config(model_path: str) -> dict:
         return json.load(f)
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` names each option's default after its help: "(default: 16)". Not for a default that
+    says nothing (None, False, an empty string or tuple), where the help text says what happens."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        default = action.default
+        if not action.option_strings or default is None or default is False or default is argparse.SUPPRESS:
+            return help
+        if "%(default)" in help or (isinstance(default, (str, tuple, list)) and not default):
+            return help
+        shown = " ".join(map(str, default)) if isinstance(default, (tuple, list)) else str(default)
+        return f"{help} (default: {shown.replace('%', '%%')})"  # NOTE: argparse %-formats help text
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Give `parser` and every sub-command's parser under it the DefaultsHelpFormatter (argparse's
+    sub-parsers do not inherit their parent's formatter)."""
+    parser.formatter_class = DefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in set(action.choices.values()):
+                show_defaults(sub)
+    return parser
+
+
 def add_cli_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> None:
     """One `--flag` per dataclass field, typed and documented from the field itself, in the order
     of the constructor (keyword-only fields, such as an inherited TrustConfig's, last).

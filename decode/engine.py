@@ -62,8 +62,8 @@ class DecodeEngine(EngineCore):
     ):
         startup = startup or StartupClock()
         self.kv: ServerKV | None = None  # the KV agents this engine owns (every rank's)
-        # KV arrives over NIXL (only a retracted request is prefilled again here, eagerly): no
-        # prefill graphs.
+        # KV arrives over NIXL (only local prefills and retracted requests are prefilled here, eagerly):
+        # no prefill graphs.
         super().__init__(config, startup, prefill_graphs=False, kv_side=KVSide.RECEIVER, kv_agent_name=agent_name)
         with self.closed_on_error():
             self.kv = ServerKV.open(agent_name, self.runner.kv_pool, self.tp_workers)  # the ranks' agents meet

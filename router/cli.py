@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from pdserve.common.config import add_cli_args, from_cli_args
+from pdserve.common.config import DefaultsHelpFormatter, add_cli_args, from_cli_args
 from pdserve.router.config import RouterConfig
 from pdserve.router.serve import MULTIPROC_DIR_ENV, configure_logging, serve
 from pdserve.router.supervisor import Supervisor
@@ -15,7 +15,9 @@ from pdserve.router.supervisor import Supervisor
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="pdserve-router", description="OpenAI-compatible router pairing prefill and decode servers."
+        prog="pdserve-router",
+        description="OpenAI-compatible router pairing prefill and decode servers.",
+        formatter_class=DefaultsHelpFormatter,
     )
     add_cli_args(p, RouterConfig)
     return p

@@ -145,11 +145,12 @@ def openai_error_problem(answer: Answer) -> str | None:
 
 
 def pdserve_up(
-    model: str, *flags: str, timeout: float = 180.0, sigint_ignored: bool = False
+    model: str | None, *flags: str, timeout: float = 180.0, sigint_ignored: bool = False
 ) -> tuple[subprocess.Popen, int, str]:
     """`pdserve up --model-path MODEL --device cpu` on a free port: (the process, the router's port,
     the line that says it is up). Stop it with SIGINT (Ctrl-C), then wait for exit code 0.
-    `sigint_ignored`: started as a shell starts a background job, with SIGINT ignored."""
+    `model` None: no --model-path (the default model). `sigint_ignored`: started as a shell starts a
+    background job, with SIGINT ignored."""
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -157,8 +158,7 @@ def pdserve_up(
             "-m",
             "pdserve.common.cli",
             "up",
-            "--model-path",
-            model,
+            *(["--model-path", model] if model is not None else []),
             "--device",
             "cpu",
             "--port",

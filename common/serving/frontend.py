@@ -174,6 +174,8 @@ class SchedulerBridge:
         self.outbox.close()
         self.inbox.close()
         self.ctx.term()
+        if self.bye.is_set():  # it said goodbye: let it exit by itself (its atexit hooks free shared memory)
+            self.process.join(10)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(10)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import time
 import traceback
@@ -80,9 +81,18 @@ class Channel:
         return False
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_scheduler(make_engine, server: ServerConfig, to_scheduler: str, to_frontend: str) -> None:
     """Process entry point: build the role's engine, announce Ready, serve until drained."""
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s scheduler: %(message)s")
+    # Ctrl-C at a terminal reaches the whole process group: the frontend drains this process (it
+    # sends Drain); SIGTERM (the frontend's, when the drain is over or stuck) exits through the
+    # interpreter's teardown, so atexit hooks run (the grammar worker's shared memory is unlinked).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parent = multiprocessing.parent_process()
     if parent is not None:  # (None: called in-process, by a test)
         die_with_parent(parent.pid)  # even when stuck in native code

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from pdserve.common.config import EngineConfig, ServerConfig, add_cli_args, from_cli_args
+from pdserve.common.config import DefaultsHelpFormatter, EngineConfig, ServerConfig, add_cli_args, from_cli_args
 from pdserve.common.trust import check_exposure, load_trust
 
 
@@ -29,15 +29,20 @@ class RoleLauncher:
     run_scheduler: Callable  # the scheduler process's entry point (engine config, server config, agent name, ipc paths)
 
 
-def main(launcher: RoleLauncher, argv: list[str] | None = None) -> int:
-    role = launcher.role
+def build_parser(role: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"{role}-server",
         description=f"pdserve {role} server: a gRPC frontend process and a scheduler process that owns the model.",
+        formatter_class=DefaultsHelpFormatter,
     )
     add_cli_args(parser, EngineConfig)
     add_cli_args(parser, ServerConfig)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(launcher: RoleLauncher, argv: list[str] | None = None) -> int:
+    role = launcher.role
+    args = build_parser(role).parse_args(argv)
     server = from_cli_args(args, ServerConfig)
     logging.basicConfig(level=server.log_level.upper(), format=f"%(asctime)s %(levelname)s {role}: %(message)s")
     try:
