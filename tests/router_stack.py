@@ -145,12 +145,13 @@ def openai_error_problem(answer: Answer) -> str | None:
 
 
 def pdserve_up(
-    model: str | None, *flags: str, timeout: float = 180.0, sigint_ignored: bool = False
+    model: str | None, *flags: str, timeout: float = 180.0, sigint_ignored: bool = False, own_group: bool = False
 ) -> tuple[subprocess.Popen, int, str]:
     """`pdserve up --model-path MODEL --device cpu` on a free port: (the process, the router's port,
     the line that says it is up). Stop it with SIGINT (Ctrl-C), then wait for exit code 0.
     `model` None: no --model-path (the default model). `sigint_ignored`: started as a shell starts a
-    background job, with SIGINT ignored."""
+    background job, with SIGINT ignored. `own_group`: in a process group of its own, as a terminal
+    starts it (os.killpg(proc.pid, SIGINT) is then a Ctrl-C: every process of it gets SIGINT)."""
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -169,6 +170,7 @@ def pdserve_up(
         stderr=subprocess.STDOUT,
         text=True,
         preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
+        process_group=0 if own_group else None,
     )
     deadline = time.monotonic() + timeout
     lines = []

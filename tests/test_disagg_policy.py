@@ -192,6 +192,34 @@ def test_pdserve_up_with_decode_servers_alone(tiny_models):
     assert proc.returncode == 0
 
 
+def test_ctrl_c_at_a_terminal_stops_every_process_cleanly(tiny_models):
+    """Ctrl-C reaches every process of `pdserve up`'s group at once (the schedulers and the grammar
+    workers too): each stops in order, with no traceback, no error and no leaked shared memory (a
+    grammar request first, so that the grammar worker's shared buffers exist)."""
+    import os
+    import signal
+
+    from tests.router_stack import pdserve_up
+
+    model = tiny_models("llama")
+    proc, port, _ = pdserve_up(model, "--router-workers", "1", own_group=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+        out = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            response_format={"type": "json_object"},
+        )
+        assert out.choices[0].finish_reason in ("stop", "length")
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.communicate(timeout=90)[0]
+    assert proc.returncode == 0, rest
+    for trouble in ("Traceback", "ERROR", "leaked", "exited (code"):
+        assert trouble not in rest, rest
+
+
 def test_auto_goes_local_when_no_prefill_server_can_take_the_prompt_soon():
     from pdserve.router.disagg import Disaggregation
     from pdserve.router.policies import WorkerView
