@@ -103,10 +103,16 @@ class RouterConfig(TrustConfig):
         "byte of a next request on a kept-alive connection); past it the answer is 408 and the connection "
         "is closed.",
     )
+    body_timeout: float = option(
+        60.0,
+        "Seconds a request's body may take to come whole once its head has; past it the answer is 408 and the "
+        "connection is closed (a 16 MiB body must come at 280 KB/s or faster at the default).",
+    )
     max_connections_per_worker: int = option(
         0,
         "Connections each router process serves at once; one more is answered 503 with Retry-After and "
-        "closed before it is read (0: 4096, or the open-file limit less 256 where that is lower).",
+        "closed before it is read (0: 4096, or the open-file limit less 256 where that is lower; each process "
+        "raises its soft open-file limit to the hard one at start).",
     )
     prefill_timeout: float = option(
         0.0,
@@ -125,7 +131,8 @@ class RouterConfig(TrustConfig):
     local_prefill_max_tokens: int = option(
         256,
         "With --disagg-policy auto: prompts of at most this many uncached tokens are prefilled by the decode "
-        "server (decode servers keep no prefix cache yet: the whole prompt counts).",
+        "server (uncached: past the longest prefix of the prompts this router sent that server, which its prefix "
+        "cache keeps).",
     )
     prefill_queue_threshold: int = option(
         64,
@@ -151,7 +158,13 @@ class RouterConfig(TrustConfig):
         "With --workers > 1, keep no warm spare: by default one more process, built but not listening, "
         "takes a dead worker's place at once (a worker started afresh takes seconds to listen).",
     )
-    log_level: str = option("info", "Logging level.")
+    drain_timeout: float = option(
+        120.0,
+        "Seconds a stopping router process (SIGTERM) waits for its requests and streams in flight to finish; "
+        "past it they are cut. Idle connections are closed at once; a slow head or body is bounded by "
+        "--header-timeout and --body-timeout meanwhile.",
+    )
+    log_level: str = option("info", "Logging level (debug adds uvicorn's access log: a line per HTTP request).")
 
     def check(self) -> None:
         """Raise ValueError, naming the flag, for the first value the router cannot run with."""
@@ -190,6 +203,11 @@ class RouterConfig(TrustConfig):
             raise ValueError("--context-length and --default-max-tokens must be >= 0 (0: the model's / the context)")
         if self.max_body_bytes < 0:
             raise ValueError(f"--max-body-bytes must be >= 0 (0: from the context length), got {self.max_body_bytes}")
+        if self.max_connections_per_worker < 0:
+            raise ValueError(
+                "--max-connections-per-worker must be >= 0 (0: from the open-file limit), "
+                f"got {self.max_connections_per_worker}"
+            )
         for name in (
             "request_timeout",
             "health_check_interval",
@@ -198,6 +216,9 @@ class RouterConfig(TrustConfig):
             "circuit_open_time",
             "queue_timeout",
             "stream_send_timeout",
+            "header_timeout",
+            "body_timeout",
+            "drain_timeout",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")

@@ -85,8 +85,8 @@ class RouterMetrics:
         self.connections_closed = Counter(
             "pdserve_router_connections_closed",
             "Connections the router answered and closed itself (router/http_protocol.py): header_timeout "
-            "(408: no whole request head within --header-timeout), over_cap (503: past "
-            "--max-connections-per-worker).",
+            "(408: no whole request head within --header-timeout), body_timeout (408: no whole body within "
+            "--body-timeout of its head), over_cap (503: past --max-connections-per-worker).",
             ["reason"],
             registry=r,
         )

@@ -2,8 +2,9 @@
 
 Validate and tokenize the body (router/http_requests.py), wait for a turn (admission), run every
 choice through a prefill/decode pair (the Router's `choice`), and answer in OpenAI's shapes:
-common/openai/format.py for a whole answer; OpenAI's SSE chunks (router/stream_chunks.py),
-`stream_options.include_usage` and `data: [DONE]` for a streamed one. Every error a client sees is
+common/openai/format.py for a whole answer (written on a thread when large: router/large_answers.py);
+OpenAI's SSE chunks (router/stream_chunks.py), `stream_options.include_usage` and `data: [DONE]` for a
+streamed one. Every error a client sees is
 OpenAI's error body: 400/404 for the body, 429 (with Retry-After) when the router's queue is full
 or a request's turn does not come in time (router/admission.py), 5xx only for the servers' failures.
 
@@ -24,7 +25,6 @@ from fastapi.responses import JSONResponse
 
 from pdserve.common.openai.api import OpenAIError, ParsedRequest, parse_completion_request
 from pdserve.common.openai.chat import parse_chat_request
-from pdserve.common.openai.format import format_response
 from pdserve.router.admission import Overloaded
 from pdserve.router.http_answers import (
     AdmittedStream,
@@ -37,6 +37,7 @@ from pdserve.router.http_answers import (
     upstream_response,
 )
 from pdserve.router.http_requests import admit, body_of, parse_body
+from pdserve.router.large_answers import whole_answer
 from pdserve.router.pairing import UpstreamError, fix_seed
 from pdserve.router.stream_chunks import StreamChunks
 
@@ -124,7 +125,7 @@ async def answer(router, request: Request, parse):
         router.inflight -= 1
         router.admission.release(lanes)
     log_request(request_id, parsed, 200, completions, started)
-    return JSONResponse(format_response(parsed, completions, router.tokenizer, request_id, created))
+    return await whole_answer(router, parsed, completions, request_id, created)
 
 
 async def counted(router, chunks):
@@ -151,7 +152,7 @@ async def stream(router, parsed: ParsedRequest, choices, lanes: int, request_id:
         async def on_prompt(prompt_logprobs):
             """Echo: the prompt leads the choice's stream, with its logprobs when asked."""
             if parsed.echo:
-                await queue.put(chunks.echo(index, ids, prompt_logprobs))
+                await queue.put(await chunks.echo(index, ids, prompt_logprobs, router.off_loop))
 
         try:
             completion = await router.choice(ids, params, on_text, on_prompt)

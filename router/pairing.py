@@ -27,6 +27,8 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.decode_streams import DecodeStreams
 from pdserve.router.statuses import in_band_fault, in_band_status, rpc_status, server_fault
 
+PROMPT_LOGPROBS_AT_ONCE = 256  # converted between two turns of the loop: ~2 ms (8k with 20 top each: ~80 ms)
+
 
 class UpstreamError(Exception):
     """A worker failed the request; `status` is the HTTP status the client gets, `decode_failed`
@@ -111,11 +113,17 @@ def _logprob(lp: pb.TokenLogprob) -> TokenLogprob:
     )
 
 
-def prompt_logprobs_of(response: pb.PrefillResponse, params: SamplingParams) -> list | None:
-    """The prompt's logprobs from a prefill's answer, None first (nothing comes before token 0)."""
+async def prompt_logprobs_of(response: pb.PrefillResponse, params: SamplingParams) -> list | None:
+    """The prompt's logprobs from a prefill's answer, None first (nothing comes before token 0);
+    PROMPT_LOGPROBS_AT_ONCE at a time."""
     if params.prompt_logprobs is None:
         return None
-    return [None, *(_logprob(lp) for lp in response.prompt_logprobs)]
+    found, scored = [None], response.prompt_logprobs
+    for start in range(0, len(scored), PROMPT_LOGPROBS_AT_ONCE):
+        if start:
+            await asyncio.sleep(0)
+        found += map(_logprob, scored[start : start + PROMPT_LOGPROBS_AT_ONCE])
+    return found
 
 
 async def prefill_only(
@@ -202,7 +210,7 @@ async def paired_generate(
             0,
             first_lp,
             cached_tokens=response.cached_tokens,
-            prompt_logprobs=prompt_logprobs_of(response, params),
+            prompt_logprobs=await prompt_logprobs_of(response, params),
         )
         # The decode stream's read started while the prefill ran; token 0 came from the prefill.
         async for event in _decode_events(call, sent, pending=next_read):

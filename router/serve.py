@@ -5,8 +5,10 @@ supervisor (router/supervisor.py) runs it, every one binding --host/--port with 
 kernel spreads new connections over the listening sockets (by address hash), and a connection stays
 with the process that accepted it — so a worker that dies takes only its own connections along.
 
-uvicorn serves with its own HTTP protocol and the guards of router/http_protocol.py (a header-read
-timeout, a cap on connections).
+uvicorn serves with its own HTTP protocol and the guards of router/http_protocol.py (header- and
+body-read timeouts, a cap on connections). On SIGTERM it closes the idle connections and waits at
+most --drain-timeout for the requests in flight. Its access log (a line per HTTP request) is on only
+at --log-level debug: at info the router logs a line per OpenAI request itself (router/openai_routes.py).
 
 The port is bound before the Router is built (tokenizer, chat template), so a port in use fails
 at once. The supervisor's warm spare (`run_spare`) builds first and binds only once it is promoted
@@ -121,8 +123,9 @@ def build(config: RouterConfig, supervisor: Connection | None) -> uvicorn.Server
     import uvicorn
 
     from pdserve.router.app import Router, create_app
-    from pdserve.router.http_protocol import Guards, guarded_protocol
+    from pdserve.router.http_protocol import Guards, guarded_protocol, raise_open_file_limit
 
+    raise_open_file_limit()  # before the cap is sized from it
     try:
         router = Router(config)
         guards = Guards.from_config(config, count=lambda reason: router.metrics.connections_closed.labels(reason).inc())
@@ -152,6 +155,8 @@ def build(config: RouterConfig, supervisor: Connection | None) -> uvicorn.Server
             loop=loop,
             http=guarded_protocol(http, guards),
             log_level=config.log_level.lower(),
+            access_log=config.log_level.lower() == "debug",
+            timeout_graceful_shutdown=config.drain_timeout,
             callback_notify=None if supervisor is None else heartbeat,
             timeout_notify=HEARTBEAT_S,
         )

@@ -8,11 +8,14 @@ call is sent whole, in one delta, once its "</tool_call>" has arrived."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from concurrent.futures import Executor
 
 from pdserve.common.openai.api import ParsedRequest
 from pdserve.common.openai.format import chat_logprobs, completion_logprobs, token_text_of, usage
 from pdserve.common.openai.tool_parser import ToolCallStream, finish_reason, forces_calls, tool_names
+from pdserve.router.large_answers import OFF_LOOP_ENTRIES, json_in_pieces
 
 _INDEX_MARK = 918273645  # placeholders in StreamChunks' text template
 _TEXT_MARK = "\x00text\x00"
@@ -95,13 +98,20 @@ class StreamChunks:
         body = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return json.dumps(self.head | {"choices": [body]})
 
-    def echo(self, index: int, ids: list[int], prompt_logprobs) -> str:
-        """Echo: the prompt's text leading a completion's stream, with its tokens' logprobs when asked."""
+    async def echo(self, index: int, ids: list[int], prompt_logprobs, off_loop: Executor) -> str:
+        """Echo: the prompt's text leading a completion's stream, with its tokens' logprobs when asked;
+        written on `off_loop` (the router's thread for heavy work) when they are many (router/large_answers.py)."""
+        if self.parsed.logprobs is None or len(ids) * (2 + self.parsed.logprobs) < OFF_LOOP_ENTRIES:
+            return self._echo(index, ids, prompt_logprobs, False)
+        return await asyncio.get_running_loop().run_in_executor(off_loop, self._echo, index, ids, prompt_logprobs, True)
+
+    def _echo(self, index: int, ids: list[int], prompt_logprobs, in_pieces: bool) -> str:
         parsed, lp = self.parsed, None
         if parsed.logprobs is not None:
             lp = completion_logprobs([], parsed.logprobs, self.token_text, (ids, prompt_logprobs or [None]))
         body = {"index": index, "text": parsed.prompt_texts[index // parsed.n], "logprobs": lp, "finish_reason": None}
-        return json.dumps(self.head | {"choices": [body]})
+        chunk = self.head | {"choices": [body]}
+        return "".join(json_in_pieces(chunk)) if in_pieces else json.dumps(chunk)
 
     def usage(self, completions) -> str:
         return json.dumps(self.head | {"choices": [], "usage": usage(self.parsed, completions)})

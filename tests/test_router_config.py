@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import resource
 
 import grpc
 import pytest
@@ -44,6 +45,7 @@ FLAGS = [
     "--request-timeout",
     "--stream-send-timeout",
     "--header-timeout",
+    "--body-timeout",
     "--max-connections-per-worker",
     "--prefill-timeout",
     "--decode-timeout",
@@ -60,6 +62,7 @@ FLAGS = [
     "--port",
     "--workers",
     "--no-warm-spare",
+    "--drain-timeout",
     "--log-level",
     "--cluster-secret-file",
     "--tls-cert",
@@ -146,6 +149,10 @@ def test_a_command_line_gives_a_frozen_config():
         (["--max-choices-at-once", "0"], "--max-choices-at-once must be >= 1"),
         (["--disagg-policy", "sometimes"], "--disagg-policy must be always, never or auto"),
         (["--prefill-queue-threshold", "0"], "--prefill-queue-threshold >= 1"),
+        (["--header-timeout", "0"], "--header-timeout must be > 0"),
+        (["--body-timeout", "-1"], "--body-timeout must be > 0"),
+        (["--drain-timeout", "0"], "--drain-timeout must be > 0"),
+        (["--max-connections-per-worker", "-1"], "--max-connections-per-worker must be >= 0"),
     ],
 )
 def test_a_bad_value_exits_2_with_a_message(capsys, extra, message):
@@ -210,22 +217,63 @@ def test_the_prefill_timeout_follows_the_request_timeout():
 
 
 def test_the_connection_guards_take_their_flags_and_size_the_cap_from_the_open_file_limit(monkeypatch):
-    import resource
-
     from pdserve.router import http_protocol
     from pdserve.router.http_protocol import DEFAULT_MAX_CONNECTIONS, FD_RESERVE, Guards
 
     def guards(*argv: str) -> Guards:
         config = from_cli_args(build_parser().parse_args(["--model-path", "/m", *SERVERS, *argv]), RouterConfig)
+        config.check()
         return Guards.from_config(config, count=lambda reason: None)
 
-    assert (RouterConfig().header_timeout, RouterConfig().max_connections_per_worker) == (20.0, 0)
-    given = guards("--header-timeout", "5", "--max-connections-per-worker", "100")
-    assert (given.header_timeout_s, given.max_connections) == (5.0, 100)
+    defaults = RouterConfig()
+    assert (defaults.header_timeout, defaults.body_timeout, defaults.max_connections_per_worker) == (20.0, 60.0, 0)
+    given = guards("--header-timeout", "5", "--body-timeout", "7", "--max-connections-per-worker", "100")
+    assert (given.header_timeout_s, given.body_timeout_s, given.max_connections) == (5.0, 7.0, 100)
     for soft, cap in [(1024, 1024 - FD_RESERVE), (1 << 20, DEFAULT_MAX_CONNECTIONS), (200, 64)]:
         monkeypatch.setattr(http_protocol.resource, "getrlimit", lambda _, soft=soft: (soft, resource.RLIM_INFINITY))
         assert guards().max_connections == cap
-    with pytest.raises(ValueError, match="--header-timeout must be > 0"):
-        guards("--header-timeout", "0")
-    with pytest.raises(ValueError, match="--max-connections-per-worker must be >= 0"):
-        guards("--max-connections-per-worker", "-1")
+
+
+@pytest.mark.parametrize(
+    "soft, hard, refused, asked, left",
+    [
+        (1024, 65536, False, [(65536, 65536)], 65536),  # raised to the hard limit
+        (1024, resource.RLIM_INFINITY, False, [(1 << 20, resource.RLIM_INFINITY)], 1 << 20),  # to Linux's nr_open
+        (65536, 65536, False, [], 65536),  # already there: nothing asked
+        (1024, 65536, True, [(65536, 65536)], 1024),  # the kernel says no: left as it was, one warning
+    ],
+)
+def test_a_router_process_raises_its_open_file_limit_to_the_hard_one(
+    monkeypatch, caplog, soft, hard, refused, asked, left
+):
+    from pdserve.router import http_protocol
+
+    calls = []
+
+    def setrlimit(which, limits):
+        calls.append(limits)
+        if refused:
+            raise ValueError("not allowed to raise maximum limit")
+
+    monkeypatch.setattr(http_protocol.resource, "getrlimit", lambda which: (soft, hard))
+    monkeypatch.setattr(http_protocol.resource, "setrlimit", setrlimit)
+    assert http_protocol.raise_open_file_limit() == left and calls == asked
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == (["the open-file limit stays at 1024 (raising it to 65536 failed: not allowed to raise "
+                         "maximum limit); see --max-connections-per-worker"] if refused else [])  # fmt: skip
+
+
+def test_a_router_process_drains_for_at_most_the_drain_timeout_and_logs_http_access_only_at_debug(
+    tiny_models, monkeypatch
+):
+    """uvicorn's graceful shutdown is bounded by --drain-timeout (uvicorn's default waits forever); its
+    access log is on only at debug (at info the router logs its own line per OpenAI request)."""
+    from pdserve.router import serve
+
+    monkeypatch.setattr(serve, "tune_gc", lambda: None)  # (a process-wide setting: not in the test process)
+    model = tiny_models("llama")
+    config = RouterConfig(model_path=model, decode=("127.0.0.1:1",))
+    server = serve.build(config, None)
+    assert (server.config.timeout_graceful_shutdown, server.config.access_log) == (120.0, False)
+    server = serve.build(dataclasses.replace(config, drain_timeout=5.0, log_level="debug"), None)
+    assert (server.config.timeout_graceful_shutdown, server.config.access_log) == (5.0, True)

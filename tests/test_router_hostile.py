@@ -1,8 +1,9 @@
-"""Requests that would hold a router worker's event loop, against a real router and decode server:
-a body past the byte limit (413 before it is read, by its Content-Length or as it arrives chunked),
-a text prompt that cannot fit the context (400 before it is tokenized), a client that stops reading
-its stream (dropped, its request aborted), the loop-lag gauge; and a health probe that timed out
-while the router's own loop was late, which blames no server.
+"""Requests that would hold a router worker's event loop, against a real router, decode and prefill
+server: a body past the byte limit (413 before it is read, by its Content-Length or as it arrives
+chunked), a body that does not come whole in time (408), a text prompt that cannot fit the context
+(400 before it is tokenized), a client that stops reading its stream (dropped, its request aborted),
+requests and answers that are heavy work (parsed and written off the loop), the loop-lag gauge; and
+a health probe that timed out while the router's own loop was late, which blames no server.
 
 Then the connection guards (router/http_protocol.py), on both of uvicorn's protocols in-process and
 on a second router with 2 worker processes over the same decode server: heads that do not come whole
@@ -23,23 +24,29 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.common.openai.format import format_response
 from pdserve.common.tokenizer import load_tokenizer
-from tests.router_stack import RouterProcess
+from tests.router_stack import RouterProcess, send
 from tests.test_servers import Server, wait_idle
 
 MAX_BODY = 200_000
+BODY_TIMEOUT = 2.0  # the module's router's --body-timeout
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_models):
+    """A router whose decode server prefills every request itself, except one that asks for its prompt's
+    logprobs: only a prefill server gives those (router/disagg.py)."""
     model = tiny_models("llama")
-    decode = Server("decode", model)
+    decode, prefill = Server("decode", model), Server("prefill", model)
     decode.wait_ready()
-    router = RouterProcess(model, [], [decode], "--disagg-policy", "never", "--max-body-bytes", str(MAX_BODY),
-                           "--stream-send-timeout", "2")  # fmt: skip
+    prefill.wait_ready()
+    router = RouterProcess(model, [prefill], [decode], "--disagg-policy", "never", "--max-body-bytes", str(MAX_BODY),
+                           "--stream-send-timeout", "2", "--body-timeout", str(BODY_TIMEOUT))  # fmt: skip
     router.wait_ready()
     yield model, router.port, decode, router
     router.stop()
+    prefill.stop()
     decode.stop()
 
 
@@ -202,6 +209,31 @@ def test_a_probe_that_timed_out_while_the_routers_loop_was_late_blames_no_server
         assert (w.failures, w.errors, w.serving) == (1, 1, False)
 
 
+def test_a_body_that_does_not_come_whole_in_time_gets_408_while_bystanders_are_served(stack):
+    """A request whose body trickles in (a byte each 0.25 s) gets 408 once it has not come whole within
+    --body-timeout of its head, and its connection is closed; bystanders are served meanwhile, and the
+    request, which was reading its body, ends quietly."""
+    model, port, _, router = stack
+    before = closed_connections(router)["body_timeout"]
+    payload = json.dumps({"model": model, "prompt": [0, 5, 6], "max_tokens": 2}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as slow:
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(payload))  # fmt: skip
+        started, sent = time.monotonic(), 0
+        while not select.select([slow], [], [], 0)[0]:
+            assert sent < len(payload) - 1 and bystander_ok(model, port)
+            slow.sendall(payload[sent : sent + 1])
+            sent += 1
+            time.sleep(0.25)
+        answer, after = read_to_close(slow), time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408 ") and b'"code": "body_timeout"' in answer, answer
+    assert b"--body-timeout" in answer and BODY_TIMEOUT <= after < BODY_TIMEOUT + 1.5
+    assert closed_connections(router)["body_timeout"] == before + 1
+    assert bystander_ok(model, port)
+    assert set(router.worker_errors().values()) == {0.0} and router.unhealthy() == []
+    assert "Traceback" not in router.output()
+
+
 def test_deep_json_gets_400(stack):
     _, port, _, _ = stack
     depth = 40_000
@@ -244,6 +276,134 @@ def test_idle_slow_and_aborted_clients_leave_bystanders_served_and_no_server_bla
     assert worst < 10
 
 
+# ---- heavy work: requests and answers that take the router long to parse or to write --------------
+
+
+def lag_now(router: RouterProcess) -> float:
+    """The worst lag of the router's loop in the last 10 s (the gauge; one process)."""
+    [line] = [x for x in router.metrics().splitlines() if x.startswith("pdserve_router_event_loop_lag_seconds")]
+    return float(line.split()[-1])
+
+
+def while_bystanders_ask(model: str, port: int, work) -> tuple[object, float]:
+    """`work()`'s result, and the slowest of the bystanders that asked (one after another) while it ran."""
+    done, worst = False, [0.0]
+
+    def ask() -> None:
+        while not done:
+            asked = time.monotonic()
+            assert bystander_ok(model, port)
+            worst[0] = max(worst[0], time.monotonic() - asked)
+
+    with futures.ThreadPoolExecutor(1) as pool:
+        asking = pool.submit(ask)
+        time.sleep(0.1)
+        try:
+            result = work()
+        finally:
+            done = True
+        asking.result()
+    return result, worst[0]
+
+
+def test_requests_and_answers_that_are_heavy_work_leave_the_loop_free(stack):
+    """Requests whose parsing or answer is much work for the router: a batch of text prompts each near the
+    context's text limit (tokenized), a JSON schema of 150 KB, an echo of a context-long prompt with its
+    logprobs and prompt logprobs for 8 choices (whole and streamed), 8 long answers with logprobs. Each
+    is answered while a bystander asks again and again; the bystander is answered in time and the
+    router's loop is never 50 ms late: the parsing and the answers' writing run on the router's thread
+    for heavy work, a large answer's JSON encoded in pieces (router/large_answers.py)."""
+    model, port, decode, router = stack
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly kings "
+    text = (words * 400)[: 2 * 1024 * max(map(len, load_tokenizer(model).get_vocab()))]  # the text check's limit
+    prompt = [(i * 7) % 500 + 1 for i in range(1000)]  # 1000 of the context's 1024 tokens
+    schema = {"type": "object", "description": "x" * 150_000, "properties": {"a": {"type": "string"}}}
+    echo = {"prompt": prompt, "max_tokens": 1, "n": 8, "echo": True, "logprobs": 5}
+    cases = {
+        "7 text prompts near the limit": {"prompt": [text] * 7, "max_tokens": 1},
+        "a 150 KB JSON schema": {
+            "prompt": [0, 5, 6],
+            "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+        },
+        "an echo of 8 x 1000 tokens with logprobs": echo | {"prompt_logprobs": 20},
+        "the same echo streamed": echo | {"stream": True},
+        "8 x 300 tokens with logprobs": {"prompt": [0, 5, 6], "max_tokens": 300, "n": 8, "logprobs": 5},
+    }
+    # The decode server's first structured output starts its grammar worker: every request on that
+    # server waits (~1.7 s on the CPU box). The servers' business, not the router's: paid before.
+    structured = {"model": model, "prompt": [0, 5, 6], "max_tokens": 2, "response_format": {"type": "json_object"}}
+    assert send(router.url, "/v1/completions", structured).status == 200
+    answers, slowest = {}, {}
+    for name, body in cases.items():
+        started = time.monotonic()
+        answers[name], slowest[name] = while_bystanders_ask(
+            model, port, lambda: send(router.url, "/v1/completions", body | {"model": model, "ignore_eos": True})
+        )
+        print(f"\n{name}: {answers[name].status} in {time.monotonic() - started:.2f} s; bystanders' slowest "
+              f"{slowest[name] * 1e3:.0f} ms, the loop's worst lag so far {lag_now(router) * 1e3:.0f} ms")  # fmt: skip
+    assert {name: a.status for name, a in answers.items()} == {name: 400 if "text" in name else 200 for name in cases}
+    whole = answers["an echo of 8 x 1000 tokens with logprobs"].json["choices"]
+    assert len(whole) == 8 and all(
+        len(c["logprobs"]["tokens"]) == 1001 and len(c["prompt_logprobs"]) == 1000 for c in whole
+    )
+    streamed = [
+        e for e in answers["the same echo streamed"].events[:-1] if e["choices"] and e["choices"][0]["logprobs"]
+    ]
+    assert sorted(len(e["choices"][0]["logprobs"]["tokens"]) for e in streamed) == [1] * 8 + [1000] * 8
+    assert all(len(c["logprobs"]["tokens"]) == 300 for c in answers["8 x 300 tokens with logprobs"].json["choices"])
+    asyncio.run(wait_idle(decode))
+    assert set(router.worker_errors().values()) == {0.0} and router.unhealthy() == []
+    assert max(slowest.values()) < 3  # (the servers' work for the heavy request included: 2 cores for all)
+    assert lag_now(router) < 0.05
+
+
+def test_a_large_answer_written_in_pieces_is_the_json_a_whole_one_would_be(tiny_models):
+    """The answer written off the loop (router/large_answers.py) is byte for byte JSONResponse's, and a
+    streamed echo's chunk json.dumps's: whole and chat answers, echo, logprobs, prompt logprobs, ids,
+    text past U+FFFF."""
+    from fastapi.responses import JSONResponse
+
+    from pdserve.common.openai.api import parse_completion_request
+    from pdserve.common.openai.chat import parse_chat_request
+    from pdserve.common.types import Completion, FinishReason, TokenLogprob
+    from pdserve.router.large_answers import OFF_LOOP_ENTRIES, answer_entries, encoded_answer
+    from pdserve.router.stream_chunks import StreamChunks
+
+    tokenizer = load_tokenizer(tiny_models("llama"))
+    prompt = [(i * 7) % 500 + 1 for i in range(600)]
+
+    def logprobs(ids):
+        return [TokenLogprob(t, -0.5 - t / 100, [((t * 3 + k) % 512, -1.0 - k) for k in range(20)], 1) for t in ids]
+
+    def completion(i: int, params) -> Completion:
+        ids = [(i + j) % 512 for j in range(300)]
+        return Completion(
+            rid=f"r{i}", prompt_ids=prompt, output_ids=ids, text=f"choice {i} \U0001f600 \u00e9" * 50,
+            finish_reason=FinishReason.LENGTH, matched_stop=None,
+            logprobs=logprobs(ids) if params.logprobs is not None else None,
+            prompt_logprobs=[None] + logprobs(prompt[1:]), cached_tokens=0, error=None, error_code=None,
+        )  # fmt: skip
+
+    body = {"prompt": prompt, "max_tokens": 300, "n": 3, "echo": True, "logprobs": 5, "prompt_logprobs": 20,
+            "return_token_ids": True}  # fmt: skip
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "n": 2, "logprobs": True,
+            "top_logprobs": 20, "prompt_logprobs": 3}  # fmt: skip
+    for parsed in (
+        parse_completion_request(body, tokenizer, "m", 1024, allow_stream=True, vocab_size=512),
+        parse_chat_request(chat, tokenizer, "m", 1024, allow_stream=True, vocab_size=512),
+    ):
+        completions = [completion(i, p) for i, p in enumerate(parsed.params)]
+        assert answer_entries(parsed, completions) > OFF_LOOP_ENTRIES
+        whole = JSONResponse(format_response(parsed, completions, tokenizer, "id", 7)).body
+        assert encoded_answer(parsed, completions, tokenizer, "id", 7) == whole
+    streamed = body | {"stream": True, "prompt_logprobs": None}
+    parsed = parse_completion_request(streamed, tokenizer, "m", 1024, allow_stream=True, vocab_size=512)
+    chunks = StreamChunks(parsed, tokenizer, "id", 7)
+    scored = completion(0, parsed.params[0]).prompt_logprobs
+    assert chunks._echo(1, prompt, scored, True) == chunks._echo(1, prompt, scored, False)
+
+
 # ---- connection guards: the header-read timeout and the cap (router/http_protocol.py) --------------
 
 
@@ -264,19 +424,32 @@ async def read_answer(reader: asyncio.StreamReader) -> bytes:
 
 
 @pytest.mark.parametrize("http", ["httptools", "h11"])
-def test_both_uvicorn_protocols_time_out_a_slow_head_and_refuse_connections_past_the_cap(http):
+def test_both_uvicorn_protocols_time_out_a_slow_head_or_body_and_refuse_connections_past_the_cap(http):
     """uvicorn's two HTTP protocols, each with the guards: a head that does not come whole within the
     timeout gets 408 (from the accept, and on a kept-alive connection from its next request's first
-    byte), a body that comes slowly does not; a connection past the cap gets 503 with Retry-After, even
-    one that has sent its request, and a new one is served once one of the held ones closed."""
+    byte), a body that comes slowly (but within the body timeout) does not; a body that does not come
+    whole within the body timeout of its head gets 408, and the app hears its client gone; a connection
+    past the cap gets 503 with Retry-After, even one that has sent its request, and a new one is served
+    once one of the held ones closed."""
     import uvicorn
 
     from pdserve.router.http_protocol import Guards, guarded_protocol
 
-    timeout = 0.3
+    timeout, body_timeout = 0.3, 0.9
     closed: list[str] = []
-    guards = Guards(header_timeout_s=timeout, max_connections=2, count=closed.append)
-    config = uvicorn.Config(ok_app, http=guarded_protocol(http, guards), lifespan="off", log_level="warning")
+    guards = Guards(header_timeout_s=timeout, body_timeout_s=body_timeout, max_connections=2, count=closed.append)
+    app_heard: list[str] = []  # the disconnects ok_app heard
+
+    async def app(scope, receive, send):
+        async def heard():
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                app_heard.append(message["type"])
+            return message
+
+        await ok_app(scope, heard, send)
+
+    config = uvicorn.Config(app, http=guarded_protocol(http, guards), lifespan="off", log_level="warning")
     post = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n"
 
     async def run() -> None:
@@ -307,6 +480,15 @@ def test_both_uvicorn_protocols_time_out_a_slow_head_and_refuse_connections_past
             assert b'"code": "header_timeout"' in answer
             writer.close()
 
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(post + b"o")  # and never the body's last byte
+            started = time.monotonic()
+            answer = await reader.read()
+            assert answer.startswith(b"HTTP/1.1 408 ") and b'"code": "body_timeout"' in answer, answer
+            assert body_timeout <= time.monotonic() - started < body_timeout + 1
+            writer.close()
+            assert app_heard == ["http.disconnect"]
+
             held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
             for _, w in held:
                 w.write(post)  # heads whole, bodies to come: the connections stay
@@ -332,7 +514,7 @@ def test_both_uvicorn_protocols_time_out_a_slow_head_and_refuse_connections_past
             await serving
 
     asyncio.run(asyncio.wait_for(run(), 30))
-    assert closed == ["header_timeout", "header_timeout", "over_cap"]
+    assert closed == ["header_timeout", "header_timeout", "body_timeout", "over_cap"]
 
 
 HEAD_TIMEOUT = 2.0  # the guarded router's --header-timeout
@@ -373,7 +555,9 @@ def serving_pids(router: RouterProcess) -> set[str]:
 def closed_connections(router: RouterProcess) -> dict[str, float]:
     """Connections the router's guards closed, by reason, over its processes."""
     found = series(router, "pdserve_router_connections_closed_total")
-    return {reason: found.get(f'{{reason="{reason}"}}', 0.0) for reason in ("header_timeout", "over_cap")}
+    return {
+        reason: found.get(f'{{reason="{reason}"}}', 0.0) for reason in ("header_timeout", "body_timeout", "over_cap")
+    }
 
 
 def assert_no_server_blamed(router: RouterProcess, workers: int) -> None:
