@@ -18,7 +18,7 @@ from pdserve.bench.accuracy_gsm8k import cut_at_stop, extract_answer, normalize_
 from pdserve.bench.accuracy_hf import continuation_logprobs
 from pdserve.bench.stack import local_stack
 from pdserve.common.cli import main
-from pdserve.common.config import EngineConfig
+from pdserve.common.config import EngineConfig, short_model_name
 from pdserve.common.ports import free_port
 from pdserve.common.tokenizer import load_tokenizer
 
@@ -189,7 +189,7 @@ def test_accuracy_end_to_end_agrees_with_transformers(stack, tiny_models, monkey
         None,
         "float32",
     )
-    assert report["model"] == model and list(report["tasks"]) == ["gsm8k", "hellaswag"]
+    assert report["model"] == short_model_name(model) and list(report["tasks"]) == ["gsm8k", "hellaswag"]
 
     gsm8k = report["tasks"]["gsm8k"]
     assert (gsm8k["n"], gsm8k["failed"], gsm8k["endpoint"], gsm8k["max_tokens"]) == (

@@ -10,6 +10,7 @@ import openai
 import pytest
 import torch
 
+from pdserve.common.config import short_model_name
 from pdserve.common.tokenizer import load_tokenizer
 from tests.router_stack import pdserve_up
 
@@ -52,7 +53,8 @@ def test_the_servers_require_the_secret_pdserve_up_made(up):
 
 def test_models_and_readiness(deployment):
     model, port, client = deployment
-    assert [m.id for m in client.models.list().data] == [model]
+    # served under the checkpoint's short name (the path as given is accepted too: the other tests use it)
+    assert [m.id for m in client.models.list().data] == [short_model_name(model)]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/readiness", timeout=10) as r:
         assert json.loads(r.read())["ready"] is True
 
