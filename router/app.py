@@ -28,6 +28,7 @@ from pdserve.common.scheduling.output_processor import append_token, finalize
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Completion, FinishReason, Req
 from pdserve.router.admission import Admission
+from pdserve.router.body_parser import BodyParser
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode_streams import DecodeStreams
 from pdserve.router.disagg import Disaggregation, Where
@@ -78,6 +79,7 @@ class Router:
         # GIL among themselves, and the loop's thread waits its turn behind all of them (8 echo answers
         # built at once held the loop ~20 ms on 2 or 6 threads, ~5 ms on 1; DNS stays on asyncio's own).
         self.off_loop = ThreadPoolExecutor(1, thread_name_prefix="router-off-loop")
+        self.body_parser = BodyParser()  # bodies of 128 KiB and more: parsed in a process (router/body_parser.py)
         self.registry = WorkerRegistry(
             config, resolve=resolve or resolve_dns, on_removed=self._removed, loop_lag=self.loop_lag
         )
@@ -103,6 +105,7 @@ class Router:
         await self.registry.stop()
         await self.loop_lag.stop()
         self.off_loop.shutdown(wait=False, cancel_futures=True)
+        self.body_parser.close()
 
     def _removed(self, role: str, url: str) -> None:
         self.policies[role].on_removed(url)

@@ -6,8 +6,8 @@ OpenAI's error body.
 
 No request may hold the worker's event loop (every other request, stream and health check of the
 process waits on it): a body is read up to the router's byte limit and refused past it (413), a
-text that cannot fit the model's context is refused before it is tokenized (400), and a large body
-is parsed, templated and tokenized on a thread.
+text that cannot fit the model's context is refused before it is tokenized (400), a large body is
+parsed in the worker's parser process (router/body_parser.py), and templated and tokenized on a thread.
 """
 
 from __future__ import annotations
@@ -25,8 +25,11 @@ from pdserve.router.http_answers import until_disconnect
 # work (router/app.py), off the event loop: tokenizing 8 KiB of text takes ~3 ms (SmolLM2's tokenizer,
 # 2-core host), the hop to the thread ~0.1 ms.
 # NOTE: that thread frees the loop while the tokenizer (Rust, GIL released) and the template (Python)
-# run, but json.loads holds the GIL: a body of 16 MiB of token ids holds the loop ~130 ms even there.
+# run, but json.loads holds the GIL: a body of 16 MiB of token ids would hold the loop ~130 ms even
+# there. So bodies of PROCESS_BYTES and more are parsed in the worker's parser process
+# (router/body_parser.py); below it json.loads takes at most ~10 ms (dict-heavy bodies, this box).
 OFF_LOOP_BYTES = 8 * 1024
+PROCESS_BYTES = 128 * 1024
 
 
 async def body_of(router, request: Request) -> tuple[dict, int]:
@@ -35,6 +38,11 @@ async def body_of(router, request: Request) -> tuple[dict, int]:
     if router.config.api_key and request.headers.get("authorization") != f"Bearer {router.config.api_key}":
         raise OpenAIError("invalid or missing API key (Authorization: Bearer ...)", status_code=401)
     raw = await read_limited(request, router.max_body_bytes)
+    if len(raw) >= PROCESS_BYTES:
+        body = await router.body_parser.loads(raw, router.context_len)
+        if not isinstance(body, dict):
+            raise OpenAIError("the request body must be a JSON object")
+        return body, len(raw)
     try:
         body = json.loads(raw) if len(raw) < OFF_LOOP_BYTES else await off_loop(router, json.loads, raw)
     except ValueError as e:

@@ -242,6 +242,21 @@ def test_deep_json_gets_400(stack):
     assert status == 400 and "nested too deeply" in reply["error"]["message"], reply
 
 
+def test_a_large_body_is_parsed_in_the_parser_process_and_a_dense_one_refused(stack):
+    """Bodies of 128 KiB and more are parsed in the router worker's parser process (router/body_parser.py):
+    token-id prompts come back whole; a body of more JSON values than any request needs gets 413."""
+    model, port, _, _ = stack
+    prompts = [[(i * 7 + j) % 500 + 1 for i in range(1000)] for j in range(30)]
+    raw = json.dumps({"model": model, "prompt": prompts, "max_tokens": 1, "return_token_ids": True}).encode()
+    assert 128 * 1024 <= len(raw) < MAX_BODY
+    status, reply = raw_post(port, f"Content-Length: {len(raw)}\r\n", [raw])
+    assert status == 200 and [c["prompt_token_ids"] for c in reply["choices"]] == prompts
+    dense = json.dumps({"model": model, "prompt": [0, 5, 6], "stop_token_ids": [0] * 70_000}, separators=(",", ":"))
+    assert 128 * 1024 <= len(dense) < MAX_BODY
+    status, reply = raw_post(port, f"Content-Length: {len(dense)}\r\n", [dense.encode()])
+    assert status == 413 and "JSON values" in reply["error"]["message"], reply
+
+
 def test_idle_slow_and_aborted_clients_leave_bystanders_served_and_no_server_blamed(stack):
     model, port, decode, router = stack
     idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(300)]
