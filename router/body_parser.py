@@ -151,7 +151,11 @@ def serve(conn: Connection) -> None:
 
 
 class BodyParser:
-    """A router worker's parser process (started with the first body it gets), one body at a time."""
+    """A router worker's parser process (started with the first body it gets), one body at a time.
+
+    NOTE: a body's exchange with the process runs on a thread and holds the lock until that thread
+    is done, even when the request that asked is cancelled meanwhile (its client went away): the
+    next body must not talk over it on the same connection."""
 
     def __init__(self):
         self.process: subprocess.Popen | None = None
@@ -159,6 +163,7 @@ class BodyParser:
         self.lock = asyncio.Lock()
 
     def _start(self) -> None:
+        self._discard()
         mine, theirs = socket.socketpair()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pdserve.router.body_parser", str(theirs.fileno())],
@@ -172,19 +177,26 @@ class BodyParser:
         """The body parsed (token-id prompts as lists); OpenAIError 400 (not JSON, or a token-id
         prompt longer than `max_prompt_ids`), 413 (too many values), 503 (the parser process failed:
         it is started afresh for the next body)."""
-        async with self.lock:
+        await self.lock.acquire()
+        try:
             if self.process is None or self.process.poll() is not None:
                 self._start()
+            process = self.process
             # NOTE on a thread: the 16 MiB of a large body go through the socket pair in pieces as
             # the parser process reads them (the GIL is released while the thread waits).
-            exchange = asyncio.to_thread(self._exchange, self.conn, raw, max_prompt_ids)
-            try:
-                answer = await asyncio.wait_for(exchange, PARSE_TIMEOUT_S)
-            except (OSError, EOFError, asyncio.TimeoutError) as e:
-                self.close()  # (a thread still waiting in recv gets an error and ends)
-                raise OpenAIError(
-                    f"the request body could not be parsed here ({type(e).__name__})", status_code=503
-                ) from None
+            exchange = asyncio.get_running_loop().run_in_executor(None, self._exchange, self.conn, raw, max_prompt_ids)
+        except BaseException:
+            self.lock.release()
+            raise
+        exchange.add_done_callback(self._exchanged)
+        try:
+            answer = await asyncio.wait_for(asyncio.shield(exchange), PARSE_TIMEOUT_S)
+        except (OSError, EOFError, asyncio.TimeoutError) as e:
+            if process.poll() is None:
+                process.kill()  # (a timeout: the thread's read ends, and _exchanged frees the lock)
+            raise OpenAIError(
+                f"the request body could not be parsed here ({type(e).__name__})", status_code=503
+            ) from None
         if answer[0] == "error":
             raise OpenAIError(answer[2], status_code=answer[1])
         return await unpack_ids(answer[1], max_prompt_ids)
@@ -195,15 +207,24 @@ class BodyParser:
         conn.send_bytes(raw)
         return pickle.loads(conn.recv_bytes())
 
-    def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
+    def _exchanged(self, exchange: asyncio.Future) -> None:
+        """An exchange's thread is done: a failed one leaves the process for the next body to replace."""
+        if exchange.cancelled() or exchange.exception() is not None:
+            self._discard()
+        self.lock.release()
+
+    def _discard(self) -> None:
         if self.process is not None:
             if self.process.poll() is None:
                 self.process.kill()
             self.process.wait()
             self.process = None
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def close(self) -> None:
+        self._discard()
 
 
 if __name__ == "__main__":

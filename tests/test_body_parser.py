@@ -98,3 +98,22 @@ def test_a_parser_process_that_died_is_started_afresh_and_one_dying_mid_body_is_
             parser.close()
 
     asyncio.run(run())
+
+
+def test_a_body_whose_request_was_cancelled_does_not_garble_the_next():
+    """A client that goes away while its body is parsed cancels its request; the exchange with the
+    parser process finishes on its thread before the next body uses the connection."""
+
+    async def run():
+        parser = BodyParser()
+        try:
+            big = json.dumps({"prompt": list(range(1, 1_000_001))}).encode()
+            for _ in range(3):
+                asking = asyncio.create_task(parser.loads(big, 2_000_000))
+                await asyncio.sleep(0.02)
+                asking.cancel()
+                assert await parser.loads(b'{"prompt": [5, 6]}', 10) == {"prompt": [5, 6]}
+        finally:
+            parser.close()
+
+    asyncio.run(run())
