@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import pickle
 import signal
@@ -30,8 +31,10 @@ import sys
 from array import array
 from multiprocessing.connection import Connection
 
-from pdserve.common.lifetime import parent_death_signal_setter
+from pdserve.common.lifetime import die_with_parent
 from pdserve.common.openai.api import HARMLESS_FIELDS, OpenAIError
+
+log = logging.getLogger(__name__)
 
 MAX_VALUES = 65_536  # JSON values outside token-id prompts (unpickled here: ~45 ms at worst)
 PACK_AT = 64  # token-id lists at least this long travel packed
@@ -147,7 +150,17 @@ def serve(conn: Connection) -> None:
             raw = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        conn.send_bytes(pickle.dumps(parse(raw, max_ids), protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            answer = pickle.dumps(parse(raw, max_ids), protocol=pickle.HIGHEST_PROTOCOL)
+        except RecursionError:  # parsed, but too deep to pickle
+            answer = pickle.dumps(("error", 400, "the request body is nested too deeply"))
+        except Exception as e:  # noqa: BLE001 - no body may end this process
+            answer = pickle.dumps(("error", 400, f"the request body could not be parsed: {type(e).__name__}"))
+        conn.send_bytes(answer)
+
+
+class _Failed(Exception):
+    """The parser process gave no answer (it died, or took past PARSE_TIMEOUT_S)."""
 
 
 class BodyParser:
@@ -165,18 +178,33 @@ class BodyParser:
     def _start(self) -> None:
         self._discard()
         mine, theirs = socket.socketpair()
+        # NOTE no preexec_fn: Python code between fork and exec in a process with gRPC's threads can
+        # crash or hang the child; it arms its parent-death signal itself (die_with_parent).
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.router.body_parser", str(theirs.fileno())],
+            [sys.executable, "-m", "pdserve.router.body_parser", str(theirs.fileno()), str(os.getpid())],
             pass_fds=(theirs.fileno(),),
-            preexec_fn=parent_death_signal_setter(signal.SIGTERM),
         )
         theirs.close()
         self.conn = Connection(mine.detach())
 
     async def loads(self, raw: bytes, max_prompt_ids: int):
         """The body parsed (token-id prompts as lists); OpenAIError 400 (not JSON, or a token-id
-        prompt longer than `max_prompt_ids`), 413 (too many values), 503 (the parser process failed:
-        it is started afresh for the next body)."""
+        prompt longer than `max_prompt_ids`), 413 (too many values), 503 (the parser process failed
+        twice: a fresh one is tried once for the same body, and started again for the next)."""
+        try:
+            answer = await self._ask(raw, max_prompt_ids)
+        except _Failed as failed:
+            log.warning("the body parser process failed (%s); a fresh one parses this body", failed)
+            try:
+                answer = await self._ask(raw, max_prompt_ids)
+            except _Failed as again:
+                raise OpenAIError(f"the request body could not be parsed here ({again})", status_code=503) from None
+        if answer[0] == "error":
+            raise OpenAIError(answer[2], status_code=answer[1])
+        return await unpack_ids(answer[1], max_prompt_ids)
+
+    async def _ask(self, raw: bytes, max_ids: int) -> tuple:
+        """The process's answer for one body; _Failed when it could not give one."""
         await self.lock.acquire()
         try:
             if self.process is None or self.process.poll() is not None:
@@ -184,22 +212,17 @@ class BodyParser:
             process = self.process
             # NOTE on a thread: the 16 MiB of a large body go through the socket pair in pieces as
             # the parser process reads them (the GIL is released while the thread waits).
-            exchange = asyncio.get_running_loop().run_in_executor(None, self._exchange, self.conn, raw, max_prompt_ids)
+            exchange = asyncio.get_running_loop().run_in_executor(None, self._exchange, self.conn, raw, max_ids)
         except BaseException:
             self.lock.release()
             raise
         exchange.add_done_callback(self._exchanged)
         try:
-            answer = await asyncio.wait_for(asyncio.shield(exchange), PARSE_TIMEOUT_S)
+            return await asyncio.wait_for(asyncio.shield(exchange), PARSE_TIMEOUT_S)
         except (OSError, EOFError, asyncio.TimeoutError) as e:
             if process.poll() is None:
                 process.kill()  # (a timeout: the thread's read ends, and _exchanged frees the lock)
-            raise OpenAIError(
-                f"the request body could not be parsed here ({type(e).__name__})", status_code=503
-            ) from None
-        if answer[0] == "error":
-            raise OpenAIError(answer[2], status_code=answer[1])
-        return await unpack_ids(answer[1], max_prompt_ids)
+            raise _Failed(f"{type(e).__name__}, exit code {process.poll()}") from None
 
     @staticmethod
     def _exchange(conn: Connection, raw: bytes, max_ids: int) -> tuple:
@@ -232,5 +255,6 @@ if __name__ == "__main__":
     # pdserve.router.body_parser.PackedIds, the class the worker unpickles.
     from pdserve.router.body_parser import serve as serve_bodies
 
+    die_with_parent(int(sys.argv[2]))
     serve_bodies(Connection(int(sys.argv[1])))
     os._exit(0)

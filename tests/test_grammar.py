@@ -352,3 +352,18 @@ def test_json_object_numbers_are_bounded_too(make_engine):
         assert matcher.accept_string(text), text
         assert not matcher.accept_string(longest), text
         assert matcher.accept_string("]"), text
+
+
+def test_a_top_p_below_float32s_range_keeps_the_top_token(make_engine):
+    """top_p = 1e-72 (a valid request) is 0 in float32: it must still keep the top token (it dropped
+    every token, and token 0 was sampled against the grammar). It samples as greedy does."""
+    engine = make_engine("llama")
+    grammar = ("json_object", "")
+    tiny, greedy = engine.generate(
+        [[5, 6], [5, 6]],
+        [
+            SamplingParams(max_new_tokens=3, temperature=2.0, top_p=1e-72, seed=1, grammar=grammar),
+            SamplingParams(max_new_tokens=3, temperature=0, grammar=grammar),
+        ],
+    )
+    assert tiny.error is None and tiny.output_ids == greedy.output_ids

@@ -55,6 +55,9 @@ def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return -torch.log(u)
 
 
+F32_TINY = 1.1754944e-38  # float32's smallest normal number
+
+
 @dataclass
 class SamplingBatchInfo:
     """Per-batch sampling state. Tensors are on the device, and None when no row needs them."""
@@ -129,7 +132,9 @@ class SamplingBatchInfo:
         # Greedy rows get neutral sampling parameters: their draw is computed, then discarded.
         temperatures = [p.temperature if s else 1.0 for p, s in zip(params, sampled)]
         top_ks = [p.top_k if s and 0 < p.top_k < vocab_size else vocab_size for p, s in zip(params, sampled)]
-        top_ps = [p.top_p if s and p.top_p < 1.0 else float("inf") for p, s in zip(params, sampled)]
+        # NOTE at least float32's smallest normal: a top_p below it (1e-72 is a valid request) would be
+        # 0 on the device, and `mass before >= 0` would drop even the top token (all zero: token 0).
+        top_ps = [max(p.top_p, F32_TINY) if s and p.top_p < 1.0 else float("inf") for p, s in zip(params, sampled)]
         min_ps = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
 
         seen, counted, banned, biased, biases = [], [], [], [], []
