@@ -271,6 +271,8 @@ async def bench_runs(
             prompts = random_prompts(
                 pool, args.num_prompts, args.input_len, args.seed, index, args.prefix_groups, args.prefix_len
             )
+            limit = concurrency or "none"
+            print(f"measuring: rate {rate} req/s, max concurrency {limit}, {len(prompts)} requests", flush=True)
             run = await measured_run(backend, workers, prompts, args, rate, concurrency, slos, router_pid)
             print_run(run)
             runs.append(run)

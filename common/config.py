@@ -84,6 +84,12 @@ class EngineConfig:
         "CUDA: prefill batches of at most this many tokens (and 16 requests) replay a captured graph, padded "
         "up to the next captured token count (at most a quarter more); 0 runs every prefill eagerly.",
     )
+    stream_interval: int = option(
+        1,
+        "A streamed request's new tokens are sent every this many tokens (its first and its last at once); "
+        "larger values cost the servers, the router and the clients less per token under load "
+        "(SGLang's --stream-interval).",
+    )
     random_seed: int = option(-1, "Seed for the per-request seeds the engine draws; -1: from the OS.")
     tp_size: int = option(
         1,
@@ -118,7 +124,7 @@ class EngineConfig:
         context_length = self.context_length or model_max
         if context_length > model_max:
             raise ValueError(f"--context-length {context_length} exceeds the model's {model_max}")
-        for name in ("max_running_requests", "max_prefill_tokens", "num_reserved_decode_tokens"):
+        for name in ("max_running_requests", "max_prefill_tokens", "num_reserved_decode_tokens", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if not 0.0 <= self.mem_fraction_static < 1.0:

@@ -208,7 +208,8 @@ class DecodeEngine(EngineCore):
                 self.channel.send(ipc.Rejected(msg.rid, "a decode server takes no KV destinations"))
 
     def send_outputs(self) -> list[Completion]:
-        """Destinations, every request's new tokens (one message per step), then the finished."""
+        """Destinations, the requests' new tokens (one message per step; a request's every
+        --stream-interval tokens), then the finished (with what they had not sent)."""
         done = self.take_outputs()
         if self.channel is None:
             return done
@@ -216,10 +217,11 @@ class DecodeEngine(EngineCore):
         while self.destinations:
             d = self.destinations.popleft()
             send(ipc.Destination(d.rid, d.room, d.page_ids, d.expires_unix_s))
-        chunks = []
+        chunks, interval = [], self.config.stream_interval
         for rid, entry in self.streaming.items():
             req, sent = entry
-            if len(req.output_ids) > sent:
+            new = len(req.output_ids) - sent
+            if new >= interval or (new > 0 and sent == 0):  # the first token at once; the rest on finish
                 lps = [(lp.token_id, lp.logprob, lp.top) for lp in req.output_logprobs[sent:]]
                 chunks.append(ipc.Tokens(rid, sent, req.output_ids[sent:], lps))
                 entry[1] = len(req.output_ids)

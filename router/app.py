@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,8 @@ log = logging.getLogger(__name__)
 class Router:
     def __init__(self, config: RouterConfig, resolve=None):
         self.config = config
+        self.started_file: str | None = None  # set by a supervised worker (router/serve.py)
+        self._started = False
         self.model = config.served_model_name or short_model_name(config.model_path)
         self.aliases = (config.model_path,)  # the path as given is a name of the model too
         self.defaults = load_generation_defaults(
@@ -135,6 +138,16 @@ class Router:
 
     def ready(self) -> dict:
         return {role: [v.url for v in self.registry.views(role) if v.healthy] for role in ("prefill", "decode")}
+
+    def started(self) -> bool:
+        """This process's router has started: every worker of a supervised router serves and its warm
+        spare is built (the supervisor says so once, with a file: router/supervisor.py); until then
+        /readiness answers 503, so that `pdserve up`, a benchmark or a Kubernetes probe does not send
+        its first burst while the other workers still load their tokenizers (one core each, for
+        seconds) and the kernel gives every connection to the few already listening."""
+        if not self._started and (self.started_file is None or os.path.exists(self.started_file)):
+            self._started = True
+        return self._started
 
     def serving(self) -> bool:
         """A healthy decode server, and a healthy prefill server unless decode servers may prefill."""

@@ -1,5 +1,6 @@
 """The operations endpoints: GET /health (the process answers), /readiness (a healthy decode
-server, and a prefill server unless decode servers may prefill: 503 otherwise), /metrics (the
+server, a prefill server unless decode servers may prefill, and every router worker started: 503
+otherwise), /metrics (the
 router's Prometheus series, router/metrics.py) and /v1/models (the one served model, OpenAI's
 list). None of them needs an API key.
 
@@ -24,7 +25,9 @@ def operations_routes(router) -> APIRouter:
 
     @routes.get("/readiness")
     async def readiness():
-        return JSONResponse({"ready": router.serving(), **router.ready()}, status_code=200 if router.serving() else 503)
+        ready = router.serving() and router.started()
+        body = {"ready": ready, "router_started": router.started(), **router.ready()}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @routes.get("/metrics")
     async def metrics():

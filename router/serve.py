@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 # uvicorn calls its process-manager hook (callback_notify) from its once-a-second tick when at
 # least this long has passed since the last call: so once a second, and at once when it starts.
 HEARTBEAT_S = 0.5
+STARTED_FILE = "started"  # in the metrics directory: the supervisor's word that every worker serves
 
 # What `ps`, `top` and the tests see of a supervised process (/proc/PID/comm, 15 bytes at most).
 WORKER_NAME = "pdserve-worker"  # a worker slot's process, starting or serving
@@ -128,6 +129,8 @@ def build(config: RouterConfig, supervisor: Connection | None) -> uvicorn.Server
     raise_open_file_limit()  # before the cap is sized from it
     try:
         router = Router(config)
+        if supervisor is not None:
+            router.started_file = os.path.join(os.environ[MULTIPROC_DIR_ENV], STARTED_FILE)
         guards = Guards.from_config(config, count=lambda reason: router.metrics.connections_closed.labels(reason).inc())
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -7,12 +7,17 @@
   each policy behaves across processes).
 - /metrics, in any worker, reports all of them: prometheus_client's multiprocess mode, in a fresh
   directory made here and removed at exit (router/metrics.py).
-- Once every worker serves, one more process is kept: the warm spare (router/serve.py's
+- One more process is kept, started with the workers: the warm spare (router/serve.py's
   run_spare; --no-warm-spare: none). It has imported the web stack and built its Router (the
   tokenizer: seconds, far more on a loaded host) but not bound the port — bound, the kernel would
   give it connections — and says "warm". A worker that dies is replaced by the spare at once: sent
   the slot's index, it binds and serves, and another spare is started. Without a warm spare (it is
   still warming, or gone) the slot gets a worker started afresh, as it would without spares.
+- The router has started once every worker serves and the spare is warm (or there will be none):
+  this process then writes STARTED_FILE in the metrics directory, and only from then on does a
+  worker's /readiness say ready. Building a worker loads the tokenizer (one core for seconds, ~15 s
+  on a loaded 16-core GPU host): a burst sent while some still build would run beside that, and
+  the kernel would have given all its connections to the workers already listening.
 - A worker that dies before it serves is a failed start: at the first start that ends the router
   (everything runs the same flags, so the next try fails alike: a bad --model-path, say); later,
   MAX_FAILED_STARTS in a row of one worker do. A spare that dies is started again; one that dies
@@ -42,7 +47,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.serve import bind, run_spare, run_worker
+from pdserve.router.serve import STARTED_FILE, bind, run_spare, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +93,8 @@ class Supervisor:
         self.spare_failed_starts = 0  # in a row; at MAX_FAILED_STARTS no more spares
         self.received: list[int] = []  # SIGTERM/SIGINT not yet passed on
         self.stopping = False
-        self.all_served = False  # every slot has served once: the first start is over
+        self.all_served = False  # every slot has served once
+        self.started = False  # ... and the spare was warm (or will not be): STARTED_FILE written
         self.metrics_dir = ""
 
     def run(self) -> int:
@@ -105,6 +111,7 @@ class Supervisor:
         previous_handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             self.workers = [self._start(i) for i in range(self.config.workers)]
+            self._keep_a_spare()
             return self._watch(wake_read)
         finally:
             self._stop_all()
@@ -168,6 +175,7 @@ class Supervisor:
                     if code is not None:
                         return code
             self._keep_a_spare()
+            self._note_started()
 
     def _forward_stop_signals(self) -> None:
         """The first signal goes on as SIGTERM; a SIGINT after it as SIGINT. NOTE: uvicorn's own
@@ -199,6 +207,14 @@ class Supervisor:
         if not self.all_served and all(x.serving for x in self.workers):
             self.all_served = True
             log.info("%d workers serving http://%s:%d", len(self.workers), self.config.host, self.config.port)
+
+    def _note_started(self) -> None:
+        spare_done = self.config.no_warm_spare or self.spare_failed_starts >= MAX_FAILED_STARTS
+        if self.started or not self.all_served or not (spare_done or (self.spare is not None and self.spare.warm)):
+            return
+        self.started = True
+        with open(os.path.join(self.metrics_dir, STARTED_FILE), "w"):
+            pass  # the workers' /readiness looks for it
 
     def _note_warm(self, spare: Spare) -> None:
         try:
@@ -265,10 +281,9 @@ class Supervisor:
             log.warning("%s while warming; starting another", how)
 
     def _keep_a_spare(self) -> None:
-        """Start a spare when there is none, the first start is over, and nothing stops us."""
+        """Start a spare when there is none and nothing stops us (the first with the workers)."""
         if (
             self.spare is None
-            and self.all_served
             and not self.config.no_warm_spare
             and not self.stopping
             and not self.received

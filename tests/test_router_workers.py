@@ -314,8 +314,9 @@ def test_a_dead_worker_is_replaced_by_the_warm_spare(tmp_path):
     def seen(who, event):
         return [pid for w, e, pid in events(tmp_path) if (w, e) == (who, event)]
 
-    wait_for("a warm spare", lambda: len(seen("spare", "warm")) == 1, 30)  # started once both serve
-    assert {w for w, e, _ in events(tmp_path) if e == "ready"} == {"0", "1"}
+    # the spare starts with the workers: wait for both (the order is theirs)
+    wait_for("a warm spare", lambda: len(seen("spare", "warm")) == 1, 30)
+    wait_for("both serving", lambda: {w for w, e, _ in events(tmp_path) if e == "ready"} == {"0", "1"}, 30)
     [spare] = seen("spare", "warm")
     [victim] = seen("0", "start")
     os.kill(victim, signal.SIGKILL)
@@ -485,6 +486,18 @@ def router(tiny_models):
                 return False
 
         wait_for("2 workers serving", up, 90)
+
+        def ready():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readiness", timeout=5) as r:
+                    return json.load(r)["ready"]
+            except OSError:  # (a 503 too)
+                return False
+
+        wait_for("the router ready", ready, 90)
+        # Ready only once both workers serve and the spare has warmed (router/supervisor.py): no
+        # process of the router is still loading its tokenizer when the first burst comes.
+        assert len(worker_pids(supervisor.pid)) == 2 and len(children_named(supervisor.pid, SPARE_NAME)) == 1
         yield model, port, supervisor
         everyone = (WORKER_NAME, SPARE_NAME, WARMING_NAME)
         wait_for("the workers and the spare", lambda: len(children_named(supervisor.pid, *everyone)) == 3, 30)
@@ -579,7 +592,7 @@ def test_a_killed_worker_fails_only_its_connections_and_is_replaced(router):
     import openai
 
     model, port, supervisor = router
-    # the spare starts once both workers serve, and warms (the tokenizer) while the tests before run
+    # the spare started with the workers, and was warm before the router said ready
     wait_for("a warm spare", lambda: len(children_named(supervisor.pid, SPARE_NAME)) == 1, 60)
     [spare] = children_named(supervisor.pid, SPARE_NAME)
     before = sample(scrape(port), 'pdserve_router_requests_total{status="200"}')
