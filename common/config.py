@@ -18,6 +18,11 @@ from pdserve.common import gguf_checkpoint
 
 # What CUDA graphs, activations and the sampling buffers get is the rest of the GPU's memory.
 DEFAULT_MEM_FRACTION_STATIC = 0.85
+# Tokens per streamed chunk on CUDA unless --stream-interval says: at a 2-3 ms decode step and
+# hundreds of streams, one chunk per token is more than the router and the clients can move (an H100
+# host, GPT-2 shape, 1024 streams: 0.61x the offline engine at 1, 0.80x at 4; docs/benchmarks.md).
+# A 4-token chunk is ~10 ms of a stream there; on CPU a step is tens of ms, so there every token goes.
+DEFAULT_CUDA_STREAM_INTERVAL = 4
 
 
 def option(default: Any, help: str, **kw: Any) -> Any:
@@ -85,10 +90,10 @@ class EngineConfig:
         "up to the next captured token count (at most a quarter more); 0 runs every prefill eagerly.",
     )
     stream_interval: int = option(
-        1,
+        0,
         "A streamed request's new tokens are sent every this many tokens (its first and its last at once); "
         "larger values cost the servers, the router and the clients less per token under load "
-        "(SGLang's --stream-interval).",
+        f"(SGLang's --stream-interval). 0: {DEFAULT_CUDA_STREAM_INTERVAL} on CUDA, 1 on CPU.",
     )
     random_seed: int = option(-1, "Seed for the per-request seeds the engine draws; -1: from the OS.")
     tp_size: int = option(
@@ -124,7 +129,7 @@ class EngineConfig:
         context_length = self.context_length or model_max
         if context_length > model_max:
             raise ValueError(f"--context-length {context_length} exceeds the model's {model_max}")
-        for name in ("max_running_requests", "max_prefill_tokens", "num_reserved_decode_tokens", "stream_interval"):
+        for name in ("max_running_requests", "max_prefill_tokens", "num_reserved_decode_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if not 0.0 <= self.mem_fraction_static < 1.0:
@@ -133,6 +138,9 @@ class EngineConfig:
             raise ValueError(
                 "--mem-fraction-static sizes GPU memory; on CPU use --max-total-tokens or --kv-cache-memory-gb"
             )
+        if self.stream_interval < 0:
+            raise ValueError(f"--stream-interval must be >= 0, got {self.stream_interval}")
+        stream_interval = self.stream_interval or (DEFAULT_CUDA_STREAM_INTERVAL if device.startswith("cuda") else 1)
         if self.kv_cache_memory_gb < 0:
             raise ValueError(f"--kv-cache-memory-gb must be >= 0, got {self.kv_cache_memory_gb}")
         mem_fraction_static, kv_cache_memory_gb = self.mem_fraction_static, self.kv_cache_memory_gb
@@ -171,6 +179,7 @@ class EngineConfig:
             device=device,
             dtype=dtype,
             context_length=context_length,
+            stream_interval=stream_interval,
         )
 
 

@@ -110,3 +110,41 @@ def test_a_local_prefill_starts_from_the_decode_servers_prefix_cache(tiny_models
     assert done["local"].output_ids == expected[1]
     assert done["local"].cached_tokens >= len(shared) - decode.config.page_size
     assert prefill.is_idle() and decode.is_idle()
+
+
+class _Channel:
+    """The scheduler process's channel, as the event loop uses it: nothing to receive, sends kept."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, msg) -> None:
+        self.sent.append(msg)
+
+    def recv(self, block: bool = False) -> list:
+        return []
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_stream_interval_sends_every_nth_token_and_the_first_and_last_at_once(tiny_models, interval):
+    """--stream-interval (SGLang's): a stream's first token goes at once (its TTFT), then every
+    `interval` tokens, and what is left with its finish; the tokens are all there, in order."""
+    from pdserve.common.serving import ipc
+
+    _, decode = engines(tiny_models("llama"), decode_kw=dict(stream_interval=interval))
+    decode.channel = channel = _Channel()
+    req = decode.add_local_request([0, 5, 6, 7], SamplingParams(max_new_tokens=11, temperature=0), rid="a")
+    decode.streaming["a"] = [req, 0]  # as process_input_requests registers a request from the frontend
+    loop = Stepper(decode)
+    deadline = time.monotonic() + 60
+    while decode.busy():
+        assert time.monotonic() < deadline
+        loop.step()
+    chunks = []
+    for msg in channel.sent:
+        chunks += msg.chunks if isinstance(msg, ipc.StepTokens) else [msg] if isinstance(msg, ipc.Tokens) else []
+    sizes = [len(c.token_ids) for c in chunks]
+    assert sizes[0] == 1 and all(size == interval for size in sizes[1:-1]) and 1 <= sizes[-1] <= interval, sizes
+    assert [c.index for c in chunks] == [sum(sizes[:i]) for i in range(len(sizes))]
+    assert [t for c in chunks for t in c.token_ids] == req.output_ids and len(req.output_ids) == 11
+    assert isinstance(channel.sent[-1], ipc.Finished)
