@@ -75,10 +75,14 @@ def wait_grpc(port: int, timeout_s: float) -> None:
 
 
 def children_of(supervisor: int, name: str) -> set[int]:
-    """The supervisor's child processes called `name` (router/serve.py names them)."""
+    """The supervisor's processes called `name` (router/serve.py names them): children of its fork
+    server, the supervisor's child (router/supervisor.py)."""
     out = subprocess.run(["pgrep", "-P", str(supervisor)], capture_output=True, text=True).stdout
+    pids = [int(p) for p in out.split()]
+    for parent in list(pids):
+        pids += map(int, subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split())
     found = set()
-    for pid in map(int, out.split()):
+    for pid in pids:
         try:
             if Path(f"/proc/{pid}/comm").read_text().strip() == name:
                 found.add(pid)

@@ -197,7 +197,8 @@ def supervised(config: RouterConfig, metrics_dir: str, name: str, who: str) -> N
 
 
 def run_worker(config: RouterConfig, index: int, supervisor: Connection, metrics_dir: str) -> None:
-    """A supervised worker process's entry (multiprocessing spawn); its metrics go to `metrics_dir`."""
+    """A supervised worker process's entry (forked by the supervisor's fork server); its metrics go to
+    `metrics_dir`."""
     supervised(config, metrics_dir, WORKER_NAME, f"router worker {index}")
     sys.exit(serve(config, supervisor))
 

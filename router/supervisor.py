@@ -28,8 +28,12 @@
   uvicorn's "stop now". The spare gets SIGTERM too (it has nothing to drain) and is never promoted
   once a stop is asked.
 
-NOTE: workers are spawned, never forked: a forked child would inherit the parent's threads' locks
-(grpc's, the tokenizer's) in whatever state they were.
+NOTE: workers are never forked from this process or a worker: a forked child would inherit the
+parent's threads' locks (grpc's, the tokenizer's) in whatever state they were. They are forked by
+multiprocessing's fork server, a fresh process that has only imported router/preload.py (the web
+stack and transformers, no threads of theirs) and does nothing else: one import at start instead of
+one per worker. So the workers are this process's grandchildren (the fork server's children), and a
+worker that sees its parent change knows the supervisor is gone (the fork server ends with it).
 """
 
 from __future__ import annotations
@@ -87,7 +91,8 @@ class Supervisor:
         self.config = config
         self.target = target
         self.spare_target = spare_target
-        self.context = multiprocessing.get_context("spawn")
+        self.context = multiprocessing.get_context("forkserver")
+        self.context.set_forkserver_preload(["pdserve.router.preload"])
         self.workers: list[Worker] = []
         self.spare: Spare | None = None
         self.spare_failed_starts = 0  # in a row; at MAX_FAILED_STARTS no more spares

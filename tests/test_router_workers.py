@@ -370,8 +370,9 @@ def test_a_spare_that_keeps_failing_is_given_up_and_the_router_serves_on(tmp_pat
 
 
 def children_named(supervisor: int, *names: str) -> set[int]:
-    """The supervisor's child processes by name (router/serve.py names them)."""
-    pids = set()
+    """The supervisor's worker and spare processes by name (router/serve.py names them): children of
+    its fork server, which is the supervisor's child (router/supervisor.py)."""
+    parents, named = {}, set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -380,10 +381,10 @@ def children_named(supervisor: int, *names: str) -> set[int]:
             name = Path(f"/proc/{entry}/comm").read_text().strip()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == supervisor and name in names:
-            pids.add(int(entry))
-    return pids
+        parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+        if name in names:
+            named.add(int(entry))
+    return {pid for pid in named if parents.get(parents.get(pid)) == supervisor}
 
 
 def worker_pids(supervisor: int) -> set[int]:
