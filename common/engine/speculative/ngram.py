@@ -1,0 +1,68 @@
+"""The n-gram proposer (prompt lookup): a request's drafts are what followed the last occurrence, in
+its prompt and output so far, of the n tokens it ends with (the longest n from max_n down to min_n
+that occurred before). No model: a copy of the request's own text.
+
+Each request keeps an index from every n-gram it holds to where that n-gram last ended, updated as
+tokens arrive, so a proposal is a dictionary lookup per n, not a scan of the context (a decode step
+proposes for every running request; contexts run to thousands of tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class NgramIndex:
+    """One request's tokens and, for each n, the latest end position of every n-gram but its suffix."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        # n -> n-gram -> its end (exclusive) at its latest occurrence, the suffix's own excluded
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            end = len(self.tokens)  # the n-grams ending here stop being the suffix once `token` follows
+            for n, ends in self.ends.items():
+                if end >= n:
+                    ends[tuple(self.tokens[end - n : end])] = end
+            self.tokens.append(token)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens: what followed the latest earlier occurrence of the longest suffix that
+        has one; [] when none has."""
+        length = len(self.tokens)
+        for n in range(min(self.max_n, length), self.min_n - 1, -1):
+            end = self.ends[n].get(tuple(self.tokens[length - n :]))
+            if end is not None:
+                return self.tokens[end : min(end + k, length)]
+        return []
+
+
+class NgramProposer:
+    """Drafts for many requests, by request id: `extend` as tokens arrive, `propose` before each
+    verify step, `free` when the request ends."""
+
+    def __init__(self, num_tokens: int, min_n: int = 1, max_n: int = 4):
+        if num_tokens < 1:
+            raise ValueError(f"--num-speculative-tokens must be >= 1, got {num_tokens}")
+        self.num_tokens, self.min_n, self.max_n = num_tokens, min_n, max_n
+        self.indexes: dict[str, NgramIndex] = {}
+
+    def extend(self, rid: str, tokens: Iterable[int]) -> None:
+        index = self.indexes.get(rid)
+        if index is None:
+            index = self.indexes[rid] = NgramIndex(self.min_n, self.max_n)
+        index.extend(tokens)
+
+    def propose(self, rid: str, limit: int | None = None) -> list[int]:
+        """Drafts for `rid`: at most num_tokens, and at most `limit` (the tokens it may still generate)."""
+        k = self.num_tokens if limit is None else min(self.num_tokens, limit)
+        index = self.indexes.get(rid)
+        return index.propose(k) if index is not None and k > 0 else []
+
+    def free(self, rid: str) -> None:
+        self.indexes.pop(rid, None)
