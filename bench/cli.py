@@ -7,6 +7,7 @@
         | --vocab-size V) [--num-prompts N] [--input-len L] [--output-len L]
         [--request-rate R ...] [--max-concurrency C ...] [--goodput KEY:MS ...] [--backend pdserve|hf]
         [--hf-batch-size B] [--warmup W] [--seed S] [--api-key KEY] [--client-workers N] [--router-pid PID]
+        [--conversations N [--turns T] [--system-len S] [--user-len U] [--think-time SECONDS]]
         [--output-json FILE] [engine flags]
     pdserve bench accuracy --model-path PATH [--base-url URL] [--model NAME] [--tasks gsm8k,hellaswag]
         [--limit N] [--concurrency C] [--reference hf|none] [--gsm8k-max-tokens T]
@@ -226,6 +227,23 @@ def add_bench_parser(sub) -> None:
         metavar="PID",
         help="With --base-url: a router on this host whose CPU time (with its child processes') "
         "each run reports; default: a local stack's router, else none.",
+    )
+    serve.add_argument(
+        "--conversations",
+        type=int,
+        default=0,
+        metavar="N",
+        help="A multi-turn workload instead of --num-prompts prompts: N conversations of --turns turns, "
+        "each turn's prompt the whole conversation so far plus a new user message (bench/multi_turn.py); "
+        "sent from this process to the router's /generate. 0: off.",
+    )
+    serve.add_argument("--turns", type=int, default=4, help="--conversations: turns per conversation.")
+    serve.add_argument(
+        "--system-len", type=int, default=256, help="--conversations: tokens of the system prompt they all share."
+    )
+    serve.add_argument("--user-len", type=int, default=64, help="--conversations: tokens of each user message.")
+    serve.add_argument(
+        "--think-time", type=float, default=0.0, help="--conversations: mean seconds before the next turn."
     )
     add_cli_args(serve, EngineConfig)
     serve.set_defaults(func=_serve)

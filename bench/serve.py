@@ -64,6 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if any(not rate > 0 for rate in args.request_rate) or any(c < 0 for c in args.max_concurrency):
         raise ValueError("--request-rate must be > 0 (inf: all at once), --max-concurrency >= 0 (0: no limit)")
     check_client_args(args)
+    check_multi_turn(args)
     pool = list(range(args.vocab_size)) if args.vocab_size else token_pool(model_path)
     config = from_cli_args(args, EngineConfig)
     local = config.resolve() if not args.base_url else None  # the device and dtype this machine serves with
@@ -121,6 +122,15 @@ def run_serve(args: argparse.Namespace) -> int:
         "prefill_policy": args.prefill_policy if not args.base_url else None,
         "prefix_groups": args.prefix_groups,
         "prefix_len": args.prefix_len,
+        "multi_turn": None
+        if not args.conversations
+        else {
+            "conversations": args.conversations,
+            "turns": args.turns,
+            "system_len": args.system_len,
+            "user_len": args.user_len,
+            "think_time_s": args.think_time,
+        },
         "goodput_slos_ms": slos,
         "runs": runs,
     }
@@ -246,6 +256,17 @@ def hf_backend(args: argparse.Namespace, config, cleanup: ExitStack):
     return server
 
 
+def check_multi_turn(args: argparse.Namespace) -> None:
+    if not args.conversations:
+        return
+    if args.conversations < 0 or args.turns < 1 or args.system_len < 0 or args.user_len < 1 or args.think_time < 0:
+        raise ValueError(
+            "--conversations >= 1 needs --turns >= 1, --system-len >= 0, --user-len >= 1, --think-time >= 0"
+        )
+    if args.backend == "hf" or args.client_workers > 1 or args.stacks:
+        raise ValueError("--conversations runs here over HTTP: no --backend hf, --client-workers or --stacks")
+
+
 def check_client_args(args: argparse.Namespace) -> None:
     if args.client_workers < 1:
         raise ValueError("--client-workers must be >= 1")
@@ -266,6 +287,12 @@ async def bench_runs(
         if not result.success:
             raise RuntimeError(f"warm-up request failed: {result.error}")
     runs = []
+    if args.conversations:
+        for rate, concurrency in itertools.product(args.request_rate, args.max_concurrency):
+            runs.append(await multi_turn_run(backend, args, pool, rate, concurrency, slos, router_pid))
+            print_run(runs[-1])
+            print_turns(runs[-1]["turns"])
+        return runs
     with ClientWorkers(args.client_workers, backend) if args.client_workers > 1 else nullcontext() as workers:
         for index, (rate, concurrency) in enumerate(itertools.product(args.request_rate, args.max_concurrency)):
             prompts = random_prompts(
@@ -316,6 +343,49 @@ async def measured_run(
     return run
 
 
+async def multi_turn_run(backend, args, pool: list[int], rate: float, concurrency: int, slos: dict, router_pid):
+    """One multi-turn run (bench/multi_turn.py): the usual summary over every turn, and per turn index."""
+    from pdserve.bench.multi_turn import MultiTurn, per_turn, run_conversations
+
+    spec = MultiTurn(args.conversations, args.turns, args.system_len, args.user_len, args.output_len, args.think_time)
+    print(f"measuring: {spec.conversations} conversations x {spec.turns} turns, rate {rate}", flush=True)
+    client, router = process_cpu_s(None), process_tree_cpu_s(router_pid) if router_pid else None
+    conversations, duration = await run_conversations(
+        backend.base_url, backend.headers, spec, pool, rate, concurrency, args.seed, args.request_timeout
+    )
+    results = [r for turns in conversations for r in turns]
+    run = {
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "max_concurrency": concurrency or None,
+        **summarize(results, duration, slos),
+    }
+    tokens = run["total_output_tokens"]
+    run["client_cpu_s_per_1k_tokens"] = cpu_per_1k_tokens(client, process_cpu_s(None), tokens)
+    run["router_cpu_s_per_1k_tokens"] = (
+        cpu_per_1k_tokens(router, process_tree_cpu_s(router_pid), tokens) if router_pid else None
+    )
+    run["errors"] = sorted({r.error for r in results if not r.success})[:5]
+    run["turns"] = per_turn(conversations, spec.turns)
+    return run
+
+
+def print_turns(turns: list[dict]) -> None:
+    header = ["turn", "answered", "mean prompt", "mean cached", "cached share", "TTFT p50", "TTFT p90"]
+    rows = [
+        [
+            t["turn"],
+            t["completed"],
+            f"{t['mean_prompt_len']:.0f}",
+            "-" if t["mean_cached_tokens"] is None else f"{t['mean_cached_tokens']:.0f}",
+            "-" if t["cached_share"] is None else f"{t['cached_share']:.1%}",
+            f"{t['ttft_ms']['p50']:.2f}",
+            f"{t['ttft_ms']['p90']:.2f}",
+        ]
+        for t in turns
+    ]
+    print(table(header, rows) + "\n  (latencies in ms)\n", flush=True)
+
+
 def print_run(run: dict) -> None:
     lines = [
         f"==== rate {run['request_rate']} req/s, max concurrency {run['max_concurrency'] or 'none'} ====",
@@ -348,10 +418,13 @@ def print_run(run: dict) -> None:
 
 
 def print_summary(report: dict) -> None:
-    print(
-        f"\n{report['backend']} {report['model']} on {report['device'] or report['base_url']}, "
-        f"{report['num_prompts']} requests x {report['input_len']} in -> {report['output_len']} out"
-    )
+    workload = f"{report['num_prompts']} requests x {report['input_len']} in -> {report['output_len']} out"
+    if (turns := report["multi_turn"]) is not None:
+        workload = (
+            f"{turns['conversations']} conversations x {turns['turns']} turns (system {turns['system_len']}, "
+            f"user {turns['user_len']} a turn) -> {report['output_len']} out"
+        )
+    print(f"\n{report['backend']} {report['model']} on {report['device'] or report['base_url']}, {workload}")
     header = [
         "rate",
         "max conc",

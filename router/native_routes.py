@@ -38,7 +38,8 @@ def native_routes(router) -> APIRouter:
     @routes.post("/generate")
     async def generate(request: Request):
         """Native: {"text" | "input_ids", "sampling_params": {OpenAI completion fields}, "stream"} ->
-        {"text", "output_ids", "finish_reason", "usage"} (or SSE of {"text", "output_ids"} deltas)."""
+        {"text", "output_ids", "finish_reason", "usage"} (or SSE of {"text"} deltas, then one
+        {"output_ids", "finish_reason", "usage"})."""
         try:
             body, size = await body_of(router, request)
             parsed = await parse_body(router, parse_completion_request, completion_body(body), size)
@@ -71,14 +72,14 @@ def native_routes(router) -> APIRouter:
             "text": c.text,
             "output_ids": c.output_ids,
             "finish_reason": c.finish_reason.value,
-            "usage": {
-                "prompt_tokens": len(ids),
-                "completion_tokens": len(c.output_ids),
-                "cached_tokens": c.cached_tokens,
-            },
+            "usage": usage_of(ids, c),
         }
 
     return routes
+
+
+def usage_of(ids: list[int], c) -> dict:
+    return {"prompt_tokens": len(ids), "completion_tokens": len(c.output_ids), "cached_tokens": c.cached_tokens}
 
 
 def completion_body(body: dict) -> dict:
@@ -104,7 +105,8 @@ async def native_stream(router, ids: list[int], params):
         async for items in queued_batches(queue, [task]):
             yield "".join(f"data: {json.dumps(item)}\n\n" for item in items)
         c = task.result()
-        yield "data: " + json.dumps({"output_ids": c.output_ids, "finish_reason": c.finish_reason.value}) + "\n\n"
+        last = {"output_ids": c.output_ids, "finish_reason": c.finish_reason.value, "usage": usage_of(ids, c)}
+        yield "data: " + json.dumps(last) + "\n\n"
         yield "data: [DONE]\n\n"
     finally:
         task.cancel()

@@ -719,3 +719,25 @@ def test_prefill_latency_times_one_prompt_at_a_time(cache, capsys):
     context = 1024  # llama/tiny's max_position_embeddings: a longer length is cut to fit one token of output
     assert [r["input_len"] for r in report["rows"]] == [8, context - 1]
     assert all(0 < r["min_ms"] <= r["median_ms"] for r in report["rows"])
+
+
+def test_multi_turn_conversations_resend_their_history_and_hit_the_prefix_cache(cache, capsys):
+    """--conversations: each turn's prompt is the conversation so far (the server's own answers
+    included) plus a user message, so prompts grow by user + output tokens a turn, and from the second
+    turn on the prefill server's cache holds the earlier turns."""
+    argv = ["bench", "serve", "--random-weights", "llama/tiny", "--device", "cpu", "--max-total-tokens", "4096"]
+    argv += ["--conversations", "3", "--turns", "3", "--system-len", "32", "--user-len", "8", "--output-len", "4"]
+    argv += ["--page-size", "4", "--disable-overlap-schedule"]
+    assert main(argv) == 0
+    report = report_of(capsys)
+    assert report["multi_turn"] == {
+        "conversations": 3, "turns": 3, "system_len": 32, "user_len": 8, "think_time_s": 0.0,
+    }  # fmt: skip
+    [run] = report["runs"]
+    assert (run["completed"], run["failed"], run["total_output_tokens"]) == (9, 0, 36)
+    turns = run["turns"]
+    assert [(t["turn"], t["completed"], t["mean_prompt_len"]) for t in turns] == [(1, 3, 40), (2, 3, 52), (3, 3, 64)]
+    assert turns[2]["mean_cached_tokens"] >= 40 and all(t["cached_share"] > 0 for t in turns[1:])
+    assert all(t["ttft_ms"]["p50"] > 0 for t in turns)
+    bad = ["bench", "serve", "--random-weights", "llama/tiny", "--conversations", "2"]
+    assert main([*bad, "--client-workers", "2"]) == 2 and main([*bad, "--turns", "0"]) == 2

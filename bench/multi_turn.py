@@ -1,0 +1,132 @@
+"""Multi-turn conversations for `pdserve bench serve --conversations N --turns T`: chat and agent
+traffic, where every turn resends the whole conversation.
+
+Each conversation starts with a system prompt shared by all of them (--system-len tokens), then
+takes T turns: its prompt is the previous turn's prompt, that turn's answer (the ids the server
+generated, --output-len of them) and a new user message (--user-len random ids); between turns the
+user thinks (exponential, mean --think-time s). Conversations start as --request-rate says (all at
+once by default), at most --max-concurrency at a time. Sent to the router's native /generate (token
+ids in and out, streamed), from this process. Reported per turn index: TTFT, prompt length and the
+prompt tokens served from a prefix cache, which grow with the history a server kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+
+from pdserve.bench.http_client import post_events
+from pdserve.bench.loadgen import arrival_times
+from pdserve.bench.metrics import RequestResult, latency_summary
+
+
+@dataclass
+class MultiTurn:
+    conversations: int
+    turns: int
+    system_len: int
+    user_len: int
+    output_len: int
+    think_time_s: float
+
+
+async def generate(url: str, headers: dict, prompt: list[int], output_len: int, timeout_s: float):
+    """One streamed /generate: (its RequestResult, the output ids; [] when it failed)."""
+    result, start, output_ids = RequestResult(prompt_len=len(prompt)), time.perf_counter(), []
+    payload = {
+        "input_ids": prompt,
+        "stream": True,
+        "sampling_params": {"max_tokens": output_len, "temperature": 0.0, "ignore_eos": True},
+    }
+
+    async def read() -> None:
+        nonlocal output_ids
+        last = None
+        async for stamp, data in post_events(url, payload, headers):
+            if data == "[DONE]":
+                break
+            item = json.loads(data)
+            if "error" in item:
+                raise RuntimeError(f"server error: {item['error']}")
+            if "output_ids" in item:  # the last item: the ids, the finish and the usage
+                output_ids = item["output_ids"]
+                result.cached_tokens = (item.get("usage") or {}).get("cached_tokens")
+                stamp = last or stamp
+            if last is None:
+                result.ttft = stamp - start
+            elif stamp != last:
+                result.itl.append(stamp - last)
+            last = stamp
+        result.e2e = (last or time.perf_counter()) - start
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except Exception as e:  # noqa: BLE001 - any failure of one turn is that turn's result
+        result.error = f"{type(e).__name__}: {e}"
+        return result, []
+    result.output_tokens = len(output_ids)
+    if len(output_ids) != output_len:
+        result.error = f"{len(output_ids)} output tokens, expected {output_len}"
+        return result, []
+    result.success = True
+    return result, output_ids
+
+
+async def run_conversations(
+    base_url: str, headers: dict, spec: MultiTurn, pool: list[int], rate: float, max_concurrency: int, seed: int,
+    timeout_s: float,
+) -> tuple[list[list[RequestResult]], float]:  # fmt: skip
+    """Every conversation's turns' results (a conversation ends at its first failed turn: the next
+    needs its answer), and the duration from the first request to the last answer."""
+    url = base_url.rstrip("/") + "/generate"
+    rng = random.Random(seed)
+    system = [rng.choice(pool) for _ in range(spec.system_len)]
+    users = [
+        [[rng.choice(pool) for _ in range(spec.user_len)] for _ in range(spec.turns)] for _ in range(spec.conversations)
+    ]
+    thinks = [[rng.expovariate(1 / spec.think_time_s) if spec.think_time_s > 0 else 0.0 for _ in range(spec.turns)]
+              for _ in range(spec.conversations)]  # fmt: skip
+    slots = asyncio.Semaphore(max_concurrency or spec.conversations)
+    start = time.perf_counter()
+
+    async def converse(c: int, offset: float) -> list[RequestResult]:
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        results, history = [], list(system)
+        async with slots:
+            for t in range(spec.turns):
+                prompt = history + users[c][t]
+                result, output_ids = await generate(url, headers, prompt, spec.output_len, timeout_s)
+                results.append(result)
+                if not result.success:
+                    break
+                history = prompt + output_ids
+                if t + 1 < spec.turns and thinks[c][t]:
+                    await asyncio.sleep(thinks[c][t])
+        return results
+
+    offsets = arrival_times(spec.conversations, rate, seed)
+    conversations = await asyncio.gather(*(converse(c, offsets[c]) for c in range(spec.conversations)))
+    return conversations, time.perf_counter() - start
+
+
+def per_turn(conversations: list[list[RequestResult]], turns: int) -> list[dict]:
+    """By turn index: answered turns, mean prompt length, cached prompt tokens (mean and share), TTFT."""
+    rows = []
+    for t in range(turns):
+        ok = [c[t] for c in conversations if len(c) > t and c[t].success]
+        cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+        prompt = sum(r.prompt_len for r in ok)
+        rows.append(
+            {
+                "turn": t + 1,
+                "completed": len(ok),
+                "mean_prompt_len": prompt / len(ok) if ok else 0.0,
+                "mean_cached_tokens": sum(cached) / len(cached) if cached else None,
+                "cached_share": sum(cached) / prompt if cached and len(cached) == len(ok) and prompt else None,
+                "ttft_ms": latency_summary([r.ttft for r in ok]),
+            }
+        )
+    return rows
