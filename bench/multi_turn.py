@@ -12,15 +12,19 @@ prompt tokens served from a prefix cache, which grow with the history a server k
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import math
 import random
 import time
 from dataclasses import dataclass
 
 from pdserve.bench.http_client import post_events
 from pdserve.bench.loadgen import arrival_times
-from pdserve.bench.metrics import RequestResult, latency_summary
+from pdserve.bench.metrics import RequestResult, latency_summary, summarize
+from pdserve.bench.proc_cpu import cpu_per_1k_tokens, process_cpu_s, process_tree_cpu_s
+from pdserve.bench.report import table
 
 
 @dataclass
@@ -130,3 +134,63 @@ def per_turn(conversations: list[list[RequestResult]], turns: int) -> list[dict]
             }
         )
     return rows
+
+
+def check_multi_turn(args: argparse.Namespace) -> None:
+    if not args.conversations:
+        return
+    if args.conversations < 0 or args.turns < 1 or args.system_len < 0 or args.user_len < 1 or args.think_time < 0:
+        raise ValueError(
+            "--conversations >= 1 needs --turns >= 1, --system-len >= 0, --user-len >= 1, --think-time >= 0"
+        )
+    if args.backend == "hf" or args.client_workers > 1 or args.stacks:
+        raise ValueError("--conversations runs here over HTTP: no --backend hf, --client-workers or --stacks")
+
+
+async def multi_turn_run(backend, args, pool: list[int], rate: float, concurrency: int, slos: dict, router_pid):
+    """One multi-turn run (bench/multi_turn.py): the usual summary over every turn, and per turn index."""
+    spec = MultiTurn(args.conversations, args.turns, args.system_len, args.user_len, args.output_len, args.think_time)
+    print(f"measuring: {spec.conversations} conversations x {spec.turns} turns, rate {rate}", flush=True)
+    client, router = process_cpu_s(None), process_tree_cpu_s(router_pid) if router_pid else None
+    conversations, duration = await run_conversations(
+        backend.base_url, backend.headers, spec, pool, rate, concurrency, args.seed, args.request_timeout
+    )
+    results = [r for turns in conversations for r in turns]
+    run = {
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "max_concurrency": concurrency or None,
+        **summarize(results, duration, slos),
+    }
+    tokens = run["total_output_tokens"]
+    run["client_cpu_s_per_1k_tokens"] = cpu_per_1k_tokens(client, process_cpu_s(None), tokens)
+    run["router_cpu_s_per_1k_tokens"] = (
+        cpu_per_1k_tokens(router, process_tree_cpu_s(router_pid), tokens) if router_pid else None
+    )
+    run["errors"] = sorted({r.error for r in results if not r.success})[:5]
+    run["turns"] = per_turn(conversations, spec.turns)
+    return run
+
+
+def print_turns(turns: list[dict]) -> None:
+    header = ["turn", "answered", "mean prompt", "mean cached", "cached share", "TTFT p50", "TTFT p90"]
+    rows = [
+        [
+            t["turn"],
+            t["completed"],
+            f"{t['mean_prompt_len']:.0f}",
+            "-" if t["mean_cached_tokens"] is None else f"{t['mean_cached_tokens']:.0f}",
+            "-" if t["cached_share"] is None else f"{t['cached_share']:.1%}",
+            f"{t['ttft_ms']['p50']:.2f}",
+            f"{t['ttft_ms']['p90']:.2f}",
+        ]
+        for t in turns
+    ]
+    print(table(header, rows) + "\n  (latencies in ms)\n", flush=True)
+
+
+def multi_turn_report(args: argparse.Namespace) -> dict | None:
+    """The workload's shape for the JSON report; None without --conversations."""
+    if not args.conversations:
+        return None
+    fields = ("conversations", "turns", "system_len", "user_len")
+    return {name: getattr(args, name) for name in fields} | {"think_time_s": args.think_time}

@@ -18,6 +18,7 @@ from pdserve.bench.client_workers import ClientWorkers
 from pdserve.bench.http_client import get_json
 from pdserve.bench.loadgen import OpenAIBackend, run_schedule, timed_request
 from pdserve.bench.metrics import parse_goodput, summarize
+from pdserve.bench.multi_turn import check_multi_turn, multi_turn_report, multi_turn_run, print_turns
 from pdserve.bench.proc_cpu import cpu_per_1k_tokens, process_cpu_s, process_tree_cpu_s
 from pdserve.bench.random_weights import model_path_from_args
 from pdserve.bench.report import command_line, device_name, emit, table
@@ -122,15 +123,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "prefill_policy": args.prefill_policy if not args.base_url else None,
         "prefix_groups": args.prefix_groups,
         "prefix_len": args.prefix_len,
-        "multi_turn": None
-        if not args.conversations
-        else {
-            "conversations": args.conversations,
-            "turns": args.turns,
-            "system_len": args.system_len,
-            "user_len": args.user_len,
-            "think_time_s": args.think_time,
-        },
+        "multi_turn": multi_turn_report(args),
         "goodput_slos_ms": slos,
         "runs": runs,
     }
@@ -256,17 +249,6 @@ def hf_backend(args: argparse.Namespace, config, cleanup: ExitStack):
     return server
 
 
-def check_multi_turn(args: argparse.Namespace) -> None:
-    if not args.conversations:
-        return
-    if args.conversations < 0 or args.turns < 1 or args.system_len < 0 or args.user_len < 1 or args.think_time < 0:
-        raise ValueError(
-            "--conversations >= 1 needs --turns >= 1, --system-len >= 0, --user-len >= 1, --think-time >= 0"
-        )
-    if args.backend == "hf" or args.client_workers > 1 or args.stacks:
-        raise ValueError("--conversations runs here over HTTP: no --backend hf, --client-workers or --stacks")
-
-
 def check_client_args(args: argparse.Namespace) -> None:
     if args.client_workers < 1:
         raise ValueError("--client-workers must be >= 1")
@@ -341,49 +323,6 @@ async def measured_run(
     )
     run["errors"] = sorted({r.error for r in results if not r.success})[:5]
     return run
-
-
-async def multi_turn_run(backend, args, pool: list[int], rate: float, concurrency: int, slos: dict, router_pid):
-    """One multi-turn run (bench/multi_turn.py): the usual summary over every turn, and per turn index."""
-    from pdserve.bench.multi_turn import MultiTurn, per_turn, run_conversations
-
-    spec = MultiTurn(args.conversations, args.turns, args.system_len, args.user_len, args.output_len, args.think_time)
-    print(f"measuring: {spec.conversations} conversations x {spec.turns} turns, rate {rate}", flush=True)
-    client, router = process_cpu_s(None), process_tree_cpu_s(router_pid) if router_pid else None
-    conversations, duration = await run_conversations(
-        backend.base_url, backend.headers, spec, pool, rate, concurrency, args.seed, args.request_timeout
-    )
-    results = [r for turns in conversations for r in turns]
-    run = {
-        "request_rate": "inf" if math.isinf(rate) else rate,
-        "max_concurrency": concurrency or None,
-        **summarize(results, duration, slos),
-    }
-    tokens = run["total_output_tokens"]
-    run["client_cpu_s_per_1k_tokens"] = cpu_per_1k_tokens(client, process_cpu_s(None), tokens)
-    run["router_cpu_s_per_1k_tokens"] = (
-        cpu_per_1k_tokens(router, process_tree_cpu_s(router_pid), tokens) if router_pid else None
-    )
-    run["errors"] = sorted({r.error for r in results if not r.success})[:5]
-    run["turns"] = per_turn(conversations, spec.turns)
-    return run
-
-
-def print_turns(turns: list[dict]) -> None:
-    header = ["turn", "answered", "mean prompt", "mean cached", "cached share", "TTFT p50", "TTFT p90"]
-    rows = [
-        [
-            t["turn"],
-            t["completed"],
-            f"{t['mean_prompt_len']:.0f}",
-            "-" if t["mean_cached_tokens"] is None else f"{t['mean_cached_tokens']:.0f}",
-            "-" if t["cached_share"] is None else f"{t['cached_share']:.1%}",
-            f"{t['ttft_ms']['p50']:.2f}",
-            f"{t['ttft_ms']['p90']:.2f}",
-        ]
-        for t in turns
-    ]
-    print(table(header, rows) + "\n  (latencies in ms)\n", flush=True)
 
 
 def print_run(run: dict) -> None:
