@@ -32,6 +32,7 @@ class RequestResult:
     success: bool = False
     error: str = ""
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache, when the server says
+    kv_transfer_bytes: int | None = None  # KV written prefill -> decode for it, when the server says (/generate)
 
     @property
     def tpot(self) -> float:

@@ -57,7 +57,11 @@ async def generate(url: str, headers: dict, prompt: list[int], output_len: int, 
                 raise RuntimeError(f"server error: {item['error']}")
             if "output_ids" in item:  # the last item: the ids, the finish and the usage
                 output_ids = item["output_ids"]
-                result.cached_tokens = (item.get("usage") or {}).get("cached_tokens")
+                usage = item.get("usage") or {}
+                result.cached_tokens, result.kv_transfer_bytes = (
+                    usage.get("cached_tokens"),
+                    usage.get("kv_transfer_bytes"),
+                )
                 stamp = last or stamp
             if last is None:
                 result.ttft = stamp - start
@@ -116,8 +120,13 @@ async def run_conversations(
     return conversations, time.perf_counter() - start
 
 
+def mean(values: list) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def per_turn(conversations: list[list[RequestResult]], turns: int) -> list[dict]:
-    """By turn index: answered turns, mean prompt length, cached prompt tokens (mean and share), TTFT."""
+    """By turn index: answered turns, mean prompt length, cached prompt tokens (mean and share), the
+    KV bytes the prefill server wrote to the decode server (mean), TTFT."""
     rows = []
     for t in range(turns):
         ok = [c[t] for c in conversations if len(c) > t and c[t].success]
@@ -128,8 +137,9 @@ def per_turn(conversations: list[list[RequestResult]], turns: int) -> list[dict]
                 "turn": t + 1,
                 "completed": len(ok),
                 "mean_prompt_len": prompt / len(ok) if ok else 0.0,
-                "mean_cached_tokens": sum(cached) / len(cached) if cached else None,
+                "mean_cached_tokens": mean(cached),
                 "cached_share": sum(cached) / prompt if cached and len(cached) == len(ok) and prompt else None,
+                "mean_kv_transfer_bytes": mean([r.kv_transfer_bytes for r in ok if r.kv_transfer_bytes is not None]),
                 "ttft_ms": latency_summary([r.ttft for r in ok]),
             }
         )
@@ -172,7 +182,7 @@ async def multi_turn_run(backend, args, pool: list[int], rate: float, concurrenc
 
 
 def print_turns(turns: list[dict]) -> None:
-    header = ["turn", "answered", "mean prompt", "mean cached", "cached share", "TTFT p50", "TTFT p90"]
+    header = ["turn", "answered", "mean prompt", "mean cached", "cached share", "KV sent", "TTFT p50", "TTFT p90"]
     rows = [
         [
             t["turn"],
@@ -180,6 +190,7 @@ def print_turns(turns: list[dict]) -> None:
             f"{t['mean_prompt_len']:.0f}",
             "-" if t["mean_cached_tokens"] is None else f"{t['mean_cached_tokens']:.0f}",
             "-" if t["cached_share"] is None else f"{t['cached_share']:.1%}",
+            "-" if t["mean_kv_transfer_bytes"] is None else f"{t['mean_kv_transfer_bytes'] / 1024:.1f} KiB",
             f"{t['ttft_ms']['p50']:.2f}",
             f"{t['ttft_ms']['p90']:.2f}",
         ]

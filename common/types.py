@@ -164,6 +164,7 @@ class Completion:
     # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing before it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    kv_transfer_bytes: int = 0  # the router's: KV bytes its prefill server wrote to its decode server
     error: str | None = None  # why an aborted sequence failed (None: cancelled, or not aborted)
     error_code: ErrorCode | None = None  # set with `error`
 
@@ -212,6 +213,7 @@ class Req:
         self.error_code: ErrorCode | None = None
         self.kv_len = 0
         self.cached_tokens = 0
+        self.kv_transfer_bytes = 0  # (set by the router, from the prefill server's answer)
         self.arrived = 0.0  # time.monotonic() when it was queued
         self.admitted = 0.0  # time.monotonic() when its first prefill batch was scheduled
         self.detokenizer = None  # set by the engine: an IncrementalDetokenizer

@@ -203,6 +203,7 @@ class Router:
                     event.cached_tokens is not None
                 ):  # the first event (the prefill's answer), or a local prefill's finish
                     req.cached_tokens = event.cached_tokens
+                    req.kv_transfer_bytes = event.kv_transfer_bytes
                     req.prompt_logprobs = event.prompt_logprobs
                     if on_prompt is not None and event.kind is EventKind.TOKENS:
                         await on_prompt(req.prompt_logprobs)

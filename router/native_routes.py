@@ -79,7 +79,14 @@ def native_routes(router) -> APIRouter:
 
 
 def usage_of(ids: list[int], c) -> dict:
-    return {"prompt_tokens": len(ids), "completion_tokens": len(c.output_ids), "cached_tokens": c.cached_tokens}
+    """/generate's usage: OpenAI's counts, the prompt tokens a prefix cache held, and the KV bytes the
+    prefill server wrote to the decode server (0 for a prompt the decode server prefilled itself)."""
+    return {
+        "prompt_tokens": len(ids),
+        "completion_tokens": len(c.output_ids),
+        "cached_tokens": c.cached_tokens,
+        "kv_transfer_bytes": c.kv_transfer_bytes,
+    }
 
 
 def completion_body(body: dict) -> dict:

@@ -54,6 +54,7 @@ class Event:
     index: int = 0
     logprobs: list = field(default_factory=list)  # TokenLogprob per token, when requested
     cached_tokens: int | None = None  # on the first token: prompt tokens the prefill server had cached
+    kv_transfer_bytes: int = 0  # on the first token: the KV bytes the prefill server wrote to the decode server
     # On the first token, when asked for: the prompt's logprobs (None for its first token).
     prompt_logprobs: list | None = None
 
@@ -210,6 +211,7 @@ async def paired_generate(
             0,
             first_lp,
             cached_tokens=response.cached_tokens,
+            kv_transfer_bytes=response.timings.transfer_bytes,
             prompt_logprobs=await prompt_logprobs_of(response, params),
         )
         # The decode stream's read started while the prefill ran; token 0 came from the prefill.

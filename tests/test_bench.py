@@ -739,5 +739,9 @@ def test_multi_turn_conversations_resend_their_history_and_hit_the_prefix_cache(
     assert [(t["turn"], t["completed"], t["mean_prompt_len"]) for t in turns] == [(1, 3, 40), (2, 3, 52), (3, 3, 64)]
     assert turns[2]["mean_cached_tokens"] >= 40 and all(t["cached_share"] > 0 for t in turns[1:])
     assert all(t["ttft_ms"]["p50"] > 0 for t in turns)
+    # Every turn's whole prompt crosses to the decode server today (its pages: 4 tokens each), though
+    # the decode server holds all of it but the new message (prefix-aware transfers will send less).
+    per_page = {t["mean_kv_transfer_bytes"] / -(-t["mean_prompt_len"] // 4) for t in turns}
+    assert len(per_page) == 1 and per_page.pop() > 0
     bad = ["bench", "serve", "--random-weights", "llama/tiny", "--conversations", "2"]
     assert main([*bad, "--client-workers", "2"]) == 2 and main([*bad, "--turns", "0"]) == 2

@@ -52,6 +52,8 @@ from pdserve.common.types import Req, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+DEAD_PEER_GRACE_S = 2.0  # a failed collective: how long to look for the TP rank that died (tp_worker.check_alive)
+
 
 @dataclass
 class DeferredSample:
@@ -279,7 +281,7 @@ class EngineCore:
                 )
         except RuntimeError:
             if self.tp_workers is not None:
-                self.tp_workers.check_alive()  # a collective failed: name the rank that died, if one did
+                self.tp_workers.check_alive(DEAD_PEER_GRACE_S)  # a collective failed: name the rank that died
             raise
         self.scheduler.on_launched(batch, slots)
         self.trace.append(("launch", batch.seq))
@@ -304,7 +306,7 @@ class EngineCore:
             )
         except RuntimeError:
             if self.tp_workers is not None:
-                self.tp_workers.check_alive()
+                self.tp_workers.check_alive(DEAD_PEER_GRACE_S)
             raise
 
     def launch_deferred(self) -> None:

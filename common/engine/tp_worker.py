@@ -199,13 +199,23 @@ class TPWorkers:
                 self.check_alive()
                 next_check += ALIVE_CHECK_S
 
-    def check_alive(self) -> None:
-        """RuntimeError (the others killed) when a rank has exited: the engine cannot go on."""
-        for rank, proc in enumerate(self.procs, start=1):
-            code = proc.poll()
-            if code is not None:
-                self.close(kill=True)
-                raise RuntimeError(f"TP rank {rank} exited with code {code}")
+    def check_alive(self, grace_s: float = 0.0) -> None:
+        """RuntimeError (the others killed) when a rank has exited: the engine cannot go on.
+        `grace_s`: look again for that long (a collective just failed on a closed connection).
+
+        NOTE a killed rank's sockets close while the kernel tears it down, a moment before its exit
+        status can be read: a collective can fail on "Connection closed by peer" (gloo) while the
+        rank still polls alive. Looked at once, the engine would raise gloo's message, not the rank's."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, proc in enumerate(self.procs, start=1):
+                code = proc.poll()
+                if code is not None:
+                    self.close(kill=True)
+                    raise RuntimeError(f"TP rank {rank} exited with code {code}")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
 
     def close(self, kill: bool = False) -> None:
         """Stop every other rank (kill: at once; else they finish what they were sent, then exit).

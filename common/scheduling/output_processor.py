@@ -131,6 +131,7 @@ def finalize_all(reqs: list[Req]) -> list[Completion]:
             logprobs=req.output_logprobs if req.params.logprobs is not None else None,
             prompt_logprobs=req.prompt_logprobs,
             cached_tokens=req.cached_tokens,
+            kv_transfer_bytes=req.kv_transfer_bytes,
             error=req.error,
             error_code=req.error_code,
         )
