@@ -52,7 +52,10 @@ from pdserve.common.types import Req, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-DEAD_PEER_GRACE_S = 2.0  # a failed collective: how long to look for the TP rank that died (tp_worker.check_alive)
+# A failed collective: how long to look for the TP rank that died (tp_worker.check_alive). NOTE a killed
+# rank's sockets close a moment before its exit status can be read: looked at once, the engine raised
+# gloo's "Connection closed by peer" instead of "TP rank 1 exited".
+DEAD_PEER_GRACE_S = 2.0
 
 
 @dataclass

@@ -200,17 +200,11 @@ class TPWorkers:
                 next_check += ALIVE_CHECK_S
 
     def check_alive(self, grace_s: float = 0.0) -> None:
-        """RuntimeError (the others killed) when a rank has exited: the engine cannot go on.
-        `grace_s`: look again for that long (a collective just failed on a closed connection).
-
-        NOTE a killed rank's sockets close while the kernel tears it down, a moment before its exit
-        status can be read: a collective can fail on "Connection closed by peer" (gloo) while the
-        rank still polls alive. Looked at once, the engine would raise gloo's message, not the rank's."""
+        """RuntimeError (the others killed) when a rank has exited; looked for `grace_s` (core.py DEAD_PEER_GRACE_S)."""
         deadline = time.monotonic() + grace_s
         while True:
             for rank, proc in enumerate(self.procs, start=1):
-                code = proc.poll()
-                if code is not None:
+                if (code := proc.poll()) is not None:
                     self.close(kill=True)
                     raise RuntimeError(f"TP rank {rank} exited with code {code}")
             if time.monotonic() >= deadline:
