@@ -1,8 +1,7 @@
 """The operations endpoints: GET /health (the process answers), /readiness (a healthy decode
 server, a prefill server unless decode servers may prefill, and every router worker started: 503
-otherwise), /metrics (the
-router's Prometheus series, router/metrics.py) and /v1/models (the one served model, OpenAI's
-list). None of them needs an API key.
+otherwise), /metrics (the router's Prometheus series, router/metrics.py) and /v1/models (the one
+served model, OpenAI's list). None of them needs an API key.
 
 `router` is the app's Router (router/app.py); this module does not import it, since app.py imports
 this one.

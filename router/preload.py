@@ -4,7 +4,8 @@ imports cost one process's seconds at start, not every worker's. They are most o
 `from transformers import AutoTokenizer` brings torch when it is installed, ~15 s of a core per
 process on a loaded 16-core GPU host, where eight workers and a spare imported them side by side.
 
-NOTE: nothing here may start a thread that holds a lock while the fork server forks, nor import
+NOTE: nothing here may start a thread that can hold a lock while the fork server forks (torch's
+import leaves one idle thread: the fork DataLoader makes after it too), nor import
 prometheus_client: it picks where its values live when first imported, from the variable each worker
 sets for itself (router/metrics_env.py) — so not the router's own modules either (app, metrics)."""
 

@@ -31,9 +31,12 @@
 NOTE: workers are never forked from this process or a worker: a forked child would inherit the
 parent's threads' locks (grpc's, the tokenizer's) in whatever state they were. They are forked by
 multiprocessing's fork server, a fresh process that has only imported router/preload.py (the web
-stack and transformers, no threads of theirs) and does nothing else: one import at start instead of
-one per worker. So the workers are this process's grandchildren (the fork server's children), and a
-worker that sees its parent change knows the supervisor is gone (the fork server ends with it).
+stack and transformers; torch's import, which transformers makes where torch is installed, leaves
+one idle thread, as in every process PyTorch's DataLoader forks its workers from) and does nothing
+else: one import at start instead of one per worker. So the workers are this process's grandchildren
+(the fork server's children), and a worker that sees its parent change takes the supervisor for gone
+(the fork server ends with it; a fork server killed alone stops the workers too, and the supervisor
+starts them again, through a new one).
 """
 
 from __future__ import annotations
