@@ -162,10 +162,19 @@ def test_fast_decoder_equals_tokenizer_decode(tokenizer, clean_up):
 
 
 @pytest.mark.parametrize("clean_up", [False, True])
-def test_flush_all_equals_flush_one_at_a_time(tokenizer, clean_up):
-    """Finishing a batch (one batched decode) leaves every detokenizer as its own flush() would:
-    fresh ones (the context's window), ones that emitted already, mixed skip flags."""
+@pytest.mark.parametrize("batched", [False, True])
+def test_flush_all_equals_flush_one_at_a_time(tokenizer, clean_up, batched, monkeypatch):
+    """Finishing a batch (one batched decode, or one decode per window for a few) leaves every
+    detokenizer as its own flush() would: fresh ones (the context's window), ones that emitted
+    already, mixed skip flags."""
+    from pdserve.common import detokenizer
     from pdserve.common.detokenizer import flush_all
+
+    calls = []
+    real = detokenizer.fast_batch_decoder
+    monkeypatch.setattr(detokenizer, "fast_batch_decoder", lambda t: calls.append(1) or real(t))
+    if batched:
+        monkeypatch.setattr(detokenizer, "BATCH_DECODE_MIN_WINDOWS", 1)
 
     tok = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer.backend_tokenizer,
@@ -190,3 +199,4 @@ def test_flush_all_equals_flush_one_at_a_time(tokenizer, clean_up):
     expected = [d.flush() for d in one]
     assert flush_all(together) == expected
     assert [d.text for d in together] == [d.text for d in one]
+    assert bool(calls) == batched  # 12 sequences are under the batch threshold

@@ -332,9 +332,11 @@ def test_prompt_forms(tokenizer):
     ids = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
     assert parse_completion(tokenizer, prompt=["hello", "world"]).prompts == [ids("hello"), ids("world")]
     assert parse_completion(tokenizer, prompt=[5, 6, 7]).prompts == [[5, 6, 7]]
-    many = parse_completion(tokenizer, prompt=[[5, 6], [7]])
+    many = parse_completion(tokenizer, prompt=[[5, 6], [7]], echo=True)
     assert many.prompts == [[5, 6], [7]]
     assert many.prompt_texts == [tokenizer.decode([5, 6]), tokenizer.decode([7])]
+    # without echo nothing reads the text, so token ids are not decoded
+    assert parse_completion(tokenizer, prompt=[[5, 6], [7]]).prompt_texts == ["", ""]
 
 
 def test_default_max_tokens_is_the_rest_of_the_context(tokenizer):

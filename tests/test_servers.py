@@ -8,9 +8,11 @@ destination; then the decode stream to its end.
 import asyncio
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -52,7 +54,10 @@ class Server:
             "warning",
             *flags,
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # its own temporary directory, to see what it leaves there
+        self.tmp = tempfile.mkdtemp(prefix="pdserve-test-server-")
+        env = os.environ | {"TMPDIR": self.tmp}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.address = f"127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout=120.0) -> None:
@@ -100,6 +105,9 @@ def servers(request, tiny_models):
         for s in (decode, prefill):
             log = s.stop()
             assert s.proc.returncode == 0, f"{s.role} did not exit cleanly on SIGTERM:\n{log}"
+            left = os.listdir(s.tmp)
+            shutil.rmtree(s.tmp, ignore_errors=True)
+            assert not [f for f in left if f.startswith("pdserve-ipc-")], f"{s.role} left its ipc directory: {left}"
 
 
 def params(max_new=12, **kw) -> pb.SamplingParams:

@@ -278,8 +278,9 @@ def _max_tokens(body: dict, name: str, least: int = 1) -> int | None:
 # ---- /v1/completions ----------------------------------------------------------------------------
 
 
-def _completion_prompts(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[list[int]], list[str]]:
-    """Token ids and text of each prompt: a string, strings, token ids, or lists of token ids."""
+def _completion_prompts(prompt: Any, tokenizer, vocab_size: int, echo: bool) -> tuple[list[list[int]], list[str]]:
+    """Token ids and text of each prompt: a string, strings, token ids, or lists of token ids (the
+    text of token ids only with `echo`)."""
     if prompt is None:
         raise OpenAIError("'prompt' is required", param="prompt")
     if prompt == "" or prompt == []:
@@ -304,7 +305,9 @@ def _completion_prompts(prompt: Any, tokenizer, vocab_size: int) -> tuple[list[l
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
             raise OpenAIError(f"'prompt' token ids must be in [0, {vocab_size}), got {bad[:5]}", param="prompt")
-    return [list(p) for p in prompt], [tokenizer.decode(p) for p in prompt]
+    # Token-id prompts are decoded only to be echoed (a 256-token decode is a few % of a router's
+    # CPU per request on a burst).
+    return [list(p) for p in prompt], [tokenizer.decode(p) if echo else "" for p in prompt]
 
 
 def _prompt_count(prompt: Any) -> int:
@@ -334,7 +337,7 @@ def parse_completion_request(
     echo = _boolean(body, "echo", False)
     # 0: only the prompt is computed (scoring it: echo with logprobs, or prompt_logprobs).
     max_tokens = _max_tokens(body, "max_tokens", least=0)
-    prompts, texts = _completion_prompts(body.get("prompt"), tokenizer, vocab_size)
+    prompts, texts = _completion_prompts(body.get("prompt"), tokenizer, vocab_size, echo)
     return _build(
         "completion", shared, served_model_name, prompts, texts, max_tokens, logprobs, max_context_len, echo=echo
     )

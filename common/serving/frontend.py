@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import shutil
 import signal
 import sys
 import tempfile
@@ -169,8 +170,9 @@ class SchedulerBridge:
         self.bye.set()
 
     async def close(self) -> None:
-        for task in (self._reader, self._watch):
-            task.cancel()
+        for task in (getattr(self, "_reader", None), getattr(self, "_watch", None)):
+            if task is not None:
+                task.cancel()
         self.outbox.close()
         self.inbox.close()
         self.ctx.term()
@@ -182,6 +184,7 @@ class SchedulerBridge:
         if self.process.is_alive():  # stuck in native code: SIGTERM's handler never runs
             self.process.kill()
             self.process.join(10)
+        shutil.rmtree(self.run_dir, ignore_errors=True)  # the two ipc sockets' files
 
 
 class CommonRpcs:
@@ -313,56 +316,59 @@ async def serve(
     if warning:
         log.warning("%s", warning)
     spawned_at = process_age()
-    ready = await bridge.start(config.startup_timeout)
-    server = grpc.aio.server(
-        interceptors=server_interceptors(trust, lambda method: bridge.metrics.unauthenticated.inc())
-    )
-    servicer = servicer_factory(bridge, ready)
-    add_servicer(servicer, server)
-    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = add_port(server, f"{host}:{port}", trust)
-    if bound == 0:
-        raise RuntimeError(f"cannot listen on {host}:{port}")
-    await server.start()
-    tune_gc()  # (the scheduler process tunes its own: the engine does)
-    for name in ("", service_name):
-        await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.SERVING)
-    log.info(
-        "%s serving on %s:%d (metrics on %s; %s, %s)",
-        service_name,
-        host,
-        port,
-        metrics_port or "off",
-        "mutual TLS" if trust.tls else "plaintext",
-        "cluster secret required" if trust.secrets else "no secret",
-    )
-    # Printed, not logged (as the scheduler's phases are): where a slow start went, before the engine.
-    print(
-        f"{service_name} serving {process_age():.1f} s after its process began (its scheduler process "
-        f"spawned at {spawned_at:.1f} s)",
-        file=sys.stderr,
-        flush=True,
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await asyncio.wait(
-        [asyncio.create_task(stop.wait()), asyncio.create_task(bridge.bye.wait())], return_when=asyncio.FIRST_COMPLETED
-    )
-    # Drain: stop admitting (health and the scheduler both say so), finish in-flight, exit.
-    for name in ("", service_name):
-        await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    servicer.draining = True
-    if not bridge.bye.is_set():
-        await bridge.send(ipc.Drain())
-        try:
-            await asyncio.wait_for(bridge.bye.wait(), config.drain_timeout)
-        except asyncio.TimeoutError:
-            log.warning("drain timed out after %ss", config.drain_timeout)
-    await server.stop(grace=5)
-    await bridge.close()
+    try:
+        ready = await bridge.start(config.startup_timeout)
+        server = grpc.aio.server(
+            interceptors=server_interceptors(trust, lambda method: bridge.metrics.unauthenticated.inc())
+        )
+        servicer = servicer_factory(bridge, ready)
+        add_servicer(servicer, server)
+        health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        bound = add_port(server, f"{host}:{port}", trust)
+        if bound == 0:
+            raise RuntimeError(f"cannot listen on {host}:{port}")
+        await server.start()
+        tune_gc()  # (the scheduler process tunes its own: the engine does)
+        for name in ("", service_name):
+            await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "%s serving on %s:%d (metrics on %s; %s, %s)",
+            service_name,
+            host,
+            port,
+            metrics_port or "off",
+            "mutual TLS" if trust.tls else "plaintext",
+            "cluster secret required" if trust.secrets else "no secret",
+        )
+        # Printed, not logged (as the scheduler's phases are): where a slow start went, before the engine.
+        print(
+            f"{service_name} serving {process_age():.1f} s after its process began (its scheduler process "
+            f"spawned at {spawned_at:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await asyncio.wait(
+            [asyncio.create_task(stop.wait()), asyncio.create_task(bridge.bye.wait())],
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        # Drain: stop admitting (health and the scheduler both say so), finish in-flight, exit.
+        for name in ("", service_name):
+            await _set_health(health_servicer, name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        servicer.draining = True
+        if not bridge.bye.is_set():
+            await bridge.send(ipc.Drain())
+            try:
+                await asyncio.wait_for(bridge.bye.wait(), config.drain_timeout)
+            except asyncio.TimeoutError:
+                log.warning("drain timed out after %ss", config.drain_timeout)
+        await server.stop(grace=5)
+    finally:  # a scheduler that failed to start is stopped too, and its ipc directory removed
+        await bridge.close()
 
 
 async def _set_health(servicer, name: str, status) -> None:
