@@ -64,12 +64,19 @@ class Passthrough:
 HEALTH_CHECK_INTERVAL_S = 1.0  # the router's default --health-check-interval, which pdserve up keeps
 
 
+class ProcessExited(RuntimeError):
+    """A process `pdserve up` started exited before it was ready (its own error is in the output above)."""
+
+    def __init__(self, p: subprocess.Popen):
+        super().__init__(f"{' '.join(p.args[:4])} exited with code {p.returncode} before it was ready")
+
+
 def _wait_ready(url: str, procs: list[subprocess.Popen]) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         for p in procs:
             if p.poll() is not None:
-                raise RuntimeError(f"{' '.join(p.args[:4])} exited with code {p.returncode}")
+                raise ProcessExited(p)
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -91,7 +98,7 @@ def wait_serving(addr: str, procs: list[subprocess.Popen]) -> None:
         while time.monotonic() < deadline:
             for p in procs:
                 if p.poll() is not None:
-                    raise RuntimeError(f"{' '.join(p.args[:4])} exited with code {p.returncode}")
+                    raise ProcessExited(p)
             try:
                 if (
                     stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status

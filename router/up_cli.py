@@ -14,7 +14,7 @@ from pdserve.common.openai.defaults import FLAG_HELP
 from pdserve.router.disagg import POLICIES
 from pdserve.router.gpu_sharing import DEFAULT_SM_SHARES, MODES, MPSUnavailable
 from pdserve.router.policies import POLICY_NAMES
-from pdserve.router.up import LOG_LEVELS, Passthrough, up
+from pdserve.router.up import LOG_LEVELS, Passthrough, ProcessExited, up
 
 
 def add_parser(sub) -> None:
@@ -175,4 +175,7 @@ def _up(args) -> int:
         return 2
     except MPSUnavailable as e:  # --mps on
         print(f"error: --mps on, but MPS cannot be had: {e}", file=sys.stderr)
+        return 1
+    except (ProcessExited, TimeoutError) as e:  # everything it started is stopped by now
+        print(f"error: {e}", file=sys.stderr)
         return 1

@@ -308,3 +308,19 @@ def test_pdserve_up_refuses_a_bad_placement_before_starting_anything(capsys):
     assert "error: --num-decode must be >= 1, got 0" in capsys.readouterr().err
     assert main(["up", "--device", "cuda:1"]) == 2
     assert "pick the GPUs with --gpus" in capsys.readouterr().err
+
+
+def test_pdserve_up_says_in_one_line_which_process_failed_to_start(tmp_path):
+    """A server that exits at start (here: no checkpoint) ends `pdserve up` with exit 1 and an
+    "error:" line naming it, after that process's own error: no traceback of pdserve up's."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.common.cli", "up", "--model-path", str(tmp_path), "--device", "cpu"]
+        + ["--router-workers", "1", "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "has no config.json" in proc.stderr  # the server's own words
+    assert "before it was ready" in proc.stderr.splitlines()[-1] and proc.stderr.splitlines()[-1].startswith("error: ")
+    assert "Traceback" not in proc.stderr
