@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple, Sequence
 
-from pdserve.common.config import DEFAULT_MEM_FRACTION_STATIC
+from pdserve.common.config import DEFAULT_MEM_FRACTION_STATIC, cuda_device_count
 
 ROLES_IN_START_ORDER = ("decode", "prefill")
 
@@ -107,9 +107,7 @@ def visible_gpu_names() -> list[str]:
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
         return [name.strip() for name in listed.split(",") if name.strip()]
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())]
+    return [str(i) for i in range(cuda_device_count())]  # (no torch import: 3-6 s on a GPU host)
 
 
 def resolve_gpus(device: str, gpus_flag: str | None, visible: list[str]) -> tuple[str, list[int]]:
@@ -126,7 +124,7 @@ def resolve_gpus(device: str, gpus_flag: str | None, visible: list[str]) -> tupl
     gpus = parse_gpus(gpus_flag, len(visible)) if gpus_flag is not None else list(range(len(visible)))
     if not gpus:
         if device == "cuda":
-            raise ValueError("--device cuda, but no GPU is visible (CUDA_VISIBLE_DEVICES, torch.cuda.device_count())")
+            raise ValueError("--device cuda, but no GPU is visible (CUDA_VISIBLE_DEVICES, the driver's device count)")
         return "cpu", []
     return "cuda", gpus
 

@@ -324,3 +324,43 @@ def test_pdserve_up_says_in_one_line_which_process_failed_to_start(tmp_path):
     assert "has no config.json" in proc.stderr  # the server's own words
     assert "before it was ready" in proc.stderr.splitlines()[-1] and proc.stderr.splitlines()[-1].startswith("error: ")
     assert "Traceback" not in proc.stderr
+
+
+def test_gpus_are_counted_by_the_driver_without_torch(monkeypatch):
+    """With no CUDA_VISIBLE_DEVICES, `pdserve up` and a server's frontend count GPUs through the
+    driver library (cuInit + cuDeviceGetCount), not by importing torch (3-6 s on a GPU host); torch
+    counts only where the driver cannot answer."""
+    import ctypes
+
+    from pdserve.common import config
+
+    class Driver:
+        def __init__(self, init_status, count):
+            self.init_status, self.count = init_status, count
+
+        def cuInit(self, flags):
+            return self.init_status
+
+        def cuDeviceGetCount(self, out):
+            out._obj.value = self.count
+            return 0
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    driver = Driver(0, 3)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: driver if name == "libcuda.so.1" else None)
+    monkeypatch.setitem(sys.modules, "torch", None)  # an import of torch would fail
+    assert config.cuda_device_count() == 3
+    from pdserve.router.placement import visible_gpu_names
+
+    assert visible_gpu_names() == ["0", "1", "2"]
+    driver.init_status = config.CUDA_ERROR_NO_DEVICE  # a driver but no GPU
+    assert config.cuda_device_count() == 0
+    driver.init_status = 999  # a driver that cannot start: torch is asked
+    with pytest.raises(ImportError):
+        config.cuda_device_count()
+
+    def no_driver(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    assert config.driver_device_count() is None
