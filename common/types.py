@@ -135,7 +135,7 @@ class SamplingParams:
             and self.grammar is None
         )
 
-    @property
+    @functools.cached_property  # read for every request of every step (EngineCore.must_run_serially)
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 

@@ -94,6 +94,8 @@ class DecodeScheduler(Scheduler):
             return []
         admitted = []
         holders = self.running + list(self.transferring.values())
+        if len(holders) + 1 > self.config.max_running_requests or self.kv.rows_available() == 0:
+            return []  # full: none would be admitted (PrefillManager.schedule says what the scan cost)
         available = self.kv.available_pages() - self.kv.reserved_pages(holders)
         while self.prealloc:
             req = self.prealloc[0]

@@ -40,6 +40,13 @@ class PrefillManager:
         requests already holding KV here that admission must leave room for (the running batch)."""
         if self.chunked_req is None and not self.waiting:
             return [], []  # the common decode step: nothing to admit
+        if self.chunked_req is None and (
+            len(holders) + 1 > self.config.max_running_requests or self.kv.rows_available() == 0
+        ):
+            # Full: the loop below would admit nothing. NOTE: a burst queues far more requests than
+            # may run; summing what every running request is owed (reserved_pages) each step only
+            # to admit none was 10% of the decode loop's host time on a GPU.
+            return [], []
         spans: list[Span] = []
         completed: list[Req] = []
         budget = self.budget
