@@ -70,6 +70,11 @@ class EngineConfig:
     )
     schedule_policy: str = option("fcfs", "Order of the waiting queue: fcfs, or lpm (longest cached prefix first).")
     disable_radix_cache: bool = option(False, "Turn off prefix caching (the radix tree over the KV pages).")
+    disable_prefix_aware_transfers: bool = option(
+        False,
+        "Decode: receive a prompt's whole KV from the prefill server even where this server's prefix cache "
+        "holds its beginning (by default only the pages it lacks cross).",
+    )
     disable_overlap_schedule: bool = option(False, "Run the plain serial loop instead of the overlapped one.")
     serial_consecutive_prefill: bool = option(
         False, "Process a prefill's result before launching the next prefill (lower TTFT under load)."

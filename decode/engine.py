@@ -47,9 +47,10 @@ class KVDestination:
     room: int
     agent_name: str
     agent_metadata: bytes
-    page_ids: list[int]
+    page_ids: list[int]  # for the prompt's positions from prefix_len on
     layout: KVLayout
     expires_unix_s: float  # this server frees the pages then: no WRITE may land later
+    prefix_len: int = 0  # leading prompt tokens whose KV this server holds already (whole pages)
 
 
 class DecodeEngine(EngineCore):
@@ -120,9 +121,17 @@ class DecodeEngine(EngineCore):
         now = time.monotonic()
         for req in self.scheduler.pop_preallocated(now):
             expires_unix_s = time.time() + (req.deadline - now)  # wall clock: it crosses machines
+            held = req.prefix_pages  # cached here: the prefill server writes the pages after them
             self.destinations.append(
                 KVDestination(
-                    req.rid, req.room, self.kv.name, self.kv.encoded, list(req.pages), self.kv.layout, expires_unix_s
+                    req.rid,
+                    req.room,
+                    self.kv.name,
+                    self.kv.encoded,
+                    list(req.pages[held:]),
+                    self.kv.layout,
+                    expires_unix_s,
+                    held * self.kv.layout.page_size,
                 )
             )
         self._watch()
@@ -216,7 +225,7 @@ class DecodeEngine(EngineCore):
         send = self.channel.send
         while self.destinations:
             d = self.destinations.popleft()
-            send(ipc.Destination(d.rid, d.room, d.page_ids, d.expires_unix_s))
+            send(ipc.Destination(d.rid, d.room, d.page_ids, d.expires_unix_s, d.prefix_len))
         chunks, interval = [], self.config.stream_interval
         for rid, entry in self.streaming.items():
             req, sent = entry

@@ -36,6 +36,7 @@ def response_of(msg, ready: ipc.Ready) -> pb.GenerateResponse:
                 decode_agent_metadata=ready.agent_metadata,
                 page_ids=msg.page_ids,
                 layout=layout_to_proto(ready.layout),
+                prefix_len=msg.prefix_len,
                 expires_unix_s=msg.expires_unix_s,
             )
         )

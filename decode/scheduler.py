@@ -18,10 +18,12 @@ Queues, in the order a request passes through them (docs/architecture.md, "The d
 
 The decode server keeps a prefix cache (unless --disable-radix-cache): a finished request's KV,
 transferred or computed here, is cached like a colocated one's, and a local prefill (or a retracted
-request's) starts from its longest cached prefix. A transfer always fills pages of its own (the
-prefill server writes the whole prompt). Host only, like the colocated scheduler it extends: a
-preallocated request's row is queued as a RowWrite, and the batch builder writes it on the
-schedule stream before the request's first step.
+request's) starts from its longest cached prefix. A transfer fills pages of its own after
+the longest prefix this server's cache holds, which the request pins until it ends (the prefill server
+writes only those pages: a multi-turn conversation's next turn sends its new tokens, not its whole
+history; --disable-prefix-aware-transfers sends whole prompts). Host only, like the colocated
+scheduler it extends: a preallocated request's row is queued as a RowWrite, and the batch builder
+writes it on the schedule stream before the request's first step.
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ class DecodeScheduler(Scheduler):
         self.served: dict[int, int] = {}
         self._served_order: deque[tuple[float, int]] = deque()
         self._after_prefill = False  # the last batch was a prefill (chunk)
+        # Prompt tokens whose KV a transfer did not carry: this server's prefix cache held them.
+        self.transfer_stats = {"prefix_hit_tokens": 0}
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return super().stats | {"transfer_" + k: v for k, v in self.transfer_stats.items()}
 
     def add_local_request(self, req: Req) -> None:
         """A request this server prefills itself: it waits with the colocated scheduler's queue."""
@@ -97,17 +105,24 @@ class DecodeScheduler(Scheduler):
         if len(holders) + 1 > self.config.max_running_requests or self.kv.rows_available() == 0:
             return []  # full: none would be admitted (PrefillManager.schedule says what the scan cost)
         available = self.kv.available_pages() - self.kv.reserved_pages(holders)
+        match = not self.config.disable_prefix_aware_transfers
         while self.prealloc:
             req = self.prealloc[0]
             if len(holders) + len(admitted) + 1 > self.config.max_running_requests:
                 break
             if self.kv.rows_available() == 0:
                 break
-            need = self.kv.reserve_pages(req)
+            evictable_before = self.kv.available_pages()
+            prefix_pages, node = self.kv.match_for_transfer(req) if match else ([], None)
+            available -= evictable_before - self.kv.available_pages()  # locked: no longer evictable
+            need = self.kv.reserve_pages(req) - len(prefix_pages)
             if need > available:
+                self.kv.unlock(node)
                 break
             self.prealloc.popleft()
-            self.kv.admit_for_transfer(req, len(req.prompt_ids))  # its KV comes from the prefill server
+            # Its KV comes from the prefill server: the pages after the prefix this server holds.
+            self.kv.admit_for_transfer(req, len(req.prompt_ids), prefix_pages, node)
+            self.transfer_stats["prefix_hit_tokens"] += len(prefix_pages) * self.kv.page_size
             req.deadline = now + self.kv_transfer_timeout
             self.transferring[req.room] = req
             admitted.append(req)
@@ -119,8 +134,12 @@ class DecodeScheduler(Scheduler):
         (or so long ago that no WRITE for it may land any more)."""
         req = self.transferring.get(room)
         if req is not None:
-            return pages_for(len(req.prompt_ids), self.kv.page_size)
+            return self.pages_to_receive(req)
         return self.served.get(room)
+
+    def pages_to_receive(self, req: Req) -> int:
+        """The pages of its prompt's KV the prefill server writes: those after the cached prefix."""
+        return pages_for(len(req.prompt_ids), self.kv.page_size) - req.prefix_pages
 
     def on_kv_arrived(self, room: int, first_token: int, logprob: TokenLogprob | None) -> Completion | None:
         """The prefill's WRITE for `room` landed: the request joins running with its first token.
@@ -131,7 +150,7 @@ class DecodeScheduler(Scheduler):
         req = self.transferring.pop(room, None)
         if req is None:
             return None
-        self.served[room] = pages_for(len(req.prompt_ids), self.kv.page_size)
+        self.served[room] = self.pages_to_receive(req)
         self._served_order.append((req.deadline + KV_WRITE_GRACE_S, room))
         if req.finished:  # aborted while its WRITE was in flight: now the pages are quiet
             self.kv.free(req)

@@ -74,10 +74,12 @@ class PrefillEngine(EngineCore):
         page_ids: list[int],
         rid: str | None = None,
         expires_unix_s: float = 0.0,
+        prefix_len: int = 0,
     ) -> str:
         """Queue a prompt whose KV goes to the decode server described by `decode_metadata`
         (empty: not known yet, `set_destination` follows; the prefill starts anyway), into pages
-        it holds until `expires_unix_s` (0: no limit).
+        it holds until `expires_unix_s` (0: no limit), for the prompt's positions from `prefix_len`
+        on (the decode server holds the KV before it).
 
         The peer's metadata is cached by the agent (adding the same peer again is free); an
         incompatible KV layout raises ValueError, as does a request that can never run here.
@@ -87,17 +89,19 @@ class PrefillEngine(EngineCore):
         req.arrived = time.monotonic()
         destination = None
         if decode_metadata:
-            destination = Destination(self.sender.add_peer(decode_metadata), list(page_ids), _expiry(expires_unix_s))
+            destination = Destination(
+                self.sender.add_peer(decode_metadata), list(page_ids), _expiry(expires_unix_s), prefix_len
+            )
         self.scheduler.add_prefill_request(req, destination)
         return req.rid
 
     def set_destination(
-        self, rid: str, decode_metadata: bytes, page_ids: list[int], expires_unix_s: float = 0.0
+        self, rid: str, decode_metadata: bytes, page_ids: list[int], expires_unix_s: float = 0.0, prefix_len: int = 0
     ) -> None:
         """The destination of a request queued without one; ValueError for a bad one."""
         peer = self.sender.add_peer(decode_metadata)
         self.scheduler.set_destination(
-            rid, Destination(peer, list(page_ids), _expiry(expires_unix_s)), time.monotonic()
+            rid, Destination(peer, list(page_ids), _expiry(expires_unix_s), prefix_len), time.monotonic()
         )
 
     def process_inflight_queue(self) -> None:
@@ -119,12 +123,13 @@ class PrefillEngine(EngineCore):
                         msg.page_ids,
                         rid=msg.rid,
                         expires_unix_s=msg.expires_unix_s,
+                        prefix_len=msg.prefix_len,
                     )
                 except ValueError as e:
                     self.channel.send(ipc.Rejected(msg.rid, str(e)))
             elif isinstance(msg, ipc.SetDestination):
                 try:
-                    self.set_destination(msg.rid, msg.peer_metadata, msg.page_ids, msg.expires_unix_s)
+                    self.set_destination(msg.rid, msg.peer_metadata, msg.page_ids, msg.expires_unix_s, msg.prefix_len)
                 except ValueError as e:  # the request cannot be served: dropped, and answered as refused
                     self.scheduler.abort(msg.rid)
                     self.channel.send(ipc.Rejected(msg.rid, str(e)))

@@ -41,11 +41,14 @@ from pdserve.common.types import KV_WRITE_GRACE_S, FinishReason, Req, SamplingPa
 
 @dataclass
 class Destination:
-    """Where a request's KV goes: the peer agent and its pages, in position order."""
+    """Where a request's KV goes: the peer agent and its pages, in position order, for the
+    prompt's positions from prefix_len on (the peer holds the KV before it: a multiple of the page
+    size)."""
 
     peer: str
     page_ids: list[int]
     expires: float = math.inf  # time.monotonic() past which no WRITE may start
+    prefix_len: int = 0
     writing: bool = False  # its WRITE started
 
 
@@ -160,9 +163,22 @@ class PrefillScheduler:
             heapq.heappush(self.expiring, (destination.expires, next(self._seq), rid, destination))
 
     def _check_destination(self, req: Req, destination: Destination) -> None:
-        need = pages_for(len(req.prompt_ids), self.kv.page_size)
-        if len(destination.page_ids) < need:
-            raise ValueError(f"the destination has {len(destination.page_ids)} pages; the prompt needs {need}")
+        """ValueError unless the destination's pages cover the prompt after its prefix. NOTE: the
+        prefix length comes through the router: one the decode server did not grant (larger, or
+        off a page boundary) is refused here, and a WRITE of another page count than its grant is
+        refused there (decode/arrivals.py): a forged prefix never decides what the decode reads."""
+        prefix, page = destination.prefix_len, self.kv.page_size
+        if prefix % page or not 0 <= prefix < len(req.prompt_ids):
+            raise ValueError(
+                f"the destination's prefix_len {prefix} is not a multiple of the page size {page} shorter "
+                f"than the prompt ({len(req.prompt_ids)} tokens)"
+            )
+        need = pages_for(len(req.prompt_ids), page) - prefix // page
+        if len(destination.page_ids) != need:
+            raise ValueError(
+                f"the destination has {len(destination.page_ids)} pages; the prompt needs {need} after its "
+                f"first {prefix} tokens"
+            )
 
     def has_work(self) -> bool:
         # Parked requests keep the loop polling: their deadlines are checked in poll_transfers.
@@ -193,11 +209,12 @@ class PrefillScheduler:
             self._finish(req, error=_expired(dest, now), error_code=ErrorCode.KV_TRANSFER_TIMEOUT)
             return
         n = pages_for(len(req.prompt_ids), self.kv.page_size)
+        held = dest.prefix_len // self.kv.page_size  # the decode server's own: not sent
         top = {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} if lp is not None else None
         try:
             # The notifications' counts let the decode server check each WRITE against its grant.
             handle = self.sender.write(
-                dest.peer, req.pages[:n], dest.page_ids[:n], room=req.room, first_token=token, logprobs=top
+                dest.peer, req.pages[held:n], dest.page_ids, room=req.room, first_token=token, logprobs=top
             )
         except (KVTransferError, ValueError) as e:  # fails this request, not the server (a dead TP rank does)
             self._finish(

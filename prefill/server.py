@@ -61,6 +61,7 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
                     peer_metadata=dest.decode_agent_metadata,
                     page_ids=list(dest.page_ids),
                     expires_unix_s=dest.expires_unix_s,
+                    prefix_len=dest.prefix_len,
                 )
             )
             if later is not None:
@@ -111,7 +112,9 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
                 if message.HasField("destination"):
                     dest = message.destination
                     await self.bridge.send(
-                        ipc.SetDestination(rid, dest.decode_agent_metadata, list(dest.page_ids), dest.expires_unix_s)
+                        ipc.SetDestination(
+                            rid, dest.decode_agent_metadata, list(dest.page_ids), dest.expires_unix_s, dest.prefix_len
+                        )
                     )
                     return
         except grpc.aio.AioRpcError:

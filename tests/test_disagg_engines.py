@@ -48,9 +48,10 @@ def poll(decode) -> None:
     decode.pop_transferred()
 
 
-def drive(prefill, decode, prompts, params, before_step=None, limit_s=120.0):
-    """Run requests through decode -> prefill -> decode; returns (completions, prefill results)."""
-    rng = random.Random(0)
+def drive(prefill, decode, prompts, params, before_step=None, limit_s=120.0, seed=0):
+    """Run requests through decode -> prefill -> decode; returns (completions, prefill results).
+    (Rooms are drawn from `seed`: a second run on the same engines takes another.)"""
+    rng = random.Random(seed)
     for i, (ids, p) in enumerate(zip(prompts, params)):
         decode.add_decode_request(ids, p, room=rng.getrandbits(63), rid=f"r{i}")
     by_rid = dict(zip((f"r{i}" for i in range(len(prompts))), prompts))
@@ -74,6 +75,7 @@ def drive(prefill, decode, prompts, params, before_step=None, limit_s=120.0):
                 d.page_ids,
                 rid=d.rid,
                 expires_unix_s=d.expires_unix_s,
+                prefix_len=d.prefix_len,
             )
         for r in p_loop.step():
             results[r.rid] = r

@@ -76,10 +76,22 @@ class KVManager:
         """Give the request a row holding its matched (locked) cached prefix."""
         self._assign(req, list(prefix_pages), len(prefix_pages), node, len(prefix_pages) * self.page_size)
 
-    def admit_for_transfer(self, req: Req, num_tokens: int) -> None:
-        """Give the request a row and pages of its own for its first `num_tokens` positions, whose
-        KV another server writes (a decode server's reservation)."""
-        self._assign(req, self.alloc_pages(pages_for(num_tokens, self.page_size)), 0, None, num_tokens)
+    def match_for_transfer(self, req: Req):
+        """Cached pages (locked) for the beginning of a prompt whose KV another server sends: only
+        the pages after them need to cross. The last prompt token is left out of the match, as for a
+        prefill, so at least one page always crosses (the WRITE carries the first token)."""
+        if self.tree_cache is None or _needs_whole_prompt(req):
+            return [], None
+        pages, node = self.tree_cache.match_prefix(req.prompt_ids[: len(req.prompt_ids) - 1])
+        self.tree_cache.inc_lock_ref(node)
+        return pages, node
+
+    def admit_for_transfer(self, req: Req, num_tokens: int, prefix_pages: list[int] = (), node=None) -> None:
+        """Give the request a row holding its matched (locked) cached prefix and pages of its own
+        for the rest of its first `num_tokens` positions, whose KV another server writes (a decode
+        server's reservation)."""
+        own = self.alloc_pages(pages_for(num_tokens, self.page_size) - len(prefix_pages))
+        self._assign(req, list(prefix_pages) + own, len(prefix_pages), node, num_tokens)
 
     def _assign(self, req: Req, pages: list[int], prefix_pages: int, node, kv_len: int) -> None:
         row = self.req_to_token_pool.alloc()

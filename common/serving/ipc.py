@@ -59,6 +59,7 @@ class NewRequest(msgspec.Struct, tag=True):
     peer_metadata: bytes = b""
     page_ids: list[int] = []
     expires_unix_s: float = 0.0  # the destination's expiry; 0: none
+    prefix_len: int = 0  # the destination's (its pages start there)
     local: bool = False  # a decode server prefills it itself (GenerateRequest.local_prefill)
 
 
@@ -69,6 +70,7 @@ class SetDestination(msgspec.Struct, tag=True):
     peer_metadata: bytes
     page_ids: list[int]
     expires_unix_s: float = 0.0
+    prefix_len: int = 0
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -105,8 +107,9 @@ class Destination(msgspec.Struct, tag=True):
 
     rid: str
     room: int
-    page_ids: list[int]
+    page_ids: list[int]  # for the prompt's positions from prefix_len on
     expires_unix_s: float
+    prefix_len: int = 0
 
 
 class Tokens(msgspec.Struct, tag=True):

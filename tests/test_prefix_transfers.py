@@ -1,0 +1,100 @@
+"""Prefix-aware KV transfers: a decode server that holds the beginning of a prompt in its prefix
+cache (a conversation's earlier turns) is sent only the pages after it (decode/scheduler.py,
+prefill/scheduler.py). Engines in one process, KV moved by real NIXL (UCX, DRAM) WRITEs."""
+
+import random
+
+import pytest
+
+from pdserve.common.scheduling.pages import pages_for
+from pdserve.common.types import SamplingParams
+from tests.test_disagg_engines import drive, engines, hf_greedy
+
+PAGE = 8
+MAX_NEW = 6
+
+
+def conversations(n, seed=0):
+    """First turns: a shared system prompt (3 pages) and a user message each."""
+    rng = random.Random(seed)
+    system = [0] + [rng.randrange(5, 512) for _ in range(3 * PAGE - 1)]
+    return [system + [rng.randrange(5, 512) for _ in range(rng.randrange(3, 20))] for _ in range(n)]
+
+
+def next_turns(prompts, outputs, seed):
+    rng = random.Random(seed)
+    return [p + o + [rng.randrange(5, 512) for _ in range(rng.randrange(2, 12))] for p, o in zip(prompts, outputs)]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("aware", [True, False])
+def test_a_next_turn_receives_only_the_pages_the_decode_server_lacks(tiny_models, overlap, aware):
+    """Greedy output as transformers', turn after turn; from the second turn on the WRITE carries
+    the pages after the previous turn's (the decode server's cache holds the earlier turns: their
+    prompt and every output token but the last, whose KV no step computed), and with
+    --disable-prefix-aware-transfers every page of every prompt crosses."""
+    path = tiny_models("llama")
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    kw = dict(disable_prefix_aware_transfers=not aware)
+    prefill, decode = engines(path, overlap=overlap, decode_kw=kw)
+    prompts = conversations(4)
+    page_bytes = None
+    for turn in range(3):
+        expected = hf_greedy(path, prompts, MAX_NEW)
+        completions, results = drive(prefill, decode, prompts, [params] * len(prompts), seed=turn)
+        outputs = [completions[f"r{i}"].output_ids for i in range(len(prompts))]
+        assert outputs == expected
+        sent = [results[f"r{i}"].transfer_bytes for i in range(len(prompts))]
+        if page_bytes is None:  # the first turn: whole prompts (all admitted before any was cached)
+            page_bytes = min(b // pages_for(len(p), PAGE) for b, p in zip(sent, prompts))
+        for i, (nbytes, prompt) in enumerate(zip(sent, prompts)):
+            assert nbytes % page_bytes == 0
+            pages = nbytes // page_bytes
+            if not aware:
+                assert pages == pages_for(len(prompt), PAGE)
+            elif turn > 0:
+                held = (len(previous[i]) + MAX_NEW - 1) // PAGE  # the previous turn's whole pages
+                assert pages == pages_for(len(prompt), PAGE) - min(held, (len(prompt) - 1) // PAGE)
+        hits = decode.scheduler.stats["transfer_prefix_hit_tokens"]
+        assert hits > 0 if aware and turn > 0 else hits == 0
+        assert prefill.is_idle() and decode.is_idle() and decode.stats()["kv_used_tokens"] == 0
+        previous, prompts = prompts, next_turns(prompts, outputs, seed=turn + 1)
+
+
+def test_a_prefix_len_the_decode_server_did_not_grant_is_refused(tiny_models):
+    """The prefix length reaches the prefill server through the router: one off a page boundary,
+    not shorter than the prompt, or not matching the pages given is refused there; a consistent
+    forgery (fewer pages, a longer prefix) is refused by the decode server, whose grant says how
+    many pages it reads (the WRITE's count does not match): the request fails, nothing leaks."""
+    path = tiny_models("llama")
+    prefill, decode = engines(path, timeout=1.0)
+    prompt = conversations(1)[0]
+    params = SamplingParams(max_new_tokens=4, temperature=0)
+    decode.add_decode_request(prompt, params, room=12345, rid="r0")
+    decode.pop_preallocated()
+    d = decode.destinations.popleft()
+    assert d.prefix_len == 0 and len(d.page_ids) == pages_for(len(prompt), PAGE)
+    add = lambda rid, prefix_len, pages: prefill.add_prefill_request(  # noqa: E731
+        prompt, params, d.room, d.agent_metadata, pages, rid=rid, expires_unix_s=d.expires_unix_s, prefix_len=prefix_len
+    )
+    for prefix_len in (3, PAGE, len(prompt) + PAGE):  # off a page / pages not matching / past the prompt
+        with pytest.raises(ValueError, match="prefix_len|pages"):
+            add(f"bad{prefix_len}", prefix_len, d.page_ids)
+    add("forged", PAGE, d.page_ids[1:])  # consistent, but not what the decode server granted
+    import time
+
+    from tests.test_disagg_engines import Stepper
+
+    p_loop, d_loop, completions = Stepper(prefill), Stepper(decode), {}
+    deadline = time.monotonic() + 30
+    while "r0" not in completions:
+        assert time.monotonic() < deadline
+        p_loop.step()
+        completions.update({c.rid: c for c in d_loop.step()})
+    assert completions["r0"].error_code is not None and "timed out" in completions["r0"].error
+    assert decode.rejected.get("page_count") == 1
+    while decode.busy() or prefill.busy():
+        assert time.monotonic() < deadline + 30
+        p_loop.step()
+        d_loop.step()
+    assert decode.is_idle() and prefill.is_idle() and decode.stats()["kv_used_tokens"] == 0
