@@ -724,7 +724,7 @@ def test_prefill_latency_times_one_prompt_at_a_time(cache, capsys):
 def test_multi_turn_conversations_resend_their_history_and_hit_the_prefix_cache(cache, capsys):
     """--conversations: each turn's prompt is the conversation so far (the server's own answers
     included) plus a user message, so prompts grow by user + output tokens a turn, and from the second
-    turn on the prefill server's cache holds the earlier turns."""
+    turn on the prefill server's cache holds the earlier turns, and the decode server's too."""
     argv = ["bench", "serve", "--random-weights", "llama/tiny", "--device", "cpu", "--max-total-tokens", "4096"]
     argv += ["--conversations", "3", "--turns", "3", "--system-len", "32", "--user-len", "8", "--output-len", "4"]
     argv += ["--page-size", "4", "--disable-overlap-schedule"]
@@ -739,9 +739,11 @@ def test_multi_turn_conversations_resend_their_history_and_hit_the_prefix_cache(
     assert [(t["turn"], t["completed"], t["mean_prompt_len"]) for t in turns] == [(1, 3, 40), (2, 3, 52), (3, 3, 64)]
     assert turns[2]["mean_cached_tokens"] >= 40 and all(t["cached_share"] > 0 for t in turns[1:])
     assert all(t["ttft_ms"]["p50"] > 0 for t in turns)
-    # Every turn's whole prompt crosses to the decode server today (its pages: 4 tokens each), though
-    # the decode server holds all of it but the new message (prefix-aware transfers will send less).
-    per_page = {t["mean_kv_transfer_bytes"] / -(-t["mean_prompt_len"] // 4) for t in turns}
-    assert len(per_page) == 1 and per_page.pop() > 0
+    # Prefix-aware transfers: the first turn's whole prompt crosses to the decode server (10 pages of
+    # 4 tokens), a later one only the pages the decode server does not hold: its cache has the previous
+    # turn (prompt + the outputs but the last, whose KV no step computed: 40 + 3 tokens, 10 whole
+    # pages, then 52 + 3: 13), so the 8 new user tokens and the 4 of the answer: 3 pages.
+    per_page = turns[0]["mean_kv_transfer_bytes"] / 10
+    assert per_page > 0 and [t["mean_kv_transfer_bytes"] / per_page for t in turns] == [10, 3, 3]
     bad = ["bench", "serve", "--random-weights", "llama/tiny", "--conversations", "2"]
     assert main([*bad, "--client-workers", "2"]) == 2 and main([*bad, "--turns", "0"]) == 2
