@@ -196,6 +196,31 @@ def test_greedy_through_prefill_and_decode_servers_matches_transformers(servers)
     assert 'pdserve_kv_transfer_bytes_total{role="prefill"}' in prefill_metrics
 
 
+def test_a_conversations_next_turn_sends_only_its_new_pages(servers):
+    """Through the servers: the second turn (the first's prompt and answer, then a new message)
+    is greedy as transformers, and its WRITE is the pages after what the decode server cached
+    from the first turn (whose pages crossed whole); the decode server counts the tokens it held."""
+    model, decode, prefill = servers
+    first = [0] + [random.Random(5).randrange(5, 400) for _ in range(40)]
+    [want1] = hf_greedy(model, [first], 6)
+    second = first + want1 + [7, 8, 9, 10, 11]
+    [want2] = hf_greedy(model, [second], 6)
+    sent = []
+    for rid, prompt, want in (("turn-1", first, want1), ("turn-2", second, want2)):
+        tokens, end, pre = asyncio.run(generate(decode, prefill, prompt, params(6), rid))
+        assert tokens == want and not pre.HasField("error")
+        sent.append(pre.timings.transfer_bytes)
+        asyncio.run(wait_idle(decode, prefill))
+    page_size = 16  # the servers' default
+    page_bytes = sent[0] // -(-len(first) // page_size)
+    held = (len(first) + 6 - 1) // page_size  # whole pages of the first turn's KV (its last token's is never computed)
+    assert sent[1] == page_bytes * (-(-len(second) // page_size) - held) < sent[0]
+    hits = [
+        line for line in decode.metrics().splitlines() if line.startswith("pdserve_kv_transfer_prefix_hit_tokens_total")
+    ]
+    assert hits and float(hits[0].split()[-1]) >= held * page_size
+
+
 # Random tiny weights leave some steps with their top two logits within fp32 rounding (prompt 17
 # below: 11.083960 vs 11.083954); there the argmax may go either way with the batch's shape (the
 # GEMM's blocking differs), so a run's batching decides it.

@@ -58,6 +58,14 @@ class Metrics:
         self.transfer_bytes = Counter(
             "pdserve_kv_transfer_bytes", "KV bytes written to decode servers.", ["role"], registry=r
         ).labels(**labels)
+        # Decode: counted as each destination is granted (the scheduler's Destination message).
+        self.transfer_prefix_hit_tokens = Counter(
+            "pdserve_kv_transfer_prefix_hit_tokens",
+            "Prompt tokens whose KV a transfer did not carry: this decode server's prefix cache held them "
+            "(prefix-aware transfers).",
+            ["role"],
+            registry=r,
+        ).labels(**labels)
         self.transfer_failures = Counter(
             "pdserve_kv_transfer_failures", "KV transfers that failed or timed out.", ["role"], registry=r
         ).labels(**labels)
@@ -146,7 +154,9 @@ class SchedulerBridge:
                     if queue is not None:
                         queue.put_nowait(chunk)
             elif msg.rid in self.queues:
-                if isinstance(msg, ipc.PrefillDone) and msg.error is None:
+                if isinstance(msg, ipc.Destination):
+                    self.metrics.transfer_prefix_hit_tokens.inc(msg.prefix_len)
+                elif isinstance(msg, ipc.PrefillDone) and msg.error is None:
                     self.metrics.transfer_seconds.observe(msg.transfer_s)
                     self.metrics.transfer_bytes.inc(msg.transfer_bytes)
                 elif (
