@@ -102,6 +102,7 @@ def profile_decode(timer: StepTimer, prompts, params) -> None:
 
 def main() -> None:
     from pdserve.bench.random_weights import add_model_args, model_path_from_args
+    from pdserve.common.config import read_hf_config
     from pdserve.common.engine.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -133,7 +134,9 @@ def main() -> None:
         device="cuda",
         dtype="bfloat16",
         max_running_requests=bs,
-        max_total_tokens=bs * (ctx + 16),
+        # NOTE: the pool must hold one sequence of the context length (the engine checks): at batch 1
+        # or 2 of a short workload on a long-context model, bs * (ctx + 16) does not.
+        max_total_tokens=max(bs * (ctx + 16), read_hf_config(str(path)).get("max_position_embeddings") or 0),
         disable_radix_cache=True,
         attention_backend=args.attention_backend,
         disable_overlap_schedule=args.disable_overlap_schedule,
