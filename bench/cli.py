@@ -1,10 +1,12 @@
 """`pdserve bench offline|serve`: the argument parsers, and the options both commands share.
 
     pdserve bench offline (--model-path DIR | --random-weights ARCH/SHAPE) [--num-prompts N]
-        [--input-len L] [--output-len L] [--warmup W] [--repeats R] [--backend pdserve|hf|both]
+        [--input-len L] [--output-len L] [--length-dist fixed|lognormal [--length-sigma S]]
+        [--warmup W] [--repeats R] [--backend pdserve|hf|both]
         [--hf-batch-size B] [--temperature T] [--seed S] [--output-json FILE] [engine flags]
     pdserve bench serve [--base-url URL] [--model NAME] (--model-path DIR | --random-weights ARCH/SHAPE
         | --vocab-size V) [--num-prompts N] [--input-len L] [--output-len L]
+        [--length-dist fixed|lognormal [--length-sigma S]]
         [--request-rate R ...] [--max-concurrency C ...] [--goodput KEY:MS ...] [--backend pdserve|hf]
         [--hf-batch-size B] [--warmup W] [--seed S] [--api-key KEY] [--client-workers N] [--router-pid PID]
         [--conversations N [--turns T] [--system-len S] [--user-len U] [--think-time SECONDS]]
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.bench.workload import LENGTH_DISTS
 from pdserve.common.config import EngineConfig, add_cli_args
 
 OFFLINE_DOC = """Offline throughput: N prompts of random token ids, input-len -> output-len tokens each
@@ -306,6 +309,20 @@ def _workload_args(parser: argparse.ArgumentParser) -> None:
         help="Prompts share one of G prefixes of --prefix-len tokens (a prefix-cache workload); 0: none.",
     )
     parser.add_argument("--prefix-len", type=int, default=0, help="Tokens of each shared prefix (< --input-len).")
+    parser.add_argument(
+        "--length-dist",
+        choices=LENGTH_DISTS,
+        default="fixed",
+        help="fixed: every request --input-len -> --output-len tokens; lognormal: each request's prompt "
+        "and output lengths drawn (seeded) from lognormals with those medians, like chat traffic, "
+        "clipped to [1, 4 x the median] and to the context (bench/workload.py).",
+    )
+    parser.add_argument(
+        "--length-sigma",
+        type=float,
+        default=0.8,
+        help="--length-dist lognormal: sigma of the underlying normal, for prompts and outputs alike.",
+    )
     parser.add_argument("--output-json", default=None, metavar="FILE", help="Also write the JSON report here.")
 
 
@@ -322,6 +339,13 @@ def check_workload(args: argparse.Namespace) -> None:
         raise ValueError("--prefix-groups and --prefix-len go together, both >= 1")
     if args.prefix_len >= args.input_len:
         raise ValueError("--prefix-len must be shorter than --input-len")
+    if not args.length_sigma > 0:
+        raise ValueError("--length-sigma must be > 0")
+    if args.length_dist != "fixed" and (args.backend != "pdserve" or getattr(args, "conversations", 0)):
+        raise ValueError(
+            "--length-dist lognormal needs --backend pdserve (transformers batches take one length) "
+            "and no --conversations"
+        )
 
 
 def _offline(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ import time
 
 import msgspec
 
-from pdserve.bench.loadgen import OpenAIBackend, arrival_times, send_on_schedule
+from pdserve.bench.loadgen import OpenAIBackend, arrival_times, per_request, send_on_schedule
 from pdserve.bench.metrics import RequestResult
 from pdserve.common.gc_tuning import tune_gc
 
@@ -40,7 +40,7 @@ class Job(msgspec.Struct, frozen=True):
 
     prompts: list[list[int]]
     offsets: list[float]  # send times, seconds after the common start
-    output_len: int
+    output_lens: list[int]  # each prompt's output tokens (ignore_eos)
     max_concurrency: int  # this worker's share of the limit; 0: no limit
     timeout_s: float
 
@@ -91,16 +91,24 @@ class ClientWorkers:
         self.close()
 
     def run(
-        self, prompts: list[list[int]], output_len: int, rate: float, max_concurrency: int, seed: int, timeout_s: float
+        self,
+        prompts: list[list[int]],
+        output_len: int | list[int],
+        rate: float,
+        max_concurrency: int,
+        seed: int,
+        timeout_s: float,
     ) -> tuple[list[RequestResult], float, float]:
         """(results in prompt order, duration from the common start to the last answer, the
-        workers' CPU seconds summed). Uses at most max_concurrency workers, so each has a slot."""
+        workers' CPU seconds summed). Uses at most max_concurrency workers, so each has a slot.
+        output_len: one for every request, or each request's (a list parallel to prompts)."""
         offsets = arrival_times(len(prompts), rate, seed)
+        output_lens = per_request(output_len, len(prompts))
         n = min(len(self.pipes), len(prompts), max_concurrency or len(self.pipes))
         pipes = self.pipes[:n]
         encoder = msgspec.msgpack.Encoder()
         for i, (pipe, share) in enumerate(zip(pipes, split_concurrency(max_concurrency, n))):
-            pipe.send_bytes(encoder.encode(Job(prompts[i::n], offsets[i::n], output_len, share, timeout_s)))
+            pipe.send_bytes(encoder.encode(Job(prompts[i::n], offsets[i::n], output_lens[i::n], share, timeout_s)))
         for i in range(n):
             self._receive(i)  # READY
         start = encoder.encode(Start(time.time() + START_MARGIN_S))
@@ -153,7 +161,7 @@ def _worker_main(pipe, base_url: str, model: str, api_key: str) -> None:
             start = time.perf_counter() + (start_wall - time.time())
             results = asyncio.run(
                 send_on_schedule(
-                    backend, job.prompts, job.offsets, job.output_len, job.max_concurrency, job.timeout_s, start
+                    backend, job.prompts, job.offsets, job.output_lens, job.max_concurrency, job.timeout_s, start
                 )
             )
             last_answer_s = time.perf_counter() - start

@@ -111,14 +111,31 @@ def arrival_times(num_requests: int, rate: float, seed: int) -> list[float]:
     return times
 
 
+def per_request(output_len: int | list[int], count: int) -> list[int]:
+    """Each request's output length: one int for all, or a list parallel to the prompts."""
+    if isinstance(output_len, int):
+        return [output_len] * count
+    if len(output_len) != count:
+        raise ValueError(f"{count} prompts but {len(output_len)} output lengths")
+    return list(output_len)
+
+
 async def run_schedule(
-    backend, prompts: list[list[int]], output_len: int, rate: float, max_concurrency: int, seed: int, timeout_s: float
+    backend,
+    prompts: list[list[int]],
+    output_len: int | list[int],
+    rate: float,
+    max_concurrency: int,
+    seed: int,
+    timeout_s: float,
 ) -> tuple[list[RequestResult], float]:
     """Send every prompt at its arrival time (waiting for a free slot under max_concurrency > 0);
-    returns the results in prompt order and the duration from the start to the last answer."""
+    returns the results in prompt order and the duration from the start to the last answer.
+    output_len: one for every request, or each request's (a list parallel to prompts)."""
     offsets = arrival_times(len(prompts), rate, seed)
+    output_lens = per_request(output_len, len(prompts))
     start = time.perf_counter()
-    results = await send_on_schedule(backend, prompts, offsets, output_len, max_concurrency, timeout_s, start)
+    results = await send_on_schedule(backend, prompts, offsets, output_lens, max_concurrency, timeout_s, start)
     return results, time.perf_counter() - start
 
 
@@ -126,20 +143,21 @@ async def send_on_schedule(
     backend,
     prompts: list[list[int]],
     offsets: list[float],
-    output_len: int,
+    output_lens: list[int],
     max_concurrency: int,
     timeout_s: float,
     start: float,
 ) -> list[RequestResult]:
-    """Send prompt i at `start` (a perf_counter time) + offsets[i], at most max_concurrency > 0 in
-    flight; the results in prompt order. A send time already past goes at once."""
+    """Send prompt i, asking for output_lens[i] tokens, at `start` (a perf_counter time) +
+    offsets[i], at most max_concurrency > 0 in flight; the results in prompt order. A send time
+    already past goes at once."""
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
 
-    async def one(prompt: list[int], offset: float) -> RequestResult:
+    async def one(prompt: list[int], offset: float, output_len: int) -> RequestResult:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
         if slots is None:
             return await timed_request(backend, prompt, output_len, timeout_s)
         async with slots:  # timing starts once the request is sent, as vllm bench serve does
             return await timed_request(backend, prompt, output_len, timeout_s)
 
-    return list(await asyncio.gather(*(one(p, t) for p, t in zip(prompts, offsets))))
+    return list(await asyncio.gather(*(one(p, t, n) for p, t, n in zip(prompts, offsets, output_lens, strict=True))))

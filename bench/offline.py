@@ -2,21 +2,23 @@
 
 Each backend runs --warmup + --repeats prompt sets (run i uses the same ids for both backends; with
 both, their runs alternate) and reports the medians of the measured runs. Throughputs: output
-tok/s = prompts * output_len / s, total tok/s = prompts * (input_len + output_len) / s, req/s =
-prompts / s. With both, the transformers model stays loaded beside the engine: the engine's KV
-cache is sized from what memory it leaves.
+tok/s = the run's output tokens / s (prompts * output_len with --length-dist fixed, the sum of the
+drawn lengths with lognormal), total tok/s = (prompt + output tokens) / s, req/s = prompts / s.
+With both, the transformers model stays loaded beside the engine: the engine's KV cache is sized
+from what memory it leaves.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import time
 
 from pdserve.bench.random_weights import model_path_from_args
 from pdserve.bench.report import command_line, device_name, emit, table
-from pdserve.bench.workload import random_prompts, token_pool
+from pdserve.bench.workload import Workload, Workloads, describe_workload, token_pool
 from pdserve.common.config import EngineConfig, from_cli_args
 
 NUMBERS = ("output_tok_s", "total_tok_s", "req_s", "elapsed_s")
@@ -25,12 +27,9 @@ NUMBERS = ("output_tok_s", "total_tok_s", "req_s", "elapsed_s")
 def run_offline(args: argparse.Namespace) -> int:
     model_path_from_args(args)
     config = from_cli_args(args, EngineConfig).resolve()
-    if args.input_len + args.output_len > config.context_length:
-        raise ValueError(f"--input-len + --output-len exceeds the context length {config.context_length}")
-    pool = token_pool(config.model_path)
+    workloads = Workloads(token_pool(config.model_path), args, config.context_length)  # checks the context
     prompt_sets = [
-        random_prompts(pool, args.num_prompts, args.input_len, args.seed, run, args.prefix_groups, args.prefix_len)
-        for run in range(args.warmup + args.repeats)
+        workloads.draw(args.num_prompts, run, record=run >= args.warmup) for run in range(args.warmup + args.repeats)
     ]
     timers = {}
     try:
@@ -38,53 +37,53 @@ def run_offline(args: argparse.Namespace) -> int:
         if args.backend in ("hf", "both"):
             timers["hf"] = HFTimer(args, config)
         if args.backend in ("pdserve", "both"):
-            timers["pdserve"] = EngineTimer(args, config)
+            timers["pdserve"] = EngineTimer(args, config, max(w.input_tokens + w.output_tokens for w in prompt_sets))
         runs = {name: [] for name in timers}
         # Interleaved, run i of each backend back to back: a stretch when the machine is slower
         # (its host is shared) then hits both backends alike instead of skewing their ratio.
-        for run, prompts in enumerate(prompt_sets):
+        for run, work in enumerate(prompt_sets):
             for name, timer in timers.items():
-                runs[name].append(run_numbers(args, run, timer(prompts)))
+                runs[name].append(run_numbers(args, run, work, timer(work)))
                 print_run(name, args, runs[name][-1])
     finally:
         for timer in timers.values():
             timer.close()
-    report = offline_report(args, config, runs)
+    report = offline_report(args, config, runs, workloads.report())
     print_summary(args, report)
     emit(report, args.output_json)
     return 0
 
 
 class EngineTimer:
-    """`timer(prompts)`: seconds for the engine to generate them all (checked afterwards)."""
+    """`timer(workload)`: seconds for the engine to generate its prompts (checked afterwards).
+    workload_tokens: the most prompt + output tokens of a run."""
 
-    def __init__(self, args: argparse.Namespace, config) -> None:
+    def __init__(self, args: argparse.Namespace, config, workload_tokens: int) -> None:
         from pdserve.common.engine.engine import Engine
         from pdserve.common.types import SamplingParams
 
         self.engine = Engine(config)
-        self.output_len, self.device = args.output_len, config.device
-        capacity, workload = (
-            self.engine.stats()["kv_total_tokens"],
-            args.num_prompts * (args.input_len + args.output_len),
-        )
+        self.device = config.device
+        capacity, workload = self.engine.stats()["kv_total_tokens"], workload_tokens
         if capacity < workload:
             print(
                 f"note: the KV cache holds {capacity} tokens, the workload {workload}: not every prompt runs at once "
                 f"(--max-total-tokens, --kv-cache-memory-gb or --mem-fraction-static size it)",
                 flush=True,
             )
-        self.params = SamplingParams(max_new_tokens=args.output_len, temperature=args.temperature, ignore_eos=True)
+        # ignore_eos: each request generates exactly its max_new_tokens
+        self.params = functools.partial(SamplingParams, temperature=args.temperature, ignore_eos=True)
 
-    def __call__(self, prompts: list[list[int]]) -> float:
+    def __call__(self, work: Workload) -> float:
         from pdserve.bench.hf import synchronize
 
+        params = [self.params(max_new_tokens=n) for n in work.output_lens]
         synchronize(self.device)
         start = time.perf_counter()
-        completions = self.engine.generate(prompts, self.params)
+        completions = self.engine.generate(work.prompts, params)
         synchronize(self.device)
         elapsed = time.perf_counter() - start
-        check_completions(completions, self.output_len)
+        check_completions(completions, work.output_lens)
         return elapsed
 
     def close(self) -> None:
@@ -93,9 +92,11 @@ class EngineTimer:
         self.engine = None
 
 
-def check_completions(completions, output_len: int) -> None:
-    """A benchmark that produced fewer tokens than it counts must fail, loudly."""
-    for c in completions:
+def check_completions(completions, output_len: int | list[int]) -> None:
+    """A benchmark that produced fewer tokens than it counts must fail, loudly. output_len: every
+    request's, or each request's (a list parallel to the completions)."""
+    output_lens = [output_len] * len(completions) if isinstance(output_len, int) else output_len
+    for c, output_len in zip(completions, output_lens, strict=True):
         if c.error is not None or len(c.output_ids) != output_len:
             raise RuntimeError(
                 f"request {c.rid} produced {len(c.output_ids)} tokens, expected {output_len} "
@@ -104,7 +105,8 @@ def check_completions(completions, output_len: int) -> None:
 
 
 class HFTimer:
-    """`timer(prompts)`: seconds for transformers `generate` (SDPA's cuDNN path off, see hf.py)."""
+    """`timer(workload)`: seconds for transformers `generate` (SDPA's cuDNN path off, see hf.py);
+    one output length for all (--length-dist fixed: the CLI refuses lognormal with transformers)."""
 
     def __init__(self, args: argparse.Namespace, config) -> None:
         from pdserve.bench.hf import load_hf_model
@@ -112,13 +114,15 @@ class HFTimer:
         self.model = load_hf_model(config.model_path, config.device, config.dtype)
         self.args, self.device = args, config.device
 
-    def __call__(self, prompts: list[list[int]]) -> float:
+    def __call__(self, work: Workload) -> float:
         from pdserve.bench.hf import cudnn_attention_off, hf_generate_timed
 
         args = self.args
+        if set(work.output_lens) != {args.output_len}:
+            raise ValueError("transformers generate takes one output length per batch: use --length-dist fixed")
         with cudnn_attention_off():
             return hf_generate_timed(
-                self.model, prompts, args.output_len, args.hf_batch_size, args.temperature, self.device
+                self.model, work.prompts, args.output_len, args.hf_batch_size, args.temperature, self.device
             )
 
     def close(self) -> None:
@@ -129,15 +133,18 @@ class HFTimer:
             free_hf_model(model)
 
 
-def run_numbers(args: argparse.Namespace, run: int, elapsed: float) -> dict:
-    n = args.num_prompts
+def run_numbers(args: argparse.Namespace, run: int, work: Workload, elapsed: float) -> dict:
+    """A run's throughputs from the tokens it really asked for (each prompt's and output's length)."""
+    input_tokens, output_tokens = work.input_tokens, work.output_tokens
     return {
         "run": run,
         "warmup": run < args.warmup,
         "elapsed_s": elapsed,
-        "output_tok_s": n * args.output_len / elapsed,
-        "total_tok_s": n * (args.input_len + args.output_len) / elapsed,
-        "req_s": n / elapsed,
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "output_tok_s": output_tokens / elapsed,
+        "total_tok_s": (input_tokens + output_tokens) / elapsed,
+        "req_s": len(work.prompts) / elapsed,
     }
 
 
@@ -158,7 +165,7 @@ def medians(runs: list[dict]) -> dict:
     return {key: statistics.median(r[key] for r in measured) for key in NUMBERS}
 
 
-def offline_report(args: argparse.Namespace, config, runs: dict[str, list[dict]]) -> dict:
+def offline_report(args: argparse.Namespace, config, runs: dict[str, list[dict]], lengths: dict) -> dict:
     report = {
         "bench": "offline",
         "command": command_line(args.argv),
@@ -171,6 +178,7 @@ def offline_report(args: argparse.Namespace, config, runs: dict[str, list[dict]]
         "prefix_groups": args.prefix_groups,
         "prefix_len": args.prefix_len,
         "output_len": args.output_len,
+        "lengths": lengths,  # --length-dist, its medians and sigma, the mean and most drawn
         "temperature": args.temperature,
         "warmup": args.warmup,
         "repeats": args.repeats,
@@ -194,8 +202,8 @@ def offline_report(args: argparse.Namespace, config, runs: dict[str, list[dict]]
 
 def print_summary(args: argparse.Namespace, report: dict) -> None:
     print(
-        f"\n{report['device']} {report['dtype']}, {args.num_prompts} prompts x {args.input_len} in -> "
-        f"{args.output_len} out; medians of {args.repeats} runs after {args.warmup} warm-up"
+        f"\n{report['device']} {report['dtype']}, {describe_workload(args.num_prompts, 'prompts', report['lengths'])}"
+        f"; medians of {args.repeats} runs after {args.warmup} warm-up"
     )
     rows = []
     for name, backend in report["backends"].items():

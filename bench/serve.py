@@ -23,7 +23,7 @@ from pdserve.bench.proc_cpu import cpu_per_1k_tokens, process_cpu_s, process_tre
 from pdserve.bench.random_weights import model_path_from_args
 from pdserve.bench.report import command_line, device_name, emit, table
 from pdserve.bench.sweep import StackSpec, goodput_rate, parse_stack, plot_sweep
-from pdserve.bench.workload import random_prompts, token_pool
+from pdserve.bench.workload import Workload, Workloads, describe_workload, token_pool
 from pdserve.common.config import EngineConfig, from_cli_args
 from pdserve.common.gc_tuning import tune_gc
 
@@ -69,16 +69,17 @@ def run_serve(args: argparse.Namespace) -> int:
     pool = list(range(args.vocab_size)) if args.vocab_size else token_pool(model_path)
     config = from_cli_args(args, EngineConfig)
     local = config.resolve() if not args.base_url else None  # the device and dtype this machine serves with
+    work = Workloads(pool, args, local.context_length if local else None)  # a --base-url server's: unknown
     router_pid = args.router_pid  # the router whose CPU time (with its children's) each run reports
     if stacks:
-        return run_stacks(args, stacks, config, local, pool, slos)
+        return run_stacks(args, stacks, config, local, work, slos)
     with ExitStack() as cleanup:
         if args.backend == "hf":
             backend, model = hf_backend(args, local, cleanup), f"transformers:{model_path}"
         else:
             base_url = args.base_url
             if base_url is None:
-                from pdserve.bench.stack import local_stack
+                from pdserve.bench.stack import local_stack, sm_shares_of
 
                 max_inflight = max(1024, args.num_prompts)  # the router must not turn our own load away (429)
                 stack = cleanup.enter_context(
@@ -104,7 +105,7 @@ def run_serve(args: argparse.Namespace) -> int:
             model = args.model or asyncio.run(get_json(base_url + "/v1/models", headers))["data"][0]["id"]
             backend = OpenAIBackend(base_url, model, args.api_key)
         tune_gc()  # the client's own start-up heap (tokenizer, prompts) stays out of its collections
-        runs = asyncio.run(bench_runs(backend, args, pool, slos, router_pid))
+        runs = asyncio.run(bench_runs(backend, args, work, slos, router_pid))
     report = {
         "bench": "serve",
         "command": command_line(args.argv),
@@ -119,6 +120,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "client_workers": args.client_workers,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "lengths": work.report(),  # --length-dist, its medians and sigma, the mean and most drawn
         "num_prefill": args.num_prefill if not args.base_url else None,
         "prefill_policy": args.prefill_policy if not args.base_url else None,
         "prefix_groups": args.prefix_groups,
@@ -132,16 +134,9 @@ def run_serve(args: argparse.Namespace) -> int:
     return 1 if any(run["failed"] for run in runs) else 0
 
 
-def sm_shares_of(args: argparse.Namespace):
-    """--sm-shares as SMShares (auto: the measured default, router/gpu_sharing.py)."""
-    from pdserve.router.gpu_sharing import DEFAULT_SM_SHARES, parse_sm_shares
-
-    return DEFAULT_SM_SHARES if args.sm_shares == "auto" else parse_sm_shares(args.sm_shares)
-
-
-def run_stacks(args: argparse.Namespace, stacks: list[StackSpec], config, local, pool: list[int], slos: dict) -> int:
+def run_stacks(args: argparse.Namespace, stacks: list[StackSpec], config, local, work: Workloads, slos: dict) -> int:
     """Every --request-rate on each local stack in turn (bench/sweep.py): one report, a plot."""
-    from pdserve.bench.stack import local_stack
+    from pdserve.bench.stack import local_stack, sm_shares_of
 
     results = []
     for spec in stacks:
@@ -170,7 +165,7 @@ def run_stacks(args: argparse.Namespace, stacks: list[StackSpec], config, local,
             model = args.model or asyncio.run(get_json(stack.base_url + "/v1/models", headers))["data"][0]["id"]
             tune_gc()
             runs = asyncio.run(
-                bench_runs(OpenAIBackend(stack.base_url, model, args.api_key), args, pool, slos, stack.router_pid)
+                bench_runs(OpenAIBackend(stack.base_url, model, args.api_key), args, work, slos, stack.router_pid)
             )
         results.append(
             {
@@ -193,6 +188,7 @@ def run_stacks(args: argparse.Namespace, stacks: list[StackSpec], config, local,
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "lengths": work.report(),
         "prefix_groups": args.prefix_groups,
         "prefix_len": args.prefix_len,
         "goodput_slos_ms": slos,
@@ -226,11 +222,12 @@ def run_stacks(args: argparse.Namespace, stacks: list[StackSpec], config, local,
         )
     if args.plot:
         slo_text = ", ".join(f"{k} {v:g} ms" for k, v in slos.items()) or "no SLOs"
+        workload = describe_workload(args.num_prompts, "requests", report["lengths"])
         plot_sweep(
             {r["name"]: r["runs"] for r in results},
             {r["name"]: r["goodput_rate"] for r in results},
             args.attainment,
-            f"{report['device']}: {args.input_len} -> {args.output_len} tokens; SLOs {slo_text}",
+            f"{report['device']}: {workload}; SLOs {slo_text}",
             args.plot,
         )
         print(f"plot: {args.plot}")
@@ -262,27 +259,26 @@ def check_client_args(args: argparse.Namespace) -> None:
 
 
 async def bench_runs(
-    backend, args: argparse.Namespace, pool: list[int], slos: dict, router_pid: int | None = None
+    backend, args: argparse.Namespace, work: Workloads, slos: dict, router_pid: int | None = None
 ) -> list[dict]:
-    for prompt in random_prompts(pool, args.warmup, args.input_len, args.seed, run=-1):
-        result = await timed_request(backend, prompt, args.output_len, args.request_timeout)
+    warmup = work.draw(args.warmup, run=-1, record=False, prefixes=False)
+    for prompt, output_len in zip(warmup.prompts, warmup.output_lens):
+        result = await timed_request(backend, prompt, output_len, args.request_timeout)
         if not result.success:
             raise RuntimeError(f"warm-up request failed: {result.error}")
     runs = []
     if args.conversations:
         for rate, concurrency in itertools.product(args.request_rate, args.max_concurrency):
-            runs.append(await multi_turn_run(backend, args, pool, rate, concurrency, slos, router_pid))
+            runs.append(await multi_turn_run(backend, args, work.pool, rate, concurrency, slos, router_pid))
             print_run(runs[-1])
             print_turns(runs[-1]["turns"])
         return runs
     with ClientWorkers(args.client_workers, backend) if args.client_workers > 1 else nullcontext() as workers:
         for index, (rate, concurrency) in enumerate(itertools.product(args.request_rate, args.max_concurrency)):
-            prompts = random_prompts(
-                pool, args.num_prompts, args.input_len, args.seed, index, args.prefix_groups, args.prefix_len
-            )
+            requests = work.draw(args.num_prompts, index)  # the same for every stack of --stacks
             limit = concurrency or "none"
-            print(f"measuring: rate {rate} req/s, max concurrency {limit}, {len(prompts)} requests", flush=True)
-            run = await measured_run(backend, workers, prompts, args, rate, concurrency, slos, router_pid)
+            print(f"measuring: rate {rate} req/s, max concurrency {limit}, {args.num_prompts} requests", flush=True)
+            run = await measured_run(backend, workers, requests, args, rate, concurrency, slos, router_pid)
             print_run(run)
             runs.append(run)
     return runs
@@ -291,7 +287,7 @@ async def bench_runs(
 async def measured_run(
     backend,
     workers: ClientWorkers | None,
-    prompts: list[list[int]],
+    requests: Workload,
     args: argparse.Namespace,
     rate: float,
     concurrency: int,
@@ -304,12 +300,12 @@ async def measured_run(
     client, router = process_cpu_s(None), process_tree_cpu_s(router_pid) if router_pid else None
     if workers is None:
         results, duration = await run_schedule(
-            backend, prompts, args.output_len, rate, concurrency, args.seed, args.request_timeout
+            backend, requests.prompts, requests.output_lens, rate, concurrency, args.seed, args.request_timeout
         )
         workers_cpu_s = 0.0
     else:
         results, duration, workers_cpu_s = await asyncio.to_thread(
-            workers.run, prompts, args.output_len, rate, concurrency, args.seed, args.request_timeout
+            workers.run, requests.prompts, requests.output_lens, rate, concurrency, args.seed, args.request_timeout
         )
     run = {
         "request_rate": "inf" if math.isinf(rate) else rate,
@@ -357,7 +353,7 @@ def print_run(run: dict) -> None:
 
 
 def print_summary(report: dict) -> None:
-    workload = f"{report['num_prompts']} requests x {report['input_len']} in -> {report['output_len']} out"
+    workload = describe_workload(report["num_prompts"], "requests", report["lengths"])
     if (turns := report["multi_turn"]) is not None:
         workload = (
             f"{turns['conversations']} conversations x {turns['turns']} turns (system {turns['system_len']}, "

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 from pdserve.common.config import DEFAULT_MEM_FRACTION_STATIC, EngineConfig
 from pdserve.common.ports import free_port
 from pdserve.common.trust import write_secret_file
-from pdserve.router.gpu_sharing import DEFAULT_SM_SHARES, GpuSharing, SMShares
+from pdserve.router.gpu_sharing import DEFAULT_SM_SHARES, GpuSharing, SMShares, parse_sm_shares
 from pdserve.router.placement import (
     ServerPlacement,
     describe,
@@ -32,6 +32,11 @@ from pdserve.router.placement import (
     visible_gpu_names,
 )
 from pdserve.router.up import READY_TIMEOUT_S, start_servers, stop_processes
+
+
+def sm_shares_of(args) -> SMShares:
+    """`bench serve --sm-shares` as SMShares (auto: the measured default, router/gpu_sharing.py)."""
+    return DEFAULT_SM_SHARES if args.sm_shares == "auto" else parse_sm_shares(args.sm_shares)
 
 
 def engine_flags(config: EngineConfig) -> list[str]:

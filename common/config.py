@@ -7,7 +7,6 @@ starts, so nothing downstream ever sees an unresolved value.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import json
 import os
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.common import gguf_checkpoint
+from pdserve.common.gpus import cuda_device_count
 
 # What CUDA graphs, activations and the sampling buffers get is the rest of the GPU's memory.
 DEFAULT_MEM_FRACTION_STATIC = 0.85
@@ -214,49 +214,6 @@ def check_tp(tp: int, dist_timeout: float, hf: dict, device: str) -> None:
         visible = cuda_device_count()
         if first + tp > visible:
             raise ValueError(f"--tp-size {tp} needs GPUs {first}..{first + tp - 1} (one per rank); {visible} visible")
-
-
-def cuda_device_count() -> int:
-    """The GPUs this process may use: CUDA_VISIBLE_DEVICES's entries when it is set, else the
-    driver's count (torch's when there is no NVIDIA driver to ask).
-
-    NOTE: a server's frontend checks its flags with this before it spawns the scheduler, and
-    `pdserve up` places its servers with it: importing torch there cost 3-6 s of every start on the
-    GPU hosts. `pdserve up` sets the variable for its servers. (A listed GPU that does not exist
-    then fails in the scheduler, at its first use.)"""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        entries = []
-        for entry in listed.split(","):
-            if not entry.strip() or entry.strip() == "-1":
-                break  # CUDA stops at the first entry that names no device
-            entries.append(entry)
-        return len(entries)
-    count = driver_device_count()
-    if count is not None:
-        return count
-    import torch
-
-    return torch.cuda.device_count()
-
-
-CUDA_ERROR_NO_DEVICE = 100
-
-
-def driver_device_count() -> int | None:
-    """cuDeviceGetCount from the NVIDIA driver's library (what torch.cuda.device_count() counts,
-    in ~0.1 s and no torch); None when there is no driver library or it cannot initialize."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    status = lib.cuInit(0)
-    if status == CUDA_ERROR_NO_DEVICE:
-        return 0
-    count = ctypes.c_int(0)
-    if status != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return None
-    return count.value
 
 
 def model_kv_heads_of(hf: dict) -> int:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 from typing import NamedTuple, Sequence
 
-from pdserve.common.config import DEFAULT_MEM_FRACTION_STATIC, cuda_device_count
+from pdserve.common.config import DEFAULT_MEM_FRACTION_STATIC
+from pdserve.common.gpus import cuda_device_count
 
 ROLES_IN_START_ORDER = ("decode", "prefill")
 

@@ -24,7 +24,7 @@ from pdserve.bench.loadgen import Chunk, OpenAIBackend, arrival_times, run_sched
 from pdserve.bench.metrics import RequestResult, is_good, parse_goodput, percentile, summarize
 from pdserve.bench.offline import check_completions
 from pdserve.bench.stack import engine_flags, server_configs
-from pdserve.bench.workload import random_prompts
+from pdserve.bench.workload import Lengths, random_prompts
 from pdserve.common.cli import main
 from pdserve.common.config import EngineConfig
 from pdserve.common.types import FinishReason
@@ -260,6 +260,7 @@ def test_client_workers_deal_requests_round_robin_and_merge_them_in_prompt_order
         return sse_response([text] * tokens + [usage, "[DONE]"])
 
     prompts = [[7] * n for n in range(1, 6)]  # the prompt length tells the results apart
+    lens = [3, 1, 4, 1, 5]
 
     async def scenario():
         server, url = await canned_server(handler)
@@ -267,9 +268,12 @@ def test_client_workers_deal_requests_round_robin_and_merge_them_in_prompt_order
             with ClientWorkers(2, OpenAIBackend(url, "m")) as workers:
                 both = await asyncio.to_thread(workers.run, prompts, 2, math.inf, 3, 0, 10.0)
                 one = await asyncio.to_thread(workers.run, prompts[:3], 2, 100.0, 1, 0, 10.0)  # limit 1: one worker
-        return both, one
+                mixed = await asyncio.to_thread(workers.run, prompts, lens, math.inf, 0, 0, 10.0)  # one per request
+        return both, one, mixed
 
-    (results, duration, cpu_s), (alone, _, _) = asyncio.run(scenario())
+    (results, duration, cpu_s), (alone, _, _), (mixed, _, _) = asyncio.run(scenario())
+    assert [(r.prompt_len, r.output_tokens) for r in mixed] == list(zip(range(1, 6), lens))  # dealt with its prompt
+    assert all(r.success for r in mixed)
     assert [r.prompt_len for r in results] == [1, 2, 3, 4, 5]
     assert all(r.success and r.output_tokens == 2 and len(r.itl) == 1 for r in results)
     assert duration > 0 and cpu_s > 0  # the workers' own CPU time
@@ -467,11 +471,12 @@ def test_engine_flags_reach_the_local_servers():
     ]
 
 
-def check_serve_runs(report, runs, requests, output_len):
+def check_serve_runs(report, runs, requests, output_len, output_tokens=None):
+    """output_tokens: each run's total (drawn lengths); default requests x output_len."""
     assert [(r["request_rate"], r["max_concurrency"]) for r in report["runs"]] == runs
-    for r in report["runs"]:
+    for i, r in enumerate(report["runs"]):
         assert (r["completed"], r["failed"], r["errors"]) == (requests, 0, [])
-        assert r["total_output_tokens"] == requests * output_len
+        assert r["total_output_tokens"] == (requests * output_len if output_tokens is None else output_tokens[i])
         assert 0 < r["ttft_ms"]["p50"] <= r["e2el_ms"]["p50"] <= r["e2el_ms"]["p99"]
         assert r["tpot_ms"]["mean"] > 0 and r["output_throughput"] > 0
         assert r["request_goodput"] == pytest.approx(r["request_throughput"])  # a 60 s SLO: all good
@@ -556,13 +561,22 @@ def test_serve_with_client_workers_merges_their_runs(cache, capsys):
         "--disable-overlap-schedule",
         "--goodput",
         "e2el:60000",
+        "--length-dist",  # each request its own drawn lengths, carried through the workers
+        "lognormal",
+        "--length-sigma",
+        "0.6",
     ]
     assert main(argv) == 0
-    report = report_of(capsys)
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
     assert report["client_workers"] == 2
-    check_serve_runs(report, [("inf", 3), ("inf", None)], 5, 4)
-    for run in report["runs"]:
-        assert run["total_input_tokens"] == 5 * 12 and len(run) == len(report["runs"][0])
+    draws = [Lengths("lognormal", 12, 4, 0.6, context=report["lengths"]["context"]).draw(5, 0, run) for run in (0, 1)]
+    assert any(sum(outs) != 5 * 4 for _, outs in draws)  # not what requests x --output-len would count
+    check_serve_runs(report, [("inf", 3), ("inf", None)], 5, 4, [sum(outs) for _, outs in draws])
+    assert "5 requests, lognormal lengths, medians 12 -> 4, sigma 0.6; mean " in out
+    assert report["lengths"]["mean_output_len"] == pytest.approx(sum(sum(outs) for _, outs in draws) / 10)
+    for run, (ins, _) in zip(report["runs"], draws, strict=True):
+        assert run["total_input_tokens"] == sum(ins) and len(run) == len(report["runs"][0])
         assert run["client_cpu_s_per_1k_tokens"] > 0 and run["router_cpu_s_per_1k_tokens"] >= 0  # ticks: see above
 
 

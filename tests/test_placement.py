@@ -332,7 +332,7 @@ def test_gpus_are_counted_by_the_driver_without_torch(monkeypatch):
     counts only where the driver cannot answer."""
     import ctypes
 
-    from pdserve.common import config
+    from pdserve.common import gpus as config
 
     class Driver:
         def __init__(self, init_status, count):

@@ -38,7 +38,7 @@ def test_a_next_turn_receives_only_the_pages_the_decode_server_lacks(tiny_models
     kw = dict(disable_prefix_aware_transfers=not aware)
     prefill, decode = engines(path, overlap=overlap, decode_kw=kw)
     prompts = conversations(4)
-    page_bytes = None
+    page_bytes, previous = None, None
     for turn in range(3):
         expected = hf_greedy(path, prompts, MAX_NEW)
         completions, results = drive(prefill, decode, prompts, [params] * len(prompts), seed=turn)
