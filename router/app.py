@@ -92,7 +92,7 @@ class Router:
         self.inflight = 0
         self.policies = {
             "prefill": make_policy(config.prefill_policy, "prefill"),
-            "decode": make_policy(config.decode_policy, "decode", config.disagg_policy != "always"),
+            "decode": make_policy(config.decode_policy, "decode"),
         }
         self.disagg = Disaggregation(
             config.disagg_policy, config.local_prefill_max_tokens, config.prefill_queue_threshold

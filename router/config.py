@@ -54,8 +54,8 @@ class RouterConfig(TrustConfig):
     )
     decode_policy: str = option(
         "round_robin",
-        "round_robin or least_load; with --disagg-policy auto or never (decode servers prefill, and "
-        "keep prompts in their prefix cache) also cache_aware or prefix_hash.",
+        "round_robin, least_load, cache_aware or prefix_hash (decode servers keep prompts in their prefix "
+        "cache, and a transfer sends only the pages after the prefix a decode server holds).",
     )
     decode_stream: str = option(
         "shared",
@@ -185,7 +185,7 @@ class RouterConfig(TrustConfig):
             name_port(spec)
         for role, name in (("prefill", self.prefill_policy), ("decode", self.decode_policy)):
             try:
-                make_policy(name, role, decode_prefills=self.disagg_policy != "always")
+                make_policy(name, role)
             except ValueError as e:
                 raise ValueError(f"--{role}-policy: {e}") from None
         if self.decode_stream not in ("shared", "per-request"):

@@ -324,23 +324,19 @@ class PrefixHash(Policy):
 
 
 POLICY_NAMES = ("round_robin", "least_load", "cache_aware", "prefix_hash")
-PREFILL_ONLY = ("cache_aware", "prefix_hash")  # prompt affinity: decode servers receive KV, not prompts
 
 
-def make_policy(name: str, role: str, decode_prefills: bool = False) -> Policy:
+def make_policy(name: str, role: str) -> Policy:
     """A fresh policy `name` for workers of `role` ("prefill" or "decode").
 
     cache_aware and prefix_hash route by the prompt's prefix, to the worker whose prefix cache
-    likely holds it: prefill workers, and decode workers only when they prefill prompts themselves
-    (`decode_prefills`: --disagg-policy auto or never; otherwise they receive KV, not prompts, and
-    prefix affinity means nothing there). Raises ValueError for an unknown name or role."""
+    likely holds it: prefill workers, and decode workers too, which keep prompts in their prefix
+    cache whether they prefill them (--disagg-policy auto or never) or receive their KV (a
+    transfer sends only the pages after the prefix the decode server holds: a conversation's next
+    turn on the same decode server sends its new tokens). Raises ValueError for an unknown name or
+    role."""
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
-    if name in PREFILL_ONLY and role != "prefill" and not decode_prefills:
-        raise ValueError(
-            f"policy {name!r} is for prefill workers only, or decode workers that prefill "
-            f"(--disagg-policy auto or never); use round_robin or least_load for {role}"
-        )
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":

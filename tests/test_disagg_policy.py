@@ -224,7 +224,7 @@ def test_auto_goes_local_when_no_prefill_server_can_take_the_prompt_soon():
     assert auto.decide("d:9", [1, 2, 3], False, lambda: free) == ("local", "short_prompt")
 
 
-def test_prefix_policies_route_decode_servers_that_prefill():
+def test_prefix_policies_route_decode_servers_under_any_disagg_policy():
     from pdserve.router.config import RouterConfig
 
     config = RouterConfig(
@@ -238,5 +238,5 @@ def test_prefix_policies_route_decode_servers_that_prefill():
         .decode_policy
         == "prefix_hash"
     )  # one tree per process would scatter it
-    with pytest.raises(ValueError, match="decode workers that prefill"):
-        RouterConfig(model_path="/m", prefill=("p:1",), decode=("d:1",), decode_policy="cache_aware").check()
+    # --disagg-policy always too: a decode server holding a prompt's prefix is sent only the rest
+    RouterConfig(model_path="/m", prefill=("p:1",), decode=("d:1",), decode_policy="cache_aware").check()

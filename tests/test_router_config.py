@@ -139,7 +139,7 @@ def test_a_command_line_gives_a_frozen_config():
         (["--prefill-timeout", "-1"], "--prefill-timeout must be >= 0"),
         (["--health-check-interval", "0"], "--health-check-interval must be > 0"),
         (["--max-prefill-attempts", "0"], "--max-prefill-attempts must be >= 1"),
-        (["--decode-policy", "cache_aware"], "--decode-policy: policy 'cache_aware' is for prefill workers only"),
+        (["--decode-policy", "closest"], "--decode-policy: unknown policy 'closest'"),
         (["--prefill-policy", "fastest"], "--prefill-policy: unknown policy 'fastest'"),
         (["--prefill-dns", "no-port"], "expected NAME:PORT, got 'no-port'"),
         (["--log-level", "loud"], "--log-level must be"),

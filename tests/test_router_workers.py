@@ -115,11 +115,9 @@ def test_prefix_hash_never_picks_an_unhealthy_server():
         assert policy.pick(rest, prompt).url != home
 
 
-def test_prefix_hash_is_for_prefill_only():
+def test_prefix_hash_serves_both_roles():
     assert isinstance(make_policy("prefix_hash", "prefill"), PrefixHash)
-    with pytest.raises(ValueError, match="prefill workers only"):
-        make_policy("prefix_hash", "decode")
-    assert isinstance(make_policy("prefix_hash", "decode", decode_prefills=True), PrefixHash)  # --disagg-policy auto
+    assert isinstance(make_policy("prefix_hash", "decode"), PrefixHash)  # prefix-aware transfers: any policy
 
 
 # --- config ------------------------------------------------------------------------------------
