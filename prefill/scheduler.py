@@ -168,10 +168,10 @@ class PrefillScheduler:
         off a page boundary) is refused here, and a WRITE of another page count than its grant is
         refused there (decode/arrivals.py): a forged prefix never decides what the decode reads."""
         prefix, page = destination.prefix_len, self.kv.page_size
-        if prefix % page or not 0 <= prefix < len(req.prompt_ids):
+        if prefix % page or not 0 <= prefix <= len(req.prompt_ids):
             raise ValueError(
-                f"the destination's prefix_len {prefix} is not a multiple of the page size {page} shorter "
-                f"than the prompt ({len(req.prompt_ids)} tokens)"
+                f"the destination's prefix_len {prefix} is not a multiple of the page size {page} within "
+                f"the prompt ({len(req.prompt_ids)} tokens)"
             )
         need = pages_for(len(req.prompt_ids), page) - prefix // page
         if len(destination.page_ids) != need:

@@ -98,3 +98,23 @@ def test_a_prefix_len_the_decode_server_did_not_grant_is_refused(tiny_models):
         p_loop.step()
         d_loop.step()
     assert decode.is_idle() and prefill.is_idle() and decode.stats()["kv_used_tokens"] == 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_prompt_the_decode_server_holds_whole_crosses_as_its_notification_alone(tiny_models, overlap):
+    """A page-aligned prompt asked again (a regenerated answer): the decode server's cache holds
+    every page of it, so it grants none and the prefill server's WRITE is the notification alone,
+    which carries the first token; the answer is transformers' greedy one again."""
+    path = tiny_models("llama")
+    prompt = conversations(1)[0][: 3 * PAGE]
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    [expected] = hf_greedy(path, [prompt], MAX_NEW)
+    prefill, decode = engines(path, overlap=overlap)
+    sent = []
+    for attempt in range(2):
+        completions, results = drive(prefill, decode, [prompt], [params], seed=attempt)
+        assert completions["r0"].output_ids == expected and results["r0"].error is None
+        sent.append(results["r0"].transfer_bytes)
+        assert prefill.is_idle() and decode.is_idle() and decode.stats()["kv_used_tokens"] == 0
+    assert sent[0] > 0 and sent[1] == 0
+    assert decode.scheduler.stats["transfer_prefix_hit_tokens"] == len(prompt)

@@ -140,6 +140,12 @@ class NixlKVAgent(KVTransferAgent):
                 f"unknown peer {peer!r} (known: {sorted(self._peers)}): add_peer() its metadata first; "
                 "remove_peer() forgets a peer after a failure"
             )
+        if not src_pages and not dst_pages:
+            # A WRITE of no pages (the peer holds the whole prompt in its prefix cache): only the
+            # notification goes, the way a same-GPU copy's does once its (here empty) copy ran.
+            handle = SameGpuHandle(peer, 0, 0, _NOTHING_TO_COPY, notif)
+            self._live.add(handle)
+            return handle
         check_pages(src_pages, dst_pages, self.layout.num_pages, target.layout.num_pages)
         heads = self.layout.heads if heads is None else heads
         for side, layout in (("this", self.layout), (f"peer {peer!r}'s", target.layout)):
@@ -280,6 +286,19 @@ class NixlKVAgent(KVTransferAgent):
             self.release(handle)
         except KVTransferError as error:
             logger.warning("%s", error)
+
+
+class _NothingToCopy:
+    """The completed event of a copy of no pages."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+_NOTHING_TO_COPY = _NothingToCopy()
 
 
 def _local(heads: range, layout) -> range:

@@ -78,11 +78,11 @@ class KVManager:
 
     def match_for_transfer(self, req: Req):
         """Cached pages (locked) for the beginning of a prompt whose KV another server sends: only
-        the pages after them need to cross. The last prompt token is left out of the match, as for a
-        prefill, so at least one page always crosses (the WRITE carries the first token)."""
+        the pages after them need to cross; none when they cover the whole prompt (a page-aligned
+        prompt sent again: the WRITE is then its notification alone, carrying the first token)."""
         if self.tree_cache is None or _needs_whole_prompt(req):
             return [], None
-        pages, node = self.tree_cache.match_prefix(req.prompt_ids[: len(req.prompt_ids) - 1])
+        pages, node = self.tree_cache.match_prefix(req.prompt_ids)
         self.tree_cache.inc_lock_ref(node)
         return pages, node
 
