@@ -20,9 +20,7 @@ import time
 def main() -> None:
     import torch
 
-    from pdserve.common.engine.engine import Engine
     from pdserve.common.tiny_model import make_tiny_model
-    from pdserve.common.types import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-prompts", type=int, default=256)
@@ -30,7 +28,16 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    path = make_tiny_model(tempfile.mkdtemp(prefix="pdserve-host-step-"), "llama", 0)
+    with tempfile.TemporaryDirectory(prefix="pdserve-host-step-") as tmp:
+        _measure(args, make_tiny_model(tmp, "llama", 0))
+
+
+def _measure(args, path) -> None:
+    import torch
+
+    from pdserve.common.engine.engine import Engine
+    from pdserve.common.types import SamplingParams
+
     engine = Engine(
         model_path=str(path),
         device="cpu",
