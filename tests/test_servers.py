@@ -219,6 +219,11 @@ def test_a_conversations_next_turn_sends_only_its_new_pages(servers):
         line for line in decode.metrics().splitlines() if line.startswith("pdserve_kv_transfer_prefix_hit_tokens_total")
     ]
     assert hits and float(hits[0].split()[-1]) >= held * page_size
+    lines = [line.split() for line in prefill.metrics().splitlines() if line.startswith("pdserve_prefill_")]
+    counted = {name.split("{")[0]: float(value) for name, value in lines}
+    # the prefill server's own cache held the first turn's whole pages when the second came
+    assert counted["pdserve_prefill_cache_hit_tokens_total"] >= len(first) // page_size * page_size
+    assert counted["pdserve_prefill_prompt_tokens_total"] >= len(first) + len(second)
 
 
 # Random tiny weights leave some steps with their top two logits within fp32 rounding (prompt 17

@@ -58,6 +58,16 @@ class Metrics:
         self.transfer_bytes = Counter(
             "pdserve_kv_transfer_bytes", "KV bytes written to decode servers.", ["role"], registry=r
         ).labels(**labels)
+        # Prefill: counted as each prompt's prefill ends (PrefillDone).
+        self.prompt_tokens = Counter(
+            "pdserve_prefill_prompt_tokens", "Prompt tokens of the prefills this server finished.", ["role"], registry=r
+        ).labels(**labels)
+        self.prefix_cache_hit_tokens = Counter(
+            "pdserve_prefill_cache_hit_tokens",
+            "Prompt tokens of those prefills this server's prefix cache held (not computed).",
+            ["role"],
+            registry=r,
+        ).labels(**labels)
         # Decode: counted as each destination is granted (the scheduler's Destination message).
         self.transfer_prefix_hit_tokens = Counter(
             "pdserve_kv_transfer_prefix_hit_tokens",
@@ -157,6 +167,8 @@ class SchedulerBridge:
                 if isinstance(msg, ipc.Destination):
                     self.metrics.transfer_prefix_hit_tokens.inc(msg.prefix_len)
                 elif isinstance(msg, ipc.PrefillDone) and msg.error is None:
+                    self.metrics.prompt_tokens.inc(msg.prompt_tokens)
+                    self.metrics.prefix_cache_hit_tokens.inc(msg.cached_tokens)
                     self.metrics.transfer_seconds.observe(msg.transfer_s)
                     self.metrics.transfer_bytes.inc(msg.transfer_bytes)
                 elif (
