@@ -1,0 +1,154 @@
+"""A host-memory tier for KV pages: the pages a device pool evicts, kept in (pinned) host memory and
+copied back when a prefix hit needs them. The building block of `--host-kv-cache-gb` (the radix
+cache's host tier, which decides what to store and load, is not wired yet).
+
+    host = HostKVPool.for_gb(2.0, device_pool)          # as many pages as 2 GiB hold
+    slots = host.alloc(len(pages))
+    done = host.store(device_pool, pages, slots)        # device -> host; an event on CUDA
+    done = host.load(device_pool, slots, new_pages)     # host -> device, into other device pages
+
+Layout: one host page is every layer's K and V of one device page, contiguous
+([layers, 2, kv_heads, page_size, head_dim]), so moving n pages is one copy of n pages' bytes
+between the device and the host, not one small copy per page per layer (the device pool keeps each
+layer's K and V head-major: a page is kv_heads strided runs there). On the device the pages are
+gathered into (or scattered from) a staging tensor in that layout; on the CPU the copies are plain
+index copies.
+
+NOTE copies run on `stream` when one is given (a side stream, so a load overlaps the running
+batch): that stream must first wait for the one that wrote the pages being stored, and the caller
+must not read loaded pages, reuse stored device pages, or rewrite the host pages being loaded
+before the returned event completes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.common.engine.kv_pool import PagedKVPool
+
+
+class HostKVPool:
+    def __init__(self, num_pages: int, like: PagedKVPool, pin: bool | None = None):
+        """`num_pages` host pages shaped as `like`'s; pinned when the device pool is on a GPU
+        (unless `pin` says otherwise), which asynchronous copies need."""
+        if num_pages < 1:
+            raise ValueError(f"the host KV pool needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self.page_shape = (like.num_layers, 2, like.kv_heads, like.page_size, like.head_dim)
+        self.dtype = like.dtype
+        pin = like.k_storage[0].is_cuda if pin is None else pin
+        self.pages = torch.zeros((num_pages, *self.page_shape), dtype=like.dtype, pin_memory=pin)
+        self._free = list(range(num_pages - 1, -1, -1))  # popped from the end: 0, 1, 2, ...
+
+    @classmethod
+    def for_gb(cls, gb: float, like: PagedKVPool, pin: bool | None = None) -> "HostKVPool":
+        """As many pages as `gb` GiB hold."""
+        page_bytes = like.bytes_per_token() * like.page_size
+        num_pages = int(gb * (1 << 30)) // page_bytes
+        if num_pages < 1:
+            raise ValueError(f"{gb} GiB holds no KV page of {page_bytes} bytes")
+        return cls(num_pages, like, pin)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.pages[0].numel() * self.pages.element_size()
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n host pages, or None (and nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, slots: list[int]) -> None:
+        for slot in slots:
+            if not 0 <= slot < self.num_pages:
+                raise ValueError(f"host page {slot} is not in [0, {self.num_pages})")
+        self._free.extend(slots)
+
+    def store(self, device: PagedKVPool, device_pages: list[int], slots: list[int], stream=None):
+        """Copy device pages into host pages `slots` (in order); on CUDA, returns the event that
+        completes with the copy (None on the CPU, where it is done on return)."""
+        self._check(device, device_pages, slots)
+        with _on(stream):
+            staged = self._gather(device, device_pages)
+            for at, start, stop in _runs(slots):  # one copy per run of consecutive slots
+                self.pages[start:stop].copy_(staged[at : at + stop - start], non_blocking=True)
+            return _record() if staged.is_cuda else None
+
+    def load(self, device: PagedKVPool, slots: list[int], device_pages: list[int], stream=None):
+        """Copy host pages `slots` into device pages (in order); on CUDA, returns the event that
+        completes with the copy (None on the CPU)."""
+        self._check(device, device_pages, slots)
+        with _on(stream):
+            target = device.k_storage[0].device
+            staged = torch.empty((len(slots), *self.page_shape), dtype=self.dtype, device=target)
+            for at, start, stop in _runs(slots):
+                staged[at : at + stop - start].copy_(self.pages[start:stop], non_blocking=True)
+            self._scatter(device, staged, device_pages)
+            return _record() if staged.is_cuda else None
+
+    # ---- device side ---------------------------------------------------------------------------
+
+    def _gather(self, device: PagedKVPool, pages: list[int]) -> torch.Tensor:
+        """[n, layers, 2, heads, page, dim]: the pages, in this pool's layout, on the device."""
+        index = torch.tensor(pages, dtype=torch.long, device=device.k_storage[0].device)
+        layers = []
+        for k, v in zip(device.k_storage, device.v_storage):
+            per_page = [b.view(device.kv_heads, device.num_pages, device.page_size, device.head_dim) for b in (k, v)]
+            layers.append(torch.stack([b.index_select(1, index) for b in per_page]))  # [2, heads, n, page, dim]
+        return torch.stack(layers).permute(3, 0, 1, 2, 4, 5).contiguous()
+
+    def _scatter(self, device: PagedKVPool, staged: torch.Tensor, pages: list[int]) -> None:
+        index = torch.tensor(pages, dtype=torch.long, device=staged.device)
+        by_layer = staged.permute(1, 2, 3, 0, 4, 5)  # [layers, 2, heads, n, page, dim]
+        for layer, (k, v) in enumerate(zip(device.k_storage, device.v_storage)):
+            for i, b in enumerate((k, v)):
+                view = b.view(device.kv_heads, device.num_pages, device.page_size, device.head_dim)
+                view.index_copy_(1, index, by_layer[layer, i])
+
+    def _check(self, device: PagedKVPool, device_pages: list[int], slots: list[int]) -> None:
+        if len(device_pages) != len(slots) or not slots:
+            raise ValueError(f"{len(device_pages)} device pages but {len(slots)} host pages")
+        shape = (device.num_layers, 2, device.kv_heads, device.page_size, device.head_dim)
+        if shape != self.page_shape or device.dtype != self.dtype:
+            raise ValueError(f"a device pool of pages {shape} {device.dtype}; this one holds {self.page_shape}")
+        if any(not 0 < p < device.num_pages for p in device_pages):
+            raise ValueError(f"device pages {device_pages} are not in [1, {device.num_pages})")
+        if any(not 0 <= s < self.num_pages for s in slots):
+            raise ValueError(f"host pages {slots} are not in [0, {self.num_pages})")
+
+
+def _runs(slots: list[int]):
+    """(position in `slots`, start, stop) of each run of consecutive ascending slots."""
+    at = 0
+    while at < len(slots):
+        stop = at + 1
+        while stop < len(slots) and slots[stop] == slots[stop - 1] + 1:
+            stop += 1
+        yield at, slots[at], slots[at] + stop - at
+        at = stop
+
+
+class _on:
+    """`with torch.cuda.stream(stream)` when a stream is given, else nothing."""
+
+    def __init__(self, stream):
+        self.ctx = torch.cuda.stream(stream) if stream is not None else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            return self.ctx.__exit__(*exc)
+        return False
+
+
+def _record():
+    event = torch.cuda.Event()
+    event.record()
+    return event
