@@ -292,6 +292,10 @@ def add_bench_parser(sub) -> None:
     add_cli_args(accuracy, EngineConfig)
     accuracy.set_defaults(func=_accuracy)
 
+    from pdserve.bench import spec_replay
+
+    spec_replay.add_parser(kinds)
+
 
 def _workload_args(parser: argparse.ArgumentParser) -> None:
     from pdserve.bench.random_weights import add_model_args
