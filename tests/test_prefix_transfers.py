@@ -7,7 +7,7 @@ import random
 import pytest
 
 from pdserve.common.scheduling.pages import pages_for
-from pdserve.common.types import SamplingParams
+from pdserve.common.types import FinishReason, SamplingParams
 from tests.test_disagg_engines import drive, engines, hf_greedy
 
 PAGE = 8
@@ -118,3 +118,42 @@ def test_a_prompt_the_decode_server_holds_whole_crosses_as_its_notification_alon
         assert prefill.is_idle() and decode.is_idle() and decode.stats()["kv_used_tokens"] == 0
     assert sent[0] > 0 and sent[1] == 0
     assert decode.scheduler.stats["transfer_prefix_hit_tokens"] == len(prompt)
+
+
+def test_under_kv_pressure_with_aborts_nothing_leaks_and_answers_stay_exact(tiny_models):
+    """A pool too small for every conversation's history: cached prefixes are evicted, running
+    requests retracted and prefilled again on the decode server, one request of each turn aborted
+    mid-way; every answer that completes is transformers', and both servers end idle, every page
+    free or cached and unlocked."""
+    path = tiny_models("llama")
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    # 32 pages of 8 on the decode side: fewer than a turn's 6 prompts of 4-8 pages and their answers need
+    prefill, decode = engines(
+        path, decode_kw=dict(max_total_tokens=32 * PAGE, max_running_requests=6, context_length=256)
+    )
+    prompts = conversations(6, seed=3)
+    tree, evicted = decode.scheduler.kv.tree_cache, []
+    evict = tree.evict
+    tree.evict = lambda n: evicted.append(evict(n)) or evicted[-1]
+    for turn in range(3):
+        expected = hf_greedy(path, prompts, MAX_NEW)
+
+        aborted = []
+
+        def abort_one(step, turn=turn):
+            if step == 3 + turn:
+                aborted.append(decode.abort("r1"))  # None if it had finished already
+
+        completions, _ = drive(prefill, decode, prompts, [params] * len(prompts), before_step=abort_one, seed=turn)
+        if aborted[0] is not None:
+            assert aborted[0].finish_reason is FinishReason.ABORT
+            completions["r1"] = None
+        outputs = []
+        for i, want in enumerate(expected):
+            if completions[f"r{i}"] is not None:
+                assert completions[f"r{i}"].output_ids == want
+            outputs.append(want)  # an aborted conversation goes on as if it had been answered
+        assert prefill.is_idle() and decode.is_idle() and decode.stats()["kv_used_tokens"] == 0
+        prompts = next_turns(prompts, outputs, seed=turn + 10)
+    assert decode.scheduler.stats["transfer_prefix_hit_tokens"] > 0  # histories were reused...
+    assert sum(evicted) > 0  # ...and others evicted to make room
