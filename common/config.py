@@ -70,6 +70,11 @@ class EngineConfig:
     )
     schedule_policy: str = option("fcfs", "Order of the waiting queue: fcfs, or lpm (longest cached prefix first).")
     disable_radix_cache: bool = option(False, "Turn off prefix caching (the radix tree over the KV pages).")
+    host_kv_cache_gb: float = option(
+        0.0,
+        "GiB of host memory (pinned on a GPU) that pages evicted from the prefix cache are kept in and "
+        "copied back from on a hit; 0: evicted pages are dropped.",
+    )
     disable_prefix_aware_transfers: bool = option(
         False,
         "Decode: receive a prompt's whole KV from the prefill server even where this server's prefix cache "
@@ -149,6 +154,11 @@ class EngineConfig:
         stream_interval = self.stream_interval or (DEFAULT_CUDA_STREAM_INTERVAL if device.startswith("cuda") else 1)
         if self.kv_cache_memory_gb < 0:
             raise ValueError(f"--kv-cache-memory-gb must be >= 0, got {self.kv_cache_memory_gb}")
+        if self.host_kv_cache_gb < 0:
+            raise ValueError(f"--host-kv-cache-gb must be >= 0, got {self.host_kv_cache_gb}")
+        if self.host_kv_cache_gb and (self.tp_size > 1 or self.disable_radix_cache):
+            # NOTE: the scheduler (rank 0) copies its own pool's pages: other ranks' would be lost
+            raise ValueError("--host-kv-cache-gb needs the prefix cache and --tp-size 1 (for now)")
         mem_fraction_static, kv_cache_memory_gb = self.mem_fraction_static, self.kv_cache_memory_gb
         if not (self.max_total_tokens or kv_cache_memory_gb or mem_fraction_static):
             if device.startswith("cuda"):

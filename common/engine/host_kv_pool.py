@@ -1,6 +1,6 @@
 """A host-memory tier for KV pages: the pages a device pool evicts, kept in (pinned) host memory and
-copied back when a prefix hit needs them. The building block of `--host-kv-cache-gb` (the radix
-cache's host tier, which decides what to store and load, is not wired yet).
+copied back when a prefix hit needs them: `--host-kv-cache-gb` (the radix cache decides what to
+store and load: common/scheduling/radix_cache.py).
 
     host = HostKVPool.for_gb(2.0, device_pool)          # as many pages as 2 GiB hold
     slots = host.alloc(len(pages))

@@ -93,6 +93,9 @@ class PagedKVPool:
         self.k_buffers = [b.transpose(0, 1) for b in self.k_storage]
         self.v_buffers = [b.transpose(0, 1) for b in self.v_storage]
         self._free_pages: deque[int] = deque(range(1, num_pages))
+        # The prefix cache's host tier (engine/host_kv_pool.HostKVPool), set by the engine with
+        # --host-kv-cache-gb: kept here, beside the pages it backs, for the scheduler to find.
+        self.host_tier = None
 
     @property
     def capacity_pages(self) -> int:

@@ -22,6 +22,7 @@ from pdserve.common.config import EngineConfig, model_kv_heads_of, read_hf_confi
 from pdserve.common.engine.attention import create_backend
 from pdserve.common.engine.batch import ForwardBatch
 from pdserve.common.engine.cuda_graph import CudaGraphRunner
+from pdserve.common.engine.host_kv_pool import HostKVPool
 from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool
 from pdserve.common.engine.models.loader import load_model
 from pdserve.common.engine.models.parallel import kv_heads_of_rank
@@ -83,6 +84,8 @@ class ModelRunner:
             head_start=heads.start,
             model_kv_heads=model_kv_heads,
         )
+        if config.host_kv_cache_gb > 0:
+            self.kv_pool.host_tier = HostKVPool.for_gb(config.host_kv_cache_gb, self.kv_pool)
         startup.mark(KV_POOL)
         num_heads = self.model.local_heads()
         self.attn = create_backend(

@@ -26,14 +26,19 @@ if TYPE_CHECKING:  # (the pools hold device memory: scheduling only calls their 
 
 class KVManager:
     def __init__(
-        self, req_to_token_pool: ReqToTokenPool, kv_pool: PagedKVPool, prefix_cache: bool, reserve_decode_tokens: int
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: PagedKVPool,
+        prefix_cache: bool,
+        reserve_decode_tokens: int,
     ):
         self.req_to_token_pool = req_to_token_pool
         # Room each request that decodes here keeps for its next tokens (0 where none decode: prefill).
         self.reserve_decode_tokens = reserve_decode_tokens
         self.kv_pool = kv_pool
         self.page_size = kv_pool.page_size
-        self.tree_cache = RadixCache(kv_pool) if prefix_cache else None
+        # (the host tier lives beside the pool it backs: the engine made it, --host-kv-cache-gb)
+        self.tree_cache = RadixCache(kv_pool, kv_pool.host_tier) if prefix_cache else None
         self.row_writes: list[RowWrite] = []
 
     # ---- admission ------------------------------------------------------------------------------
@@ -59,9 +64,10 @@ class KVManager:
         """Cached pages for the request's tokens (locked), leaving at least one token to compute."""
         if self.tree_cache is None or _needs_whole_prompt(req):
             return [], None
-        pages, node = self.tree_cache.match_prefix(req.fill_ids()[: req.seq_len - 1])
+        tokens = req.fill_ids()[: req.seq_len - 1]
+        pages, node = self.tree_cache.match_prefix(tokens)
         self.tree_cache.inc_lock_ref(node)
-        return pages, node
+        return self._load_host_continuation(tokens, pages, node)
 
     def cached_prefix_len(self, req: Req) -> int:
         if self.tree_cache is None or _needs_whole_prompt(req):
@@ -84,7 +90,15 @@ class KVManager:
             return [], None
         pages, node = self.tree_cache.match_prefix(req.prompt_ids)
         self.tree_cache.inc_lock_ref(node)
-        return pages, node
+        return self._load_host_continuation(req.prompt_ids, pages, node)
+
+    def _load_host_continuation(self, tokens: list[int], pages: list[int], node):
+        """With a host tier: the match made longer by the host-only pages that continue it, copied
+        back into device pages (as many as the pool can give)."""
+        if self.tree_cache.host is None:
+            return pages, node
+        more, node = self.tree_cache.load_continuation(tokens, node, self.available_pages())
+        return pages + more, node
 
     def admit_for_transfer(self, req: Req, num_tokens: int, prefix_pages: list[int] = (), node=None) -> None:
         """Give the request a row holding its matched (locked) cached prefix and pages of its own

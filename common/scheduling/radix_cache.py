@@ -12,6 +12,15 @@ Eviction pops a heap of candidate leaves kept up to date as the tree changes (an
 when its node is locked, gains a child, is touched again or is gone, and is skipped when popped),
 so it costs what it evicts, not the size of the tree: a full pool evicts on every admission.
 
+Host tier (optional, `--host-kv-cache-gb`): an evicted leaf's pages are first copied to a host
+pool (common/engine/host_kv_pool.py) and the node stays, host-only (no device pages, `host` slots).
+A device match stops at a host-only node; `load_continuation` brings the host-only nodes that
+continue a match back into fresh device pages (the request then runs from the longer prefix).
+Invariant: a host-only node has only host-only descendants (eviction goes leaf-upward; an insert
+through a host-only node replaces its subtree with the request's device pages). The host pool
+evicts its own leaves LRU when full. NOTE loads and stores copy on the caller's stream, at
+scheduling time: on a GPU that must be after the loop's barrier on the forward stream.
+
 Ownership: pages in the tree belong to the tree. A request owns only the pages after its matched
 prefix until it finishes; then `insert` hands the tree the pages it did not already have, and the
 caller frees the duplicates (the same tokens cached by someone else meanwhile) and the partial
@@ -30,7 +39,7 @@ if TYPE_CHECKING:  # (the pools hold device memory: scheduling only calls their 
 
 
 class TreeNode:
-    __slots__ = ("parent", "children", "key", "pages", "lock_ref", "last_access")
+    __slots__ = ("parent", "children", "key", "pages", "lock_ref", "last_access", "host")
 
     def __init__(self, parent: TreeNode | None, key: tuple[int, ...], pages: list[int], tick: int):
         self.parent = parent
@@ -39,11 +48,17 @@ class TreeNode:
         self.pages = pages
         self.lock_ref = 0
         self.last_access = tick
+        self.host: list[int] | None = None  # host pool slots, once the device pages are gone
 
 
 class RadixCache:
-    def __init__(self, kv_pool: PagedKVPool):
+    def __init__(self, kv_pool: PagedKVPool, host=None):
+        """`host`: a HostKVPool that evicted pages go to (None: they are dropped)."""
         self.kv_pool = kv_pool
+        self.host = host
+        self.host_pages = 0  # host slots the tree holds
+        self.stats = {"host_stored_pages": 0, "host_loaded_pages": 0, "host_dropped_pages": 0}
+        self._host_lru: list[tuple[int, int, TreeNode]] = []
         self.page_size = kv_pool.page_size
         self._ticks = itertools.count()
         self.root = TreeNode(None, (), [], next(self._ticks))
@@ -69,7 +84,7 @@ class RadixCache:
         node.last_access = tick
         while pos < len(key):
             child = node.children.get(key[pos : pos + self.page_size])
-            if child is None:
+            if child is None or not child.pages:  # (host-only: load_continuation)
                 break
             n = self._common_pages(child.key, key[pos:])
             if n < len(child.pages):
@@ -87,7 +102,7 @@ class RadixCache:
         usable = len(tokens) // self.page_size * self.page_size
         while pos < usable:
             child = node.children.get(tuple(tokens[pos : pos + self.page_size]))
-            if child is None:
+            if child is None or not child.pages:
                 break
             n = self._common_pages(child.key, tuple(tokens[pos:usable]))
             pos += n * self.page_size
@@ -107,6 +122,9 @@ class RadixCache:
         while pos < len(key):
             first = key[pos : pos + self.page_size]
             child = node.children.get(first)
+            if child is not None and not child.pages:  # host-only: the request's pages replace it
+                self._drop_subtree(child)
+                child = None
             if child is None:
                 new = TreeNode(node, key[pos:], pages[pos // self.page_size :], tick)
                 node.children[first] = new
@@ -136,6 +154,8 @@ class RadixCache:
         cut = n_pages * self.page_size
         upper = TreeNode(node.parent, node.key[:cut], node.pages[:n_pages], node.last_access)
         upper.lock_ref = node.lock_ref
+        if node.host is not None:
+            upper.host, node.host = node.host[:n_pages], node.host[n_pages:]
         upper.children[node.key[cut : cut + self.page_size]] = node
         node.parent.children[node.key[: self.page_size]] = upper
         node.parent = upper
@@ -170,29 +190,117 @@ class RadixCache:
         freed = 0
         while freed < num_pages and self._lru:
             access, _, leaf = heapq.heappop(self._lru)
-            if leaf.parent is None or leaf.children or leaf.lock_ref or leaf.last_access != access:
+            if leaf.parent is None or not self._device_leaf(leaf) or leaf.lock_ref or leaf.last_access != access:
                 continue  # stale: gone, no longer a leaf, locked, or touched since it was pushed
-            self.kv_pool.free_pages(leaf.pages)
-            freed += len(leaf.pages)
-            self.evictable_pages -= len(leaf.pages)
+            n = len(leaf.pages)
             parent = leaf.parent
-            del parent.children[leaf.key[: self.page_size]]
-            leaf.parent = None
-            self.num_nodes -= 1
+            if self.host is not None and self._host_room(n):
+                leaf.host = self.host.alloc(n)
+                self.host.store(self.kv_pool, leaf.pages, leaf.host)
+                self.host_pages += n
+                self.stats["host_stored_pages"] += n
+                self.kv_pool.free_pages(leaf.pages)
+                leaf.pages = []
+                self._offer_host(leaf)
+            else:
+                self.kv_pool.free_pages(leaf.pages)
+                self._drop_subtree(leaf)
+            freed += n
+            self.evictable_pages -= n
             self._offer(parent)
         return freed
+
+    # ---- the host tier --------------------------------------------------------------------------
+
+    def load_continuation(self, tokens: list[int], node: TreeNode, max_pages: int) -> tuple[list[int], TreeNode]:
+        """Bring back into device pages the host-only nodes that continue `node`'s match of `tokens`
+        (`node` ends a device match and is locked by the caller, so making room evicts no part of
+        it), at most `max_pages` of them: (the pages loaded, the node the match now ends at, locked
+        in place of `node`)."""
+        if self.host is None:
+            return [], node
+        depth = 0
+        walker = node
+        while walker is not self.root:
+            depth += len(walker.key)
+            walker = walker.parent
+        usable = len(tokens) // self.page_size * self.page_size
+        key, pos, pages = tuple(tokens[:usable]), depth, []
+        while pos < len(key) and len(pages) < max_pages:
+            child = node.children.get(key[pos : pos + self.page_size])
+            if child is None or child.pages:
+                break
+            n = min(self._common_pages(child.key, key[pos:]), max_pages - len(pages))
+            if n < len(child.host):
+                child = self._split(child, n)
+            free = self.kv_pool.num_free_pages()
+            if free < n:
+                self.evict(n - free)  # (stores other leaves to the host pool: never this path)
+            loaded = self.kv_pool.alloc_pages(n)
+            if loaded is None:
+                break
+            self.host.load(self.kv_pool, child.host, loaded)
+            self.host.free(child.host)
+            self.host_pages -= n
+            self.stats["host_loaded_pages"] += n
+            child.host, child.pages = None, loaded
+            self.evictable_pages += n
+            child.last_access = next(self._ticks)
+            self.inc_lock_ref(child)  # (before the next room is made: it must not be evicted again)
+            self.dec_lock_ref(node)
+            pages += loaded
+            pos += len(child.key)
+            node = child
+        self._offer(node)
+        return pages, node
+
+    def _device_leaf(self, node: TreeNode) -> bool:
+        """Holds device pages, and none of its children does (an eviction candidate)."""
+        return bool(node.pages) and not any(c.pages for c in node.children.values())
+
+    def _host_room(self, n: int) -> bool:
+        """Free n host slots, dropping host-only leaves least recently used first; False if the
+        pool cannot hold n."""
+        while self.host.num_free() < n and self._host_lru:
+            access, _, leaf = heapq.heappop(self._host_lru)
+            if leaf.parent is None or leaf.children or leaf.pages or leaf.last_access != access:
+                continue
+            parent = leaf.parent
+            self._drop_subtree(leaf)
+            self._offer_host(parent)
+        return self.host.num_free() >= n
+
+    def _drop_subtree(self, node: TreeNode) -> None:
+        """Take `node` (device pages already given back) and its host-only descendants out of the tree."""
+        del node.parent.children[node.key[: self.page_size]]
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.host is not None:
+                self.host.free(n.host)
+                self.host_pages -= len(n.host)
+                self.stats["host_dropped_pages"] += len(n.host)
+                n.host = None
+            n.parent = None
+            self.num_nodes -= 1
+            stack.extend(n.children.values())
+            n.children = {}
+
+    def _offer_host(self, node: TreeNode) -> None:
+        if node is not self.root and node.host is not None and not node.children and not node.pages:
+            heapq.heappush(self._host_lru, (node.last_access, next(self._pushes), node))
 
     def _offer(self, node: TreeNode) -> None:
         """Push `node` as an eviction candidate if it is an unlocked leaf (a stale entry of it may
         remain; it is skipped when popped). Rebuilds the heap when stale entries dominate."""
-        if node is self.root or node.children or node.lock_ref:
+        if node is self.root or node.lock_ref or not self._device_leaf(node):
             return
         heapq.heappush(self._lru, (node.last_access, next(self._pushes), node))
         if len(self._lru) > 4 * self.num_nodes + 1024:
             self._lru = [
                 (n.last_access, next(self._pushes), n)
                 for n in self._nodes()
-                if n is not self.root and not n.children and n.lock_ref == 0
+                if n is not self.root and self._device_leaf(n) and n.lock_ref == 0
             ]
             heapq.heapify(self._lru)
 
@@ -209,4 +317,8 @@ class RadixCache:
     def reset(self) -> None:
         """Give every cached page back (only valid when no request holds a lock)."""
         assert self.protected_pages == 0, "reset with locked nodes"
+        host, self.host = self.host, None  # dropped, not stored
         self.evict(self.evictable_pages)
+        self.host = host
+        for child in list(self.root.children.values()):
+            self._drop_subtree(child)  # what is left is host-only
