@@ -22,9 +22,11 @@ before the returned event completes.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pdserve.common.engine.kv_pool import PagedKVPool
+from pdserve.common.engine.overlap import h2d_array
 
 
 class HostKVPool:
@@ -94,7 +96,7 @@ class HostKVPool:
 
     def _gather(self, device: PagedKVPool, pages: list[int]) -> torch.Tensor:
         """[n, layers, 2, heads, page, dim]: the pages, in this pool's layout, on the device."""
-        index = torch.tensor(pages, dtype=torch.long, device=device.k_storage[0].device)
+        index = h2d_array(np.array(pages, dtype=np.int64), device.k_storage[0].device)  # (no pageable copy)
         layers = []
         for k, v in zip(device.k_storage, device.v_storage):
             per_page = [b.view(device.kv_heads, device.num_pages, device.page_size, device.head_dim) for b in (k, v)]
@@ -102,7 +104,7 @@ class HostKVPool:
         return torch.stack(layers).permute(3, 0, 1, 2, 4, 5).contiguous()
 
     def _scatter(self, device: PagedKVPool, staged: torch.Tensor, pages: list[int]) -> None:
-        index = torch.tensor(pages, dtype=torch.long, device=staged.device)
+        index = h2d_array(np.array(pages, dtype=np.int64), staged.device)
         by_layer = staged.permute(1, 2, 3, 0, 4, 5)  # [layers, 2, heads, n, page, dim]
         for layer, (k, v) in enumerate(zip(device.k_storage, device.v_storage)):
             for i, b in enumerate((k, v)):
