@@ -157,3 +157,33 @@ def test_under_kv_pressure_with_aborts_nothing_leaks_and_answers_stay_exact(tiny
         prompts = next_turns(prompts, outputs, seed=turn + 10)
     assert decode.scheduler.stats["transfer_prefix_hit_tokens"] > 0  # histories were reused...
     assert sum(evicted) > 0  # ...and others evicted to make room
+
+
+def test_a_transfer_that_never_comes_frees_its_pages_and_unpins_the_prefix(tiny_models):
+    """The prefill server dies with a next turn's WRITE pending: the decode server answers with a
+    timeout, then (after the grace a late WRITE gets) frees the pages it granted and unlocks the
+    prefix it pinned: the cached history is evictable again, not leaked."""
+    import time
+
+    from tests.test_disagg_engines import Stepper
+
+    path = tiny_models("llama")
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    prefill, decode = engines(path, timeout=1.0)
+    [first] = conversations(1, seed=9)
+    completions, _ = drive(prefill, decode, [first], [params])
+    second = first + completions["r0"].output_ids + [11, 12, 13]
+    tree = decode.scheduler.kv.tree_cache
+    cached = tree.evictable_pages
+    decode.add_decode_request(second, params, room=424242, rid="t2")
+    d_loop = Stepper(decode)
+    d_loop.step()
+    [dest] = decode.destinations  # (never handed to a prefill server: it "died")
+    assert dest.prefix_len > 0 and tree.protected_pages > 0 and tree.evictable_pages < cached
+    done, deadline = {}, time.monotonic() + 30
+    while decode.busy():
+        assert time.monotonic() < deadline
+        done.update({c.rid: c for c in d_loop.step()})
+    assert "timed out" in done["t2"].error
+    assert decode.is_idle() and decode.stats()["kv_used_tokens"] == 0
+    assert tree.protected_pages == 0 and tree.evictable_pages == cached
