@@ -197,6 +197,7 @@ class Req:
         self.pages: list[int] = []  # KV pages, in position order: page i holds positions [i*P, (i+1)*P)
         self.prefix_pages = 0  # how many leading pages belong to the prefix cache (matched, locked)
         self.last_node = None  # the radix-cache node locked for that prefix
+        self.kv_load = None  # the event of a host-tier copy into that prefix, until it completes
         # Overlap bookkeeping. A launched forward samples a token the host has not seen yet:
         # `pending` counts those, `future_idx` is the FutureMap slot of the latest (the next
         # decode step feeds -future_idx and the forward stream resolves it), and `discard` counts

@@ -156,6 +156,7 @@ class DecodeEngine(EngineCore):
                 if completion is not None:
                     self.outputs.append(completion)
         self.outputs += scheduler.expire_transfers(time.monotonic())
+        scheduler.join_loaded()
         if self.arrivals.partial:
             self.arrivals.forget(waiting)
         self._watch()
@@ -262,10 +263,11 @@ class DecodeEngine(EngineCore):
         s = self.scheduler
         return ipc.LoadReport(
             running=len(s.running),
-            waiting=len(s.waiting) + len(s.prealloc) + len(s.transferring),
+            waiting=len(s.waiting) + len(s.prealloc) + len(s.transferring) + len(s.landed),
             kv_used_tokens=s.kv_used_tokens(),
             kv_total_tokens=self.runner.kv_pool.capacity_tokens,
             inflight_transfers=len(s.transferring),
+            host_tier=s.kv.host_tier_report(),
         )
 
     def ready(self) -> ipc.Ready:

@@ -9,6 +9,8 @@ Queues, in the order a request passes through them (docs/architecture.md, "The d
                   says no WRITE can land in them any more (prefill servers start none after
                   the deadline, which the destination carries, and give up on one at half
                   the grace).
+    landed        the KV and the first token arrived, but the cached prefix it pinned is still
+                  being copied back from the host tier (--host-kv-cache-gb): it waits, others run
     running       the KV and the first token arrived: it decodes like any colocated request,
                   joining the batch without a forward pass of its own
     waiting       local prefills (GenerateRequest.local_prefill: the router chose not to
@@ -55,6 +57,7 @@ class DecodeScheduler(Scheduler):
         self.kv_transfer_timeout = kv_transfer_timeout
         self.prealloc: deque[Req] = deque()
         self.transferring: dict[int, Req] = {}  # room -> request
+        self.landed: list[Req] = []  # arrived; their pinned prefix still loading from host memory
         # Rooms whose KV arrived, with their granted page counts, until no WRITE for them can land
         # (a retried prefill's late copy is still a granted one): room -> pages, and (forget at, room).
         self.served: dict[int, int] = {}
@@ -90,7 +93,7 @@ class DecodeScheduler(Scheduler):
         self.prealloc.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.prealloc or self.transferring) or super().has_work()
+        return bool(self.prealloc or self.transferring or self.landed) or super().has_work()
 
     def pop_preallocated(self, now: float) -> list[Req]:
         """Give queued requests a row and the pages for their prompt, oldest first.
@@ -101,7 +104,7 @@ class DecodeScheduler(Scheduler):
         if not self.prealloc:  # the common case, every loop iteration: no O(running) scan
             return []
         admitted = []
-        holders = self.running + list(self.transferring.values())
+        holders = self.running + list(self.transferring.values()) + self.landed
         if len(holders) + 1 > self.config.max_running_requests or self.kv.rows_available() == 0:
             return []  # full: none would be admitted (PrefillManager.schedule says what the scan cost)
         available = self.kv.available_pages() - self.kv.reserved_pages(holders)
@@ -117,7 +120,7 @@ class DecodeScheduler(Scheduler):
             available -= evictable_before - self.kv.available_pages()  # locked: no longer evictable
             need = self.kv.reserve_pages(req) - len(prefix_pages)
             if need > available:
-                self.kv.unlock(node)
+                self.kv.unlock(node, req)  # (waits for a copy just started into it: rare)
                 break
             self.prealloc.popleft()
             # Its KV comes from the prefill server: the pages after the prefix this server holds.
@@ -159,8 +162,18 @@ class DecodeScheduler(Scheduler):
         if req.finished:
             self.kv.free(req)
             return finalize(req)
+        if not self.kv.kv_load_done(req):
+            self.landed.append(req)  # (join_loaded: once its prefix is back on the device)
+            return None
         self.running.append(req)
         return None
+
+    def join_loaded(self) -> None:
+        """Landed requests whose prefix is back from the host tier join the running batch."""
+        if self.landed:
+            ready = [r for r in self.landed if self.kv.kv_load_done(r)]
+            self.landed = [r for r in self.landed if r.kv_load is not None]
+            self.running.extend(ready)
 
     def expire_transfers(self, now: float) -> list[Completion]:
         """Requests whose KV did not arrive in time: answered with an error at their deadline,
@@ -181,6 +194,12 @@ class DecodeScheduler(Scheduler):
         return timed_out
 
     def abort(self, rid: str) -> Completion | None:
+        for req in self.landed:
+            if req.rid == rid:
+                self.landed.remove(req)
+                req.finish_reason = FinishReason.ABORT
+                self.kv.free(req)  # (waits for its copy from the host tier)
+                return finalize(req)
         for req in self.prealloc:
             if req.rid == rid:
                 self.prealloc.remove(req)
@@ -196,4 +215,4 @@ class DecodeScheduler(Scheduler):
         return super().abort(rid)
 
     def is_idle(self) -> bool:
-        return not self.prealloc and not self.transferring and super().is_idle()
+        return not self.prealloc and not self.transferring and not self.landed and super().is_idle()

@@ -172,6 +172,7 @@ class PrefillEngine(EngineCore):
             kv_used_tokens=s.kv_used_tokens(),
             kv_total_tokens=self.runner.kv_pool.capacity_tokens,
             inflight_transfers=len(s.transfers),
+            host_tier=s.kv.host_tier_report(),
         )
 
     def ready(self) -> ipc.Ready:

@@ -74,8 +74,13 @@ class Engine(EngineCore):
 
     def check_not_stalled(self, batch: ScheduleBatch | None) -> None:
         """Nothing ran and nothing is in flight, yet work is queued: a scheduling bug, never a wait
-        (a colocated engine waits on nothing outside itself)."""
-        if batch is None and not self.in_flight and self.scheduler.has_work():
+        (a colocated engine waits on nothing outside itself but its host-tier copies)."""
+        if (
+            batch is None
+            and not self.in_flight
+            and self.scheduler.has_work()
+            and not self.scheduler.prefill.waiting_on_loads()
+        ):
             raise RuntimeError(f"scheduler stalled with work queued: {self.stats()}")
 
     def event_loop(self) -> Iterator[list[Completion]]:

@@ -6,6 +6,8 @@ store and load: common/scheduling/radix_cache.py).
     slots = host.alloc(len(pages))
     done = host.store(device_pool, pages, slots)        # device -> host; an event on CUDA
     done = host.load(device_pool, slots, new_pages)     # host -> device, into other device pages
+    done = host.load_async(device_pool, slots, new_pages)  # the same on the pool's own stream; the
+                                                           # slots are free again once it completes
 
 Layout: one host page is every layer's K and V of one device page, contiguous
 ([layers, 2, kv_heads, page_size, head_dim]), so moving n pages is one copy of n pages' bytes
@@ -17,7 +19,12 @@ index copies.
 NOTE copies run on `stream` when one is given (a side stream, so a load overlaps the running
 batch): that stream must first wait for the one that wrote the pages being stored, and the caller
 must not read loaded pages, reuse stored device pages, or rewrite the host pages being loaded
-before the returned event completes.
+before the returned event completes. `load_async` keeps the last promise itself: its host slots
+return to the free list only once the copy has read them (a store into a slot still being loaded
+would be a write-after-read race).
+
+Bandwidth: every copy on a GPU is timed with CUDA events (`stats`: bytes and device seconds per
+direction, harvested as the copies complete, never waited for).
 """
 
 from __future__ import annotations
@@ -41,6 +48,11 @@ class HostKVPool:
         pin = like.k_storage[0].is_cuda if pin is None else pin
         self.pages = torch.zeros((num_pages, *self.page_shape), dtype=like.dtype, pin_memory=pin)
         self._free = list(range(num_pages - 1, -1, -1))  # popped from the end: 0, 1, 2, ...
+        self._freeing: list[tuple[object, list[int]]] = []  # (load's event, slots it reads), in issue order
+        on_gpu = like.k_storage[0].is_cuda
+        self.stream = torch.cuda.Stream(like.k_storage[0].device) if on_gpu else None  # loads: load_async
+        self.stats = {"load_bytes": 0, "load_s": 0.0, "store_bytes": 0, "store_s": 0.0}
+        self._timing: list[tuple[str, int, object, object]] = []  # (direction, bytes, start, end) in flight
 
     @classmethod
     def for_gb(cls, gb: float, like: PagedKVPool, pin: bool | None = None) -> "HostKVPool":
@@ -56,11 +68,12 @@ class HostKVPool:
         return self.pages[0].numel() * self.pages.element_size()
 
     def num_free(self) -> int:
+        self.poll()
         return len(self._free)
 
     def alloc(self, n: int) -> list[int] | None:
         """n host pages, or None (and nothing taken) when fewer are free."""
-        if n > len(self._free):
+        if n > self.num_free():
             return None
         return [self._free.pop() for _ in range(n)]
 
@@ -70,27 +83,72 @@ class HostKVPool:
                 raise ValueError(f"host page {slot} is not in [0, {self.num_pages})")
         self._free.extend(slots)
 
+    def free_after(self, done, slots: list[int]) -> None:
+        """Free `slots` once `done` (a copy's event, or None: at once) has completed."""
+        if done is None:
+            self.free(slots)
+        else:
+            self._freeing.append((done, slots))
+
+    def poll(self) -> None:
+        """Free the slots of completed loads; account the completed copies' time (never waits)."""
+        while self._freeing and self._freeing[0][0].query():  # (one stream: they complete in order)
+            self.free(self._freeing.pop(0)[1])
+        while self._timing and self._timing[0][3].query():
+            direction, size, start, end = self._timing.pop(0)
+            self.stats[f"{direction}_bytes"] += size
+            self.stats[f"{direction}_s"] += start.elapsed_time(end) / 1000
+
     def store(self, device: PagedKVPool, device_pages: list[int], slots: list[int], stream=None):
         """Copy device pages into host pages `slots` (in order); on CUDA, returns the event that
         completes with the copy (None on the CPU, where it is done on return)."""
         self._check(device, device_pages, slots)
         with _on(stream):
+            start = self._start("store")
             staged = self._gather(device, device_pages)
-            for at, start, stop in _runs(slots):  # one copy per run of consecutive slots
-                self.pages[start:stop].copy_(staged[at : at + stop - start], non_blocking=True)
-            return _record() if staged.is_cuda else None
+            for at, begin, stop in _runs(slots):  # one copy per run of consecutive slots
+                self.pages[begin:stop].copy_(staged[at : at + stop - begin], non_blocking=True)
+            return self._end("store", len(slots), start)
 
     def load(self, device: PagedKVPool, slots: list[int], device_pages: list[int], stream=None):
         """Copy host pages `slots` into device pages (in order); on CUDA, returns the event that
         completes with the copy (None on the CPU)."""
         self._check(device, device_pages, slots)
         with _on(stream):
+            start = self._start("load")
             target = device.k_storage[0].device
             staged = torch.empty((len(slots), *self.page_shape), dtype=self.dtype, device=target)
-            for at, start, stop in _runs(slots):
-                staged[at : at + stop - start].copy_(self.pages[start:stop], non_blocking=True)
+            for at, begin, stop in _runs(slots):
+                staged[at : at + stop - begin].copy_(self.pages[begin:stop], non_blocking=True)
             self._scatter(device, staged, device_pages)
-            return _record() if staged.is_cuda else None
+            return self._end("load", len(slots), start)
+
+    def load_async(self, device: PagedKVPool, slots: list[int], device_pages: list[int]):
+        """`load` on this pool's own stream, after everything queued so far on the current one (the
+        scheduling stream, which has waited for the forward in flight: the device pages are free of
+        readers and of stores); `slots` are freed when it completes. Returns its event (None on the
+        CPU, where it is done on return)."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+        done = self.load(device, slots, device_pages, stream=self.stream)
+        self.free_after(done, slots)
+        return done
+
+    def _start(self, direction: str):
+        if self.stream is None:  # (CPU copies are done on return: bytes counted, not timed)
+            return None
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def _end(self, direction: str, pages: int, start):
+        if start is None:
+            self.stats[f"{direction}_bytes"] += pages * self.page_bytes
+            return None
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._timing.append((direction, pages * self.page_bytes, start, end))
+        return end
 
     # ---- device side ---------------------------------------------------------------------------
 
@@ -148,9 +206,3 @@ class _on:
         if self.ctx is not None:
             return self.ctx.__exit__(*exc)
         return False
-
-
-def _record():
-    event = torch.cuda.Event()
-    event.record()
-    return event

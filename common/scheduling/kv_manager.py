@@ -6,6 +6,11 @@ to the radix cache (matched at admission, locked through `req.last_node`), the r
 have) and frees the rest; `free` frees without caching. Cached pages nobody locks count as
 available: they are evicted on demand.
 
+A prefix hit on the host tier is copied back asynchronously: the request holds its pages at once,
+and `kv_load_done` says when a forward may read them (the scheduler keeps it out of batches until
+then; a request freed before that first waits for the copy: its pages must not change hands while
+the copy still writes them).
+
 Nothing here touches the device. What a row must hold before the request's first forward here
 (a prefix hit, or a decode server's pages for an incoming transfer) is queued as a RowWrite and
 handed to the next ScheduleBatch (`take_row_writes`); the batch builder writes it.
@@ -67,14 +72,17 @@ class KVManager:
         tokens = req.fill_ids()[: req.seq_len - 1]
         pages, node = self.tree_cache.match_prefix(tokens)
         self.tree_cache.inc_lock_ref(node)
-        return self._load_host_continuation(tokens, pages, node)
+        return self._load_host_continuation(req, tokens, pages, node)
 
     def cached_prefix_len(self, req: Req) -> int:
         if self.tree_cache is None or _needs_whole_prompt(req):
             return 0
         return self.tree_cache.cached_prefix_len(req.fill_ids()[: req.seq_len - 1])
 
-    def unlock(self, node) -> None:
+    def unlock(self, node, req: Req | None = None) -> None:
+        """Unlock a match (`req`: the request it was made for, whose pending copy settles first)."""
+        if req is not None:
+            self._settle(req)
         if node is not None:
             self.tree_cache.dec_lock_ref(node)
 
@@ -90,15 +98,31 @@ class KVManager:
             return [], None
         pages, node = self.tree_cache.match_prefix(req.prompt_ids)
         self.tree_cache.inc_lock_ref(node)
-        return self._load_host_continuation(req.prompt_ids, pages, node)
+        return self._load_host_continuation(req, req.prompt_ids, pages, node)
 
-    def _load_host_continuation(self, tokens: list[int], pages: list[int], node):
-        """With a host tier: the match made longer by the host-only pages that continue it, copied
-        back into device pages (as many as the pool can give)."""
+    def _load_host_continuation(self, req: Req, tokens: list[int], pages: list[int], node):
+        """With a host tier: the match made longer by the host-only pages that continue it, being
+        copied back into device pages (as many as the pool can give); `req.kv_load` is the copy's
+        event (or that of a copy another request started into the matched pages)."""
         if self.tree_cache.host is None:
             return pages, node
         more, node = self.tree_cache.load_continuation(tokens, node, self.available_pages())
+        req.kv_load = self.tree_cache.pending_load(node)
         return pages + more, node
+
+    @staticmethod
+    def kv_load_done(req: Req) -> bool:
+        """The request's cached prefix is all on the device (no copy from the host tier pending)."""
+        if req.kv_load is not None and req.kv_load.query():
+            req.kv_load = None
+        return req.kv_load is None
+
+    @staticmethod
+    def _settle(req: Req) -> None:
+        """Wait for the request's pending host-tier copy (rare: it is freed before it ran)."""
+        if req.kv_load is not None:
+            req.kv_load.synchronize()
+            req.kv_load = None
 
     def admit_for_transfer(self, req: Req, num_tokens: int, prefix_pages: list[int] = (), node=None) -> None:
         """Give the request a row holding its matched (locked) cached prefix and pages of its own
@@ -146,6 +170,7 @@ class KVManager:
         if self.tree_cache is None:
             self.free(req)
             return
+        self._settle(req)
         full = req.kv_len // self.page_size
         already = self.tree_cache.insert(req.fill_ids()[: full * self.page_size], req.pages[:full])
         self.kv_pool.free_pages(req.pages[req.prefix_pages : already] + req.pages[full:])
@@ -156,6 +181,7 @@ class KVManager:
         """Free the request's own pages and unlock its cached prefix; nothing is cached."""
         if req.req_pool_idx is None:
             return
+        self._settle(req)
         self.kv_pool.free_pages(req.pages[req.prefix_pages :])
         self.unlock(req.last_node)
         self._drop_row(req)
@@ -165,6 +191,16 @@ class KVManager:
         req.req_pool_idx, req.pages, req.prefix_pages, req.last_node = None, [], 0, None
 
     # ---- accounting -----------------------------------------------------------------------------
+
+    def host_tier_report(self) -> dict[str, float]:
+        """Totals of the host tier: prompt tokens it served (`hit_tokens`), and the bytes and device
+        seconds of its copies each way (`load_bytes`, `load_s`, `store_bytes`, `store_s`; seconds
+        only on a GPU). Empty without a host tier."""
+        tree = self.tree_cache
+        if tree is None or tree.host is None:
+            return {}
+        tree.host.poll()
+        return {"hit_tokens": tree.stats["host_loaded_pages"] * self.page_size, **tree.host.stats}
 
     def used_tokens(self) -> int:
         """KV tokens held by requests: neither free nor cached-and-evictable."""

@@ -3,7 +3,10 @@
     waiting       requests not yet (or no longer, after retraction) prefilled
     chunked_req   the one request whose prompt is being prefilled chunk by chunk: in no queue
                   until its last chunk ran
-The chunked request always continues first. Then waiting requests are admitted in order (fcfs,
+    loading       admitted requests whose cached prefix is still being copied back from the host
+                  tier (KVManager.kv_load_done): they hold their pages and run once it is there;
+                  the requests behind them are admitted meanwhile
+The chunked request always continues first, then the loaded ones. Then waiting requests are admitted in order (fcfs,
 or longest cached prefix first) while the token budget, the running-request limit, the rows and
 the KV pages allow; nobody overtakes the head of the queue. Admission keeps, for every request
 that will decode here, room for its next `reserve_decode_tokens` tokens (KVManager.reserve_pages).
@@ -27,21 +30,29 @@ class PrefillManager:
         self.kv = kv
         self.waiting: deque[Req] = deque()
         self.chunked_req: Req | None = None
+        self.loading: list[Req] = []
         chunk = config.chunked_prefill_size
         self.budget = min(config.max_prefill_tokens, chunk) if chunk > 0 else config.max_prefill_tokens
         self.chunking = chunk > 0
         self.stats = {"cache_hit_tokens": 0, "prefill_chunks": 0}
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.chunked_req)
+        return bool(self.waiting or self.chunked_req or self.loading)
+
+    def waiting_on_loads(self) -> bool:
+        """A request waits for a host-tier copy: a step that runs nothing is a wait, not a stall
+        (the requests behind it may not fit until it ran)."""
+        return bool(self.loading)
 
     def schedule(self, holders: list[Req]) -> tuple[list[Span], list[Req]]:
         """The next prefill's spans, and the requests whose prompt it completes. `holders` are the
         requests already holding KV here that admission must leave room for (the running batch)."""
-        if self.chunked_req is None and not self.waiting:
+        if self.chunked_req is None and not self.waiting and not self.loading:
             return [], []  # the common decode step: nothing to admit
-        if self.chunked_req is None and (
-            len(holders) + 1 > self.config.max_running_requests or self.kv.rows_available() == 0
+        if (
+            self.chunked_req is None
+            and not self.loading
+            and (len(holders) + 1 > self.config.max_running_requests or self.kv.rows_available() == 0)
         ):
             # Full: the loop below would admit nothing. NOTE: a burst queues far more requests than
             # may run; summing what every running request is owed (reserved_pages) each step only
@@ -53,13 +64,14 @@ class PrefillManager:
         if self.chunked_req is not None:
             req, self.chunked_req = self.chunked_req, None
             budget -= self._add_span(req, self._chunk_end(req, budget), spans, completed)
-        available = self.kv.available_pages() - self.kv.reserved_pages(holders + completed)
+        budget = self._resume_loaded(budget, spans, completed)
+        available = self.kv.available_pages() - self.kv.reserved_pages(holders + completed + self.loading)
         self._order_waiting()
         while self.waiting and budget > 0 and self.chunked_req is None:
             req = self.waiting[0]
             if req.pending:
                 break  # retracted with a result in flight: resume once it is processed (next step)
-            if len(holders) + len(completed) + 1 > self.config.max_running_requests:
+            if len(holders) + len(completed) + len(self.loading) + 1 > self.config.max_running_requests:
                 break
             if self.kv.rows_available() == 0:
                 break
@@ -71,13 +83,28 @@ class PrefillManager:
             need = self.kv.reserve_pages(req) - len(prefix_pages)
             too_long = extend > budget and spans and not self.chunking  # a long prompt runs alone
             if too_long or need > available:
-                self.kv.unlock(node)
+                self.kv.unlock(node, req)  # (waits for a copy just started into it: rare)
                 break
             self.waiting.popleft()
             self._admit(req, prefix_pages, node)
-            budget -= self._add_span(req, self._chunk_end(req, budget if self.chunking else extend), spans, completed)
             available -= need
+            if not self.kv.kv_load_done(req):
+                self.loading.append(req)  # its prefix is on its way from host memory: the next may run
+                continue
+            budget -= self._add_span(req, self._chunk_end(req, budget if self.chunking else extend), spans, completed)
         return spans, completed
+
+    def _resume_loaded(self, budget: int, spans: list[Span], completed: list[Req]) -> int:
+        """Spans for the loading requests whose prefix has arrived, in admission order, while the
+        budget lasts (they were admitted: their pages are reserved). Returns the budget left."""
+        while self.loading and budget > 0 and self.chunked_req is None and self.kv.kv_load_done(self.loading[0]):
+            req = self.loading[0]
+            extend = req.seq_len - req.kv_len
+            if extend > budget and spans and not self.chunking:  # a long prompt runs alone
+                break
+            self.loading.pop(0)
+            budget -= self._add_span(req, self._chunk_end(req, budget if self.chunking else extend), spans, completed)
+        return budget
 
     def _admit(self, req: Req, prefix_pages: list[int], node) -> None:
         self.kv.admit(req, prefix_pages, node)
@@ -117,6 +144,10 @@ class PrefillManager:
         if self.chunked_req is not None and self.chunked_req.rid == rid:
             req, self.chunked_req = self.chunked_req, None
             return req
+        for req in self.loading:
+            if req.rid == rid:
+                self.loading.remove(req)
+                return req
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)

@@ -16,10 +16,13 @@ Host tier (optional, `--host-kv-cache-gb`): an evicted leaf's pages are first co
 pool (common/engine/host_kv_pool.py) and the node stays, host-only (no device pages, `host` slots).
 A device match stops at a host-only node; `load_continuation` brings the host-only nodes that
 continue a match back into fresh device pages (the request then runs from the longer prefix).
+Loads are asynchronous (the host pool's own stream): a node being loaded has device pages and
+`loading` set to its copy's event, and whoever matches through it must wait for that event before
+a forward reads its pages (`pending_load`); the scheduler polls, it never waits.
 Invariant: a host-only node has only host-only descendants (eviction goes leaf-upward; an insert
 through a host-only node replaces its subtree with the request's device pages). The host pool
-evicts its own leaves LRU when full. NOTE loads and stores copy on the caller's stream, at
-scheduling time: on a GPU that must be after the loop's barrier on the forward stream.
+evicts its own leaves LRU when full. NOTE stores copy on the caller's stream and loads are issued
+after it, at scheduling time: on a GPU that must be after the loop's barrier on the forward stream.
 
 Ownership: pages in the tree belong to the tree. A request owns only the pages after its matched
 prefix until it finishes; then `insert` hands the tree the pages it did not already have, and the
@@ -39,7 +42,7 @@ if TYPE_CHECKING:  # (the pools hold device memory: scheduling only calls their 
 
 
 class TreeNode:
-    __slots__ = ("parent", "children", "key", "pages", "lock_ref", "last_access", "host")
+    __slots__ = ("parent", "children", "key", "pages", "lock_ref", "last_access", "host", "loading")
 
     def __init__(self, parent: TreeNode | None, key: tuple[int, ...], pages: list[int], tick: int):
         self.parent = parent
@@ -49,6 +52,7 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = tick
         self.host: list[int] | None = None  # host pool slots, once the device pages are gone
+        self.loading = None  # (issue order, event) of the copy filling `pages` from the host tier
 
 
 class RadixCache:
@@ -154,6 +158,7 @@ class RadixCache:
         cut = n_pages * self.page_size
         upper = TreeNode(node.parent, node.key[:cut], node.pages[:n_pages], node.last_access)
         upper.lock_ref = node.lock_ref
+        upper.loading = node.loading
         if node.host is not None:
             upper.host, node.host = node.host[:n_pages], node.host[n_pages:]
         upper.children[node.key[cut : cut + self.page_size]] = node
@@ -239,8 +244,8 @@ class RadixCache:
             loaded = self.kv_pool.alloc_pages(n)
             if loaded is None:
                 break
-            self.host.load(self.kv_pool, child.host, loaded)
-            self.host.free(child.host)
+            done = self.host.load_async(self.kv_pool, child.host, loaded)  # (frees the slots once read)
+            child.loading = None if done is None else (next(self._ticks), done)
             self.host_pages -= n
             self.stats["host_loaded_pages"] += n
             child.host, child.pages = None, loaded
@@ -253,6 +258,20 @@ class RadixCache:
             node = child
         self._offer(node)
         return pages, node
+
+    def pending_load(self, node: TreeNode):
+        """The event to wait for before a forward reads the pages of the match ending at `node`
+        (the last issued of its nodes' loads not yet complete; one stream: the others complete
+        first), or None."""
+        latest = None
+        while node is not self.root:
+            if node.loading is not None:
+                if node.loading[1].query():
+                    node.loading = None
+                elif latest is None or node.loading[0] > latest[0]:
+                    latest = node.loading
+            node = node.parent
+        return None if latest is None else latest[1]
 
     def _device_leaf(self, node: TreeNode) -> bool:
         """Holds device pages, and none of its children does (an eviction candidate)."""

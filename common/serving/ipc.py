@@ -166,6 +166,8 @@ class LoadReport(msgspec.Struct, tag=True):
     kv_used_tokens: int
     kv_total_tokens: int
     inflight_transfers: int
+    # The host KV tier's totals since start (KVManager.host_tier_report; empty without one).
+    host_tier: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 # Why a decode server refused a KV transfer notification (the label of pdserve_kv_rejected_transfers_total):

@@ -64,7 +64,8 @@ def main(launcher: RoleLauncher, argv: list[str] | None = None) -> int:
 
 
 async def _serve(launcher: RoleLauncher, engine: EngineConfig, server: ServerConfig, agent_name: str) -> None:
-    from pdserve.common.serving.frontend import Metrics, SchedulerBridge, serve
+    from pdserve.common.serving.frontend import SchedulerBridge, serve
+    from pdserve.common.serving.server_metrics import Metrics
 
     args = (engine, server, agent_name)
     bridge = SchedulerBridge(launcher.run_scheduler, args, Metrics(launcher.role))

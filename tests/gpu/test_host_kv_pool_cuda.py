@@ -28,3 +28,26 @@ def test_pages_round_trip_on_a_side_stream():
     torch.cuda.current_stream().wait_event(loaded)
     for v, b in zip(views, before):
         assert torch.equal(v[:, target], b)
+
+
+def test_host_tier_turns_on_cuda_equal_transformers_and_leave_nothing_behind(tiny_models):
+    """Multi-turn conversations through a device pool too small to keep them: the history goes to
+    pinned host pages and comes back for the next turn, and the answers stay transformers'."""
+    from pdserve.common.engine.engine import Engine
+    from pdserve.common.types import SamplingParams
+    from tests.test_disagg_engines import hf_greedy
+    from tests.test_prefix_transfers import MAX_NEW, PAGE, conversations, next_turns
+
+    path = tiny_models("llama")
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    kw = dict(model_path=path, device="cuda", dtype="float32", max_total_tokens=32 * PAGE, context_length=256)
+    for overlap in (True, False):
+        engine = Engine(page_size=PAGE, host_kv_cache_gb=0.01, disable_overlap_schedule=not overlap, **kw)
+        tree = engine.scheduler.kv.tree_cache
+        prompts = conversations(12, seed=7)
+        for turn in range(3):
+            outputs = [c.output_ids for c in engine.generate(prompts, params)]
+            assert outputs == hf_greedy(path, prompts, MAX_NEW, device="cuda")
+            assert engine.is_idle() and engine.stats()["kv_used_tokens"] == 0
+            prompts = next_turns(prompts, outputs, seed=turn + 50)
+        assert tree.stats["host_stored_pages"] > 0 and tree.stats["host_loaded_pages"] > 0

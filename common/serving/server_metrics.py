@@ -1,0 +1,108 @@
+"""The Prometheus series a server exposes on its --metrics-port (docs/operations.md lists them):
+load gauges from the scheduler's reports, and counters fed by the messages the frontend routes
+(common/serving/frontend.py SchedulerBridge)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdserve.common.serving import ipc
+
+
+class Metrics:
+    """The Prometheus series a server exposes on its --metrics-port."""
+
+    def __init__(self, role: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, {"role": role}
+
+        def gauge(name, doc):
+            return Gauge(name, doc, ["role"], registry=r).labels(**labels)
+
+        self.kv_used = gauge(
+            "pdserve_kv_used_tokens", "KV tokens held by requests (not counting the free or evictable cache)."
+        )
+        self.kv_total = gauge("pdserve_kv_total_tokens", "KV cache capacity in tokens.")
+        self.running = gauge("pdserve_running_requests", "Requests in the running batch.")
+        self.waiting = gauge("pdserve_waiting_requests", "Requests queued (waiting, preallocating or transferring KV).")
+        self.transfer_seconds = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "Time from the start of a request's KV WRITE to its completion.",
+            ["role"],
+            registry=r,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
+        ).labels(**labels)
+        self.transfer_bytes = Counter(
+            "pdserve_kv_transfer_bytes", "KV bytes written to decode servers.", ["role"], registry=r
+        ).labels(**labels)
+        # Prefill: counted as each prompt's prefill ends (PrefillDone).
+        self.prompt_tokens = Counter(
+            "pdserve_prefill_prompt_tokens", "Prompt tokens of the prefills this server finished.", ["role"], registry=r
+        ).labels(**labels)
+        self.prefix_cache_hit_tokens = Counter(
+            "pdserve_prefill_cache_hit_tokens",
+            "Prompt tokens of those prefills this server's prefix cache held (not computed).",
+            ["role"],
+            registry=r,
+        ).labels(**labels)
+        # Decode: counted as each destination is granted (the scheduler's Destination message).
+        self.transfer_prefix_hit_tokens = Counter(
+            "pdserve_kv_transfer_prefix_hit_tokens",
+            "Prompt tokens whose KV a transfer did not carry: this decode server's prefix cache held them "
+            "(prefix-aware transfers).",
+            ["role"],
+            registry=r,
+        ).labels(**labels)
+        # The host KV tier (--host-kv-cache-gb), from the scheduler's load reports: hit tokens, and
+        # bytes and device seconds each way (their ratio is the tier's bandwidth).
+        self.host_hit_tokens = Counter(
+            "pdserve_host_kv_hit_tokens",
+            "Prompt tokens whose KV this server copied back from its host-memory tier (not computed, not sent).",
+            ["role"],
+            registry=r,
+        ).labels(**labels)
+        self.host_copy_bytes = Counter(
+            "pdserve_host_kv_copy_bytes",
+            "Bytes the host KV tier copied (load: to the GPU).",
+            ["role", "direction"],
+            registry=r,
+        )
+        self.host_copy_seconds = Counter(
+            "pdserve_host_kv_copy_seconds",
+            "Device seconds of the host KV tier's copies (bytes / seconds: its bandwidth).",
+            ["role", "direction"],
+            registry=r,
+        )
+        self._host_seen: dict[str, float] = {}
+        self.transfer_failures = Counter(
+            "pdserve_kv_transfer_failures", "KV transfers that failed or timed out.", ["role"], registry=r
+        ).labels(**labels)
+        # Decode: notifications that matched no destination this server granted (decode/engine.py).
+        self.rejected_transfers = Counter(
+            "pdserve_kv_rejected_transfers",
+            "KV transfer notifications refused: no such grant, or not matching it.",
+            ["role", "reason"],
+            registry=r,
+        )
+        for reason in ipc.REJECT_REASONS:  # every series exists from the start, at 0 (alerts need no absent())
+            self.rejected_transfers.labels(role, reason)
+        self.unauthenticated = Counter(
+            "pdserve_unauthenticated_rpcs", "RPCs refused for a missing or wrong cluster secret.", ["role"], registry=r
+        ).labels(**labels)
+        self.role = role
+
+    def update(self, load: ipc.LoadReport) -> None:
+        self.kv_used.set(load.kv_used_tokens)
+        self.kv_total.set(load.kv_total_tokens)
+        self.running.set(load.running)
+        self.waiting.set(load.waiting)
+        for key, total in load.host_tier.items():  # totals: count what is new since the last report
+            new, self._host_seen[key] = total - self._host_seen.get(key, 0), total
+            if new <= 0:
+                continue
+            if key == "hit_tokens":
+                self.host_hit_tokens.inc(new)
+            else:
+                direction, unit = key.split("_")
+                metric = self.host_copy_bytes if unit == "bytes" else self.host_copy_seconds
+                metric.labels(self.role, direction).inc(new)

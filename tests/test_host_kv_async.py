@@ -1,0 +1,205 @@
+"""Host-tier loads are asynchronous (`--host-kv-cache-gb`): a request whose cached prefix is being
+copied back from host memory waits while the others run, no forward reads a page before its copy
+completes, a second request matching through pages still loading waits for the same copy, and a
+request freed mid-copy waits for it before its pages change hands.
+
+On the CPU the pool's copies are synchronous; here each load's copy is deferred until its event
+has been polled a few times (DeferredCopy), so a forward that read early would read stale pages
+and the answers would differ from transformers'."""
+
+import pytest
+import torch
+
+from pdserve.common.engine.engine import Engine
+from pdserve.common.engine.host_kv_pool import HostKVPool
+from pdserve.common.scheduling.radix_cache import RadixCache
+from pdserve.common.types import SamplingParams
+from tests.test_disagg_engines import drive, engines, hf_greedy
+from tests.test_host_kv_pool import device_pool, page_of
+from tests.test_host_kv_tier import POOL, check_host_accounting, host_gb
+from tests.test_prefix_transfers import MAX_NEW, conversations, next_turns
+
+POLLS = 3  # queries before a deferred copy runs and reports done (`deferred.polls`)
+
+
+class DeferredCopy:
+    """A CUDA event's stand-in whose copy runs only when it completes. Copies queue on one stream
+    (the host pool's): one completes only after every copy issued before it."""
+
+    def __init__(self, copy, polls: int, earlier: list):
+        self.copy, self.left, self.synced, self.earlier = copy, polls, False, list(earlier)
+
+    def query(self) -> bool:
+        self.left -= 1
+        if self.left < 0 and self.copy is not None:
+            self._complete()
+        return self.copy is None
+
+    def synchronize(self) -> None:
+        self.synced = True
+        self._complete()
+
+    def _complete(self) -> None:
+        for event in [*self.earlier, self]:  # (in issue order)
+            if event.copy is not None:
+                event.copy()
+                event.copy = None
+
+
+class Deferrals(list):
+    polls = POLLS
+
+
+@pytest.fixture
+def deferred(monkeypatch):
+    made = Deferrals()
+
+    def load_async(self, device, slots, pages):
+        slots, pages = list(slots), list(pages)
+        done = DeferredCopy(lambda: HostKVPool.load(self, device, slots, pages), made.polls, made)
+        made.append(done)
+        self.free_after(done, slots)
+        return done
+
+    monkeypatch.setattr(HostKVPool, "load_async", load_async)
+    return made
+
+
+def watch_batches(scheduler, seen: dict) -> None:
+    """Fail if a batch holds a request whose prefix is still loading; count batches that ran
+    while some request's load was pending."""
+    inner = scheduler.get_next_batch_to_run
+
+    def get():
+        batch = inner()
+        loading = list(scheduler.prefill.loading) + list(getattr(scheduler, "landed", []))
+        seen["max_loading"] = max(seen.get("max_loading", 0), len(loading))
+        if batch is not None:
+            assert all(r.kv_load is None for r in batch.reqs), "a forward would read pages still being copied"
+            seen["ran_beside_a_load"] = seen.get("ran_beside_a_load", 0) + bool(loading)
+        return batch
+
+    scheduler.get_next_batch_to_run = get
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_requests_wait_for_their_prefix_while_others_run(tiny_models, deferred, overlap):
+    path = tiny_models("llama")
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    engine = Engine(
+        model_path=path, device="cpu", disable_overlap_schedule=not overlap, host_kv_cache_gb=host_gb(path, 64), **POOL
+    )
+    seen: dict = {}
+    watch_batches(engine.scheduler, seen)
+    tree = engine.scheduler.kv.tree_cache
+    prompts = conversations(12, seed=8)
+    for turn in range(3):
+        outputs = [c.output_ids for c in engine.generate(prompts, params)]
+        assert outputs == hf_greedy(path, prompts, MAX_NEW)
+        assert engine.is_idle() and engine.stats()["kv_used_tokens"] == 0
+        check_host_accounting(tree)
+        prompts = next_turns(prompts, outputs, seed=turn + 60)
+    assert deferred and tree.stats["host_loaded_pages"] > 0
+    assert seen["max_loading"] > 0 and seen["ran_beside_a_load"] > 0
+    tree.host.poll()  # every copy completed: every host slot is accounted for again
+    assert tree.host.num_free() + tree.host_pages == tree.host.num_pages
+
+
+def test_a_request_aborted_mid_copy_waits_for_it_and_frees_everything(tiny_models, deferred):
+    path = tiny_models("llama")
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    engine = Engine(
+        model_path=path, device="cpu", disable_overlap_schedule=True, host_kv_cache_gb=host_gb(path, 64), **POOL
+    )
+    prompts = conversations(12, seed=9)
+    outputs = [c.output_ids for c in engine.generate(prompts, params)]
+    prompts = next_turns(prompts, outputs, seed=70)
+    for i, ids in enumerate(prompts):
+        engine.add_request(ids, params, rid=f"t{i}")
+    done = {}
+    for _ in range(200):
+        if engine.scheduler.prefill.loading:
+            break
+        done |= {c.rid: c for c in engine.step()}
+    assert engine.scheduler.prefill.loading, "no request waited for a copy from the host tier"
+    victim = engine.scheduler.prefill.loading[0]
+    copy = victim.kv_load
+    assert not copy.synced
+    engine.abort(victim.rid)
+    assert copy.synced and victim.req_pool_idx is None  # waited for, then freed
+    while engine.busy():
+        done |= {c.rid: c for c in engine.step()}
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    for i in range(len(prompts)):
+        if f"t{i}" != victim.rid:
+            assert done[f"t{i}"].output_ids == expected[i]
+    assert engine.is_idle() and engine.stats()["kv_used_tokens"] == 0
+    check_host_accounting(engine.scheduler.kv.tree_cache)
+
+
+def test_a_decode_server_holds_a_landed_request_until_its_prefix_is_back(tiny_models, deferred):
+    path = tiny_models("llama")
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    prefill, decode = engines(path, decode_kw=POOL | dict(host_kv_cache_gb=host_gb(path, 64)))
+    deferred.polls = 40  # (the transfer takes a few steps: a copy outlasting it keeps the request landed)
+    seen: dict = {}
+    watch_batches(decode.scheduler, seen)
+    landed = []
+    prompts = conversations(12, seed=10)
+    for turn in range(3):
+        completions, _ = drive(
+            prefill,
+            decode,
+            prompts,
+            [params] * len(prompts),
+            seed=turn,
+            before_step=lambda _: landed.append(len(decode.scheduler.landed)),
+        )
+        outputs = [completions[f"r{i}"].output_ids for i in range(len(prompts))]
+        assert outputs == hf_greedy(path, prompts, MAX_NEW)
+        assert prefill.is_idle() and decode.is_idle() and decode.stats()["kv_used_tokens"] == 0
+        check_host_accounting(decode.scheduler.kv.tree_cache)
+        prompts = next_turns(prompts, outputs, seed=turn + 80)
+    assert max(landed) > 0 and decode.scheduler.kv.tree_cache.stats["host_loaded_pages"] > 0
+    report = decode.scheduler.kv.host_tier_report()
+    assert report["hit_tokens"] > 0 and report["load_bytes"] > 0 and report["store_bytes"] > 0
+
+
+def test_a_second_match_through_pages_still_loading_waits_for_the_same_copy(deferred):
+    pool = device_pool(num_pages=8, page=4)
+    tree = RadixCache(pool, HostKVPool(8, pool))
+    tokens = list(range(100, 116))  # 4 pages
+    pages = pool.alloc_pages(4)
+    originals = [page_of(pool, p).clone() for p in pages]
+    tree.insert(tokens, pages)
+    assert tree.evict(4) == 4 and tree.host_pages == 4  # all in host memory now
+    got, node = tree.match_prefix(tokens)
+    assert got == [] and node is tree.root
+    loaded, node = tree.load_continuation(tokens, node, max_pages=8)
+    assert len(loaded) == 4 and tree.pending_load(node) is deferred[0]
+    # Another request's match now finds the pages on the device, but still loading.
+    again, other = tree.match_prefix(tokens[:12])
+    assert again == loaded[:3] and tree.pending_load(other) is deferred[0]
+    assert tree.host.num_free() == 4  # the slots being read are not free yet
+    while tree.pending_load(other) is not None:
+        pass
+    for p, original in zip(loaded, originals):
+        assert torch.equal(page_of(pool, p), original)
+    assert tree.host.num_free() == 8
+
+
+def test_the_host_tier_metrics_count_what_each_report_adds():
+    from pdserve.common.serving import ipc
+    from pdserve.common.serving.server_metrics import Metrics
+
+    metrics = Metrics("decode")
+    value = metrics.registry.get_sample_value
+    report = dict(hit_tokens=64, load_bytes=4096, load_s=0.001, store_bytes=8192, store_s=0.0)
+    metrics.update(ipc.LoadReport(1, 0, 10, 100, 0, host_tier=report))
+    metrics.update(ipc.LoadReport(1, 0, 10, 100, 0, host_tier=report | dict(hit_tokens=96, load_bytes=6144)))
+    assert value("pdserve_host_kv_hit_tokens_total", {"role": "decode"}) == 96
+    assert value("pdserve_host_kv_copy_bytes_total", {"role": "decode", "direction": "load"}) == 6144
+    assert value("pdserve_host_kv_copy_bytes_total", {"role": "decode", "direction": "store"}) == 8192
+    assert value("pdserve_host_kv_copy_seconds_total", {"role": "decode", "direction": "load"}) == 0.001
+    metrics.update(ipc.LoadReport(1, 0, 10, 100, 0))  # a server without a host tier reports none
+    assert value("pdserve_host_kv_hit_tokens_total", {"role": "decode"}) == 96
