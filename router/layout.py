@@ -4,10 +4,10 @@ user's flags where given, else a default by where the servers run.
     choose_layout(num_gpus, --num-prefill or None, --disagg-policy or None) -> Layout
 
 On the CPU and on two or more GPUs the default is one prefill and one decode server, every request
-disaggregated. On one GPU both roles would share it, so the default is the layout that served the
-most there (ONE_GPU_DEFAULT, measured: docs/benchmarks.md, "One GPU"); and a layout that shares a
-GPU falls back to one colocated server where MPS cannot be had (router/gpu_sharing.py): two servers
-time-slicing one GPU serve several times less.
+disaggregated. On one GPU both roles share it: the default is the layout that won the one-GPU
+study's mixed workload (ONE_GPU_DEFAULT: the pair, side by side under MPS), and a layout that shares
+a GPU falls back to one colocated server where MPS cannot be had (router/gpu_sharing.py): two
+servers time-slicing one GPU serve several times less.
 """
 
 from __future__ import annotations
@@ -27,13 +27,18 @@ class Layout(NamedTuple):
 
 
 COLOCATED = ("never", 0)  # (--disagg-policy, --num-prefill)
-# On one H200 (GPT-2 shape, 1024 x 256 -> 256, one call): one colocated server 93.0k output tok/s all at
-# once and 99.2k at 256 in flight; a prefill and a decode server under MPS 53.1k and 62.2k, with SM shares
-# 70:100 53.4k and 54.5k (docs/benchmarks.md, "One GPU").
-ONE_GPU_DEFAULT = COLOCATED
+PAIR = ("always", 1)
+# The one-GPU study's mixed workload picks it (docs/benchmarks.md, "The study's third slice"): on one
+# H200, Llama-1B shape, lognormal lengths (medians 256 -> 256), TTFT 1 s / TPOT 2.8 ms SLOs, a prefill
+# and a decode server under MPS kept TPOT p90 at 2.05 / 2.90 ms at 64 / 128 req/s where one colocated
+# server's prefills between decode steps pushed it to 3.10 / 6.38 ms: goodput 64 req/s against none,
+# and at 256 req/s 39.8k output tok/s against 36.8k. (The decode-heavy slice: 2x the goodput; the
+# prefill-heavy one a tie; a burst of fixed short prompts all at once is colocated's, 1.75x.)
+ONE_GPU_DEFAULT = PAIR
 ONE_GPU_WHY = (
-    "one GPU: one colocated server (served 1.6-1.75x a prefill + decode pair under MPS on an H200, "
-    "docs/benchmarks.md); --num-prefill 1 runs the pair"
+    "one GPU: a prefill + a decode server side by side under MPS (on the study's mixed workload they held "
+    "TPOT p90 at 2-3 ms to 128 req/s where one colocated server reached 6 ms, docs/benchmarks.md); "
+    "--num-prefill 0 runs one colocated server"
 )
 
 

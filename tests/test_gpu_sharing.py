@@ -101,7 +101,7 @@ def test_the_layout_from_the_flags_and_the_one_gpu_default():
     assert choose_layout(0, None, None) == Layout(1, "always", "the default: one prefill server")
     assert choose_layout(2, None, "auto")[:2] == (1, "auto")
     one_gpu = choose_layout(1, None, None)
-    assert (one_gpu.disagg_policy, one_gpu.num_prefill) == ONE_GPU_DEFAULT and not one_gpu.asked
+    assert (one_gpu.disagg_policy, one_gpu.num_prefill) == ONE_GPU_DEFAULT == ("always", 1) and not one_gpu.asked
     assert choose_layout(1, 1, None) == Layout(1, "always", "as asked", asked=True)
     assert choose_layout(1, 0, None)[:2] == (0, "never")  # --num-prefill 0 alone: decode servers prefill
     assert choose_layout(4, None, "never")[:2] == (0, "never")
