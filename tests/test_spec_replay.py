@@ -29,5 +29,8 @@ def test_copy_requests_accept_drafts_on_the_real_model(capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     one, four = report["rows"]
     assert (one["k"], four["k"]) == (1, 4) and one["plain_steps"] == four["plain_steps"] > 0
-    assert four["steps"] < one["steps"] < one["plain_steps"]  # drafts were accepted, more with k = 4
-    assert 1 < one["tokens_per_step"] < four["tokens_per_step"] <= 5
+    # Drafts were accepted. k = 4 never takes more steps than k = 1 (its first draft is k = 1's), but
+    # whether it takes fewer depends on the answers: 4 short greedy answers on this CPU sometimes
+    # hold no run of two accepted drafts (a CI run: 147 steps both), so that is not asserted.
+    assert four["steps"] <= one["steps"] < one["plain_steps"]
+    assert 1 < one["tokens_per_step"] <= four["tokens_per_step"] <= 5
