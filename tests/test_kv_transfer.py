@@ -99,6 +99,34 @@ def test_a_same_gpu_copy_writes_the_bytes_a_nixl_write_would(src_heads, dst_head
     assert any(bool(b.any()) for b in copied)
 
 
+@pytest.mark.parametrize("src_heads,dst_heads", [(range(0, 2), range(0, 2)), (range(1, 2), range(0, 1))])
+def test_the_one_launch_copy_writes_what_the_per_buffer_copy_does(src_heads, dst_heads):
+    """copy_pages_fused (one Triton launch for every buffer, head and page; here in Triton's
+    interpreter) against copy_pages, pools of different page counts, pages out of order."""
+    from pdserve.common.kv_transfer.page_copy_kernel import address_table, copy_pages_fused
+
+    src_layout = KVLayout(page_size=4, num_layers=3, kv_heads=2, head_dim=8, dtype="float32", num_pages=12)
+    dst_layout = KVLayout(page_size=4, num_layers=3, kv_heads=len(dst_heads), head_dim=8, dtype="float32", num_pages=9)
+    gen = torch.Generator().manual_seed(1)
+    src = [page_view(torch.rand(2, 12 * 4, 8, generator=gen), src_layout) for _ in range(6)]
+    by_torch = [page_view(torch.rand(len(dst_heads), 9 * 4, 8, generator=gen), dst_layout) for _ in range(6)]
+    fused = [b.clone() for b in by_torch]
+    src_pages, dst_pages = [3, 4, 5, 9, 1, 11], [2, 3, 7, 8, 0, 5]
+    copy_pages(src, by_torch, src_pages, dst_pages, src_heads, dst_heads)
+    copy_pages_fused(
+        address_table(src),
+        address_table(fused),
+        torch.tensor(src_pages),
+        torch.tensor(dst_pages),
+        src_heads,
+        dst_heads,
+        12,
+        9,
+        src_layout.head_page_bytes,
+    )
+    assert all(torch.equal(a, b) for a, b in zip(fused, by_torch, strict=True))  # (the pages not written too)
+
+
 def test_the_pool_is_head_major_so_a_heads_pages_are_contiguous():
     pool = PagedKVPool(
         4, 2, num_layers=1, kv_heads=3, head_dim=2, dtype=torch.float32, device="cpu", head_start=3, model_kv_heads=6

@@ -5,8 +5,9 @@ and a head-major pool needs one descriptor per (layer, K or V, head, page run) â
 GPT-2-small prompt. On an H200 with a prefill and a decode server under MPS, posting them took
 the prefill scheduler ~4 ms per request (85% of its time): the pair served ~200 prompts/s. Here
 the decode server's pool is mapped into the prefill process once (CUDA IPC handles, published
-with the pool's metadata), and a WRITE is two gathers per layer (K and V, every head and page at
-once) on a stream of its own. The notification still goes through NIXL (`send_notif`), after the
+with the pool's metadata), and a WRITE is one kernel launch on a stream of its own (every layer's K
+and V, every head and page: page_copy_kernel.py; `copy_pages`, two launches per buffer, is the
+reference it is tested against). The notification still goes through NIXL (`send_notif`), after the
 copy's event has completed, so the decode side cannot tell the two paths apart.
 
 Same checks as a NIXL WRITE: the pages and heads are checked against both layouts before anything
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -116,15 +118,29 @@ class SameGpuHandle(TransferHandle):
         self.released = False
 
 
+@dataclass
+class _Mapped:
+    """A peer's pool mapped into this process: its page views (kept: they hold the IPC mappings),
+    their addresses as the copy kernel's table, and its page count."""
+
+    views: list[torch.Tensor]
+    table: torch.Tensor
+    num_pages: int
+
+
 class SameGpuPeers:
     """The pools of peers on this process's GPU, mapped once each, and the stream copies run on."""
 
     def __init__(self, device: torch.device, own: list[torch.Tensor], layout: KVLayout):
+        from pdserve.common.kv_transfer.page_copy_kernel import address_table
+
         self.device = device
         self.uuid = gpu_uuid(device)
+        self.layout = layout
         self.own = [page_view(b, layout) for b in own]
+        self.own_table = address_table(self.own)
         self.stream = torch.cuda.Stream(device)
-        self.peers: dict[str, list[torch.Tensor]] = {}
+        self.peers: dict[str, _Mapped] = {}
 
     @staticmethod
     def enabled() -> bool:
@@ -134,8 +150,11 @@ class SameGpuPeers:
         """Map peer `name`'s pool if it lives on this GPU; False (NIXL carries its pages) otherwise."""
         if not shared or uuid != self.uuid or not self.enabled():
             return False
+        from pdserve.common.kv_transfer.page_copy_kernel import address_table
+
         try:
-            self.peers[name] = open_buffers(shared, layout, self.device)
+            views = open_buffers(shared, layout, self.device)
+            self.peers[name] = _Mapped(views, address_table(views), layout.num_pages)
         except RuntimeError as error:  # (e.g. a driver without IPC between these two processes)
             logger.warning("cannot map the KV pool of %r on this GPU (%s): its pages go through NIXL", name, error)
             return False
@@ -155,8 +174,22 @@ class SameGpuPeers:
         num_bytes: int,
         notif: bytes,
     ) -> SameGpuHandle:
+        from pdserve.common.kv_transfer.page_copy_kernel import copy_pages_fused
+
+        target = self.peers[peer]
         with torch.cuda.stream(self.stream):
-            copy_pages(self.own, self.peers[peer], src_pages, dst_pages, src_heads, dst_heads)
+            index = h2d_array(np.array([src_pages, dst_pages], dtype=np.int64), self.device)
+            copy_pages_fused(
+                self.own_table,
+                target.table,
+                index[0],
+                index[1],
+                src_heads,
+                dst_heads,
+                self.layout.num_pages,
+                target.num_pages,
+                self.layout.head_page_bytes,
+            )
             event = torch.cuda.Event()
             event.record(self.stream)
         return SameGpuHandle(peer, len(src_pages), num_bytes, event, notif)

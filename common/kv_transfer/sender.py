@@ -53,6 +53,7 @@ class KVSender:
         self.server, self.workers = server, tp_workers
         self.layout = server.layout
         self.peers: dict[str, _Peer] = {}  # receiving server (its rank 0's agent name) -> pools and plan
+        self._by_metadata: dict[bytes, str] = {}  # the metadata a known peer was added with -> its name
         self.open: dict[int, WriteGroup] = {}  # remote WRITE id -> its group
         self._ids = itertools.count(1)
 
@@ -60,10 +61,14 @@ class KVSender:
         """The receiving server in `metadata` (a KVDestination's), ready to be written; its name.
         ValueError, saying why, when it cannot be (undecodable, or a layout this server's pages
         cannot be copied into: page size, dtype, layers, head size, the model's KV heads)."""
+        name = self._by_metadata.get(metadata)
+        if name is not None and name in self.peers:
+            return name  # every request of a burst carries the same bytes: decode them once
         pools = decode_pool_metadata(metadata)
         name = pools[0].name
         known = self.peers.get(name)
         if known is not None and known.pools == pools:
+            self._by_metadata[metadata] = name
             return name
         for pool in pools:
             reason = self.layout.compatible_with(pool.layout)
@@ -83,11 +88,14 @@ class KVSender:
             else:
                 self.workers.send_to(rank, AddPeers(encode_pool_metadata(targets)))
         self.peers[name] = _Peer(pools, writes)
+        self._by_metadata = {m: n for m, n in self._by_metadata.items() if n != name}
+        self._by_metadata[metadata] = name
         return name
 
     def remove_peer(self, name: str) -> None:
         """Forget a receiving server (a WRITE to it failed: it may have restarted)."""
         peer = self.peers.pop(name, None)
+        self._by_metadata = {m: n for m, n in self._by_metadata.items() if n != name}
         if peer is None:
             return
         for pool in peer.pools:

@@ -134,3 +134,38 @@ def test_decode_replays_in_a_cuda_graph(heads, kv_heads):
         torch.cuda.synchronize()
         reference = reference_attention(dataclasses.replace(case, seq_lens_host=new_lens), head_dim**-0.5, None)
         assert_close(out, reference, dtype)
+
+
+@pytest.mark.parametrize("heads", [(range(0, 12), range(0, 12)), (range(4, 8), range(0, 4))])
+def test_the_one_launch_page_copy_matches_the_per_buffer_copy(heads):
+    """The same-GPU WRITE's kernel (common/kv_transfer/page_copy_kernel.py) on a GPT-2-small-shaped
+    bf16 pool (24 buffers, page 16, head dim 64) against copy_pages, pages in and out of order."""
+    from pdserve.common.kv_transfer import KVLayout
+    from pdserve.common.kv_transfer.page_copy_kernel import address_table, copy_pages_fused
+    from pdserve.common.kv_transfer.same_gpu import copy_pages, page_view
+
+    src_heads, dst_heads = heads
+    src_layout = KVLayout(page_size=16, num_layers=12, kv_heads=12, head_dim=64, dtype="bfloat16", num_pages=700)
+    dst_layout = dataclasses.replace(src_layout, kv_heads=len(dst_heads), num_pages=500)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    make = lambda n, pages: torch.randn(n, pages * 16, 64, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    src = [page_view(make(12, 700), src_layout) for _ in range(24)]
+    by_torch = [page_view(make(len(dst_heads), 500), dst_layout) for _ in range(24)]
+    fused = [b.clone() for b in by_torch]
+    src_pages = random.Random(0).sample(range(700), 40)
+    dst_pages = list(range(100, 120)) + random.Random(1).sample(range(120, 500), 20)
+    copy_pages(src, by_torch, src_pages, dst_pages, src_heads, dst_heads)
+    pages = lambda p: torch.tensor(p, dtype=torch.int64, device="cuda")  # noqa: E731
+    copy_pages_fused(
+        address_table(src),
+        address_table(fused),
+        pages(src_pages),
+        pages(dst_pages),
+        src_heads,
+        dst_heads,
+        700,
+        500,
+        src_layout.head_page_bytes,
+    )
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(fused, by_torch, strict=True))
