@@ -263,7 +263,7 @@ class DecodeEngine(EngineCore):
         s = self.scheduler
         return ipc.LoadReport(
             running=len(s.running),
-            waiting=len(s.waiting) + len(s.prealloc) + len(s.transferring) + len(s.landed),
+            waiting=len(s.waiting) + len(s.prealloc) + len(s.transferring) + len(s.landed) + len(s.ready),
             kv_used_tokens=s.kv_used_tokens(),
             kv_total_tokens=self.runner.kv_pool.capacity_tokens,
             inflight_transfers=len(s.transferring),

@@ -11,8 +11,16 @@ Queues, in the order a request passes through them (docs/architecture.md, "The d
                   the grace).
     landed        the KV and the first token arrived, but the cached prefix it pinned is still
                   being copied back from the host tier (--host-kv-cache-gb): it waits, others run
+    ready         the KV and the first token arrived while --max-running-requests were running:
+                  it joins the batch as soon as one of them ends
     running       the KV and the first token arrived: it decodes like any colocated request,
                   joining the batch without a forward pass of its own
+
+Pages are granted to up to twice --max-running-requests requests (the rows are twice as many,
+ModelRunner), memory permitting, so that the next requests' KV is already here when running ones
+end: granting only as slots free made every finished request wait a round trip through the router
+and the prefill server before its slot decoded again (SGLang's decode server pre-allocates the same
+way). Every request holding pages keeps its decode reservation, as in colocated admission.
     waiting       local prefills (GenerateRequest.local_prefill: the router chose not to
                   disaggregate it), and requests retracted under KV pressure: both prefilled
                   here, in chunks, each chunk followed by a decode step of the running requests
@@ -58,6 +66,8 @@ class DecodeScheduler(Scheduler):
         self.prealloc: deque[Req] = deque()
         self.transferring: dict[int, Req] = {}  # room -> request
         self.landed: list[Req] = []  # arrived; their pinned prefix still loading from host memory
+        self.ready: deque[Req] = deque()  # arrived while the running batch was full
+        self.max_granted = 2 * config.max_running_requests  # requests holding pages: the rows there are
         # Rooms whose KV arrived, with their granted page counts, until no WRITE for them can land
         # (a retried prefill's late copy is still a granted one): room -> pages, and (forget at, room).
         self.served: dict[int, int] = {}
@@ -77,6 +87,7 @@ class DecodeScheduler(Scheduler):
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         # NOTE local prefills alternate with decode steps: after a prefill chunk, the running
         # requests take a step before the next chunk, so no stream stalls for a whole prompt.
+        self._take_ready()
         if self._after_prefill and self.decode.running:
             self._after_prefill = False
             batch = self.decode_step()
@@ -93,7 +104,7 @@ class DecodeScheduler(Scheduler):
         self.prealloc.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.prealloc or self.transferring or self.landed) or super().has_work()
+        return bool(self.prealloc or self.transferring or self.landed or self.ready) or super().has_work()
 
     def pop_preallocated(self, now: float) -> list[Req]:
         """Give queued requests a row and the pages for their prompt, oldest first.
@@ -104,14 +115,14 @@ class DecodeScheduler(Scheduler):
         if not self.prealloc:  # the common case, every loop iteration: no O(running) scan
             return []
         admitted = []
-        holders = self.running + list(self.transferring.values()) + self.landed
-        if len(holders) + 1 > self.config.max_running_requests or self.kv.rows_available() == 0:
+        holders = self.running + list(self.transferring.values()) + self.landed + list(self.ready)
+        if len(holders) + 1 > self.max_granted or self.kv.rows_available() == 0:
             return []  # full: none would be admitted (PrefillManager.schedule says what the scan cost)
         available = self.kv.available_pages() - self.kv.reserved_pages(holders)
         match = not self.config.disable_prefix_aware_transfers
         while self.prealloc:
             req = self.prealloc[0]
-            if len(holders) + len(admitted) + 1 > self.config.max_running_requests:
+            if len(holders) + len(admitted) + 1 > self.max_granted:
                 break
             if self.kv.rows_available() == 0:
                 break
@@ -165,15 +176,22 @@ class DecodeScheduler(Scheduler):
         if not self.kv.kv_load_done(req):
             self.landed.append(req)  # (join_loaded: once its prefix is back on the device)
             return None
-        self.running.append(req)
+        self.ready.append(req)
+        self._take_ready()
         return None
+
+    def _take_ready(self) -> None:
+        """Arrived requests join the running batch, oldest first, while it has room."""
+        while self.ready and len(self.running) < self.config.max_running_requests:
+            self.running.append(self.ready.popleft())
 
     def join_loaded(self) -> None:
         """Landed requests whose prefix is back from the host tier join the running batch."""
         if self.landed:
             ready = [r for r in self.landed if self.kv.kv_load_done(r)]
             self.landed = [r for r in self.landed if r.kv_load is not None]
-            self.running.extend(ready)
+            self.ready.extend(ready)
+            self._take_ready()
 
     def expire_transfers(self, now: float) -> list[Completion]:
         """Requests whose KV did not arrive in time: answered with an error at their deadline,
@@ -194,9 +212,10 @@ class DecodeScheduler(Scheduler):
         return timed_out
 
     def abort(self, rid: str) -> Completion | None:
-        for req in self.landed:
-            if req.rid == rid:
-                self.landed.remove(req)
+        for queue in (self.landed, self.ready):
+            req = next((r for r in queue if r.rid == rid), None)
+            if req is not None:
+                queue.remove(req)
                 req.finish_reason = FinishReason.ABORT
                 self.kv.free(req)  # (waits for its copy from the host tier)
                 return finalize(req)
@@ -215,4 +234,4 @@ class DecodeScheduler(Scheduler):
         return super().abort(rid)
 
     def is_idle(self) -> bool:
-        return not self.prealloc and not self.transferring and not self.landed and super().is_idle()
+        return not (self.prealloc or self.transferring or self.landed or self.ready) and super().is_idle()

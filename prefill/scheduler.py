@@ -113,6 +113,7 @@ class PrefillScheduler:
         self.expiring: list[tuple[float, int, str, Destination]] = []  # heap of (expires, seq, rid, dest)
         self._seq = itertools.count()
         self.done: list[PrefillResult] = []  # results not yet collected
+        self._destined_first = False  # a destination came for a queued request: reorder the queue
 
     def check_request(self, prompt_ids, params: SamplingParams) -> None:
         check_fits(self.config, self.kv.kv_pool, prompt_ids, params)
@@ -123,11 +124,15 @@ class PrefillScheduler:
         if destination is not None:
             self._check_destination(req, destination)
             self._set(req.rid, destination)
+            self._destined_first = bool(self.prefill.waiting)
         self.live[req.rid] = req
         self.prefill.waiting.append(req)
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         self._fail_expired(time.monotonic())  # never compute a prompt whose KV can no longer be written
+        if self._destined_first:
+            self._destined_first = False
+            self._order_by_destination()
         spans, _ = self.prefill.schedule([])  # a finished prompt waits for its result, then transfers
         return extend_batch(spans, self.kv) if spans else None
 
@@ -156,6 +161,19 @@ class PrefillScheduler:
         parked = self.parked.pop(rid, None)
         if parked is not None:
             self._start_transfer(req, parked.token, parked.logprob, now)
+        else:
+            self._destined_first = True
+
+    def _order_by_destination(self) -> None:
+        """Queued requests whose decode server has granted pages go first (first come, first served
+        among each): in a burst the decode server grants only what it can hold, and prompts
+        prefilled before their grant wait parked, holding pages, while granted ones wait to be
+        prefilled (the first decode batch then starts late)."""
+        waiting = self.prefill.waiting
+        if len(waiting) > 1:
+            ordered = sorted(waiting, key=lambda r: r.rid not in self.destinations)  # stable
+            waiting.clear()
+            waiting.extend(ordered)
 
     def _set(self, rid: str, destination: Destination) -> None:
         self.destinations[rid] = destination
@@ -230,9 +248,12 @@ class PrefillScheduler:
     def poll_transfers(self, now: float) -> list[PrefillResult]:
         """Finish the transfers the agent reports done, failed or late, and the parked requests
         whose destination never came; never blocks."""
-        for rid in [rid for rid, p in self.parked.items() if now > p.deadline]:
+        # (parked in deadline order: each deadline is its parking time plus the one timeout, and a
+        # burst parks hundreds, so the scan stops at the first one still waiting)
+        while self.parked and now > (oldest := next(iter(self.parked.values()))).deadline:
+            del self.parked[oldest.req.rid]
             self._finish(
-                self.parked.pop(rid).req,
+                oldest.req,
                 error=f"no KV destination came within {self.kv_transfer_timeout:g}s",
                 error_code=ErrorCode.KV_TRANSFER_TIMEOUT,
             )

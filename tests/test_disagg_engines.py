@@ -226,6 +226,23 @@ def test_prefill_runs_before_its_destination_is_known(tiny_models):
     assert prefill.is_idle() and decode.is_idle()
 
 
+def test_prefill_runs_the_requests_with_a_destination_first(tiny_models):
+    """In a burst the decode server grants pages to the requests it can hold; the prefill server
+    computes those before the ones still waiting for a grant (which would only park)."""
+    path = tiny_models("llama")
+    prompts = make_prompts(4, seed=5)
+    prefill, decode = engines(path)
+    params = SamplingParams(max_new_tokens=4, temperature=0)
+    for i, ids in enumerate(prompts):
+        prefill.add_prefill_request(ids, params, 1000 + i, b"", [], rid=f"r{i}")
+    decode.add_decode_request(prompts[2], params, room=1002, rid="r2")
+    decode.pop_preallocated()
+    [dest] = decode.destinations
+    prefill.set_destination("r2", dest.agent_metadata, dest.page_ids)
+    batch = prefill.scheduler.get_next_batch_to_run()
+    assert [r.rid for r in batch.reqs] == ["r2", "r0", "r1", "r3"]
+
+
 def run_prefill(prefill, loop=None, decode=None, limit_s=60.0):
     """Step the prefill loop until idle; `decode`'s agent is polled too, as its server's loop
     would (a DRAM agent has no progress thread: UCX's wire-up needs both ends polled)."""
@@ -350,3 +367,37 @@ def test_admission_with_nothing_queued_scans_no_running_request(tiny_models, mon
     for i in range(3):
         decode.abort(f"q{i}")
     decode.scheduler.expire_transfers(time.monotonic() + 3600)  # their pages leave quarantine
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_kv_is_granted_to_twice_the_running_requests_and_waits_ready(tiny_models, overlap):
+    """A decode server grants pages to up to 2 x --max-running-requests (its rows), so the next
+    requests' KV lands while others run; those wait `ready` and join as running ones end, never
+    more than max_running at once. Greedy output is transformers', an abort from `ready` frees its
+    pages, and everything is idle after."""
+    path = tiny_models("llama")
+    prompts = make_prompts(10, seed=7)
+    expected = hf_greedy(path, prompts, 8)
+    prefill, decode = engines(path, overlap=overlap, decode_kw=dict(max_running_requests=2))
+    scheduler = decode.scheduler
+    seen = {"ready": 0, "granted": 0, "aborted": None}
+
+    def check(step):
+        holders = len(scheduler.running) + len(scheduler.transferring) + len(scheduler.ready) + len(scheduler.landed)
+        assert len(scheduler.running) <= 2 and holders <= 4
+        seen["ready"] = max(seen["ready"], len(scheduler.ready))
+        seen["granted"] = max(seen["granted"], holders)
+        if scheduler.ready and seen["aborted"] is None:
+            seen["aborted"] = scheduler.ready[-1].rid
+            seen["answer"] = decode.abort(seen["aborted"])
+
+    params = [SamplingParams(max_new_tokens=8, temperature=0)] * len(prompts)
+    completions, _ = drive(prefill, decode, prompts, params, before_step=check)
+    assert seen["granted"] == 4 and seen["ready"] > 0, seen
+    aborted = seen["aborted"]
+    assert seen["answer"].finish_reason is FinishReason.ABORT and aborted not in completions
+    for i in range(len(prompts)):
+        if f"r{i}" != aborted:
+            assert completions[f"r{i}"].output_ids == expected[i]
+    assert prefill.is_idle() and decode.is_idle()
+    assert decode.stats()["kv_used_tokens"] == 0

@@ -106,6 +106,7 @@ class EngineCore:
                 prefill_graphs=prefill_graphs,
                 tp=self.tp_workers.group if self.tp_workers else None,
                 startup=startup,
+                kv_side=kv_side,
             )
         except BaseException:
             self.close(kill=True)

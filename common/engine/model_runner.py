@@ -31,6 +31,7 @@ from pdserve.common.engine.prefill_graph import PrefillGraphRunner
 from pdserve.common.engine.prompt_logprobs import score_prompt
 from pdserve.common.engine.sampling import SampleOutput, SamplingBatchInfo, sample
 from pdserve.common.engine.tp import TPGroup
+from pdserve.common.kv_transfer.base import KVSide
 from pdserve.common.scheduling.batch import ForwardMode
 from pdserve.common.scheduling.pages import pages_for
 from pdserve.common.startup import KV_POOL, StartupClock
@@ -48,8 +49,11 @@ class ModelRunner:
         prefill_graphs: bool = True,
         tp: TPGroup | None = None,
         startup: StartupClock | None = None,
+        kv_side: KVSide | None = None,
     ):
-        """`startup`: marks the start-up phases (weights, kv_pool, graphs) as they end."""
+        """`startup`: marks the start-up phases (weights, kv_pool, graphs) as they end. `kv_side`:
+        a decode server's (RECEIVER) has twice the request rows (decode/scheduler.py: KV is
+        granted to as many requests again as run, so the next ones' KV is there when a slot frees)."""
         startup = startup or StartupClock()
         self.config = config
         self.tp = tp if tp is not None else TPGroup.single(torch.device(config.device))
@@ -70,7 +74,8 @@ class ModelRunner:
         heads = kv_heads_of_rank(model_kv_heads, self.tp.size, self.tp.rank)
         assert len(heads) == kv_heads, (heads, kv_heads)
         bytes_per_token = 2 * num_layers * kv_heads * head_dim * self.dtype.itemsize
-        self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, config.context_length, self.device)
+        rows = config.max_running_requests * (2 if kv_side is KVSide.RECEIVER else 1)
+        self.req_to_token_pool = ReqToTokenPool(rows, config.context_length, self.device)
         # Rank 0 hands out page ids for every rank: all pools have the smallest rank's page count.
         num_pages = self.tp.min_int(1 + self._kv_pages(bytes_per_token))
         self.kv_pool = PagedKVPool(
