@@ -210,7 +210,6 @@ class Req:
         # the role-specific transfer state (decode: deadline for the KV; prefill: destination).
         self.room = 0
         self.deadline = 0.0
-        self.held = False  # decode: its KV landed while the batch was full; its first token waits with it
         self.error: str | None = None
         self.error_code: ErrorCode | None = None
         self.kv_len = 0

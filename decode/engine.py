@@ -231,7 +231,7 @@ class DecodeEngine(EngineCore):
         for rid, entry in self.streaming.items():
             req, sent = entry
             new = len(req.output_ids) - sent
-            if new > 0 and (new >= interval or sent == 0) and not req.held:  # the first at once; the rest on finish
+            if new > 0 and (new >= interval or sent == 0):  # the first token at once; the rest on finish
                 lps = [(lp.token_id, lp.logprob, lp.top) for lp in req.output_logprobs[sent:]]
                 chunks.append(ipc.Tokens(rid, sent, req.output_ids[sent:], lps))
                 entry[1] = len(req.output_ids)

@@ -174,10 +174,8 @@ class DecodeScheduler(Scheduler):
             self.kv.free(req)
             return finalize(req)
         if not self.kv.kv_load_done(req):
-            req.held = True
             self.landed.append(req)  # (join_loaded: once its prefix is back on the device)
             return None
-        req.held = True  # (streamed once it runs: a first token then a pause of a whole batch's life is worse)
         self.ready.append(req)
         self._take_ready()
         return None
@@ -185,17 +183,13 @@ class DecodeScheduler(Scheduler):
     def _take_ready(self) -> None:
         """Arrived requests join the running batch, oldest first, while it has room."""
         while self.ready and len(self.running) < self.config.max_running_requests:
-            req = self.ready.popleft()
-            req.held = False
-            self.running.append(req)
+            self.running.append(self.ready.popleft())
 
     def join_loaded(self) -> None:
         """Landed requests whose prefix is back from the host tier join the running batch."""
         if self.landed:
             ready = [r for r in self.landed if self.kv.kv_load_done(r)]
             self.landed = [r for r in self.landed if r.kv_load is not None]
-            for req in ready:
-                req.held = True
             self.ready.extend(ready)
             self._take_ready()
 

@@ -401,34 +401,3 @@ def test_kv_is_granted_to_twice_the_running_requests_and_waits_ready(tiny_models
             assert completions[f"r{i}"].output_ids == expected[i]
     assert prefill.is_idle() and decode.is_idle()
     assert decode.stats()["kv_used_tokens"] == 0
-
-
-def test_a_ready_requests_first_token_is_streamed_when_it_runs(tiny_models):
-    """A request whose KV landed while the batch was full streams nothing until it joins the batch
-    (a first token and then a pause as long as a whole request's life would be worse than a later
-    first token)."""
-    from pdserve.common.serving import ipc
-
-    _, decode = engines(tiny_models("llama"), decode_kw=dict(max_running_requests=1))
-    params = SamplingParams(max_new_tokens=4, temperature=0)
-    for i in range(2):
-        decode.streaming[f"q{i}"] = [decode._add([0, 5, 6, 7], params, room=500 + i, rid=f"q{i}"), 0]
-    assert len(decode.scheduler.pop_preallocated(time.monotonic())) == 2  # twice max_running granted
-    for i in range(2):
-        assert decode.scheduler.on_kv_arrived(500 + i, 9 + i, None) is None
-    sent = []
-
-    class Channel:
-        send = sent.append
-
-    decode.channel = Channel()
-    decode.send_outputs()
-    tokens = [(t.rid, t.token_ids) for m in sent if isinstance(m, ipc.StepTokens) for t in m.chunks]
-    assert tokens == [("q0", [9])] and [r.rid for r in decode.scheduler.ready] == ["q1"]
-    sent.clear()
-    decode.abort("q0")
-    decode.scheduler.get_next_batch_to_run()  # q1 joins the batch
-    decode.send_outputs()
-    tokens = [(t.rid, t.token_ids) for m in sent if isinstance(m, ipc.StepTokens) for t in m.chunks]
-    assert tokens == [("q1", [10])]
-    decode.channel = None
