@@ -70,7 +70,9 @@ async def timed_request(backend, prompt: list[int], output_len: int, timeout_s: 
         result.error = f"{type(e).__name__}: {e}"
         return result
     if last is None:
-        result.error = "no chunk carried tokens"
+        # (random weights can generate only tokens that decode to no text, e.g. a special token
+        # repeated: the usage then still counts them)
+        result.error = f"no chunk carried text ({result.output_tokens} output tokens reported, {output_len} asked)"
     elif result.output_tokens != output_len:
         # Usage missing, or a server that stopped early although ignore_eos was asked for.
         result.error = f"{result.output_tokens} output tokens reported, expected {output_len}"
