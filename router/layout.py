@@ -33,12 +33,14 @@ PAIR = ("always", 1)
 # and a decode server under MPS kept TPOT p90 at 2.05 / 2.90 ms at 64 / 128 req/s where one colocated
 # server's prefills between decode steps pushed it to 3.10 / 6.38 ms: goodput 64 req/s against none,
 # and at 256 req/s 39.8k output tok/s against 36.8k. (The decode-heavy slice: 2x the goodput; the
-# prefill-heavy one a tie; a burst of fixed short prompts all at once is colocated's, 1.75x.)
+# prefill-heavy one a tie; a burst of fixed short prompts all at once is colocated's, 1.75x.) With
+# prefill capped at 50% of the SMs (router/gpu_sharing.py) the pair's goodput doubled again (>= 128
+# req/s), and it won the prefill-heavy slice too (>= 56 req/s against < 40).
 ONE_GPU_DEFAULT = PAIR
 ONE_GPU_WHY = (
-    "one GPU: a prefill + a decode server side by side under MPS (on the study's mixed workload they held "
-    "TPOT p90 at 2-3 ms to 128 req/s where one colocated server reached 6 ms, docs/benchmarks.md); "
-    "--num-prefill 0 runs one colocated server"
+    "one GPU: a prefill + a decode server side by side under MPS, prefill on at most half the SMs (on the "
+    "study's mixed workload they met TTFT 1 s / TPOT 2.8 ms at 128 req/s where one colocated server missed "
+    "them at 64, docs/benchmarks.md); --num-prefill 0 runs one colocated server"
 )
 
 

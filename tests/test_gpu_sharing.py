@@ -82,7 +82,7 @@ PYTHON = sys.executable  # (the fixture below swaps sys.executable for a fake ro
 
 
 def test_sm_shares_parse_and_refuse_what_is_not_a_percentage():
-    assert parse_sm_shares("100:100") == DEFAULT_SM_SHARES == SMShares(100, 100)
+    assert parse_sm_shares("100:100") == SMShares(100, 100) and parse_sm_shares("50:100") == DEFAULT_SM_SHARES
     assert parse_sm_shares("60:100") == SMShares(prefill=60, decode=100)
     assert str(SMShares(60, 100)) == "60:100" and SMShares(60, 90).of("decode") == 90
     for bad in ("60", "60:100:1", "0:100", "60:101", "a:b", "-5:100", ""):
