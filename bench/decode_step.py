@@ -14,6 +14,8 @@ of --repeats runs:
     device  CUDA events around each decode step on the forward stream (forward + sample)
     loop    the interval between consecutive decode steps of the overlapped loop (what a client
             sees as inter-token latency; host work the overlap cannot hide shows up here)
+--quantization fp8 runs the linear layers with FP8 weights (the engine's flag): the floor then
+counts their bytes (one per weight, plus an fp32 scale per output row); compare with a run without.
 """
 
 from __future__ import annotations
@@ -121,6 +123,12 @@ def main() -> None:
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--tp-size", type=int, default=1, help="Ranks on GPUs 0..N-1; the floor is one rank's shard.")
+    ap.add_argument(
+        "--quantization",
+        default="",
+        choices=["", "fp8"],
+        help="fp8: the linear layers' weights in FP8 (the engine's --quantization); the floor counts their bytes.",
+    )
     ap.add_argument("--json", help="Also write the result here.")
     ap.add_argument(
         "--profile", action="store_true", help="Also print the CUDA kernels of one more run, by total time."
@@ -142,6 +150,7 @@ def main() -> None:
         disable_overlap_schedule=args.disable_overlap_schedule,
         disable_cuda_graph=args.disable_cuda_graph,
         tp_size=args.tp_size,
+        quantization=args.quantization,
     )
     results = []
     timer = StepTimer(engine)
@@ -152,7 +161,8 @@ def main() -> None:
             print(json.dumps(result))
             print(
                 f"\n{result['gpu']}: batch {size}, tp {args.tp_size}, median context {result['median_context']}, "
-                f"weights {result['weight_gb']:.2f} GB + KV {result['kv_gb_per_step']:.2f} GB per step per rank, "
+                f"{result['quantization']} weights {result['weight_gb']:.2f} GB + KV {result['kv_gb_per_step']:.2f} GB "
+                "per step per rank, "
                 f"copy rate {result['copy_rate_tb_s']:.2f} TB/s (read + write)"
             )
             print(
@@ -211,6 +221,7 @@ def measure(timer: StepTimer, args, path, bs: int) -> dict:
         "attention_backend": engine.config.attention_backend,
         "steps_measured": len(device_ms),
         "tp_size": args.tp_size,
+        "quantization": engine.config.quantization or "none",
     }
     return result
 

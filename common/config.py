@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.common import gguf_checkpoint
-from pdserve.common.gpus import cuda_device_count
+from pdserve.common.model_checks import check_tp, resolve_quantization
 
 # What CUDA graphs, activations and the sampling buffers get is the rest of the GPU's memory.
 DEFAULT_MEM_FRACTION_STATIC = 0.85
@@ -117,6 +117,13 @@ class EngineConfig:
         "Tensor parallelism: seconds a rank waits for the others (start-up, any collective) before it "
         "gives up; a rank that dies is noticed at once.",
     )
+    quantization: str = option(
+        "",
+        "fp8: quantize the linear layers of the transformer blocks to float8 e4m3 at load (a scale per output "
+        "channel; activations scaled per token); the LM head and embeddings stay in --dtype. Empty: the "
+        "checkpoint's own weights. An FP8 checkpoint (compressed-tensors, or quant_method fp8, per-tensor or "
+        "per-channel) is served in FP8 as it is, without this flag. Needs --tp-size 1.",
+    )
 
     def resolve(self) -> "EngineConfig":
         """Fill every auto value; the result is what the engine runs with."""
@@ -186,6 +193,7 @@ class EngineConfig:
         if self.prefill_cuda_graph_max_tokens < 0:
             raise ValueError(f"--prefill-cuda-graph-max-tokens must be >= 0, got {self.prefill_cuda_graph_max_tokens}")
         check_tp(self.tp_size, self.dist_timeout, hf, device)
+        quantization = resolve_quantization(self.quantization, hf, self.model_path, self.tp_size)
         return dataclasses.replace(
             self,
             attention_backend=attention_backend,
@@ -196,39 +204,8 @@ class EngineConfig:
             dtype=dtype,
             context_length=context_length,
             stream_interval=stream_interval,
+            quantization=quantization,
         )
-
-
-def check_tp(tp: int, dist_timeout: float, hf: dict, device: str) -> None:
-    """ValueError unless the model splits into `tp` ranks (heads, KV heads, MLP width) and, on CUDA,
-    there is a GPU for every rank. A vocab that tp does not divide is padded, so any vocab works."""
-    if tp < 1:
-        raise ValueError(f"--tp-size must be >= 1, got {tp}")
-    if not dist_timeout > 0:
-        raise ValueError(f"--dist-timeout must be > 0, got {dist_timeout}")
-    if tp == 1:
-        return
-    heads = hf.get("num_attention_heads") or hf.get("n_head")
-    kv_heads = model_kv_heads_of(hf)
-    width = hf.get("intermediate_size") or hf.get("n_inner") or 4 * hf.get("n_embd", 0)
-    if heads % tp:
-        raise ValueError(f"--tp-size {tp} does not divide the model's {heads} attention heads")
-    if kv_heads % tp if kv_heads >= tp else tp % kv_heads:
-        raise ValueError(
-            f"--tp-size {tp} must divide the model's {kv_heads} KV heads, or be a multiple of them (replicated)"
-        )
-    if width % tp:
-        raise ValueError(f"--tp-size {tp} does not divide the model's MLP width {width}")
-    if device.startswith("cuda"):
-        first = int(device.partition(":")[2] or 0)
-        visible = cuda_device_count()
-        if first + tp > visible:
-            raise ValueError(f"--tp-size {tp} needs GPUs {first}..{first + tp - 1} (one per rank); {visible} visible")
-
-
-def model_kv_heads_of(hf: dict) -> int:
-    """The checkpoint's KV heads (its attention heads when it has no grouped-query attention)."""
-    return hf.get("num_key_value_heads") or hf.get("num_attention_heads") or hf.get("n_head")
 
 
 def short_model_name(model_path: str) -> str:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from pdserve.common.config import EngineConfig, model_kv_heads_of, read_hf_config
+from pdserve.common.config import EngineConfig, read_hf_config
 from pdserve.common.engine.attention import create_backend
 from pdserve.common.engine.batch import ForwardBatch
 from pdserve.common.engine.cuda_graph import CudaGraphRunner
@@ -32,6 +32,7 @@ from pdserve.common.engine.prompt_logprobs import score_prompt
 from pdserve.common.engine.sampling import SampleOutput, SamplingBatchInfo, sample
 from pdserve.common.engine.tp import TPGroup
 from pdserve.common.kv_transfer.base import KVSide
+from pdserve.common.model_checks import model_kv_heads_of
 from pdserve.common.scheduling.batch import ForwardMode
 from pdserve.common.scheduling.pages import pages_for
 from pdserve.common.startup import KV_POOL, StartupClock
@@ -64,7 +65,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.memory_report: dict | None = None  # what --mem-fraction-static measured, on CUDA
         self.dtype = DTYPES[config.dtype]
-        self.model = load_model(config.model_path, self.dtype, self.device, self.tp)
+        self.model = load_model(config.model_path, self.dtype, self.device, self.tp, config.quantization)
         self.vocab_size = self.model.arch.vocab_size
         if config.attention_backend == "triton" and self.device.type == "cuda":
             self.model.fuse()  # the fast path: merged projections, fused small ops

@@ -101,10 +101,15 @@ class GPT2MLP(nn.Module):
         self.fused = False  # gelu_new as one Triton kernel (see fuse)
 
     def forward(self, x):
-        if self.fused and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16):
+        if (
+            self.fused
+            and x.dim() == 2
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and self.c_fc.weight.dtype == x.dtype
+        ):
             # cuBLASLt's bias + GELU(tanh) epilogue: c_fc and gelu_new in one kernel. It applies
             # gelu to the fp32 accumulator, one rounding fewer than transformers in half precision
-            # (fp32 keeps the exact two-step path below).
+            # (fp32 keeps the exact two-step path below; an FP8 c_fc, whose weight is float8, too).
             h = torch._addmm_activation(self.c_fc.bias, x, self.c_fc.weight.t(), use_gelu=True)
             return self.c_proj(h)
         act = triton_ops().gelu_tanh if self.fused else gelu_tanh

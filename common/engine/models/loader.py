@@ -3,6 +3,10 @@
 With tensor parallelism each rank builds its shard of the model and reads only its slices of the
 checkpoint (safetensors slices: `tp_shards` on the parallel layers, models/parallel.py). A GGUF file
 is read through GGUFWeights (models/gguf_weights.py), which offers the same keys, shapes and slices.
+
+FP8 weights (models/fp8.py): an FP8 checkpoint's layers become Fp8Linears before its tensors are
+read (float8 weights and their scales load as they are); `--quantization fp8` quantizes an
+unquantized checkpoint's linear layers once its weights are loaded.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ import torch
 from safetensors import safe_open
 
 from pdserve.common.config import read_hf_config
-from pdserve.common.engine.models import MODEL_REGISTRY
+from pdserve.common.engine.models import MODEL_REGISTRY, fp8
 from pdserve.common.engine.models.gguf_weights import GGUFWeights
 from pdserve.common.engine.models.gpt2 import TRANSPOSED
 from pdserve.common.engine.models.parallel import Shard
 from pdserve.common.engine.tp import TPGroup
 from pdserve.common.gguf_checkpoint import gguf_file
+from pdserve.common.model_checks import checkpoint_quantization
 
 # Checkpoint entries that are not weights (cached buffers some exporters save).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
@@ -37,18 +42,31 @@ def model_class(cfg: dict) -> type:
 
 
 def load_model(
-    model_path: str, dtype: torch.dtype, device: torch.device | str, tp: TPGroup | None = None
+    model_path: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp: TPGroup | None = None,
+    quantization: str = "",
 ) -> torch.nn.Module:
-    """The model (this rank's shard of it with tp), its weights loaded, in eval mode."""
+    """The model (this rank's shard of it with tp), its weights loaded, in eval mode.
+    `quantization` "fp8": FP8 linear layers (an FP8 checkpoint is FP8 whatever it says)."""
     cfg = read_hf_config(model_path)
     cls = model_class(cfg)
     if tp is None:
         tp = TPGroup.single(torch.device(device))
+    fp8_checkpoint = checkpoint_quantization(cfg) == "fp8"
+    if (fp8_checkpoint or quantization == "fp8") and tp.size > 1:
+        raise ValueError("FP8 linear layers are not tensor-parallel yet: use --tp-size 1")
     with torch.device("meta"):
-        model = cls(cfg, tp)
-    model = model.to_empty(device=device).to(dtype)
+        # NOTE: cast while on meta: Module.to(dtype) casts every floating parameter, float8 ones too.
+        model = cls(cfg, tp).to(dtype)
+    if fp8_checkpoint:
+        fp8.use_fp8_linears(model, _fp8_layers(model_path, cfg))
+    model = model.to_empty(device=device)
     model.tie_weights()
     _load_weights(model, model_path, cfg)
+    if quantization == "fp8" and not fp8_checkpoint:
+        fp8.quantize_linears(model)
     # Buffers (RoPE inverse frequencies) are not in the checkpoint: compute them for real.
     for module in model.modules():
         if hasattr(module, "init_buffers"):
@@ -79,6 +97,26 @@ def _checkpoint_sources(model_path: str, cfg: dict) -> Iterator[tuple[str, objec
             yield path, f
 
 
+def _param_name(key: str, cfg: dict) -> str:
+    """The model's name for checkpoint tensor `key` (GPT-2 checkpoints may omit "transformer.")."""
+    is_gpt2 = "GPT2LMHeadModel" in cfg.get("architectures", [])
+    return "transformer." + key if is_gpt2 and not key.startswith(("transformer.", "lm_head.")) else key
+
+
+def _fp8_layers(model_path: str, cfg: dict) -> list[str]:
+    """The layers an FP8 checkpoint stores in FP8: those with a `weight_scale` (not its `ignore`
+    list: the tensors are what loads)."""
+    names = [
+        _param_name(key, cfg).removesuffix(".weight_scale")
+        for _, f in _checkpoint_sources(model_path, cfg)
+        for key in f.keys()
+        if key.endswith(".weight_scale")
+    ]
+    if not names:
+        raise ValueError(f"{model_path}: config.json declares FP8 weights, but no tensor has a weight_scale")
+    return names
+
+
 def _load_weights(model: torch.nn.Module, model_path: str, cfg: dict) -> None:
     params = dict(model.named_parameters())  # tied weights appear once, under the first name
     is_gpt2 = "GPT2LMHeadModel" in cfg.get("architectures", [])
@@ -87,13 +125,23 @@ def _load_weights(model: torch.nn.Module, model_path: str, cfg: dict) -> None:
         for key in f.keys():
             if key.endswith(_IGNORED_SUFFIXES):
                 continue
-            name = "transformer." + key if is_gpt2 and not key.startswith(("transformer.", "lm_head.")) else key
+            name = _param_name(key, cfg)
             if name not in params:
                 if name == "lm_head.weight" and "lm_head.weight" not in params:
                     continue  # tied: the embedding already holds it
+                if key.endswith(".input_scale"):
+                    raise ValueError(f"{key!r} in {path}: static activation scales (input_scale) are not supported")
                 raise ValueError(f"unexpected weight {key!r} in {path}")
             transposed = is_gpt2 and name.endswith(TRANSPOSED)
             tensor = _read(f, key, _shard_of(model, name), transposed, params[name])
+            if name.endswith(".weight_scale"):
+                tensor = fp8.channel_scales(tensor, rows=params[name].shape[0])
+            if (tensor.dtype == fp8.FP8) != (params[name].dtype == fp8.FP8):
+                # NOTE: copy_ would convert silently, dropping (or never applying) the scale.
+                raise ValueError(
+                    f"weight {key!r} is {tensor.dtype}, the model's is {params[name].dtype}: FP8 weights need "
+                    "their weight_scale beside them, and nothing else may be FP8"
+                )
             if tensor.shape != params[name].shape:
                 raise ValueError(f"weight {key!r}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
             with torch.no_grad():

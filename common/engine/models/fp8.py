@@ -1,0 +1,212 @@
+"""FP8 (e4m3) linear layers: a scale per output channel for the weight, per token for the input.
+
+The numbers, on every path:
+
+    weight  W [N, K]  ->  Wq = fp8(W / sw),  sw[n] = amax|W[n, :]| / 448   (fp32; 1 for a zero row)
+    input   x [M, K]  ->  xq = fp8(x / sx),  sx[m] = amax|x[m, :]| / 448   (fp32, every forward)
+    output  y = (xq · sx) @ (Wq · sw)^T + bias, accumulated in fp32, rounded once to the model dtype
+
+448 is float8_e4m3fn's largest value. Why a scale per row and not per tensor: one large row
+(LLM activations and weights have outlier channels) would push every other row of a per-tensor
+scale down into float8's few subnormals; a scale per row costs one fp32 per output channel and
+per token, and cuBLASLt applies both in the GEMM's epilogue (`torch._scaled_mm` with scale_a
+[M, 1] and scale_b [1, N]). Per-channel weight scales also merge q/k/v (and gate/up) into one GEMM
+exactly, each row keeping its own scale: a per-tensor checkpoint's scale is expanded to its rows at
+load (`channel_scales`). Activations are scaled dynamically, never from a calibration: nothing to
+load, and nothing a batch of outliers can saturate.
+
+Where the GEMM runs (`fp8_linear`):
+    CUDA      torch._scaled_mm (cuBLASLt) when K and N are multiples of 16 and the model dtype is
+              bfloat16 (row-wise scales need both); otherwise the emulated path, logged once
+    CPU       torch._scaled_mm as well: torch's CPU kernel takes float8 with row-wise scales and
+              computes the emulated path's numbers (dequantize, fp32 matmul), tested equal
+    emulated  dequantize xq and Wq to fp32, matmul in fp32, add the bias, round to the model dtype
+On CUDA the per-token quantization is one Triton kernel (fp8_kernels.py), bitwise the torch ops'.
+
+NOTE: cuBLASLt's row-wise scaled kernels are not its fastest at decode shapes. On an H200 (torch
+2.11, CUDA 13), replayed from a CUDA graph at batch 64: Llama-8B's down_proj 37 us row-wise, 18 us
+tensor-wise, 37 us in bf16; Llama-1B's 22, 9 and 11 us. A tensor-wise GEMM with the scales applied
+after it, or a Triton FP8 GEMM, is what to measure next against this path.
+
+Nothing here syncs with the host (no .item(), no data-dependent shapes): it runs inside captured
+CUDA graphs. What is quantized: every nn.Linear of the model, which is the transformer blocks'
+projections; the LM head and the embeddings are not nn.Linear and stay in the model dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+# A row of zeros (CUDA-graph padding, a dead channel) must not divide 0 by 0.
+MIN_AMAX = 1e-12
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Wq float8 [N, K], sw fp32 [N]) with W ≈ Wq · sw[:, None]."""
+    amax = weight.abs().amax(dim=1).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (weight.float() / scale[:, None]).to(FP8), scale
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq float8 [M, K], sx fp32 [M, 1]) with x ≈ xq · sx, for a 2-D x."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=MIN_AMAX) / FP8_MAX
+    # NOTE: no clamp to ±448 before the cast (it would be one more pass over x every forward):
+    # |x / scale| <= 448 up to one fp32 rounding, which float8 rounds back to 448. Only from 464 up
+    # would older torch releases make NaN (e4m3fn has no inf).
+    return (x / scale).to(FP8), scale
+
+
+def channel_scales(stored: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint's weight_scale as one fp32 scale per output row: [N, 1] or [N] as it is; a
+    per-tensor [1] or scalar repeated (so fused q/k/v rows keep their own part's scale)."""
+    flat = stored.float().reshape(-1)
+    if flat.numel() == 1:
+        return flat.expand(rows).clone()
+    if flat.numel() != rows:
+        raise ValueError(f"weight_scale of shape {tuple(stored.shape)}: expected [{rows}, 1] (per channel) or [1]")
+    return flat
+
+
+def scaled_mm_refusal(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """Why torch._scaled_mm cannot run x @ weight^T here; "" when it can. Shapes and dtypes only:
+    the answer is the same at capture and at every replay."""
+    if x.device.type == "cpu":
+        return ""
+    n, k = weight.shape
+    if x.device.type != "cuda":
+        return f"no FP8 GEMM on {x.device.type}"
+    if k % 16 or n % 16:
+        return f"cuBLASLt FP8 GEMMs need K and N multiples of 16 (K {k}, N {n})"
+    if x.dtype != torch.bfloat16:
+        return f"row-wise scaled FP8 GEMMs output bfloat16, the model is {x.dtype}"
+    if torch.cuda.get_device_capability(x.device) < (8, 9):
+        return "FP8 GEMMs need compute capability 8.9 or later"
+    return ""
+
+
+@functools.cache
+def _log_emulated(reason: str) -> None:
+    log.warning("FP8 linear layers run emulated (dequantize + fp32 matmul, slow): %s", reason)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ dequant(weight)^T + bias in x's dtype, x quantized per token (module docstring)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.is_cuda:
+        # One Triton launch, the same numbers as quantize_per_token's six torch ops (fp8_kernels.py).
+        from pdserve.common.engine.models import fp8_kernels
+
+        xq, x_scale = fp8_kernels.quantize_per_token(x2, MIN_AMAX)
+    else:
+        xq, x_scale = quantize_per_token(x2)
+    reason = scaled_mm_refusal(x2, weight)
+    if reason:
+        _log_emulated(reason)
+        out = emulated_fp8_mm(xq, x_scale, weight, weight_scale, bias, x.dtype)
+    else:
+        # NOTE: mat2 must be column-major: the [N, K] weight's transpose is, as a view.
+        out = torch._scaled_mm(
+            xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=bias, out_dtype=x.dtype
+        )
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def emulated_fp8_mm(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The reference: dequantize both sides to fp32, matmul in fp32, add the bias, round once."""
+    out = (xq.float() * x_scale) @ (weight.float() * weight_scale[:, None]).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer with an FP8 weight [out, in] and one fp32 scale per output row
+    (`weight_scale`, [out]); the bias, if any, stays in the model dtype. Parameter names are the
+    checkpoints' (compressed-tensors, fp8), so an FP8 checkpoint loads by name."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        if weight.dtype != FP8 or weight_scale.dtype != torch.float32 or weight_scale.shape != weight.shape[:1]:
+            raise ValueError(
+                f"Fp8Linear takes a {FP8} weight and fp32 [out] scales, got {weight.dtype} {tuple(weight.shape)} "
+                f"and {weight_scale.dtype} {tuple(weight_scale.shape)}"
+            )
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear) -> "Fp8Linear":
+        """`linear`'s weight quantized per output channel."""
+        weight, scale = quantize_per_channel(linear.weight.detach())
+        return cls(weight, scale, linear.bias)
+
+    @classmethod
+    def empty_like(cls, linear: nn.Linear) -> "Fp8Linear":
+        """Uninitialized, on `linear`'s device (meta, before an FP8 checkpoint is read into it)."""
+        device = linear.weight.device
+        weight = torch.empty(linear.weight.shape, dtype=FP8, device=device)
+        return cls(weight, torch.empty(linear.out_features, dtype=torch.float32, device=device), linear.bias)
+
+    @classmethod
+    def merge(cls, linears: list["Fp8Linear"]) -> "Fp8Linear":
+        """One layer computing `linears` side by side (fused q/k/v, gate/up): rows and their scales
+        concatenated, exact."""
+        if not all(isinstance(m, Fp8Linear) for m in linears):
+            raise TypeError("cannot merge FP8 and unquantized linear layers")
+        bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+        return cls(torch.cat([m.weight for m in linears]), torch.cat([m.weight_scale for m in linears]), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Replace every nn.Linear of `model` by its FP8 quantization (`--quantization fp8` on an
+    unquantized checkpoint, after loading); returns how many. Each float weight is freed as its
+    layer is replaced, so the peak is the float model plus one layer."""
+    return _replace(model, [name for name, m in model.named_modules() if isinstance(m, nn.Linear)], Fp8Linear.quantize)
+
+
+def use_fp8_linears(model: nn.Module, names: list[str]) -> None:
+    """Make the layers `names` (those an FP8 checkpoint stores a weight_scale for) empty
+    Fp8Linears, before the checkpoint is read into them. ValueError for a layer that is not an
+    nn.Linear (an FP8 LM head or embedding)."""
+    for name in names:
+        module = model.get_submodule(name)
+        if not isinstance(module, nn.Linear):
+            raise ValueError(
+                f"the checkpoint stores {name} in FP8; pdserve reads FP8 weights for the linear layers of the "
+                f"transformer blocks only ({name} is a {type(module).__name__})"
+            )
+    _replace(model, names, Fp8Linear.empty_like)
+
+
+def _replace(model: nn.Module, names: list[str], make) -> int:
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(owner)
+        setattr(parent, leaf, make(getattr(parent, leaf)))
+    return len(names)

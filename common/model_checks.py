@@ -1,0 +1,147 @@
+"""Start-up checks of a checkpoint against the engine's flags: does it split into --tp-size ranks,
+and is its quantization one the engine serves. Torch-free: EngineConfig.resolve runs them before
+anything loads, so a bad combination stops the start with a ValueError naming the field.
+
+FP8 checkpoints are recognised by config.json's `quantization_config` in the two forms users
+download (engine/models/fp8.py holds the numerics, docs/architecture.md "FP8 weights"):
+
+    compressed-tensors   llm-compressor's format (the "-FP8-dynamic" models): config_groups whose
+                         weights are {num_bits: 8, type: float, strategy: channel | tensor} and whose
+                         input activations are dynamic or absent; `<layer>.weight` float8_e4m3fn,
+                         `<layer>.weight_scale` [N, 1] (channel) or [1] (tensor)
+    fp8                  AutoFP8 / vLLM's per-tensor form: activation_scheme dynamic, no
+                         weight_block_size; `<layer>.weight_scale` a scalar
+
+Which layers are FP8 is what the tensors say (a `weight_scale` beside the weight), not the
+`ignore` list: the loader reads it from the checkpoint.
+"""
+
+from __future__ import annotations
+
+from pdserve.common.gguf_checkpoint import gguf_file
+from pdserve.common.gpus import cuda_device_count
+
+QUANTIZATIONS = ("", "fp8")
+# compressed-tensors formats whose weights are stored as float8 values with their scales.
+_FLOAT_FORMATS = ("float-quantized", "naive-quantized")
+
+
+def check_tp(tp: int, dist_timeout: float, hf: dict, device: str) -> None:
+    """ValueError unless the model splits into `tp` ranks (heads, KV heads, MLP width) and, on CUDA,
+    there is a GPU for every rank. A vocab that tp does not divide is padded, so any vocab works."""
+    if tp < 1:
+        raise ValueError(f"--tp-size must be >= 1, got {tp}")
+    if not dist_timeout > 0:
+        raise ValueError(f"--dist-timeout must be > 0, got {dist_timeout}")
+    if tp == 1:
+        return
+    heads = hf.get("num_attention_heads") or hf.get("n_head")
+    kv_heads = model_kv_heads_of(hf)
+    width = hf.get("intermediate_size") or hf.get("n_inner") or 4 * hf.get("n_embd", 0)
+    if heads % tp:
+        raise ValueError(f"--tp-size {tp} does not divide the model's {heads} attention heads")
+    if kv_heads % tp if kv_heads >= tp else tp % kv_heads:
+        raise ValueError(
+            f"--tp-size {tp} must divide the model's {kv_heads} KV heads, or be a multiple of them (replicated)"
+        )
+    if width % tp:
+        raise ValueError(f"--tp-size {tp} does not divide the model's MLP width {width}")
+    if device.startswith("cuda"):
+        first = int(device.partition(":")[2] or 0)
+        visible = cuda_device_count()
+        if first + tp > visible:
+            raise ValueError(f"--tp-size {tp} needs GPUs {first}..{first + tp - 1} (one per rank); {visible} visible")
+
+
+def model_kv_heads_of(hf: dict) -> int:
+    """The checkpoint's KV heads (its attention heads when it has no grouped-query attention)."""
+    return hf.get("num_key_value_heads") or hf.get("num_attention_heads") or hf.get("n_head")
+
+
+def resolve_quantization(quantization: str, hf: dict, model_path: str, tp: int) -> str:
+    """What the weights are served as: "fp8" when --quantization fp8 or the checkpoint is FP8, else
+    "". ValueError for an unknown choice, a checkpoint format the engine does not read, GGUF + fp8,
+    and FP8 with tensor parallelism (the FP8 linear layers are not sharded yet)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be fp8 or empty (the checkpoint's own dtype), got {quantization!r}")
+    if quantization and gguf_file(model_path) is not None:
+        raise ValueError(
+            "--quantization fp8 does not apply to a GGUF checkpoint (its weights are dequantized at load): "
+            "give a Hugging Face checkpoint directory"
+        )
+    resolved = quantization or checkpoint_quantization(hf)
+    if resolved and tp > 1:
+        raise ValueError("FP8 weights (--quantization fp8, or an FP8 checkpoint) need --tp-size 1 for now")
+    return resolved
+
+
+def checkpoint_quantization(hf: dict) -> str:
+    """ "fp8" when config.json's quantization_config describes FP8 weights the engine reads, "" when
+    there is none; ValueError, naming the field, for any other quantization."""
+    qc = hf.get("quantization_config")
+    if not qc:
+        return ""
+    method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        _check_compressed_tensors(qc)
+    elif method == "fp8":
+        _check_fp8(qc)
+    else:
+        raise ValueError(
+            f"quantization_config.quant_method {method!r} is not supported: pdserve reads FP8 checkpoints "
+            "(compressed-tensors or fp8) and unquantized ones"
+        )
+    return "fp8"
+
+
+def _check_compressed_tensors(qc: dict) -> None:
+    where = "quantization_config"
+    fmt = qc.get("format")
+    if fmt is not None and fmt not in _FLOAT_FORMATS:
+        raise ValueError(f"{where}.format {fmt!r} is not supported (FP8: {' or '.join(_FLOAT_FORMATS)})")
+    if qc.get("kv_cache_scheme"):
+        raise ValueError(f"{where}.kv_cache_scheme: an FP8 KV cache from the checkpoint is not supported yet")
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise ValueError(f"{where}.config_groups is empty: no FP8 weights described")
+    for name, group in groups.items():
+        at = f"{where}.config_groups.{name}"
+        weights = group.get("weights") or {}
+        if (weights.get("num_bits"), weights.get("type")) != (8, "float"):
+            raise ValueError(
+                f"{at}.weights: num_bits {weights.get('num_bits')!r}, type {weights.get('type')!r} is not "
+                "supported (FP8: num_bits 8, type float)"
+            )
+        if weights.get("strategy") not in ("channel", "tensor"):
+            raise ValueError(
+                f"{at}.weights.strategy {weights.get('strategy')!r} is not supported (channel or tensor; "
+                "block- and group-wise FP8 are not)"
+            )
+        if weights.get("dynamic") or weights.get("symmetric") is False:
+            raise ValueError(f"{at}.weights must be static and symmetric (stored scales, no zero point)")
+        inputs = group.get("input_activations")
+        if inputs is not None and not inputs.get("dynamic"):
+            raise ValueError(
+                f"{at}.input_activations.dynamic is false: static activation scales (input_scale) are not "
+                "supported; pdserve scales activations dynamically per token"
+            )
+        if inputs is not None and (inputs.get("num_bits"), inputs.get("type")) != (8, "float"):
+            raise ValueError(f"{at}.input_activations must be FP8 (num_bits 8, type float)")
+        if group.get("output_activations"):
+            raise ValueError(f"{at}.output_activations: quantized outputs are not supported")
+
+
+def _check_fp8(qc: dict) -> None:
+    if qc.get("weight_block_size"):
+        raise ValueError(
+            f"quantization_config.weight_block_size {qc['weight_block_size']!r}: block-wise FP8 is not "
+            "supported (per-tensor or per-channel weight scales are)"
+        )
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(
+            f"quantization_config.activation_scheme {scheme!r}: static activation scales (input_scale) are "
+            "not supported; pdserve scales activations dynamically per token"
+        )
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"quantization_config.fmt {qc['fmt']!r} is not supported (e4m3)")

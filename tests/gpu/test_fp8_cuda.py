@@ -1,0 +1,84 @@
+"""FP8 weights on CUDA: the Triton per-token quantization against torch's ops, torch._scaled_mm
+(cuBLASLt, row-wise scales) against the emulated path on Llama-3.2-1B's linear shapes, and a tiny
+model served with --quantization fp8 giving the same greedy tokens replayed from CUDA graphs as
+run eagerly."""
+
+import random
+
+import pytest
+import torch
+
+from pdserve.common.engine.engine import Engine
+from pdserve.common.engine.models import fp8
+from pdserve.common.types import SamplingParams
+
+if torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("FP8 GEMMs need compute capability 8.9+", allow_module_level=True)
+
+# Llama-3.2-1B (hidden 2048, 32 heads, 8 KV heads of 64, MLP 8192), fused as the CUDA path runs it:
+# (N, K) of qkv, o, gate_up, down.
+LLAMA_1B = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
+
+
+@pytest.mark.parametrize("width", [40, 2048, 8192, 14336])
+def test_the_triton_quantization_is_bitwise_the_torch_ops(width):
+    from pdserve.common.engine.models import fp8_kernels
+
+    x = torch.randn(130, 2 * width, device="cuda").bfloat16()[:, ::2]  # strided, as a view may be
+    x = x * torch.logspace(-4, 4, 130, device="cuda").bfloat16()[:, None]
+    x[7] = 0.0  # a padded row
+    got_q, got_scale = fp8_kernels.quantize_per_token(x, fp8.MIN_AMAX)
+    want_q, want_scale = fp8.quantize_per_token(x)
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("batch", [1, 64, 128])
+@pytest.mark.parametrize("layer", LLAMA_1B)
+def test_scaled_mm_agrees_with_the_emulated_path(layer, batch):
+    n, k = LLAMA_1B[layer]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.randn(n, k, device="cuda", generator=g).bfloat16() * 0.02
+    bias = torch.randn(n, device="cuda", generator=g).bfloat16() * 0.1
+    x = torch.randn(batch, k, device="cuda", generator=g).bfloat16()
+    q, scale = fp8.quantize_per_channel(weight)
+    assert fp8.scaled_mm_refusal(x, q) == "", "these shapes take cuBLASLt"
+    got = fp8.fp8_linear(x, q, scale, bias)
+    xq, x_scale = fp8.quantize_per_token(x)
+    want = fp8.emulated_fp8_mm(xq, x_scale, q, scale, bias, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (batch, n)
+    # The same float8 operands: only the fp32 accumulation order and the bf16 rounding differ.
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2 * want.abs().max().item())
+    exact = x.float() @ weight.float().t() + bias.float()
+    err = (got.float() - exact).norm() / exact.norm()
+    assert err < 0.06, f"{layer} at batch {batch}: {err:.3f} relative error against bf16"
+
+
+def test_unaligned_or_non_bf16_layers_fall_back_to_the_emulated_path():
+    x = torch.randn(4, 40, device="cuda").bfloat16()
+    q, _ = fp8.quantize_per_channel(torch.randn(24, 40, device="cuda"))
+    assert "multiples of 16" in fp8.scaled_mm_refusal(x, q)
+    q, scale = fp8.quantize_per_channel(torch.randn(32, 48, device="cuda"))
+    assert "bfloat16" in fp8.scaled_mm_refusal(torch.randn(4, 48, device="cuda"), q)
+    out = fp8.fp8_linear(torch.randn(4, 48, device="cuda"), q, scale, None)
+    assert out.dtype == torch.float32 and out.shape == (4, 32)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+def test_fp8_under_cuda_graphs_gives_the_eager_tokens(arch, tiny_models):
+    rng = random.Random(0)
+    cases = [[0] + [rng.randrange(5, 512) for _ in range(rng.randrange(1, 90))] for _ in range(24)]
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    kw = dict(model_path=tiny_models(arch), device="cuda", dtype="bfloat16", max_total_tokens=16384)
+    graphed = Engine(quantization="fp8", **kw)
+    model = graphed.runner.model
+    merged = model.model.layers[0].self_attn.qkv_proj if arch != "gpt2" else model.transformer.h[0].attn.c_attn
+    assert isinstance(merged, fp8.Fp8Linear) and merged.weight.dtype == torch.float8_e4m3fn
+    got = [c.output_ids for c in graphed.generate(cases, params)]
+    assert graphed.runner.cuda_graphs.replays > 10
+    eager = Engine(quantization="fp8", disable_cuda_graph=True, prefill_cuda_graph_max_tokens=0, **kw)
+    want = [c.output_ids for c in eager.generate(cases, params)]
+    assert got == want
+    unquantized = [c.output_ids for c in Engine(**kw).generate(cases, params)]
+    assert unquantized != got, "FP8 gave bf16's tokens exactly: was it quantized?"
+    assert graphed.is_idle() and eager.is_idle()
