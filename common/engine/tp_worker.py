@@ -363,7 +363,7 @@ def main(argv: list[str]) -> int:
         # NOTE the agent before the warm-up: rank 0 waits for every rank's pool (its scheduler)
         # before it warms up, so a rank warming up first waits in the warm-up's collectives for a
         # rank 0 that waits for it (a deadlock on CUDA; CPU servers do not warm up).
-        side = getattr(args["kv"], "duty", None)  # (a decode server's ranks: its request rows)
+        side = KVSide(args["kv"]["duty"]) if args["kv"] else None  # (a decode server's: its request rows)
         runner, duty = ModelRunner(config, prefill_graphs=args["prefill_graphs"], tp=group, kv_side=side), None
         if args["kv"] is not None:
             duty, agent, out = _kv_duty(args["kv"], rank, runner, ctx, args["reports"])
