@@ -96,6 +96,18 @@ def test_the_cpu_scaled_mm_computes_the_emulated_numbers(dtype):
     torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,bias", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_the_tensorwise_path_computes_the_emulated_numbers(dtype, bias):
+    """CUDA's path at decode sizes (fp8.TENSORWISE_MAX_TOKENS): a unit-scaled GEMM into fp32 sums,
+    then the Triton epilogue (here interpreted) applies both scales and the bias and rounds once."""
+    layer = fp8.Fp8Linear.quantize(make_layer(1100, 80, bias, 2).to(dtype))  # (N past one 1024 block)
+    xq, x_scale = fp8.quantize_per_token(torch.randn(7, 80).to(dtype))
+    got = fp8.tensorwise_fp8_mm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, dtype)
+    want = fp8.emulated_fp8_mm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, dtype)
+    assert got.dtype == dtype and got.shape == (7, 1100)
+    torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
+
+
 def test_an_fp8_linear_approximates_the_float_one():
     linear = make_layer(64, 128, True, 1)
     x = torch.randn(3, 7, 128)  # any leading dims
@@ -137,3 +149,17 @@ def test_an_fp8_layer_that_is_not_a_linear_is_refused():
     model = nn.ModuleDict({"lm_head": nn.Embedding(10, 16)})
     with pytest.raises(ValueError, match="linear layers of the transformer blocks only"):
         fp8.use_fp8_linears(model, ["lm_head"])
+
+
+def test_the_gemm_bench_reads_the_projections_and_finds_the_crossover():
+    """bench/fp8_gemm.py (run on a GPU) sets fp8.TENSORWISE_MAX_TOKENS: its shapes and its verdict."""
+    from pdserve.bench.fp8_gemm import crossover, projections
+
+    assert projections("llama/8b") == {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+                                       "down": (14336, 4096)}  # fmt: skip
+    row = lambda m, t, r: {"tokens": m, "tensorwise_us": t, "rowwise_us": r}  # noqa: E731
+    rows = [row(1, 5, 9), row(1, 5, 9), row(64, 8, 9), row(64, 2, 9), row(256, 20, 9), row(512, 1, 9)]
+    assert crossover(rows, [1, 64, 256, 512]) == 64  # the first slower size ends it
+    assert crossover([row(1, 10, 9)], [1]) == 0
+    with pytest.raises(ValueError, match="Llama-family"):
+        projections("gpt2/small")

@@ -25,8 +25,12 @@ On CUDA the per-token quantization is one Triton kernel (fp8_kernels.py), bitwis
 
 NOTE: cuBLASLt's row-wise scaled kernels are not its fastest at decode shapes. On an H200 (torch
 2.11, CUDA 13), replayed from a CUDA graph at batch 64: Llama-8B's down_proj 37 us row-wise, 18 us
-tensor-wise, 37 us in bf16; Llama-1B's 22, 9 and 11 us. A tensor-wise GEMM with the scales applied
-after it, or a Triton FP8 GEMM, is what to measure next against this path.
+tensor-wise, 37 us in bf16; Llama-1B's 22, 9 and 11 us. So up to TENSORWISE_MAX_TOKENS tokens (0 for
+now: not yet measured) the CUDA GEMM runs tensor-wise with unit scales into fp32 sums, and one Triton epilogue applies both
+scales and the bias and rounds once (fp8_kernels.scale_output): the same numbers, up to the order of
+fp32 products. Above it, where the fp32 sums would be more bytes than the epilogue saves, row-wise.
+`python -m pdserve.bench.fp8_gemm` times the three (bf16, row-wise, tensor-wise) at the models'
+shapes; the threshold is to be set from it (not yet measured on a GPU).
 
 Nothing here syncs with the host (no .item(), no data-dependent shapes): it runs inside captured
 CUDA graphs. What is quantized: every nn.Linear of the model, which is the transformer blocks'
@@ -98,6 +102,27 @@ def _log_emulated(reason: str) -> None:
     log.warning("FP8 linear layers run emulated (dequantize + fp32 matmul, slow): %s", reason)
 
 
+# NOTE 0 (off) until bench/fp8_gemm.py has measured the crossover on a GPU: the tensor-wise path is
+# tested on the CPU (its epilogue interpreted) but has not run on a GPU yet.
+TENSORWISE_MAX_TOKENS = 0
+
+
+@functools.cache
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+def tensorwise_fp8_mm(
+    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias, out_dtype
+) -> torch.Tensor:
+    """The row-wise GEMM's numbers from a tensor-wise one: unscaled fp32 sums, then one epilogue."""
+    from pdserve.common.engine.models import fp8_kernels
+
+    one = _unit_scale(xq.device)
+    acc = torch._scaled_mm(xq, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return fp8_kernels.scale_output(acc, x_scale, weight_scale, bias, out_dtype)
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -114,6 +139,8 @@ def fp8_linear(
     if reason:
         _log_emulated(reason)
         out = emulated_fp8_mm(xq, x_scale, weight, weight_scale, bias, x.dtype)
+    elif x2.is_cuda and x2.shape[0] <= TENSORWISE_MAX_TOKENS:
+        out = tensorwise_fp8_mm(xq, x_scale, weight, weight_scale, bias, x.dtype)
     else:
         # NOTE: mat2 must be column-major: the [N, K] weight's transpose is, as a view.
         out = torch._scaled_mm(

@@ -1,4 +1,10 @@
-"""fp8.quantize_per_token as one Triton kernel, for CUDA (imported on first use, as triton_ops is).
+"""FP8 linear layers' small kernels, for CUDA (imported on first use, as triton_ops is):
+
+    quantize_per_token(x, min_amax)        fp8.quantize_per_token as one launch
+    scale_output(acc, sx, sw, bias, dtype) acc * sx[m] * sw[n] + bias[n], rounded once to dtype: the
+                                           epilogue of fp8.py's tensor-wise GEMM path
+
+quantize_per_token:
 
 torch's ops take six launches per linear layer (abs, amax, the fp32 cast, the divide, the float8
 cast, and the scale's own arithmetic): on an H200, replayed from a CUDA graph at Llama-1B and 8B
@@ -43,3 +49,29 @@ def quantize_per_token(x: torch.Tensor, min_amax: float) -> tuple[torch.Tensor, 
         x, q, scale, cols, x.stride(0), min_amax, 448.0, BLOCK=block, num_warps=8 if block >= 4096 else 4
     )
     return q, scale
+
+
+@triton.jit
+def _scale_output(acc_ptr, sx_ptr, sw_ptr, bias_ptr, out_ptr, cols, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < cols
+    acc = tl.load(acc_ptr + row * cols + offs, mask=mask, other=0.0)
+    y = acc * tl.load(sx_ptr + row) * tl.load(sw_ptr + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * cols + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_output(
+    acc: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, dtype
+) -> torch.Tensor:
+    """acc [M, N] fp32 (an unscaled FP8 GEMM's sums) * x_scale [M, 1] * weight_scale [N] + bias [N],
+    rounded once to `dtype`: the numbers of fp8.emulated_fp8_mm up to the order of fp32 products."""
+    rows, cols = acc.shape
+    out = torch.empty(rows, cols, dtype=dtype, device=acc.device)
+    block = min(1024, triton.next_power_of_2(cols))
+    _scale_output[(rows, triton.cdiv(cols, block))](
+        acc, x_scale, weight_scale, bias if bias is not None else acc, out, cols, HAS_BIAS=bias is not None, BLOCK=block
+    )
+    return out

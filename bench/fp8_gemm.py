@@ -1,0 +1,121 @@
+"""An FP8 linear layer's three CUDA paths against bf16, at a Llama shape's projections (no checkpoint).
+
+    python -m pdserve.bench.fp8_gemm --shape llama/8b --tokens 1 16 64 128 256 512 2048
+
+Each path is what fp8.fp8_linear launches for one layer, the per-token activation quantization
+included, captured in a CUDA graph (as the engine replays its decode steps) and replayed:
+
+    bf16        F.linear
+    row-wise    quantize + torch._scaled_mm with [M, 1] and [1, N] scales (cuBLASLt's epilogue)
+    tensor-wise quantize + torch._scaled_mm with unit scales into fp32 + the Triton scale epilogue
+
+Prints microseconds per layer and the tokens up to which tensor-wise beats row-wise: what
+fp8.TENSORWISE_MAX_TOKENS should be on this GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from pdserve.bench.shapes import resolve_shape
+
+REPLAYS = 50
+
+
+def projections(shape: str) -> dict[str, tuple[int, int]]:
+    """name -> (K, N) of a Llama shape's fused projections."""
+    arch, cfg = resolve_shape(shape)
+    if arch not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise ValueError(f"--shape takes a Llama-family shape, got {shape!r} ({arch})")
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    qkv = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * head_dim
+    return {"qkv": (hidden, qkv), "o": (cfg["num_attention_heads"] * head_dim, hidden),
+            "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}  # fmt: skip
+
+
+def replay_us(fn) -> float:
+    """Microseconds per call of `fn`, captured once in a CUDA graph and replayed."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()  # (warm-up: Triton compiles, cuBLAS picks its kernel)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / REPLAYS
+
+
+def measure(shape: str, tokens: list[int]) -> list[dict]:
+    from pdserve.common.engine.models import fp8, fp8_kernels
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (k, n) in projections(shape).items():
+        weight = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+        wq, w_scale = fp8.quantize_per_channel(weight)
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+            def rowwise():
+                xq, sx = fp8_kernels.quantize_per_token(x, fp8.MIN_AMAX)
+                return torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=w_scale.view(1, -1), out_dtype=x.dtype)
+
+            def tensorwise():
+                xq, sx = fp8_kernels.quantize_per_token(x, fp8.MIN_AMAX)
+                return fp8.tensorwise_fp8_mm(xq, sx, wq, w_scale, None, x.dtype)
+
+            row = {"layer": name, "K": k, "N": n, "tokens": m}
+            row |= {"bf16_us": replay_us(lambda: torch.nn.functional.linear(x, weight))}
+            row |= {"rowwise_us": replay_us(rowwise), "tensorwise_us": replay_us(tensorwise)}
+            rows.append(row)
+            print(
+                f"{name:8s} K {k:6d} N {n:6d} M {m:5d}: bf16 {row['bf16_us']:7.1f} us, row-wise "
+                f"{row['rowwise_us']:7.1f} us, tensor-wise {row['tensorwise_us']:7.1f} us",
+                flush=True,
+            )
+    return rows
+
+
+def crossover(rows: list[dict], tokens: list[int]) -> int:
+    """The most tokens up to which tensor-wise is at least as fast as row-wise summed over the layers."""
+    best = 0
+    for m in sorted(tokens):
+        at = [r for r in rows if r["tokens"] == m]
+        if sum(r["tensorwise_us"] for r in at) > sum(r["rowwise_us"] for r in at):
+            break
+        best = m
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama/8b")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 2048])
+    parser.add_argument("--output-json", default="")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (FP8 GEMMs: compute capability 8.9 or later)")
+    rows = measure(args.shape, args.tokens)
+    best = crossover(rows, args.tokens)
+    print(f"{torch.cuda.get_device_name()}, {args.shape}: tensor-wise at least as fast as row-wise up to {best} tokens")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"shape": args.shape, "device": torch.cuda.get_device_name(), "rows": rows,
+                       "tensorwise_up_to": best}, f, indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
