@@ -16,7 +16,32 @@ def load_tokenizer(model_path: str):
         return gguf_checkpoint.load_tokenizer(gguf)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(model_path, local_files_only=True, config=_tokenizer_facts(model_path))
+
+
+def _tokenizer_facts(model_path: str):
+    """What AutoTokenizer reads of the model's config (model_type, tokenizer_class, auto_map), in a
+    bare PreTrainedConfig; None (AutoTokenizer then loads the config itself) without a config.json.
+
+    NOTE why: given no config, AutoTokenizer builds the model's own config class, and for Llama,
+    Qwen and Mistral that module imports transformers' model-loading stack (activations, hub
+    kernels, torch.distributed.tensor): 2.5-2.9 s of a Llama-family server's start-up, and of every
+    router worker's, for three strings. The tokenizer it picks is the same (tests/test_tokenizer.py).
+    """
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    from transformers.configuration_utils import PreTrainedConfig
+
+    facts = PreTrainedConfig()
+    facts.model_type = config.get("model_type", "")
+    facts._name_or_path = model_path
+    for key in ("tokenizer_class", "auto_map"):
+        if config.get(key):
+            setattr(facts, key, config[key])
+    return facts
 
 
 def eos_token_ids(model_path: str, tokenizer) -> tuple[int, ...]:
