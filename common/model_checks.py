@@ -18,7 +18,6 @@ Which layers are FP8 is what the tensors say (a `weight_scale` beside the weight
 
 from __future__ import annotations
 
-from pdserve.common.gguf_checkpoint import gguf_file
 from pdserve.common.gpus import cuda_device_count
 
 QUANTIZATIONS = ("", "fp8")
@@ -60,15 +59,11 @@ def model_kv_heads_of(hf: dict) -> int:
 
 def resolve_quantization(quantization: str, hf: dict, model_path: str, tp: int) -> str:
     """What the weights are served as: "fp8" when --quantization fp8 or the checkpoint is FP8, else
-    "". ValueError for an unknown choice, a checkpoint format the engine does not read, GGUF + fp8,
-    and FP8 with tensor parallelism (the FP8 linear layers are not sharded yet)."""
+    "". ValueError for an unknown choice, a checkpoint format the engine does not read, and FP8 with
+    tensor parallelism (the FP8 linear layers are not sharded yet). A GGUF checkpoint's weights are
+    dequantized at load like any float checkpoint's, so --quantization fp8 then quantizes those."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be fp8 or empty (the checkpoint's own dtype), got {quantization!r}")
-    if quantization and gguf_file(model_path) is not None:
-        raise ValueError(
-            "--quantization fp8 does not apply to a GGUF checkpoint (its weights are dequantized at load): "
-            "give a Hugging Face checkpoint directory"
-        )
     resolved = quantization or checkpoint_quantization(hf)
     if resolved and tp > 1:
         raise ValueError("FP8 weights (--quantization fp8, or an FP8 checkpoint) need --tp-size 1 for now")

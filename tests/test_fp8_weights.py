@@ -228,15 +228,26 @@ def test_unsupported_checkpoint_formats_stop_the_start(case, tiny_models, tmp_pa
         EngineConfig(model_path=path, device="cpu").resolve()
 
 
-def test_fp8_with_gguf_tp_or_an_unknown_choice_stops_the_start(tiny_models, tmp_path):
+def test_fp8_on_a_gguf_quantizes_its_dequantized_weights(tiny_models, tmp_path):
+    """A GGUF's weights are dequantized at load, then --quantization fp8 quantizes them like any
+    float checkpoint's: an F32 GGUF (exactly its checkpoint's weights) serves what the checkpoint does."""
     from tests.tiny_gguf import write_gguf
 
     llama = tiny_models("llama")
+    gguf = write_gguf(llama, tmp_path / "tiny.gguf")
+    engine = engine_for(gguf, quantization="fp8")
+    assert engine.config.quantization == "fp8"
+    assert_block_linears_are_fp8(engine.runner.model, per_layer=7)
+    served, checkpoint = teacher_forced(engine), teacher_forced(engine_for(llama, quantization="fp8"))
+    assert [p["top1"] for p in served] == [p["top1"] for p in checkpoint]
+    for a, b in zip(served, checkpoint, strict=True):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
+
+
+def test_fp8_with_tp_or_an_unknown_choice_stops_the_start(tiny_models, tmp_path):
+    llama = tiny_models("llama")
     assert EngineConfig(model_path=llama, device="cpu", quantization="fp8").resolve().quantization == "fp8"
     assert EngineConfig(model_path=llama, device="cpu").resolve().quantization == ""
-    gguf = write_gguf(llama, tmp_path / "tiny.gguf")
-    with pytest.raises(ValueError, match="does not apply to a GGUF checkpoint"):
-        EngineConfig(model_path=str(gguf), device="cpu", quantization="fp8").resolve()
     with pytest.raises(ValueError, match="--quantization must be fp8 or empty"):
         EngineConfig(model_path=llama, device="cpu", quantization="int8").resolve()
     with pytest.raises(ValueError, match="need --tp-size 1"):
