@@ -25,10 +25,10 @@ On CUDA the per-token quantization is one Triton kernel (fp8_kernels.py), bitwis
 
 NOTE: cuBLASLt's row-wise scaled kernels are not its fastest at decode shapes. On an H200 (torch
 2.11, CUDA 13), replayed from a CUDA graph at batch 64: Llama-8B's down_proj 37 us row-wise, 18 us
-tensor-wise, 37 us in bf16; Llama-1B's 22, 9 and 11 us. So up to TENSORWISE_MAX_TOKENS tokens (0 for
-now: not yet measured) the CUDA GEMM runs tensor-wise with unit scales into fp32 sums, and one Triton epilogue applies both
-scales and the bias and rounds once (fp8_kernels.scale_output): the same numbers, up to the order of
-fp32 products. Above it, where the fp32 sums would be more bytes than the epilogue saves, row-wise.
+tensor-wise, 37 us in bf16; Llama-1B's 22, 9 and 11 us. So up to TENSORWISE_MAX_TOKENS tokens (0
+for now: not yet measured) the CUDA GEMM runs tensor-wise with unit scales into fp32 sums, and one
+Triton epilogue applies both scales and the bias and rounds once (fp8_kernels.scale_output): the same
+numbers, up to the order of fp32 products. Above it, where the fp32 sums would be more bytes than the epilogue saves, row-wise.
 `python -m pdserve.bench.fp8_gemm` times the three (bf16, row-wise, tensor-wise) at the models'
 shapes; the threshold is to be set from it (not yet measured on a GPU).
 
