@@ -28,9 +28,9 @@ NOTE: cuBLASLt's row-wise scaled kernels are not its fastest at decode shapes. O
 tensor-wise, 37 us in bf16; Llama-1B's 22, 9 and 11 us. So up to TENSORWISE_MAX_TOKENS tokens (0
 for now: not yet measured) the CUDA GEMM runs tensor-wise with unit scales into fp32 sums, and one
 Triton epilogue applies both scales and the bias and rounds once (fp8_kernels.scale_output): the same
-numbers, up to the order of fp32 products. Above it, where the fp32 sums would be more bytes than the epilogue saves, row-wise.
-`python -m pdserve.bench.fp8_gemm` times the three (bf16, row-wise, tensor-wise) at the models'
-shapes; the threshold is to be set from it (not yet measured on a GPU).
+numbers, up to the order of fp32 products. Above it, where the fp32 sums would be more bytes than
+the epilogue saves, row-wise. `python -m pdserve.bench.fp8_gemm` times the three (bf16, row-wise,
+tensor-wise) at the models' shapes; the threshold is to be set from it (not yet measured on a GPU).
 
 Nothing here syncs with the host (no .item(), no data-dependent shapes): it runs inside captured
 CUDA graphs. What is quantized: every nn.Linear of the model, which is the transformer blocks'
