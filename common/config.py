@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.common import gguf_checkpoint
-from pdserve.common.model_checks import check_tp, resolve_quantization
+from pdserve.common.model_checks import check_tp, resolve_kv_cache_dtype, resolve_quantization
 
 # What CUDA graphs, activations and the sampling buffers get is the rest of the GPU's memory.
 DEFAULT_MEM_FRACTION_STATIC = 0.85
@@ -124,6 +124,11 @@ class EngineConfig:
         "checkpoint's own weights. An FP8 checkpoint (compressed-tensors, or quant_method fp8, per-tensor or "
         "per-channel) is served in FP8 as it is, without this flag. Needs --tp-size 1.",
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        "fp8_e4m3: K and V stored as float8 e4m3, one scale per layer for K and for V (the checkpoint's "
+        "k_scale/v_scale, else calibrated at start-up): ~2x the tokens at the same memory. auto: --dtype.",
+    )
 
     def resolve(self) -> "EngineConfig":
         """Fill every auto value; the result is what the engine runs with."""
@@ -194,6 +199,7 @@ class EngineConfig:
             raise ValueError(f"--prefill-cuda-graph-max-tokens must be >= 0, got {self.prefill_cuda_graph_max_tokens}")
         check_tp(self.tp_size, self.dist_timeout, hf, device)
         quantization = resolve_quantization(self.quantization, hf, self.model_path, self.tp_size)
+        kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, self.tp_size)
         return dataclasses.replace(
             self,
             attention_backend=attention_backend,
@@ -205,6 +211,7 @@ class EngineConfig:
             context_length=context_length,
             stream_interval=stream_interval,
             quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
 

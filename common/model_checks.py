@@ -94,8 +94,11 @@ def _check_compressed_tensors(qc: dict) -> None:
     fmt = qc.get("format")
     if fmt is not None and fmt not in _FLOAT_FORMATS:
         raise ValueError(f"{where}.format {fmt!r} is not supported (FP8: {' or '.join(_FLOAT_FORMATS)})")
-    if qc.get("kv_cache_scheme"):
-        raise ValueError(f"{where}.kv_cache_scheme: an FP8 KV cache from the checkpoint is not supported yet")
+    # llm-compressor's static per-tensor FP8 KV scales are read with --kv-cache-dtype fp8_e4m3.
+    kv = qc.get("kv_cache_scheme") or {}
+    form = (kv.get("num_bits"), kv.get("type"), kv.get("strategy", "tensor"), kv.get("dynamic", False))
+    if kv and form != (8, "float", "tensor", False):
+        raise ValueError(f"{where}.kv_cache_scheme {kv}: only static per-tensor FP8 KV scales are supported")
     groups = qc.get("config_groups") or {}
     if not groups:
         raise ValueError(f"{where}.config_groups is empty: no FP8 weights described")
@@ -140,3 +143,21 @@ def _check_fp8(qc: dict) -> None:
         )
     if qc.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"quantization_config.fmt {qc['fmt']!r} is not supported (e4m3)")
+
+
+# Checkpoint tensors holding a layer's KV cache scales: compressed-tensors' self_attn.k_scale and
+# v_scale, and the k_proj/v_proj output_scale vLLM also reads.
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".k_proj.output_scale", ".v_proj.output_scale")
+
+
+def resolve_kv_cache_dtype(flag: str, dtype: str, tp_size: int) -> str:
+    """--kv-cache-dtype resolved: the model's dtype name (auto), or fp8_e4m3."""
+    if flag in ("auto", dtype):
+        return dtype
+    if flag != "fp8_e4m3":
+        raise ValueError(f"--kv-cache-dtype must be auto or fp8_e4m3, got {flag!r}")
+    if tp_size > 1:
+        # NOTE: calibrated scales would differ per rank (each sees its own heads), and a transfer
+        # between servers of different TP sizes would mix them.
+        raise ValueError("--kv-cache-dtype fp8_e4m3 needs --tp-size 1 for now")
+    return flag

@@ -188,7 +188,11 @@ def test_pools_holding_different_heads_of_one_model_are_compatible():
 
 def test_incompatible_layouts_say_what_differs():
     assert LAYOUT.compatible_with(KVLayout(8, 3, 2, 8, "float32", 32)) == "page_size 4 here vs 8 at the peer"
-    assert LAYOUT.compatible_with(KVLayout(4, 3, 2, 8, "bfloat16", 32)) == "dtype float32 here vs bfloat16 at the peer"
+    fp8 = LAYOUT.compatible_with(KVLayout(4, 3, 2, 8, "float8_e4m3fn", 32))
+    assert (
+        fp8
+        == "dtype float32 here vs float8_e4m3fn at the peer; both servers need the same --dtype and --kv-cache-dtype"
+    )
     assert LAYOUT.compatible_with(KVLayout(4, 2, 2, 8, "float32", 32)) == "num_layers 3 here vs 2 at the peer"
     assert LAYOUT.compatible_with(KVLayout(4, 3, 4, 8, "float32", 32)) == "model_kv_heads 2 here vs 4 at the peer"
     assert LAYOUT.compatible_with(KVLayout(4, 3, 2, 16, "float32", 32)) == "head_dim 8 here vs 16 at the peer"

@@ -157,9 +157,11 @@ class HostKVPool:
         index = h2d_array(np.array(pages, dtype=np.int64), device.k_storage[0].device)  # (no pageable copy)
         layers = []
         for k, v in zip(device.k_storage, device.v_storage):
-            per_page = [b.view(device.kv_heads, device.num_pages, device.page_size, device.head_dim) for b in (k, v)]
+            per_page = [
+                _raw(b).view(device.kv_heads, device.num_pages, device.page_size, device.head_dim) for b in (k, v)
+            ]
             layers.append(torch.stack([b.index_select(1, index) for b in per_page]))  # [2, heads, n, page, dim]
-        return torch.stack(layers).permute(3, 0, 1, 2, 4, 5).contiguous()
+        return torch.stack(layers).permute(3, 0, 1, 2, 4, 5).contiguous().view(device.dtype)
 
     def _scatter(self, device: PagedKVPool, staged: torch.Tensor, pages: list[int]) -> None:
         index = h2d_array(np.array(pages, dtype=np.int64), staged.device)
@@ -167,7 +169,7 @@ class HostKVPool:
         for layer, (k, v) in enumerate(zip(device.k_storage, device.v_storage)):
             for i, b in enumerate((k, v)):
                 view = b.view(device.kv_heads, device.num_pages, device.page_size, device.head_dim)
-                view.index_copy_(1, index, by_layer[layer, i])
+                _raw(view).index_copy_(1, index, _raw(by_layer[layer, i]))
 
     def _check(self, device: PagedKVPool, device_pages: list[int], slots: list[int]) -> None:
         if len(device_pages) != len(slots) or not slots:
@@ -206,3 +208,9 @@ class _on:
         if self.ctx is not None:
             return self.ctx.__exit__(*exc)
         return False
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A float8 pool's tensor as its bytes: pages are copied, never converted, and torch has no
+    index_copy_ for float8 on CPU."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t

@@ -10,6 +10,12 @@
         slices of pages as one descriptor per (layer, K/V, head, run of pages). The kernels and
         the torch reference address the pool through its strides and never notice.
 
+With an FP8 KV cache (`--kv-cache-dtype fp8_e4m3`) the buffers are float8_e4m3fn and each layer has
+one fp32 scale for K and one for V (`k_scales[l]`, `v_scales[l]`): stored = value / scale, rounded to
+float8 (clamped to +-448 first: torch's cast turns out-of-range values into NaN where the GPU's
+saturates); read = float8 * scale. The scales are device tensors that the kernels load, so a CUDA
+graph captured before they are set still reads the set values.
+
 Page 0 is never handed out: its slots are the dummy write target for padded positions (CUDA-graph
 padding), so a padded write can never land in a live request's KV.
 
@@ -22,6 +28,14 @@ from __future__ import annotations
 from collections import deque
 
 import torch
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale rounded to float8_e4m3fn, saturating at +-448 (the Triton store kernels' numbers)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
 
 
 class ReqToTokenPool:
@@ -92,6 +106,10 @@ class PagedKVPool:
         self.v_storage = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.k_buffers = [b.transpose(0, 1) for b in self.k_storage]
         self.v_buffers = [b.transpose(0, 1) for b in self.v_storage]
+        # One scale per layer for K and for V; 1.0 (and never read) unless the pool is float8.
+        self.k_scales = torch.ones(num_layers, dtype=torch.float32, device=device)
+        self.v_scales = torch.ones(num_layers, dtype=torch.float32, device=device)
+        self.scales_set = False
         self._free_pages: deque[int] = deque(range(1, num_pages))
         # The prefix cache's host tier (engine/host_kv_pool.HostKVPool), set by the engine with
         # --host-kv-cache-gb: kept here, beside the pages it backs, for the scheduler to find.
@@ -126,7 +144,38 @@ class PagedKVPool:
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.kv_heads * self.head_dim * self.k_buffers[0].element_size()
 
+    @property
+    def quantized(self) -> bool:
+        """Whether K and V are stored in float8 with per-layer scales."""
+        return self.dtype == FP8_KV_DTYPE
+
+    def set_scales(self, k_scales: torch.Tensor, v_scales: torch.Tensor) -> None:
+        """Every layer's K and V scales ([num_layers] each, positive), written in place: kernels and
+        captured graphs hold these tensors."""
+        assert k_scales.shape == v_scales.shape == (self.num_layers,), (k_scales.shape, v_scales.shape)
+        if not (bool((k_scales > 0).all()) and bool((v_scales > 0).all())):
+            raise ValueError("KV cache scales must be positive")
+        self.k_scales.copy_(k_scales)
+        self.v_scales.copy_(v_scales)
+        self.scales_set = True
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V scales as 1-element device views (what the Triton kernels load)."""
+        return self.k_scales[layer : layer + 1], self.v_scales[layer : layer + 1]
+
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' K and V at slots `loc` ([T] int64) of one layer."""
+        if self.quantized:
+            self.k_buffers[layer][loc] = quantize_kv(k, self.k_scales[layer])
+            self.v_buffers[layer][loc] = quantize_kv(v, self.v_scales[layer])
+            return
         self.k_buffers[layer][loc] = k.to(self.dtype)
         self.v_buffers[layer][loc] = v.to(self.dtype)
+
+    def read_kv(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots` (any shape of indices) of one layer, in `dtype` (dequantized: float8 in
+        fp32 times the layer's scale, then rounded to `dtype`)."""
+        k, v = self.k_buffers[layer][slots], self.v_buffers[layer][slots]
+        if self.quantized:
+            return (k.float() * self.k_scales[layer]).to(dtype), (v.float() * self.v_scales[layer]).to(dtype)
+        return k.to(dtype), v.to(dtype)

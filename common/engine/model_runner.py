@@ -23,8 +23,9 @@ from pdserve.common.engine.attention import create_backend
 from pdserve.common.engine.batch import ForwardBatch
 from pdserve.common.engine.cuda_graph import CudaGraphRunner
 from pdserve.common.engine.host_kv_pool import HostKVPool
-from pdserve.common.engine.kv_pool import PagedKVPool, ReqToTokenPool
-from pdserve.common.engine.models.loader import load_model
+from pdserve.common.engine.kv_pool import FP8_KV_DTYPE, PagedKVPool, ReqToTokenPool
+from pdserve.common.engine.kv_scales import calibrate_kv_scales, calibration_ids, checkpoint_kv_scales, log_scales
+from pdserve.common.engine.models.loader import checkpoint_sources, load_model
 from pdserve.common.engine.models.parallel import kv_heads_of_rank
 from pdserve.common.engine.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs, QueuedForward
 from pdserve.common.engine.prefill_graph import PrefillGraphRunner
@@ -36,11 +37,13 @@ from pdserve.common.model_checks import model_kv_heads_of
 from pdserve.common.scheduling.batch import ForwardMode
 from pdserve.common.scheduling.pages import pages_for
 from pdserve.common.startup import KV_POOL, StartupClock
+from pdserve.common.tokenizer import load_tokenizer
 from pdserve.common.types import MAX_TOP_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_DTYPES = {**DTYPES, "fp8_e4m3": FP8_KV_DTYPE}
 
 
 class ModelRunner:
@@ -74,7 +77,8 @@ class ModelRunner:
         model_kv_heads = model_kv_heads_of(read_hf_config(config.model_path))
         heads = kv_heads_of_rank(model_kv_heads, self.tp.size, self.tp.rank)
         assert len(heads) == kv_heads, (heads, kv_heads)
-        bytes_per_token = 2 * num_layers * kv_heads * head_dim * self.dtype.itemsize
+        kv_dtype = KV_DTYPES[config.kv_cache_dtype]
+        bytes_per_token = 2 * num_layers * kv_heads * head_dim * kv_dtype.itemsize
         rows = config.max_running_requests * (2 if kv_side is KVSide.RECEIVER else 1)
         self.req_to_token_pool = ReqToTokenPool(rows, config.context_length, self.device)
         # Rank 0 hands out page ids for every rank: all pools have the smallest rank's page count.
@@ -85,11 +89,13 @@ class ModelRunner:
             num_layers=num_layers,
             kv_heads=kv_heads,
             head_dim=head_dim,
-            dtype=self.dtype,
+            dtype=kv_dtype,
             device=self.device,
             head_start=heads.start,
             model_kv_heads=model_kv_heads,
         )
+        if self.kv_pool.quantized:
+            self.kv_pool.set_scales(*self._kv_scales(num_layers))
         if config.host_kv_cache_gb > 0:
             self.kv_pool.host_tier = HostKVPool.for_gb(config.host_kv_cache_gb, self.kv_pool)
         startup.mark(KV_POOL)
@@ -110,6 +116,19 @@ class ModelRunner:
         self.prefill_graphs = self._capture_prefill_graphs() if prefill_graphs else None
         if self.prefill_graphs is not None:
             startup.mark("prefill_graphs")
+
+    def _kv_scales(self, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP8 KV cache's scales: the checkpoint's, else calibrated now (before any graph is
+        captured; the graphs read the pool's scale tensors, whatever they hold)."""
+        path = self.config.model_path
+        scales = checkpoint_kv_scales(checkpoint_sources(path, read_hf_config(path)), num_layers)
+        source = "checkpoint"
+        if scales is None:
+            ids = calibration_ids(load_tokenizer(path), self.vocab_size)
+            scales = calibrate_kv_scales(self.model, ids, self.dtype, self.device)
+            source = f"calibrated on {len(ids)} tokens"
+        log_scales(source, *scales)
+        return scales
 
     def release_graphs(self) -> None:
         """Free the CUDA graphs (their memory pool included), once nothing will replay them: under

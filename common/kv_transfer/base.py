@@ -114,6 +114,8 @@ class KVLayout:
             for field in _MATCHING_FIELDS
             if getattr(self, field) != getattr(other, field)
         ]
+        if self.dtype != other.dtype:  # the one a flag decides on each server
+            mismatches.append("both servers need the same --dtype and --kv-cache-dtype")
         return "; ".join(mismatches) if mismatches else None
 
 

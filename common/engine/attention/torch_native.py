@@ -39,8 +39,9 @@ class TorchNativeBackend(AttentionBackend):
     def _decode_attention(self, q, layer_id, scale, sliding_window):
         slots, k_pos, q_pos = self._decode
         group = q.shape[1] // self.kv_pool.kv_heads
-        keys = self.kv_pool.k_buffers[layer_id][slots].to(q.dtype).repeat_interleave(group, dim=2)  # [B, L, H, D]
-        values = self.kv_pool.v_buffers[layer_id][slots].to(q.dtype).repeat_interleave(group, dim=2)
+        keys, values = self.kv_pool.read_kv(layer_id, slots, q.dtype)  # [B, L, KVH, D]
+        keys = keys.repeat_interleave(group, dim=2)  # [B, L, H, D]
+        values = values.repeat_interleave(group, dim=2)
         scores = torch.einsum("bhd,blhd->bhl", q, keys) * scale  # [B, H, L]
         masked = k_pos > q_pos
         if sliding_window is not None:
@@ -50,16 +51,15 @@ class TorchNativeBackend(AttentionBackend):
         return torch.einsum("bhl,blhd->bhd", probs, values)
 
     def _extend_attention(self, q, layer_id, batch: ForwardBatch, scale, sliding_window):
-        k_buf = self.kv_pool.k_buffers[layer_id]
-        v_buf = self.kv_pool.v_buffers[layer_id]
         req_to_token = self.req_to_token_pool.req_to_token
-        group = q.shape[1] // k_buf.shape[1]
+        group = q.shape[1] // self.kv_pool.kv_heads
         out = torch.empty_like(q)
         for i in range(batch.batch_size):
             seq_len, ext, start = batch.seq_lens[i], batch.extend_lens[i], batch.extend_starts[i]
             slots = req_to_token[batch.req_rows[i], :seq_len].long()
-            keys = k_buf[slots].to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
-            values = v_buf[slots].to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+            keys, values = self.kv_pool.read_kv(layer_id, slots, q.dtype)  # [S, KVH, D]
+            keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+            values = values.repeat_interleave(group, dim=1).transpose(0, 1)
             queries = q[start : start + ext].transpose(0, 1)  # [H, E, D]
             scores = torch.matmul(queries, keys.transpose(1, 2)) * scale  # [H, E, S]
             q_pos = torch.arange(seq_len - ext, seq_len, device=q.device)[:, None]

@@ -86,10 +86,16 @@ class TritonBackend(AttentionBackend):
 
     def rope_and_store(self, q, k, v, positions, inv_freq, layer_id, batch: ForwardBatch) -> None:
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
-        rope_store_kv(q, k, v, positions, inv_freq, k_buf, v_buf, batch.out_cache_loc)
+        rope_store_kv(q, k, v, positions, inv_freq, k_buf, v_buf, batch.out_cache_loc, *self._scales(layer_id))
+
+    def _scales(self, layer_id: int) -> tuple:
+        """The layer's K and V scales for a float8 pool (device views: graphs read their values at
+        replay), else nothing."""
+        return self.kv_pool.layer_scales(layer_id) if self.kv_pool.quantized else (None, None)
 
     def forward(self, q, k, v, layer_id, batch: ForwardBatch, scale, sliding_window=None, kv_stored=False):
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
+        k_scale, v_scale = self._scales(layer_id)
         out = torch.empty_like(q)
         m = self.meta
         r2t = self.req_to_token_pool.req_to_token
@@ -108,10 +114,12 @@ class TritonBackend(AttentionBackend):
                 m.num_kv_splits,
                 self.workspace,
                 *new,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         else:
             if not kv_stored:
-                store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
+                store_kv(k_buf, v_buf, batch.out_cache_loc, k, v, k_scale, v_scale)
             extend_attention(
                 q,
                 k_buf,
@@ -125,5 +133,7 @@ class TritonBackend(AttentionBackend):
                 m.max_extend_len,
                 scale,
                 sliding_window,
+                k_scale,
+                v_scale,
             )
         return out

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.common.engine.attention.triton_store import kv_scales, to_pool
+
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # "no sliding window", as a window wider than any context
 
@@ -103,6 +105,8 @@ def _decode_split_kernel(
     k_new,
     v_new,
     out_loc,
+    k_scale,
+    v_scale,
     stride_q_b,
     stride_q_h,
     stride_kn_b,
@@ -133,6 +137,7 @@ def _decode_split_kernel(
     STORE_NEW: tl.constexpr,
     WINDOWED: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     req = tl.program_id(0)
     req_64 = req.to(tl.int64)
@@ -179,10 +184,17 @@ def _decode_split_kernel(
             slot = tl.load(out_loc + req).to(tl.int64)
             dst = slot * stride_buf_s + kv_head_offset + offs_d
             k_row = tl.load(k_new + req_64 * stride_kn_b + kv_head * stride_kn_h + offs_d, mask=mask_d)
-            tl.store(k_buf + dst, k_row.to(k_buf.dtype.element_ty), mask=mask_d)
+            tl.store(k_buf + dst, to_pool(k_row, k_scale, k_buf, KV_SCALED), mask=mask_d)
             v_row = tl.load(v_new + req_64 * stride_vn_b + kv_head * stride_vn_h + offs_d, mask=mask_d)
-            tl.store(v_buf + dst, v_row.to(v_buf.dtype.element_ty), mask=mask_d)
+            tl.store(v_buf + dst, to_pool(v_row, v_scale, v_buf, KV_SCALED), mask=mask_d)
         tl.debug_barrier()
+    if KV_SCALED:
+        # A float8 pool: q.(k8 * k_scale) = (q.k8) * k_scale, folded into the score scale (V's
+        # scale into the outputs below, before the split merge, which is linear in them).
+        qk_scale = qk_scale * tl.load(k_scale)
+        v_scale_value = tl.load(v_scale)
+    else:
+        v_scale_value = 1.0
     if INTERPRETED:
         # NOTE: Triton 3.6's interpreter int()s range() bounds, which numpy >= 2.4 refuses for
         # its 1-element scalars (triton#9171); it walks the same blocks with a while loop.
@@ -235,14 +247,14 @@ def _decode_split_kernel(
     if SINGLE_SPLIT:
         # Every visible key is in this split: its normalised output is the final one.
         o_ptrs = out + req_64 * stride_o_b + offs_h[:, None] * stride_o_h + offs_d[None, :]
-        out_tile = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        out_tile = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale_value
         tl.store(o_ptrs, out_tile.to(out.dtype.element_ty), mask=mask_hd)
     else:
         # An empty split writes out 0 and lse -inf, so stage 2 gives it weight 0.
         has_keys = l_i > 0.0
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         po_ptrs = partial_out + req_64 * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s
-        tl.store(po_ptrs + offs_d[None, :], acc / tl.where(has_keys, l_i, 1.0)[:, None], mask=mask_hd)
+        tl.store(po_ptrs + offs_d[None, :], acc / tl.where(has_keys, l_i, 1.0)[:, None] * v_scale_value, mask=mask_hd)
         tl.store(partial_lse + req_64 * stride_lse_b + offs_h * stride_lse_h + split, lse, mask=mask_h)
 
 
@@ -340,6 +352,8 @@ def decode_attention(
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
     out_loc: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Flash-decoding (split-K) paged attention, one new query token per request.
 
@@ -351,7 +365,8 @@ def decode_attention(
 
     With k_new, v_new [B, KVH, D] (strided views are fine) and out_loc [B] int64, this step's K
     and V are first stored at out_loc in the same launch (store_kv's contract: padded rows may all
-    write slot 0); otherwise they must already be in the pool.
+    write slot 0); otherwise they must already be in the pool. A float8 pool needs its layer's
+    k_scale and v_scale ([1] fp32 device tensors): read K = k8 * k_scale, V = v8 * v_scale.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -379,6 +394,7 @@ def decode_attention(
     else:
         k_new = v_new = out_loc = q  # not read
     grid = (batch, num_kv_heads * head_blocks_per_group, num_kv_splits)
+    k_scale, v_scale, kv_scaled = kv_scales(k_buf, k_scale, v_scale)
     _decode_split_kernel[grid](
         q,
         k_buf,
@@ -392,6 +408,8 @@ def decode_attention(
         k_new,
         v_new,
         out_loc,
+        k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         k_new.stride(0),
@@ -421,6 +439,7 @@ def decode_attention(
         STORE_NEW=store,
         WINDOWED=window != NO_WINDOW,
         INTERPRETED=INTERPRETED,
+        KV_SCALED=kv_scaled,
         **_split_config(block_d, group_size, grid[0] * grid[1] * grid[2], _num_sms(q.device)),
     )
     if num_kv_splits == 1:

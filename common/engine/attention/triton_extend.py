@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.common.engine.attention.triton_store import kv_scales
+
 LOG2E = 1.4426950408889634
 
 
@@ -165,6 +167,8 @@ def _extend_kernel(
     seq_lens,
     extend_lens,
     extend_starts,
+    k_scale,
+    v_scale,
     stride_q_t,
     stride_q_h,
     stride_o_t,
@@ -182,6 +186,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     head = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -204,6 +209,10 @@ def _extend_kernel(
     q_rows = extend_start + offs_m
     q_ptrs = q + q_rows[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :]
     q_tile = tl.load(q_ptrs, mask=mask_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
+    if KV_SCALED:
+        # A float8 pool: K = k8 * k_scale, so q.K = (q.k8) * k_scale, folded into the score scale
+        # (and V's scale into the output below); the tiles are float8 widened to q's dtype, exact.
+        qk_scale = qk_scale * tl.load(k_scale)
 
     # The block's queries sit at [first_q, last_q]; it reads keys [lo, hi), in three ranges:
     #   [lo, full_lo)       outside the window of some queries          masked (window only)
@@ -298,6 +307,8 @@ def _extend_kernel(
 
     # Every valid row saw at least its own key (l_i > 0); the guard is for the masked-off rows.
     out_tile = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if KV_SCALED:
+        out_tile = out_tile * tl.load(v_scale)
     o_ptrs = out + q_rows[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :]
     tl.store(o_ptrs, out_tile.to(out.dtype.element_ty), mask=mask_qd)
 
@@ -326,6 +337,8 @@ def extend_attention(
     max_extend_len: int,
     scale: float,
     sliding_window: int | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Prefill over a cached prefix. q, out: [T, H, D] flat, request after request: request i owns
     rows [extend_starts[i], extend_starts[i] + extend_lens[i]); its KV (prefix + the new tokens,
@@ -333,7 +346,8 @@ def extend_attention(
     req_to_token[req_pool_indices[i]]. Its j-th new query is at position seq_lens[i] - extend_lens[i] + j
     and is causal and, with sliding_window w (None or 0 = off), sees only keys with q_pos - k_pos < w.
     seq_lens, extend_lens, extend_starts: [B] int32 on the device; max_extend_len: host int (grid).
-    Output in q's dtype.
+    Output in q's dtype. A float8 pool needs its layer's k_scale and v_scale ([1] fp32 device
+    tensors): read K = k8 * k_scale, V = v8 * v_scale.
     """
     num_tokens, num_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
@@ -347,6 +361,7 @@ def extend_attention(
 
     config = _launch_config(head_dim)
     grid = (num_heads, triton.cdiv(max_extend_len, config["BLOCK_M"]), batch)
+    k_scale, v_scale, kv_scaled = kv_scales(k_buf, k_scale, v_scale)
     _extend_kernel[grid](
         q,
         k_buf,
@@ -357,6 +372,8 @@ def extend_attention(
         seq_lens,
         extend_lens,
         extend_starts,
+        k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -373,5 +390,6 @@ def extend_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 must not drop to tf32
         INTERPRETED=INTERPRETED,
+        KV_SCALED=kv_scaled,
         **config,
     )

@@ -11,6 +11,7 @@ TRITON_INTERPRET when a @triton.jit function is defined, and the CPU tests set i
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -22,12 +23,50 @@ _MAX_TILE = 4096
 
 
 @triton.jit
+def to_pool(x, scale_ptr, buf, QUANTIZE: tl.constexpr):
+    """A K or V tile as the pool stores it: cast, or (float8 pool) x / scale in fp32, clamped to
+    +-448 and rounded to float8 (kv_pool.quantize_kv's numbers, bit for bit)."""
+    if QUANTIZE:
+        x = _round_to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32) / tl.load(scale_ptr), -448.0), 448.0))
+    return x.to(buf.dtype.element_ty)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """fp32 x (|x| <= 448) rounded to the nearest e4m3 value (ties to even), still in fp32, so the
+    cast after it is exact.
+
+    NOTE: Triton 3.6's interpreter (the CPU tests) casts fp32 to float8e4nv without carrying a
+    round-up into the exponent (126.9 became 64, not 128: ~10% of values wrong by 2x). Rounding
+    here first makes every backend store torch's numbers; on the GPU it is a few integer ops in a
+    memory-bound store. Normal range (|x| >= 2^-6): round the fp32 mantissa to 3 bits on its bits
+    (the carry goes into the exponent by itself); subnormals: steps of 2^-9 by the magic-number add.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    subnormal = (x + 24576.0) - 24576.0  # 1.5 * 2^14: fp32's rounding leaves multiples of 2^-9
+    return tl.where(tl.abs(x) >= 0.015625, normal, subnormal)
+
+
+def kv_scales(k_buf, k_scale, v_scale):
+    """(k_scale, v_scale, QUANTIZE) for a launch: a float8 pool needs its layer's scales; any
+    other pool passes k_buf as a placeholder that is never read."""
+    quantize = k_buf.dtype == torch.float8_e4m3fn
+    if quantize:
+        assert k_scale is not None and v_scale is not None, "a float8 KV pool needs its layer's scales"
+        return k_scale, v_scale, True
+    return k_buf, k_buf, False
+
+
+@triton.jit
 def _store_kv_kernel(
     k_buf,
     v_buf,
     loc,
     k,
     v,
+    k_scale,
+    v_scale,
     stride_buf_s,
     stride_buf_h,
     stride_k_t,
@@ -38,6 +77,7 @@ def _store_kv_kernel(
     head_dim,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANTIZE: tl.constexpr,
 ):
     token = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -51,14 +91,15 @@ def _store_kv_kernel(
     dst = slot * stride_buf_s + offs_h[:, None].to(tl.int64) * stride_buf_h + offs_d[None, :]
 
     k_row = tl.load(k + token.to(tl.int64) * stride_k_t + offs_h[:, None] * stride_k_h + offs_d[None, :], mask=mask)
-    tl.store(k_buf + dst, k_row.to(k_buf.dtype.element_ty), mask=mask)
+    tl.store(k_buf + dst, to_pool(k_row, k_scale, k_buf, QUANTIZE), mask=mask)
     v_row = tl.load(v + token.to(tl.int64) * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :], mask=mask)
-    tl.store(v_buf + dst, v_row.to(v_buf.dtype.element_ty), mask=mask)
+    tl.store(v_buf + dst, to_pool(v_row, v_scale, v_buf, QUANTIZE), mask=mask)
 
 
-def store_kv(k_buf, v_buf, loc, k, v) -> None:
+def store_kv(k_buf, v_buf, loc, k, v, k_scale=None, v_scale=None) -> None:
     """k_buf, v_buf: [S, KVH, D] (pool dtype); loc: [T] int64 slot per token; k, v: [T, KVH, D] any
     float dtype, cast to the pool dtype. One launch writes both K and V. T may be 0 (then do nothing).
+    A float8 pool needs k_scale, v_scale ([1] fp32 device tensors, the layer's): k / k_scale is stored.
 
     k and v may be strided views (e.g. slices of a fused qkv projection) as long as the last dim is
     contiguous. Slots in `loc` must be distinct, except that padded tokens may all write slot 0.
@@ -74,12 +115,15 @@ def store_kv(k_buf, v_buf, loc, k, v) -> None:
     block_d = triton.next_power_of_2(head_dim)
     block_h = min(triton.next_power_of_2(num_kv_heads), max(1, _MAX_TILE // block_d))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    k_scale, v_scale, quantize = kv_scales(k_buf, k_scale, v_scale)
     _store_kv_kernel[grid](
         k_buf,
         v_buf,
         loc,
         k,
         v,
+        k_scale,
+        v_scale,
         k_buf.stride(0),
         k_buf.stride(1),
         k.stride(0),
@@ -90,6 +134,7 @@ def store_kv(k_buf, v_buf, loc, k, v) -> None:
         head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        QUANTIZE=quantize,
         num_warps=4 if block_h * block_d >= 1024 else 1,
     )
 
@@ -104,6 +149,8 @@ def _rope_store_kv_kernel(
     k_buf,
     v_buf,
     loc,
+    k_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -118,6 +165,7 @@ def _rope_store_kv_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
+    QUANTIZE: tl.constexpr,
 ):
     # One program per token: rope_'s math (the same helpers), then store_kv's writes.
     token = tl.program_id(0).to(tl.int64)
@@ -134,20 +182,21 @@ def _rope_store_kv_kernel(
     # int64: slot * stride overflows int32 on pools past 2^31 elements.
     slot = tl.load(loc + token).to(tl.int64)
     dst = slot * stride_buf_s + kv_heads[:, None].to(tl.int64) * stride_buf_h + offs[None, :]
-    tl.store(k_buf + dst, k1.to(k_buf.dtype.element_ty), mask=kv_mask)
-    tl.store(k_buf + dst + half, k2.to(k_buf.dtype.element_ty), mask=kv_mask)
+    tl.store(k_buf + dst, to_pool(k1, k_scale, k_buf, QUANTIZE), mask=kv_mask)
+    tl.store(k_buf + dst + half, to_pool(k2, k_scale, k_buf, QUANTIZE), mask=kv_mask)
     v_ptr = v + token * stride_vt + kv_heads[:, None] * stride_vh + offs[None, :]
-    tl.store(v_buf + dst, tl.load(v_ptr, mask=kv_mask).to(v_buf.dtype.element_ty), mask=kv_mask)
-    tl.store(v_buf + dst + half, tl.load(v_ptr + half, mask=kv_mask).to(v_buf.dtype.element_ty), mask=kv_mask)
+    tl.store(v_buf + dst, to_pool(tl.load(v_ptr, mask=kv_mask), v_scale, v_buf, QUANTIZE), mask=kv_mask)
+    tl.store(v_buf + dst + half, to_pool(tl.load(v_ptr + half, mask=kv_mask), v_scale, v_buf, QUANTIZE), mask=kv_mask)
 
 
-def rope_store_kv(q, k, v, positions, inv_freq, k_buf, v_buf, loc) -> None:
+def rope_store_kv(q, k, v, positions, inv_freq, k_buf, v_buf, loc, k_scale=None, v_scale=None) -> None:
     """`rope_(q, k, positions, inv_freq)` then `store_kv(k_buf, v_buf, loc, k, v)` in one launch,
     with the same results bit for bit: q [T, H, D] and k [T, KVH, D] are rotated in place (neox,
     inv_freq [D/2] float32, no partial rotary), and the rotated k and v written at `loc`.
 
     Same rules as those two: strided views (of a fused qkv) with a contiguous last dim; distinct
-    slots except for padded tokens, which may all write slot 0; T may be 0.
+    slots except for padded tokens, which may all write slot 0; T may be 0; a float8 pool needs
+    its layer's k_scale and v_scale.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     half = inv_freq.numel()
@@ -158,6 +207,7 @@ def rope_store_kv(q, k, v, positions, inv_freq, k_buf, v_buf, loc) -> None:
     assert k.shape == v.shape == (num_tokens, num_kv_heads, head_dim) == (loc.shape[0], *k_buf.shape[1:])
     assert v_buf.shape == k_buf.shape and v_buf.stride() == k_buf.stride() and k.dtype == q.dtype
     assert q.stride(2) == k.stride(2) == v.stride(2) == k_buf.stride(2) == 1
+    k_scale, v_scale, quantize = kv_scales(k_buf, k_scale, v_scale)
     _rope_store_kv_kernel[(num_tokens,)](
         q,
         k,
@@ -167,6 +217,8 @@ def rope_store_kv(q, k, v, positions, inv_freq, k_buf, v_buf, loc) -> None:
         k_buf,
         v_buf,
         loc,
+        k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -181,5 +233,6 @@ def rope_store_kv(q, k, v, positions, inv_freq, k_buf, v_buf, loc) -> None:
         BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_QH=triton.next_power_of_2(num_q_heads),
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
+        QUANTIZE=quantize,
         num_warps=4,
     )

@@ -26,10 +26,11 @@ from pdserve.common.engine.models.gpt2 import TRANSPOSED
 from pdserve.common.engine.models.parallel import Shard
 from pdserve.common.engine.tp import TPGroup
 from pdserve.common.gguf_checkpoint import gguf_file
-from pdserve.common.model_checks import checkpoint_quantization
+from pdserve.common.model_checks import KV_SCALE_SUFFIXES, checkpoint_quantization
 
 # Checkpoint entries that are not weights (cached buffers some exporters save).
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+# KV cache scales (engine/kv_scales.py reads them, with --kv-cache-dtype fp8_e4m3) are no weights.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias", *KV_SCALE_SUFFIXES)
 
 
 def model_class(cfg: dict) -> type:
@@ -86,7 +87,7 @@ def _checkpoint_files(model_path: str) -> list[str]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_path}")
 
 
-def _checkpoint_sources(model_path: str, cfg: dict) -> Iterator[tuple[str, object]]:
+def checkpoint_sources(model_path: str, cfg: dict) -> Iterator[tuple[str, object]]:
     """(file, its tensors) for each weight file: a safetensors handle, or a GGUF file's GGUFWeights."""
     gguf = gguf_file(model_path)
     if gguf is not None:
@@ -108,7 +109,7 @@ def _fp8_layers(model_path: str, cfg: dict) -> list[str]:
     list: the tensors are what loads)."""
     names = [
         _param_name(key, cfg).removesuffix(".weight_scale")
-        for _, f in _checkpoint_sources(model_path, cfg)
+        for _, f in checkpoint_sources(model_path, cfg)
         for key in f.keys()
         if key.endswith(".weight_scale")
     ]
@@ -121,7 +122,7 @@ def _load_weights(model: torch.nn.Module, model_path: str, cfg: dict) -> None:
     params = dict(model.named_parameters())  # tied weights appear once, under the first name
     is_gpt2 = "GPT2LMHeadModel" in cfg.get("architectures", [])
     loaded: set[str] = set()
-    for path, f in _checkpoint_sources(model_path, cfg):
+    for path, f in checkpoint_sources(model_path, cfg):
         for key in f.keys():
             if key.endswith(_IGNORED_SUFFIXES):
                 continue
