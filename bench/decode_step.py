@@ -129,6 +129,12 @@ def main() -> None:
         choices=["", "fp8"],
         help="fp8: the linear layers' weights in FP8 (the engine's --quantization); the floor counts their bytes.",
     )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8_e4m3"],
+        help="fp8_e4m3: the KV pool in FP8 (the engine's flag): the floor counts its bytes.",
+    )
     ap.add_argument("--json", help="Also write the result here.")
     ap.add_argument(
         "--profile", action="store_true", help="Also print the CUDA kernels of one more run, by total time."
@@ -151,6 +157,7 @@ def main() -> None:
         disable_cuda_graph=args.disable_cuda_graph,
         tp_size=args.tp_size,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     results = []
     timer = StepTimer(engine)
@@ -222,6 +229,7 @@ def measure(timer: StepTimer, args, path, bs: int) -> dict:
         "steps_measured": len(device_ms),
         "tp_size": args.tp_size,
         "quantization": engine.config.quantization or "none",
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     return result
 
