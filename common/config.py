@@ -16,6 +16,7 @@ from typing import Any
 
 from pdserve.common import gguf_checkpoint
 from pdserve.common.model_checks import check_tp, resolve_kv_cache_dtype, resolve_quantization
+from pdserve.common.speculation import check_speculative
 
 # What CUDA graphs, activations and the sampling buffers get is the rest of the GPU's memory.
 DEFAULT_MEM_FRACTION_STATIC = 0.85
@@ -129,6 +130,14 @@ class EngineConfig:
         "fp8_e4m3: K and V stored as float8 e4m3, one scale per layer for K and for V (the checkpoint's "
         "k_scale/v_scale, else calibrated at start-up): ~2x the tokens at the same memory. auto: --dtype.",
     )
+    speculative: str = option(
+        "",
+        "ngram: speculative decode steps, drafts copied from the request's own prompt and output (prompt "
+        "lookup) and verified exactly (the tokens are the plain engine's, seed for seed); empty: off.",
+    )
+    num_speculative_tokens: int = option(4, "--speculative: most drafts per request in one verify step.")
+    speculative_ngram_min: int = option(1, "--speculative ngram: the shortest suffix looked up.")
+    speculative_ngram_max: int = option(4, "--speculative ngram: the longest suffix looked up.")
 
     def resolve(self) -> "EngineConfig":
         """Fill every auto value; the result is what the engine runs with."""
@@ -200,6 +209,7 @@ class EngineConfig:
         check_tp(self.tp_size, self.dist_timeout, hf, device)
         quantization = resolve_quantization(self.quantization, hf, self.model_path, self.tp_size)
         kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, self.tp_size)
+        check_speculative(self)
         return dataclasses.replace(
             self,
             attention_backend=attention_backend,
