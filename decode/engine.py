@@ -76,6 +76,7 @@ class DecodeEngine(EngineCore):
                 self.runner.kv_pool,
                 self.eos_token_ids,
                 kv_transfer_timeout=kv_transfer_timeout,
+                proposer=self.proposer,
             )
         self.start(scheduler, startup)
         self.destinations: deque[KVDestination] = deque()

@@ -58,10 +58,10 @@ class DecodeScheduler(Scheduler):
         kv_pool: PagedKVPool,
         eos_token_ids: tuple[int, ...],
         kv_transfer_timeout: float,
+        proposer=None,
     ):
-        super().__init__(
-            config, req_to_token_pool, kv_pool, eos_token_ids
-        )  # prefix cache: unless --disable-radix-cache
+        # (prefix cache: unless --disable-radix-cache; `proposer`: speculative decoding's, or None)
+        super().__init__(config, req_to_token_pool, kv_pool, eos_token_ids, proposer=proposer)
         self.kv_transfer_timeout = kv_transfer_timeout
         self.prealloc: deque[Req] = deque()
         self.transferring: dict[int, Req] = {}  # room -> request

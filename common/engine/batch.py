@@ -46,6 +46,7 @@ class BatchPlan:
     # score) and the largest top-n asked for; None when no request of the batch asked.
     prompt_logprobs: np.ndarray | None = None
     prompt_top_n: int = 0
+    verify: bool = False  # a verify step (speculative decoding): every position's logits are kept
 
 
 @dataclass
@@ -76,6 +77,9 @@ class ForwardBatch:
     prompt_logprob_targets: torch.Tensor | None = None
     prompt_top_n: int = 0
     plan: BatchPlan | None = None  # what it was built from (a TP server sends it to its other ranks)
+    # A verify step (speculative decoding: a request's last token and its drafts): the forward returns
+    # the logits of every position [T, vocab], not only each request's last, and runs eagerly.
+    verify: bool = False
 
     @property
     def batch_size(self) -> int:

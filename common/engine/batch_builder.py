@@ -78,6 +78,7 @@ class BatchBuilder:
             prompt_logprob_targets=None if scored is None else scored[1],
             prompt_top_n=plan.prompt_top_n,
             plan=plan,
+            verify=plan.verify,
             **fields,
         )
 
@@ -102,10 +103,11 @@ class BatchBuilder:
         page_table: list[int] = []  # every request's pages, back to back
         page_base, extend_lens, extend_starts = [], [], []
         num_tokens = 0
-        for req, start, end in zip(batch.reqs, batch.starts, batch.ends):
+        drafts = batch.drafts or [[]] * batch.batch_size
+        for req, start, end, drafted in zip(batch.reqs, batch.starts, batch.ends, drafts):
             extend_starts.append(num_tokens)
             num_tokens += end - start
-            known = req.prompt_ids if end <= len(req.prompt_ids) else req.fill_ids()
+            known = req.prompt_ids if end <= len(req.prompt_ids) else req.fill_ids() + drafted
             ids += known[start:end]
             page_base.append(len(page_table))
             page_table += req.pages
@@ -136,6 +138,7 @@ class BatchBuilder:
             seq=batch.seq,
             prompt_logprobs=self._prompt_logprob_rows(batch, extend_starts),
             prompt_top_n=max((batch.reqs[i].params.prompt_logprobs for i, _, _ in batch.prompt_logprobs), default=0),
+            verify=batch.drafts is not None,
         )
 
     @staticmethod

@@ -42,6 +42,7 @@ from pdserve.common.engine.in_flight import InFlight
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.overlap import ForwardResult, QueuedForward
 from pdserve.common.engine.sampling import SamplingBatchInfo, to_token_logprobs
+from pdserve.common.engine.speculative import step as speculative
 from pdserve.common.gc_tuning import tune_gc
 from pdserve.common.kv_transfer.base import KVSide
 from pdserve.common.scheduling.batch import ForwardMode, ScheduleBatch
@@ -112,6 +113,7 @@ class EngineCore:
             self.close(kill=True)
             raise
         self.builder = BatchBuilder(self.runner.req_to_token_pool, self.config.page_size)
+        self.proposer = speculative.make_proposer(self.config)  # the role gives it to its scheduler, or None
         self.streams = self.runner.streams
         self.scheduler = None  # the role's: start() takes it
         self.in_flight = InFlight()
@@ -252,6 +254,12 @@ class EngineCore:
         return self.channel.recv(block=not self.busy()) if self.channel is not None else []
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.proposer is not None and self.in_flight and self.scheduler.running:
+            # NOTE drafts continue the tokens the host has, and a verify step's token count is known only
+            # once it is processed: with speculation on, the results in flight are processed before
+            # the next batch is scheduled (the loop runs serially; TODO the overlapped verify step: a
+            # FutureMap carrying each request's accepted count, docs/architecture.md).
+            self.process_results_before(None)
         return self.scheduler.get_next_batch_to_run()
 
     def launch(self, batch: ScheduleBatch) -> None:
@@ -267,8 +275,9 @@ class EngineCore:
         # request of this batch, whose token is then discarded (Scheduler.on_launched).
         if self.in_flight and self.must_run_serially(batch):
             self.process_results_before(None)
-        info = SamplingBatchInfo.from_reqs(batch.reqs, self.vocab_size, self.eos_token_ids, self.runner.device)
-        slots = self.runner.future_map.alloc(batch.batch_size)
+        info = speculative.sampling_info(batch, self.vocab_size, self.eos_token_ids, self.runner.device)
+        # (a verify step's tokens are read by no later batch on the device: they take no FutureMap slots)
+        slots = self.runner.future_map.alloc(batch.batch_size) if batch.drafts is None else []
         # The previous batch's sampling, whose tokens this forward reads: launched only now, so
         # this batch was built while its grammar masks were filling (the host's chain from one
         # batch's tokens to the next one's sampling is a Llama-1B step's critical path).
@@ -281,7 +290,10 @@ class EngineCore:
                 result = DeferredSample(forward_batch, info, slots, self.runner.launch_forward(forward_batch))
             else:
                 result = self.runner.launch(
-                    forward_batch, info, slots, self.grammar_bitmask(batch, launched=False).result()
+                    forward_batch,
+                    info,
+                    slots,
+                    speculative.row_masks(self.grammar_bitmask(batch, launched=False).result(), batch),
                 )
         except RuntimeError:
             if self.tp_workers is not None:
@@ -351,10 +363,14 @@ class EngineCore:
             deferred.masks = self.grammars.accept_and_fill(
                 batch.reqs, batch.samples, next_ids, waiting.reqs, waiting.samples
             )
-        logprobs = to_token_logprobs(host, batch.reqs)
+        logprobs = to_token_logprobs(host, speculative.row_owners(batch))
         if result.prompt_logprobs is not None:
             add_prompt_logprobs(batch, result.prompt_logprobs)
         self.runner.release(result)
+        if batch.drafts is not None:
+            accepted = speculative.accepted_counts(next_ids, batch.drafts)
+            self.outputs += self.scheduler.process_verify_result(batch, next_ids, logprobs, accepted)
+            return
         self.outputs += self.scheduler.process_batch_result(batch, next_ids, logprobs)
 
     def process_results_before(self, batch: ScheduleBatch | None) -> None:

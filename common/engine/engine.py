@@ -59,7 +59,10 @@ class Engine(EngineCore):
         startup = StartupClock()
         super().__init__(config, startup)
         with self.closed_on_error():
-            scheduler = Scheduler(self.config, self.runner.req_to_token_pool, self.runner.kv_pool, self.eos_token_ids)
+            runner = self.runner
+            scheduler = Scheduler(
+                self.config, runner.req_to_token_pool, runner.kv_pool, self.eos_token_ids, proposer=self.proposer
+            )
         self.start(scheduler, startup)
 
     @property

@@ -105,7 +105,9 @@ class ModelRunner:
         )
         self.streams = DeviceStreams(self.device)
         self.future_map = FutureMap(config.max_running_requests, self.device)
-        self.pinned = PinnedOutputs(config.max_running_requests, MAX_TOP_LOGPROBS, self.device)
+        # A verify step samples every position: 1 + --num-speculative-tokens rows per request.
+        rows = config.max_running_requests * (1 + (config.num_speculative_tokens if config.speculative else 0))
+        self.pinned = PinnedOutputs(rows, MAX_TOP_LOGPROBS, self.device)
         # Test hook: called on the forward stream before the model runs (e.g. a GPU sleep that
         # widens race windows). None in production.
         self.before_forward = None
@@ -263,7 +265,8 @@ class ModelRunner:
                 )
                 if scored is not None:
                     scored.append(result)
-            hidden = hidden[batch.last_indices]  # decode has one token per request already
+            if not batch.verify:  # (a verify step samples every position)
+                hidden = hidden[batch.last_indices]  # decode has one token per request already
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -319,7 +322,7 @@ class ModelRunner:
             published = streams.event()
             published.record(streams.forward_stream)
         host = self.pinned.acquire()
-        bs, k = batch.batch_size, info.top_logprobs_k
+        bs, k = info.batch_size, info.top_logprobs_k  # (a row per request; a verify step's, per position)
         with streams.use(streams.d2h_stream):
             streams.d2h_stream.wait_event(published)
             host.next_token_ids[:bs].copy_(out.next_token_ids, non_blocking=True)
@@ -360,7 +363,9 @@ class ModelRunner:
     def _logits(self, batch: ForwardBatch, scored: list | None = None) -> torch.Tensor:
         """Next-token logits of `batch`: a graph replay where one fits, else eager (always when it
         scores prompt tokens: `scored` gets their PromptLogprobs). Call on the forward stream."""
-        graphs = batch.prompt_logprob_index is None
+        # NOTE the graphs return each request's last logits only: a verify step (every position's) runs
+        # eagerly (TODO: verify graphs at the captured batch sizes).
+        graphs = batch.prompt_logprob_index is None and not batch.verify
         if graphs and self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.replay(batch)  # resolves placeholders inside the graph
         if graphs and self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):

@@ -40,6 +40,10 @@ class ScheduleBatch:
     # Prompt logprobs to compute (extend only): (request index, first position, end position); the
     # logits at position p score prompt token p + 1.
     prompt_logprobs: list[tuple[int, int, int]] = field(default_factory=list)
+    # A verify step (speculative decoding, common/scheduling/speculation.py): request i's drafts, computed
+    # after its last token at positions [starts[i] + 1, ends[i]) (EXTEND mode); every position samples.
+    # None for any other batch.
+    drafts: list[list[int]] | None = None
     seq: int = 0  # launch order, set when launched (for traces and tests)
 
     @property

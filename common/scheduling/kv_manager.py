@@ -163,6 +163,14 @@ class KVManager:
         if missing > 0:
             req.pages += self.alloc_pages(missing)
 
+    def truncate(self, req: Req, kv_len: int) -> None:
+        """Free the request's pages past those positions [0, kv_len) need (a verify step's rejected drafts)."""
+        keep = pages_for(kv_len, self.page_size)
+        assert keep >= req.prefix_pages, "the cached prefix is never rolled back"
+        if keep < len(req.pages):
+            self.kv_pool.free_pages(req.pages[keep:])
+            del req.pages[keep:]
+
     # ---- release --------------------------------------------------------------------------------
 
     def cache_and_release(self, req: Req) -> None:

@@ -25,6 +25,7 @@ from pdserve.common.scheduling.kv_manager import KVManager
 from pdserve.common.scheduling.output_processor import append_token, finalize, finalize_all, sampled_tokens
 from pdserve.common.scheduling.pages import pages_for
 from pdserve.common.scheduling.prefill_manager import PrefillManager
+from pdserve.common.scheduling.speculation import Speculation
 from pdserve.common.types import Completion, FinishReason, Req, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:  # (the pools hold device memory: scheduling only calls their host-side methods)
@@ -93,7 +94,10 @@ class Scheduler:
         kv_pool: PagedKVPool,
         eos_token_ids: tuple[int, ...],
         prefix_cache: bool | None = None,
+        proposer=None,
     ):
+        """`proposer`: speculative decoding's (common/scheduling/speculation.py), or None: decode steps
+        are plain."""
         self.config = config
         self.eos_token_ids = eos_token_ids
         if prefix_cache is None:
@@ -101,6 +105,9 @@ class Scheduler:
         self.kv = KVManager(req_to_token_pool, kv_pool, prefix_cache, config.num_reserved_decode_tokens)
         self.prefill = PrefillManager(config, self.kv)
         self.decode = DecodeManager(config, self.kv, retract=self._retract)
+        self.speculation = None
+        if proposer is not None:
+            self.speculation = Speculation(proposer, self.kv, config.context_length, eos_token_ids)
 
     # Views for callers and tests.
     @property
@@ -133,7 +140,8 @@ class Scheduler:
 
     @property
     def stats(self) -> dict[str, int]:
-        return self.prefill.stats | self.decode.stats
+        speculation = self.speculation.stats if self.speculation is not None else {}
+        return self.prefill.stats | self.decode.stats | speculation
 
     # ---- intake -------------------------------------------------------------------------------
 
@@ -175,10 +183,13 @@ class Scheduler:
         reqs, ends = self.decode.schedule()
         if not reqs:
             return None
+        writes = self.kv.take_row_writes()
+        if self.speculation is not None:
+            batch = self.speculation.verify_batch(reqs, ends, writes)
+            if batch is not None:
+                return batch
         # Every request of a decode step samples its next token.
-        return ScheduleBatch(
-            ForwardMode.DECODE, reqs, [n - 1 for n in ends], ends, [True] * len(reqs), self.kv.take_row_writes()
-        )
+        return ScheduleBatch(ForwardMode.DECODE, reqs, [n - 1 for n in ends], ends, [True] * len(reqs), writes)
 
     def _retract(self, victim: Req) -> None:
         self.kv.cache_and_release(victim)
@@ -188,6 +199,9 @@ class Scheduler:
         self.prefill.waiting.appendleft(victim)
 
     def on_launched(self, batch: ScheduleBatch, future_slots: list[int]) -> None:
+        if self.speculation is not None and batch.drafts is not None:
+            self.speculation.on_launched(batch)
+            return
         on_launched(batch, future_slots)
 
     # ---- results --------------------------------------------------------------------------------
@@ -209,11 +223,22 @@ class Scheduler:
             else:
                 append_token(req, token, lp, self.eos_token_ids, self.config.context_length)
             if req.finished:
-                self.kv.cache_and_release(req)
-                req.discard = req.pending  # a step launched after this one is dropped
                 done.append(req)
+        return self._retire(done)
+
+    def process_verify_result(
+        self, batch: ScheduleBatch, next_token_ids: list[int], logprobs: list[TokenLogprob | None], accepted: list[int]
+    ) -> list[Completion]:
+        """A verify step's result: each request's accepted drafts and the token after them
+        (Speculation.process_result), then the finished retire as in process_batch_result."""
+        return self._retire(self.speculation.process_result(batch, next_token_ids, logprobs, accepted))
+
+    def _retire(self, done: list[Req]) -> list[Completion]:
         if not done:
             return []
+        for req in done:
+            self.kv.cache_and_release(req)
+            req.discard = req.pending  # a step launched after this one is dropped
         self.decode.drop_finished()
         return finalize_all(done)
 

@@ -51,6 +51,7 @@ class NgramProposer:
             raise ValueError(f"--num-speculative-tokens must be >= 1, got {num_tokens}")
         self.num_tokens, self.min_n, self.max_n = num_tokens, min_n, max_n
         self.indexes: dict[str, NgramIndex] = {}
+        self.owners: dict[str, object] = {}  # rid -> the Req its index is of (propose_for)
 
     def extend(self, rid: str, tokens: Iterable[int]) -> None:
         index = self.indexes.get(rid)
@@ -66,3 +67,27 @@ class NgramProposer:
 
     def free(self, rid: str) -> None:
         self.indexes.pop(rid, None)
+        self.owners.pop(rid, None)
+
+    def propose_for(self, req, limit: int) -> list[int]:
+        """Drafts for a running request (a Req with no pending tokens), at most `limit`. Its index first
+        catches up with the tokens the request gained since the last call, however they came (verify
+        steps, a prefill's first token, a KV transfer's): O(new tokens), never a rebuild. A request's
+        tokens only grow (a retracted one keeps its output), so the index stays a prefix of them."""
+        rid = req.rid
+        if self.owners.get(rid) is not req:  # a new request, or a rid used again by another
+            self.free(rid)
+            self.owners[rid] = req
+        index = self.indexes.get(rid)
+        known, prompt = (len(index.tokens) if index is not None else 0), req.prompt_ids
+        if known < len(prompt):
+            self.extend(rid, prompt[known:])
+            known = len(prompt)
+        self.extend(rid, req.output_ids[known - len(prompt) :])
+        return self.propose(rid, limit)
+
+    def retain(self, reqs) -> None:
+        """Forget every request but `reqs` (those of this step: the others ended, or will be re-indexed)."""
+        live = {req.rid for req in reqs}
+        for rid in [rid for rid in self.indexes if rid not in live]:
+            self.free(rid)

@@ -1,0 +1,119 @@
+"""The scheduling side of speculative decoding: a decode step's drafts and their pages, and what a
+verify step's tokens do to its requests (docs/architecture.md, "Speculative decoding"). Host only; the
+device side (sampling rows, acceptance) is common/engine/speculative/step.py.
+
+A verify step is the decode step of the same requests as an EXTEND batch: request i computes its
+last token and its k_i drafts, positions [n_i - 1, n_i + k_i), and each position samples (k_i = 0: the
+one position of a plain decode). Its pages are taken for the drafts too, then rolled back to what the
+accepted tokens wrote:
+
+    KV written by the step   positions n-1 .. n-1+k   the last token, then the drafts
+    valid after acceptance   positions n-1 .. n-1+a   the last token and the a accepted drafts
+    kv_len after             n + a (+ nothing of the bonus token: the next step writes it)
+
+NOTE the rejected drafts' KV lies past kv_len: its pages beyond the ones kv_len needs are freed at
+once, and the slots left in the last kept page are written again before any query reads them (every
+forward stores its new KV before it attends, and attends only up to its own positions). The radix
+cache inserts only `fill_ids()[:kv_len]` (KVManager.cache_and_release), so it never sees a draft
+that was not accepted.
+"""
+
+from __future__ import annotations
+
+from pdserve.common.scheduling.batch import ForwardMode, RowWrite, ScheduleBatch
+from pdserve.common.scheduling.kv_manager import KVManager
+from pdserve.common.scheduling.output_processor import append_token
+from pdserve.common.scheduling.pages import pages_for
+from pdserve.common.types import Req, TokenLogprob
+
+
+class Speculation:
+    """Drafts for decode steps from a proposer, passed in by the engine (common/engine/speculative/): an
+    object with `propose_for(req, limit) -> list[int]` (at most `limit` tokens continuing the request's
+    prompt and output) and `retain(reqs)` (forget every other request)."""
+
+    def __init__(self, proposer, kv: KVManager, context_length: int, eos_token_ids: tuple[int, ...]):
+        self.proposer = proposer
+        self.kv = kv
+        self.context_length = context_length
+        self.eos_token_ids = eos_token_ids
+        self.stats = {"spec_verify_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0}
+
+    def verify_batch(self, reqs: list[Req], ends: list[int], row_writes: list[RowWrite]) -> ScheduleBatch | None:
+        """The decode step of `reqs` (request i computes position ends[i] - 1, whose page it holds) as a
+        verify step, or None when no request has drafts (then it stays a plain decode step).
+
+        Drafts are proposed only from tokens the host has: none of the requests may have one in flight
+        (the engine processes results first: EngineCore.get_next_batch_to_run). A grammar request gets
+        none (speculation is off for structured outputs: its matcher must never see a rejected draft).
+        A request whose drafts' pages are not available gets none this step: drafts never retract."""
+        if any(req.pending for req in reqs):
+            return None
+        self.proposer.retain(reqs)
+        drafts: list[list[int]] = []
+        for req, end in zip(reqs, ends):
+            proposed: list[int] = []
+            # The step returns up to len(drafts) + 1 tokens: never more than the request may still generate.
+            limit = min(req.params.max_new_tokens - req.num_sampled, self.context_length - end) - 1
+            if req.grammar is None and limit > 0:
+                proposed = self.proposer.propose_for(req, limit)
+            missing = pages_for(end + len(proposed), self.kv.page_size) - len(req.pages)
+            if proposed and missing > self.kv.available_pages():
+                proposed = []
+            if proposed:
+                self.kv.grow(req, end + len(proposed))
+                req.kv_len = end + len(proposed)
+            drafts.append(proposed)
+        if not any(drafts):
+            return None
+        self.stats["spec_verify_steps"] += 1
+        self.stats["spec_proposed_tokens"] += sum(len(d) for d in drafts)
+        return ScheduleBatch(
+            ForwardMode.EXTEND,
+            reqs,
+            [end - 1 for end in ends],
+            [end + len(d) for end, d in zip(ends, drafts)],
+            [True] * len(reqs),
+            row_writes,
+            drafts=drafts,
+        )
+
+    def on_launched(self, batch: ScheduleBatch) -> None:
+        """The verify step is queued: each request has a result in flight, counted as one pending token
+        until it arrives. NOTE no FutureMap slot: no later batch may read its tokens on the device (none
+        is scheduled for these requests before the result is processed), and `future_idx` is left as it
+        was, never read while this result is pending."""
+        for req in batch.reqs:
+            req.pending += 1
+            if req.finished:  # (finished or aborted after the batch was built)
+                req.discard += 1
+
+    def process_result(
+        self,
+        batch: ScheduleBatch,
+        next_token_ids: list[int],
+        logprobs: list[TokenLogprob | None],
+        accepted: list[int],
+    ) -> list[Req]:
+        """Give each request its accepted drafts and the token after them, in order, stopping where a
+        token finishes it (EOS, a stop string, max_new_tokens: exactly the tokens a plain run returns),
+        and roll its KV back to what they wrote. `next_token_ids` / `logprobs`: one per position, request
+        after request; `accepted[i]`: request i's drafts equal to the samples before them
+        (common/engine/speculative/verify.py). Returns the requests that finished."""
+        done, row = [], 0
+        for req, drafts, taken in zip(batch.reqs, batch.drafts, accepted):
+            first, row = row, row + len(drafts) + 1
+            req.pending -= 1
+            if req.discard:  # aborted while the step ran: its pages are already freed
+                req.discard -= 1
+                continue
+            self.stats["spec_accepted_tokens"] += taken
+            for j in range(first, first + taken + 1):
+                append_token(req, next_token_ids[j], logprobs[j], self.eos_token_ids, self.context_length)
+                if req.finished:
+                    break
+            req.kv_len = req.seq_len - 1  # every token kept but the newest has its KV written
+            self.kv.truncate(req, req.kv_len)
+            if req.finished:
+                done.append(req)
+        return done
