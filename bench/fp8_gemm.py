@@ -8,9 +8,13 @@ included, captured in a CUDA graph (as the engine replays its decode steps) and 
     bf16        F.linear
     row-wise    quantize + torch._scaled_mm with [M, 1] and [1, N] scales (cuBLASLt's epilogue)
     tensor-wise quantize + torch._scaled_mm with unit scales into fp32 + the Triton scale epilogue
+    triton      quantize + fp8_kernels.fp8_gemm (one Triton launch, scales and bias in its epilogue),
+                at gemm_config's tiles
 
 Prints microseconds per layer and the tokens up to which tensor-wise beats row-wise: what
-fp8.TENSORWISE_MAX_TOKENS should be on this GPU.
+fp8.TENSORWISE_MAX_TOKENS should be on this GPU. --sweep-tokens also times fp8_gemm at every tile
+configuration of SWEEP at those token counts and prints the fastest per layer (what gemm_config
+should pick).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import torch
 from pdserve.bench.shapes import resolve_shape
 
 REPLAYS = 50
+# fp8_gemm's configurations tried by --sweep-tokens: (BLOCK_N, BLOCK_K, num_stages, num_warps).
+SWEEP = [(bn, bk, st, w) for bn in (64, 128) for bk in (128, 256) for st, w in ((3, 4), (5, 4), (4, 8))]
 
 
 def projections(shape: str) -> dict[str, tuple[int, int]]:
@@ -79,12 +85,47 @@ def measure(shape: str, tokens: list[int]) -> list[dict]:
             row = {"layer": name, "K": k, "N": n, "tokens": m}
             row |= {"bf16_us": replay_us(lambda: torch.nn.functional.linear(x, weight))}
             row |= {"rowwise_us": replay_us(rowwise), "tensorwise_us": replay_us(tensorwise)}
+            row |= {"triton_us": replay_us(lambda: triton_path(x, wq, w_scale, None))}
             rows.append(row)
             print(
                 f"{name:8s} K {k:6d} N {n:6d} M {m:5d}: bf16 {row['bf16_us']:7.1f} us, row-wise "
-                f"{row['rowwise_us']:7.1f} us, tensor-wise {row['tensorwise_us']:7.1f} us",
+                f"{row['rowwise_us']:7.1f} us, tensor-wise {row['tensorwise_us']:7.1f} us, "
+                f"triton {row['triton_us']:7.1f} us",
                 flush=True,
             )
+    return rows
+
+
+def triton_path(x, wq, w_scale, config):
+    from pdserve.common.engine.models import fp8, fp8_kernels
+
+    xq, sx = fp8_kernels.quantize_per_token(x, fp8.MIN_AMAX)
+    return fp8_kernels.fp8_gemm(xq, sx, wq, w_scale, None, x.dtype, config)
+
+
+def sweep(shape: str, tokens: list[int]) -> list[dict]:
+    """fp8_gemm at every configuration of SWEEP (BLOCK_M from gemm_config), the fastest first per layer."""
+    from pdserve.common.engine.models import fp8, fp8_kernels
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (k, n) in projections(shape).items():
+        weight = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+        wq, w_scale = fp8.quantize_per_channel(weight)
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+            block_m = fp8_kernels.gemm_config(m, n, k)["BLOCK_M"]
+            timed = []
+            for bn, bk, stages, warps in SWEEP:
+                cfg = {"BLOCK_N": bn, "BLOCK_M": block_m, "BLOCK_K": bk, "num_stages": stages, "num_warps": warps}
+                try:
+                    timed.append((replay_us(lambda: triton_path(x, wq, w_scale, cfg)), cfg))
+                except Exception as e:  # (a configuration that does not fit shared memory)
+                    print(f"  {name} M {m} {cfg}: {type(e).__name__}", flush=True)
+            timed.sort(key=lambda t: t[0])
+            for us, cfg in timed[:3]:
+                rows.append({"layer": name, "K": k, "N": n, "tokens": m, "us": us, **cfg})
+                print(f"sweep {name:8s} K {k:6d} N {n:6d} M {m:5d}: {us:7.1f} us {cfg}", flush=True)
     return rows
 
 
@@ -103,17 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama/8b")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 2048])
+    parser.add_argument("--sweep-tokens", type=int, nargs="*", default=[])
     parser.add_argument("--output-json", default="")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (FP8 GEMMs: compute capability 8.9 or later)")
+    swept = sweep(args.shape, args.sweep_tokens) if args.sweep_tokens else []
     rows = measure(args.shape, args.tokens)
     best = crossover(rows, args.tokens)
     print(f"{torch.cuda.get_device_name()}, {args.shape}: tensor-wise at least as fast as row-wise up to {best} tokens")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"shape": args.shape, "device": torch.cuda.get_device_name(), "rows": rows,
-                       "tensorwise_up_to": best}, f, indent=1)  # fmt: skip
+                       "tensorwise_up_to": best, "sweep": swept}, f, indent=1)  # fmt: skip
     return 0
 
 

@@ -108,6 +108,22 @@ def test_the_tensorwise_path_computes_the_emulated_numbers(dtype, bias):
     torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("m,n,k,bias", [(1, 96, 64, False), (7, 80, 176, True), (33, 64, 128, False)])
+def test_the_triton_gemm_is_bitwise_the_tensorwise_path(m, n, k, bias):
+    """fp8_kernels.fp8_gemm (CUDA's path at decode sizes, here interpreted): the tensor-wise path's
+    numbers — unscaled sums, (sums * x scale) * weight scale + bias, one rounding — at tiles that leave
+    partial blocks on every side (N, M and K)."""
+    from pdserve.common.engine.models import fp8_kernels
+
+    layer = fp8.Fp8Linear.quantize(make_layer(n, k, bias, 3).to(torch.bfloat16))
+    xq, x_scale = fp8.quantize_per_token(torch.randn(m, k).to(torch.bfloat16))
+    tiles = {"BLOCK_N": 32, "BLOCK_M": 16, "BLOCK_K": 32}
+    got = fp8_kernels.fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, torch.bfloat16, tiles)
+    want = fp8.tensorwise_fp8_mm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert torch.equal(got, want)
+
+
 def test_an_fp8_linear_approximates_the_float_one():
     linear = make_layer(64, 128, True, 1)
     x = torch.randn(3, 7, 128)  # any leading dims

@@ -21,13 +21,20 @@ from tests.test_disagg_engines import hf_greedy
 TIMEOUT_S = 300
 
 
-def worker(role: str, model: str, dtype: str, path: str, conn) -> None:
+def worker(role: str, model: str, dtype: str, path: str, conn, kv_cache_dtype: str = "auto") -> None:
     from pdserve.common.config import EngineConfig
     from pdserve.common.kv_transfer.same_gpu import ENV
 
     os.environ[ENV] = path
 
-    config = EngineConfig(model_path=model, device="cuda", dtype=dtype, max_total_tokens=65536, page_size=16)
+    config = EngineConfig(
+        model_path=model,
+        device="cuda",
+        dtype=dtype,
+        max_total_tokens=65536,
+        page_size=16,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     if role == "decode":
         from pdserve.decode.engine import DecodeEngine
 
@@ -63,12 +70,12 @@ def worker(role: str, model: str, dtype: str, path: str, conn) -> None:
                 conn.send(("pre", r.rid, r.first_token, r.transfer_bytes, r.transfer_s, r.error))
 
 
-def run_disaggregated(model, dtype, prompts, params, path="ipc"):
+def run_disaggregated(model, dtype, prompts, params, path="ipc", kv_cache_dtype="auto"):
     ctx = mp.get_context("spawn")
     links = {}
     for role in ("decode", "prefill"):
         mine, theirs = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(role, model, dtype, path, theirs), daemon=True)
+        proc = ctx.Process(target=worker, args=(role, model, dtype, path, theirs, kv_cache_dtype), daemon=True)
         proc.start()
         links[role] = (mine, proc)
     dconn, pconn = links["decode"][0], links["prefill"][0]
@@ -118,6 +125,26 @@ def test_disaggregated_greedy_on_gpu_matches_transformers(path, tiny_models):
     expected = hf_greedy(model, prompts, 12, device="cuda")
     got, _ = run_disaggregated(model, "float32", prompts, SamplingParams(max_new_tokens=12, temperature=0), path)
     assert got == expected
+
+
+@pytest.mark.parametrize("path", ["ipc", "nixl"])
+def test_disaggregated_fp8_kv_moves_one_byte_per_element_and_matches_the_colocated_engine(path, tiny_models):
+    from pdserve.common.engine.engine import Engine
+
+    model = tiny_models("llama")
+    rng = random.Random(3)
+    prompts = [[0] + [rng.randrange(5, 512) for _ in range(rng.randrange(1, 90))] for _ in range(12)]
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    got, transfers = run_disaggregated(model, "bfloat16", prompts, params, path, kv_cache_dtype="fp8_e4m3")
+    # Both servers calibrate the same scales (a fixed text, the same model and GPU) as this engine.
+    colocated = Engine(
+        model_path=model, device="cuda", dtype="bfloat16", max_total_tokens=16384, kv_cache_dtype="fp8_e4m3"
+    )
+    assert colocated.runner.kv_pool.quantized
+    assert got == [o.output_ids for o in colocated.generate(prompts, params)]
+    cfg = colocated.runner.kv_pool
+    per_token = 2 * cfg.num_layers * cfg.kv_heads * cfg.head_dim  # one byte per K and V element
+    assert [b for b, _ in transfers] == [-(-len(p) // 16) * 16 * per_token for p in prompts]
 
 
 @pytest.mark.parametrize("path", ["ipc", "nixl"])

@@ -54,6 +54,24 @@ def test_scaled_mm_agrees_with_the_emulated_path(layer, batch):
     assert err < 0.06, f"{layer} at batch {batch}: {err:.3f} relative error against bf16"
 
 
+@pytest.mark.parametrize("batch", [1, 64, 200])
+@pytest.mark.parametrize("layer", LLAMA_1B)
+def test_the_triton_gemm_agrees_with_the_emulated_path(layer, batch):
+    from pdserve.common.engine.models import fp8_kernels
+
+    n, k = LLAMA_1B[layer]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    weight = torch.randn(n, k, device="cuda", generator=g).bfloat16() * 0.02
+    bias = torch.randn(n, device="cuda", generator=g).bfloat16() * 0.1
+    x = torch.randn(batch, k, device="cuda", generator=g).bfloat16()
+    q, scale = fp8.quantize_per_channel(weight)
+    xq, x_scale = fp8.quantize_per_token(x)
+    got = fp8_kernels.fp8_gemm(xq, x_scale, q, scale, bias, torch.bfloat16)
+    want = fp8.emulated_fp8_mm(xq, x_scale, q, scale, bias, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (batch, n)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2 * want.abs().max().item())
+
+
 def test_unaligned_or_non_bf16_layers_fall_back_to_the_emulated_path():
     x = torch.randn(4, 40, device="cuda").bfloat16()
     q, _ = fp8.quantize_per_channel(torch.randn(24, 40, device="cuda"))

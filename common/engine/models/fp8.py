@@ -105,6 +105,9 @@ def _log_emulated(reason: str) -> None:
 # NOTE 0 (off) until bench/fp8_gemm.py has measured the crossover on a GPU: the tensor-wise path is
 # tested on the CPU (its epilogue interpreted) but has not run on a GPU yet.
 TENSORWISE_MAX_TOKENS = 0
+# Up to this many tokens the CUDA GEMM is fp8_kernels.fp8_gemm (one Triton launch, both scales and the
+# bias in its epilogue, bitwise the tensor-wise path's numbers). NOTE 0 (off) until measured on a GPU.
+TRITON_MAX_TOKENS = 0
 
 
 @functools.cache
@@ -139,6 +142,8 @@ def fp8_linear(
     if reason:
         _log_emulated(reason)
         out = emulated_fp8_mm(xq, x_scale, weight, weight_scale, bias, x.dtype)
+    elif x2.is_cuda and x2.shape[0] <= TRITON_MAX_TOKENS:
+        out = fp8_kernels.fp8_gemm(xq, x_scale, weight, weight_scale, bias, x.dtype)
     elif x2.is_cuda and x2.shape[0] <= TENSORWISE_MAX_TOKENS:
         out = tensorwise_fp8_mm(xq, x_scale, weight, weight_scale, bias, x.dtype)
     else:

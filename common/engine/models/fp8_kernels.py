@@ -75,3 +75,69 @@ def scale_output(
         acc, x_scale, weight_scale, bias if bias is not None else acc, out, cols, HAS_BIAS=bias is not None, BLOCK=block
     )
     return out
+
+
+@triton.jit
+def _fp8_gemm_swapped(
+    w_ptr, x_ptr, sw_ptr, sx_ptr, bias_ptr, out_ptr, M, N, w_row_stride, x_row_stride, out_row_stride,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    w_ptrs = w_ptr + offs_n[:, None] * w_row_stride + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[None, :] * x_row_stride + offs_k[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # K is a constexpr: a model has a few (hidden, intermediate), and a known trip count pipelines.
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(w, x, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    sx = tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)
+    sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=0.0)
+    y = acc * sx[None, :] * sw[:, None]  # (acc * sx) * sw: scale_output's order
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_m[None, :] * out_row_stride + offs_n[:, None]
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+def gemm_config(m: int, n: int, k: int) -> dict:
+    """Tile sizes and pipeline depth of fp8_gemm for an [m, k] x [n, k]^T product."""
+    return {"BLOCK_N": 64, "BLOCK_M": max(16, min(128, triton.next_power_of_2(m))), "BLOCK_K": 128,
+            "num_warps": 4, "num_stages": 4}  # fmt: skip
+
+
+def fp8_gemm(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """(xq [M, K] * x_scale [M, 1]) @ (weight [N, K] * weight_scale [N])^T + bias, rounded once to
+    `dtype`, in one launch: an FP8 GEMM for few tokens with both scales and the bias in its epilogue.
+
+    Why swapped (each program computes a [BLOCK_N, BLOCK_M] tile of the output's transpose): with
+    few tokens the token dimension is too short for the tensor cores' M side (64 on Hopper's wgmma),
+    and the weight's rows are not; the weight, the bytes that bound a decode step, is read once per
+    BLOCK_M tokens (once in all up to 128)."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    cfg = dict(config or gemm_config(m, n, k))
+    out = torch.empty(m, n, dtype=dtype, device=xq.device)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
+    _fp8_gemm_swapped[grid](
+        weight, xq, weight_scale, x_scale, bias if bias is not None else weight_scale, out, m, n,
+        weight.stride(0), xq.stride(0), out.stride(0), K=k, HAS_BIAS=bias is not None, **cfg,
+    )  # fmt: skip
+    return out
