@@ -82,8 +82,11 @@ def test_unaligned_or_non_bf16_layers_fall_back_to_the_emulated_path():
     assert out.dtype == torch.float32 and out.shape == (4, 32)
 
 
+@pytest.mark.parametrize("triton_max_tokens", [0, 4096])
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
-def test_fp8_under_cuda_graphs_gives_the_eager_tokens(arch, tiny_models):
+def test_fp8_under_cuda_graphs_gives_the_eager_tokens(arch, triton_max_tokens, tiny_models, monkeypatch):
+    """With the decode-size GEMM (fp8_kernels.fp8_gemm) off and on for every batch."""
+    monkeypatch.setattr(fp8, "TRITON_MAX_TOKENS", triton_max_tokens)
     rng = random.Random(0)
     cases = [[0] + [rng.randrange(5, 512) for _ in range(rng.randrange(1, 90))] for _ in range(24)]
     params = SamplingParams(max_new_tokens=16, temperature=0)
