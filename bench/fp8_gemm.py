@@ -27,8 +27,8 @@ import torch
 from pdserve.bench.shapes import resolve_shape
 
 REPLAYS = 50
-# fp8_gemm's configurations tried by --sweep-tokens: (BLOCK_N, BLOCK_K, num_stages, num_warps).
-SWEEP = [(bn, bk, st, w) for bn in (64, 128) for bk in (128, 256) for st, w in ((4, 4), (3, 8))]
+# fp8_gemm's configurations tried by --sweep-tokens: (BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps).
+SWEEP = [(64, bk, split, st, w) for bk in (128, 256) for split in (1, 2, 4) for st, w in ((4, 4), (3, 8))]
 
 
 def projections(shape: str) -> dict[str, tuple[int, int]]:
@@ -116,8 +116,9 @@ def sweep(shape: str, tokens: list[int]) -> list[dict]:
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
             block_m = fp8_kernels.gemm_config(m, n, k)["BLOCK_M"]
             timed = []
-            for bn, bk, stages, warps in SWEEP:
-                cfg = {"BLOCK_N": bn, "BLOCK_M": block_m, "BLOCK_K": bk, "num_stages": stages, "num_warps": warps}
+            for bn, bk, split, stages, warps in SWEEP:
+                cfg = {"BLOCK_N": bn, "BLOCK_M": block_m, "BLOCK_K": bk, "SPLIT_K": split, "num_stages": stages,
+                       "num_warps": warps}  # fmt: skip
                 try:
                     timed.append((replay_us(lambda: triton_path(x, wq, w_scale, cfg)), cfg))
                 except Exception as e:  # (a configuration that does not fit shared memory)

@@ -49,6 +49,8 @@ def run_offline(args: argparse.Namespace) -> int:
         for timer in timers.values():
             timer.close()
     report = offline_report(args, config, runs, workloads.report())
+    if "pdserve" in timers:
+        report["kv_total_tokens"] = timers["pdserve"].kv_total_tokens
     print_summary(args, report)
     emit(report, args.output_json)
     return 0
@@ -65,6 +67,8 @@ class EngineTimer:
         self.engine = Engine(config)
         self.device = config.device
         capacity, workload = self.engine.stats()["kv_total_tokens"], workload_tokens
+        self.kv_total_tokens = capacity
+        print(f"KV cache: {capacity} tokens ({config.kv_cache_dtype})", flush=True)
         if capacity < workload:
             print(
                 f"note: the KV cache holds {capacity} tokens, the workload {workload}: not every prompt runs at once "

@@ -124,6 +124,22 @@ def test_the_triton_gemm_is_bitwise_the_tensorwise_path(m, n, k, bias):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("split", [2, 4])
+def test_the_triton_gemm_split_over_k_sums_its_parts_in_order(split):
+    """With SPLIT_K each program sums a K slice; the parts are added in order, then scaled: the same
+    numbers up to the order of the fp32 sums, and the same bits run after run."""
+    from pdserve.common.engine.models import fp8_kernels
+
+    layer = fp8.Fp8Linear.quantize(make_layer(80, 256, True, 4).to(torch.bfloat16))
+    xq, x_scale = fp8.quantize_per_token(torch.randn(9, 256).to(torch.bfloat16))
+    tiles = {"BLOCK_N": 32, "BLOCK_M": 16, "BLOCK_K": 32, "SPLIT_K": split}
+    got = fp8_kernels.fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, torch.bfloat16, tiles)
+    want = fp8.emulated_fp8_mm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, torch.bfloat16)
+    torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-5)
+    assert torch.equal(got, fp8_kernels.fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias,
+                                                 torch.bfloat16, tiles))  # fmt: skip
+
+
 def test_an_fp8_linear_approximates_the_float_one():
     linear = make_layer(64, 128, True, 1)
     x = torch.randn(3, 7, 128)  # any leading dims

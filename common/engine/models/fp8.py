@@ -106,8 +106,9 @@ def _log_emulated(reason: str) -> None:
 # tested on the CPU (its epilogue interpreted) but has not run on a GPU yet.
 TENSORWISE_MAX_TOKENS = 0
 # Up to this many tokens the CUDA GEMM is fp8_kernels.fp8_gemm (one Triton launch, both scales and the
-# bias in its epilogue, bitwise the tensor-wise path's numbers). NOTE 0 (off) until measured on a GPU.
-TRITON_MAX_TOKENS = 0
+# bias in its epilogue). On an H200 at Llama-8B's shapes it beat row-wise cuBLASLt at 1-128 tokens on
+# every projection, and lost on gate_up at 256 (docs/benchmarks.md, "FP8 weights at decode").
+TRITON_MAX_TOKENS = 128
 
 
 @functools.cache

@@ -79,40 +79,68 @@ def scale_output(
 
 @triton.jit
 def _fp8_gemm_swapped(
-    w_ptr, x_ptr, sw_ptr, sx_ptr, bias_ptr, out_ptr, M, N, w_row_stride, x_row_stride, out_row_stride,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    w_ptr, x_ptr, sw_ptr, sx_ptr, bias_ptr, out_ptr, partial_ptr, M, N, w_row_stride, x_row_stride, out_row_stride,
+    K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     m_ok = offs_m < M
-    w_ptrs = w_ptr + offs_n[:, None] * w_row_stride + offs_k[None, :]
-    x_ptrs = x_ptr + offs_m[None, :] * x_row_stride + offs_k[:, None]
+    k_first = pid_k * (K // SPLIT_K)  # (fp8_gemm splits only where BLOCK_K divides each part)
+    w_ptrs = w_ptr + offs_n[:, None] * w_row_stride + (k_first + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[None, :] * x_row_stride + (k_first + offs_k)[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # K is a constexpr: a model has a few (hidden, intermediate), and a known trip count pipelines.
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + offs_k) < K
+    for k0 in range(0, K // SPLIT_K, BLOCK_K):
+        k_ok = (k_first + k0 + offs_k) < K
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
         acc = tl.dot(w, x, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    sx = tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)
-    sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=0.0)
-    y = acc * sx[None, :] * sw[:, None]  # (acc * sx) * sw: scale_output's order
+    ok = n_ok[:, None] & m_ok[None, :]
+    if SPLIT_K > 1:  # unscaled partial sums [SPLIT_K, M, N]; _sum_partials adds them and scales
+        tl.store(partial_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=ok)
+    else:
+        sx = tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)
+        sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=0.0)
+        y = acc * sx[None, :] * sw[:, None]  # (acc * sx) * sw: scale_output's order
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs_m[None, :] * out_row_stride + offs_n[:, None], y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _sum_partials(
+    partial_ptr, sx_ptr, sw_ptr, bias_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(SPLIT_K):  # in order: the same sums whatever order the parts finished in
+        acc += tl.load(partial_ptr + (s * M + row) * N + offs, mask=mask, other=0.0)
+    y = acc * tl.load(sx_ptr + row) * tl.load(sw_ptr + offs, mask=mask, other=0.0)
     if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + offs_m[None, :] * out_row_stride + offs_n[:, None]
-    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+        y += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def gemm_config(m: int, n: int, k: int) -> dict:
-    """Tile sizes and pipeline depth of fp8_gemm for an [m, k] x [n, k]^T product."""
-    return {"BLOCK_N": 64, "BLOCK_M": max(16, min(128, triton.next_power_of_2(m))), "BLOCK_K": 128,
-            "num_warps": 4, "num_stages": 4}  # fmt: skip
+    """Tile sizes, pipeline depth and K split of fp8_gemm for an [m, k] x [n, k]^T product.
+
+    NOTE the split depends on the weight's shape only, never on m: a CUDA graph's padded batch and
+    the eager batch then sum in the same order (the graph-vs-eager token tests rely on it)."""
+    # NOTE from bench/fp8_gemm.py's sweep on an H200 (docs/benchmarks.md): 64 weight rows a program; K in
+    # steps of 256 where the weight has few rows (o_proj, down_proj: more bytes in flight per program).
+    return {"BLOCK_N": 64, "BLOCK_M": max(16, min(128, triton.next_power_of_2(m))),
+            "BLOCK_K": 256 if n <= 4096 else 128, "SPLIT_K": 1, "num_warps": 4, "num_stages": 4}  # fmt: skip
 
 
 def fp8_gemm(
@@ -125,19 +153,33 @@ def fp8_gemm(
     config: dict | None = None,
 ) -> torch.Tensor:
     """(xq [M, K] * x_scale [M, 1]) @ (weight [N, K] * weight_scale [N])^T + bias, rounded once to
-    `dtype`, in one launch: an FP8 GEMM for few tokens with both scales and the bias in its epilogue.
+    `dtype`: an FP8 GEMM for few tokens with both scales and the bias in its epilogue, one launch
+    (two with a K split: unscaled partial sums, then their sum in order and the epilogue).
 
     Why swapped (each program computes a [BLOCK_N, BLOCK_M] tile of the output's transpose): with
     few tokens the token dimension is too short for the tensor cores' M side (64 on Hopper's wgmma),
     and the weight's rows are not; the weight, the bytes that bound a decode step, is read once per
-    BLOCK_M tokens (once in all up to 128)."""
+    BLOCK_M tokens (once in all up to 128). Why split K: a weight of few rows (o_proj, down_proj:
+    N = hidden) gives too few programs to keep every SM streaming, and each program also reads
+    all of x's K columns; a split gives each program a K slice of both."""
     m, k = xq.shape
     n = weight.shape[0]
     cfg = dict(config or gemm_config(m, n, k))
+    split = cfg.pop("SPLIT_K", 1)
+    if k % (split * cfg["BLOCK_K"]):
+        split = 1
     out = torch.empty(m, n, dtype=dtype, device=xq.device)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
+    bias_or_any = bias if bias is not None else weight_scale
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
     _fp8_gemm_swapped[grid](
-        weight, xq, weight_scale, x_scale, bias if bias is not None else weight_scale, out, m, n,
-        weight.stride(0), xq.stride(0), out.stride(0), K=k, HAS_BIAS=bias is not None, **cfg,
+        weight, xq, weight_scale, x_scale, bias_or_any, out, partial, m, n, weight.stride(0), xq.stride(0),
+        out.stride(0), K=k, SPLIT_K=split, HAS_BIAS=bias is not None, **cfg,
     )  # fmt: skip
+    if split > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _sum_partials[(m, triton.cdiv(n, block))](
+            partial, x_scale, weight_scale, bias_or_any, out, m, n, SPLIT_K=split, HAS_BIAS=bias is not None,
+            BLOCK=block,
+        )  # fmt: skip
     return out
