@@ -113,7 +113,9 @@ class EngineCore:
             self.close(kill=True)
             raise
         self.builder = BatchBuilder(self.runner.req_to_token_pool, self.config.page_size)
-        self.proposer = speculative.make_proposer(self.config)  # the role gives it to its scheduler, or None
+        # Speculative decoding's proposer, which the role gives its scheduler (None: off). A prefill server
+        # samples first tokens only: it never speculates, whatever the flags its decode servers share.
+        self.proposer = speculative.make_proposer(self.config) if kv_side is not KVSide.SENDER else None
         self.streams = self.runner.streams
         self.scheduler = None  # the role's: start() takes it
         self.in_flight = InFlight()
