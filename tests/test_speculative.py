@@ -1,6 +1,7 @@
 """Speculative decoding's parts (common/engine/speculative/): the n-gram proposer against a brute-force
 search, and the exact verification — a speculative loop over transformers' logits returns, seed for seed
-and with penalties, the tokens the plain sampler draws one step at a time. (Not yet in the engine's loop.)"""
+and with penalties, the tokens the plain sampler draws one step at a time. (In the engine's decode path:
+test_speculative_engine.py.)"""
 
 import random
 

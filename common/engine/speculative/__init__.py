@@ -1,3 +1,3 @@
-"""Speculative decoding's parts: proposers (ngram.py) and the exact verification (verify.py).
-
-Not yet wired into the decode loop: see docs/architecture.md, "Speculative decoding"."""
+"""Speculative decoding's device side: proposers (ngram.py), the exact verification (verify.py) and the
+verify step's engine half (step.py); the scheduling half is common/scheduling/speculation.py (see
+docs/architecture.md, "Speculative decoding")."""
