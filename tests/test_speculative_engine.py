@@ -349,3 +349,16 @@ def test_grammar_requests_are_not_speculated_and_share_the_verify_step(make_engi
 def test_speculative_set_ups_not_built_are_refused(tiny_models, flags, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model_path=tiny_models("llama"), device="cpu", **flags).resolve()
+
+
+def test_the_triton_kernels_run_the_verify_step(make_engine):
+    """The GPU path's attention (Triton's extend kernel over a request's last token and drafts; in
+    Triton's interpreter on CPU): the plain engine's tokens."""
+    p = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    triton = dict(BASE, attention_backend="triton", max_total_tokens=4096)
+    plain = make_engine("qwen3", **triton).generate(PROMPTS[:2], p)
+    engine = make_engine("qwen3", speculative="ngram", **triton)
+    engine.scheduler.speculation.proposer = Oracle(PROMPTS[:2], plain)
+    watch(engine)
+    assert [c.output_ids for c in engine.generate(PROMPTS[:2], p)] == [c.output_ids for c in plain]
+    assert_speculated(engine)
