@@ -140,6 +140,16 @@ def test_the_triton_gemm_split_over_k_sums_its_parts_in_order(split):
                                                  torch.bfloat16, tiles))  # fmt: skip
 
 
+def test_an_input_quantized_by_the_op_before_gives_the_layers_numbers():
+    """fp8.Fp8Input (what a fused norm or silu-and-multiply hands an FP8 layer on CUDA) skips the
+    layer's own quantization and nothing else."""
+    layer = fp8.Fp8Linear.quantize(make_layer(48, 80, True, 5).to(torch.bfloat16))
+    x = torch.randn(6, 80).to(torch.bfloat16)
+    given = fp8.Fp8Input(*fp8.quantize_per_token(x), torch.bfloat16)
+    assert given.shape == (6, 80) and given.device.type == "cpu"
+    assert torch.equal(layer(given), layer(x))
+
+
 def test_an_fp8_linear_approximates_the_float_one():
     linear = make_layer(64, 128, True, 1)
     x = torch.randn(3, 7, 128)  # any leading dims

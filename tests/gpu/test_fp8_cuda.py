@@ -103,3 +103,44 @@ def test_fp8_under_cuda_graphs_gives_the_eager_tokens(arch, triton_max_tokens, t
     unquantized = [c.output_ids for c in Engine(**kw).generate(cases, params)]
     assert unquantized != got, "FP8 gave bf16's tokens exactly: was it quantized?"
     assert graphed.is_idle() and eager.is_idle()
+
+
+@pytest.mark.parametrize("width", [64, 2048, 4096, 14336])
+def test_the_fused_fp8_inputs_are_bitwise_the_op_then_the_quantization(width):
+    """rmsnorm_fp8 / silu_mul_fp8 write the float8 row and scale that triton_ops' op followed by
+    quantize_per_token would: the same bits, so fusing them changes no token."""
+    from pdserve.common.engine.models import fp8_kernels, triton_ops
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(70, width, device="cuda", generator=g).bfloat16() * 3
+    x[5] = 0.0  # a padded row
+    weight = torch.rand(width, device="cuda", generator=g).bfloat16() + 0.5
+    for residual in (None, torch.randn(70, width, device="cuda", generator=g).bfloat16()):
+        want_res = None if residual is None else residual.clone()
+        got_res = None if residual is None else residual.clone()
+        want = fp8_kernels.quantize_per_token(triton_ops.rmsnorm(x, weight, 1e-5, want_res), fp8.MIN_AMAX)
+        got = fp8_kernels.rmsnorm_fp8(x, weight, 1e-5, got_res, fp8.MIN_AMAX)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert residual is None or torch.equal(got_res, want_res)
+    gate_up = torch.randn(70, 2 * width, device="cuda", generator=g).bfloat16() * 4
+    want = fp8_kernels.quantize_per_token(triton_ops.silu_mul(gate_up), fp8.MIN_AMAX)
+    got = fp8_kernels.silu_mul_fp8(gate_up, fp8.MIN_AMAX)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+
+
+def test_the_fused_fp8_inputs_change_no_token(tiny_models):
+    """A Llama served FP8 with its norms and silu-and-multiply writing float8 against the same engine
+    with them writing bf16 (quantized by each layer): the same tokens and logprobs."""
+    rng = random.Random(4)
+    cases = [[0] + [rng.randrange(5, 512) for _ in range(rng.randrange(1, 90))] for _ in range(16)]
+    params = SamplingParams(max_new_tokens=12, temperature=0, logprobs=0)
+    kw = dict(model_path=tiny_models("llama"), device="cuda", dtype="bfloat16", max_total_tokens=16384,
+              quantization="fp8", disable_cuda_graph=True, prefill_cuda_graph_max_tokens=0)  # fmt: skip
+    fused, unfused = Engine(**kw), Engine(**kw)
+    layers = unfused.runner.model.model.layers
+    assert all(la.input_layernorm.fp8_out and la.post_attention_layernorm.fp8_out and la.mlp.fp8_down for la in layers)
+    for layer in layers:
+        layer.input_layernorm.fp8_out = layer.post_attention_layernorm.fp8_out = layer.mlp.fp8_down = False
+    got, want = fused.generate(cases, params), unfused.generate(cases, params)
+    assert [c.output_ids for c in got] == [c.output_ids for c in want]
+    assert [[lp.logprob for lp in c.logprobs] for c in got] == [[lp.logprob for lp in c.logprobs] for c in want]

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -80,7 +81,7 @@ def channel_scales(stored: torch.Tensor, rows: int) -> torch.Tensor:
     return flat
 
 
-def scaled_mm_refusal(x: torch.Tensor, weight: torch.Tensor) -> str:
+def scaled_mm_refusal(x: "torch.Tensor | Fp8Input", weight: torch.Tensor) -> str:
     """Why torch._scaled_mm cannot run x @ weight^T here; "" when it can. Shapes and dtypes only:
     the answer is the same at capture and at every replay."""
     if x.device.type == "cpu":
@@ -127,25 +128,48 @@ def tensorwise_fp8_mm(
     return fp8_kernels.scale_output(acc, x_scale, weight_scale, bias, out_dtype)
 
 
+class Fp8Input(NamedTuple):
+    """A 2-D layer input already quantized per token by the op that made it (fp8_kernels.rmsnorm_fp8,
+    silu_mul_fp8: the numbers of quantize_per_token on the row that op would have written): the
+    float8 rows [M, K], their fp32 scales [M, 1], and the model dtype of the row (the output's)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+    x: "torch.Tensor | Fp8Input", weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x @ dequant(weight)^T + bias in x's dtype, x quantized per token (module docstring)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.is_cuda:
-        # One Triton launch, the same numbers as quantize_per_token's six torch ops (fp8_kernels.py).
-        from pdserve.common.engine.models import fp8_kernels
-
-        xq, x_scale = fp8_kernels.quantize_per_token(x2, MIN_AMAX)
+    if isinstance(x, Fp8Input):
+        (xq, x_scale), rows = (x.q, x.scale), x.q
     else:
-        xq, x_scale = quantize_per_token(x2)
-    reason = scaled_mm_refusal(x2, weight)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.is_cuda:
+            # One Triton launch, the same numbers as quantize_per_token's six torch ops (fp8_kernels.py).
+            from pdserve.common.engine.models import fp8_kernels
+
+            xq, x_scale = fp8_kernels.quantize_per_token(rows, MIN_AMAX)
+        else:
+            xq, x_scale = quantize_per_token(rows)
+    reason = scaled_mm_refusal(x, weight)
     if reason:
         _log_emulated(reason)
         out = emulated_fp8_mm(xq, x_scale, weight, weight_scale, bias, x.dtype)
-    elif x2.is_cuda and x2.shape[0] <= TRITON_MAX_TOKENS:
+    elif rows.is_cuda and rows.shape[0] <= TRITON_MAX_TOKENS:
+        from pdserve.common.engine.models import fp8_kernels
+
         out = fp8_kernels.fp8_gemm(xq, x_scale, weight, weight_scale, bias, x.dtype)
-    elif x2.is_cuda and x2.shape[0] <= TENSORWISE_MAX_TOKENS:
+    elif rows.is_cuda and rows.shape[0] <= TENSORWISE_MAX_TOKENS:
         out = tensorwise_fp8_mm(xq, x_scale, weight, weight_scale, bias, x.dtype)
     else:
         # NOTE: mat2 must be column-major: the [N, K] weight's transpose is, as a view.

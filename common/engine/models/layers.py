@@ -29,12 +29,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.fused = False  # one Triton kernel instead of HF's seven ops (see fuse_model)
+        # Fused, and read by FP8 linear layers only: the kernel writes their float8 input (fp8.Fp8Input).
+        self.fp8_out = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, also the residual stream: (norm(x + residual), x + residual).
 
         The fused kernel updates `residual` in place; the eager path returns a new tensor.
         """
+        if self.fp8_out and x.dim() == 2:
+            from pdserve.common.engine.models import fp8, fp8_kernels
+
+            out = fp8.Fp8Input(*fp8_kernels.rmsnorm_fp8(x, self.weight, self.eps, residual, fp8.MIN_AMAX), x.dtype)
+            return out if residual is None else (out, residual)
         if self.fused and x.dim() == 2:
             out = triton_ops().rmsnorm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from pdserve.common.engine.attention.base import AttentionBackend
 from pdserve.common.engine.batch import ForwardBatch
+from pdserve.common.engine.models import fp8
 from pdserve.common.engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, merge_linears, triton_ops
 from pdserve.common.engine.models.parallel import (
     ColumnParallelLinear,
@@ -139,15 +140,22 @@ class GatedMLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(a.hidden, [part], bias=a.mlp_bias)
         self.up_proj = ColumnParallelLinear(a.hidden, [part], bias=a.mlp_bias)
         self.down_proj = RowParallelLinear(part, a.hidden, bias=a.mlp_bias, tp=tp)
+        self.fp8_down = False  # fused, with an FP8 down_proj: silu-and-multiply writes its float8 input
 
     def fuse(self) -> None:
         """gate and up as one GEMM, then one silu-and-multiply kernel."""
         self.gate_up_proj = merge_linears(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
+        self.fp8_down = isinstance(self.down_proj, fp8.Fp8Linear)
 
     def forward(self, x):
         if hasattr(self, "gate_up_proj"):
-            return self.down_proj(triton_ops().silu_mul(self.gate_up_proj(x)))
+            gate_up = self.gate_up_proj(x)
+            if self.fp8_down:
+                from pdserve.common.engine.models import fp8_kernels
+
+                return self.down_proj(fp8.Fp8Input(*fp8_kernels.silu_mul_fp8(gate_up, fp8.MIN_AMAX), gate_up.dtype))
+            return self.down_proj(triton_ops().silu_mul(gate_up))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -196,6 +204,9 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse()
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 norm.fused = True
+            # Each norm's output is read by one (merged) projection: an FP8 one takes it in float8.
+            layer.input_layernorm.fp8_out = isinstance(layer.self_attn.qkv_proj, fp8.Fp8Linear)
+            layer.post_attention_layernorm.fp8_out = isinstance(layer.mlp.gate_up_proj, fp8.Fp8Linear)
         self.model.norm.fused = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
