@@ -135,12 +135,18 @@ def _sum_partials(
 def gemm_config(m: int, n: int, k: int) -> dict:
     """Tile sizes, pipeline depth and K split of fp8_gemm for an [m, k] x [n, k]^T product.
 
+    From bench/fp8_gemm.py's sweep at Llama-8B's projections on an H200 (docs/benchmarks.md, "FP8
+    weights at decode"): 64 weight rows a program; K in steps of 256 unless the weight has many rows
+    (gate_up: programs enough, smaller steps); K split in two where it is long and the rows few
+    (down_proj: 64 programs otherwise, each reading all of x's 14336 columns).
+
     NOTE the split depends on the weight's shape only, never on m: a CUDA graph's padded batch and
     the eager batch then sum in the same order (the graph-vs-eager token tests rely on it)."""
-    # NOTE from bench/fp8_gemm.py's sweep on an H200 (docs/benchmarks.md): 64 weight rows a program; K in
-    # steps of 256 where the weight has few rows (o_proj, down_proj: more bytes in flight per program).
+    many_rows = n > 8192
+    stages, warps = (3, 8) if many_rows and m <= 64 else (4, 4)
     return {"BLOCK_N": 64, "BLOCK_M": max(16, min(128, triton.next_power_of_2(m))),
-            "BLOCK_K": 256 if n <= 4096 else 128, "SPLIT_K": 1, "num_warps": 4, "num_stages": 4}  # fmt: skip
+            "BLOCK_K": 128 if many_rows else 256, "SPLIT_K": 2 if k >= 8192 and not many_rows else 1,
+            "num_stages": stages, "num_warps": warps}  # fmt: skip
 
 
 def fp8_gemm(
