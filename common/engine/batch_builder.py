@@ -103,12 +103,15 @@ class BatchBuilder:
         page_table: list[int] = []  # every request's pages, back to back
         page_base, extend_lens, extend_starts = [], [], []
         num_tokens = 0
-        drafts = batch.drafts or [[]] * batch.batch_size
-        for req, start, end, drafted in zip(batch.reqs, batch.starts, batch.ends, drafts):
+        for i, (req, start, end) in enumerate(zip(batch.reqs, batch.starts, batch.ends)):
             extend_starts.append(num_tokens)
             num_tokens += end - start
-            known = req.prompt_ids if end <= len(req.prompt_ids) else req.fill_ids() + drafted
-            ids += known[start:end]
+            if batch.drafts is not None:  # a verify step: the last token, then the drafts (no fill_ids copy)
+                ids.append((req.output_ids or req.prompt_ids)[-1])
+                ids += batch.drafts[i]
+            else:
+                known = req.prompt_ids if end <= len(req.prompt_ids) else req.fill_ids()
+                ids += known[start:end]
             page_base.append(len(page_table))
             page_table += req.pages
             extend_lens.append(end - start)
