@@ -100,7 +100,7 @@ class BatchBuilder:
         # tens of thousands of tokens, too many for per-token Python.
         page = self.page_size
         ids: list[int] = []
-        page_table: list[int] = []  # every request's pages, back to back
+        page_table: list[int] = []  # the pages of each request's span, back to back
         page_base, extend_lens, extend_starts = [], [], []
         num_tokens = 0
         for i, (req, start, end) in enumerate(zip(batch.reqs, batch.starts, batch.ends)):
@@ -112,8 +112,10 @@ class BatchBuilder:
             else:
                 known = req.prompt_ids if end <= len(req.prompt_ids) else req.fill_ids()
                 ids += known[start:end]
-            page_base.append(len(page_table))
-            page_table += req.pages
+            # Only the pages of positions [start, end): a verify step's or a late chunk's few, not all
+            first_page = start // page
+            page_base.append(len(page_table) - first_page)
+            page_table += req.pages[first_page : (end - 1) // page + 1]
             extend_lens.append(end - start)
         lens = np.asarray(extend_lens, dtype=np.int64)
         first = np.asarray(batch.starts, dtype=np.int64)
