@@ -105,10 +105,17 @@ def test_fp8_under_cuda_graphs_gives_the_eager_tokens(arch, triton_max_tokens, t
     assert graphed.is_idle() and eager.is_idle()
 
 
+def float8_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable float8_e4m3fn values lie between a and b, elementwise (same-sign
+    values: the bit patterns are ordered like the magnitudes)."""
+    return (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
+
+
 @pytest.mark.parametrize("width", [64, 2048, 4096, 14336])
-def test_the_fused_fp8_inputs_are_bitwise_the_op_then_the_quantization(width):
+def test_the_fused_fp8_inputs_are_the_op_then_the_quantization(width):
     """rmsnorm_fp8 / silu_mul_fp8 write the float8 row and scale that triton_ops' op followed by
-    quantize_per_token would: the same bits, so fusing them changes no token."""
+    quantize_per_token would: silu_mul's bit for bit; rmsnorm's up to the order of its sum of squares
+    (one float8 step on a few values at most)."""
     from pdserve.common.engine.models import fp8_kernels, triton_ops
 
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -120,7 +127,10 @@ def test_the_fused_fp8_inputs_are_bitwise_the_op_then_the_quantization(width):
         got_res = None if residual is None else residual.clone()
         want = fp8_kernels.quantize_per_token(triton_ops.rmsnorm(x, weight, 1e-5, want_res), fp8.MIN_AMAX)
         got = fp8_kernels.rmsnorm_fp8(x, weight, 1e-5, got_res, fp8.MIN_AMAX)
-        assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+        torch.testing.assert_close(got[1], want[1], rtol=2e-7, atol=0)
+        steps = float8_steps_apart(got[0], want[0])
+        print(f"width {width}, residual {residual is not None}: {int((steps > 0).sum())} of {steps.numel()} apart")
+        assert steps.max() <= 1 and (steps > 0).float().mean() < 1e-3
         assert residual is None or torch.equal(got_res, want_res)
     gate_up = torch.randn(70, 2 * width, device="cuda", generator=g).bfloat16() * 4
     want = fp8_kernels.quantize_per_token(triton_ops.silu_mul(gate_up), fp8.MIN_AMAX)
@@ -130,7 +140,8 @@ def test_the_fused_fp8_inputs_are_bitwise_the_op_then_the_quantization(width):
 
 def test_the_fused_fp8_inputs_change_no_token(tiny_models):
     """A Llama served FP8 with its norms and silu-and-multiply writing float8 against the same engine
-    with them writing bf16 (quantized by each layer): the same tokens and logprobs."""
+    with them writing bf16 (quantized by each layer): the same tokens and logprobs (this tiny model's
+    rows are 64 wide: its norms reduce in the same order either way)."""
     rng = random.Random(4)
     cases = [[0] + [rng.randrange(5, 512) for _ in range(rng.randrange(1, 90))] for _ in range(16)]
     params = SamplingParams(max_new_tokens=12, temperature=0, logprobs=0)

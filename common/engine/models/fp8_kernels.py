@@ -193,9 +193,10 @@ def fp8_gemm(
 
 # The FP8 layers' inputs made by the op before them, quantized as they are written: one launch where
 # the op and quantize_per_token took two, and the bf16 row is never stored (a Llama-8B decode step at
-# batch 64 spent 0.54 of its 4.1 ms in quantize_per_token, H200). Each computes exactly the rounded
-# model-dtype row the op writes (triton_ops.rmsnorm, triton_ops.silu_mul), then quantize_per_token's
-# numbers on it, so the float8 bits and the scales are those of the two launches.
+# batch 64 spent 0.54 of its 4.1 ms in quantize_per_token, H200). Each computes the rounded model-dtype
+# row the op writes (triton_ops.rmsnorm, triton_ops.silu_mul), then quantize_per_token's numbers on it:
+# the bits of the two launches, but for rmsnorm's sum of squares, which Triton may reduce in another
+# order here (a last-bit change of the variance can move a value by one float8 step).
 
 
 @triton.jit
@@ -237,11 +238,13 @@ def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
     if rows:
         assert x.stride(1) == 1 and (residual is None or (residual.stride(1) == 1 and residual.dtype == x.dtype))
         r = residual if residual is not None else x
-        # NOTE triton_ops.rmsnorm's 4 warps (Triton's default): another count sums the squares in
-        # another order, and a last-bit change of the variance moves some float8 values (seen at 4096).
+        block = triton.next_power_of_2(n)
+        # NOTE triton_ops.rmsnorm's warps. Still, the sum of squares may be reduced in another order
+        # than its kernel's (the layout Triton picks depends on the whole kernel): at width 4096 on an
+        # H200 a few values came out one float8 step apart (tests/gpu/test_fp8_cuda.py bounds it).
         _rmsnorm_fp8[(rows,)](
             x, r, q, scale, weight, x.stride(0), r.stride(0), n, eps, min_amax, HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(n), num_warps=4,
+            BLOCK=block, num_warps=min(max(block // 256, 1), 8),
         )  # fmt: skip
     return q, scale
 
