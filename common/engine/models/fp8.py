@@ -16,21 +16,21 @@ load (`channel_scales`). Activations are scaled dynamically, never from a calibr
 load, and nothing a batch of outliers can saturate.
 
 Where the GEMM runs (`fp8_linear`):
-    CUDA      torch._scaled_mm (cuBLASLt) when K and N are multiples of 16 and the model dtype is
-              bfloat16 (row-wise scales need both); otherwise the emulated path, logged once
+    CUDA      when K and N are multiples of 16 and the model dtype is bfloat16 (row-wise scales need
+              both): up to TRITON_MAX_TOKENS tokens fp8_kernels.fp8_gemm (one Triton launch, both
+              scales and the bias in its epilogue), above it torch._scaled_mm (cuBLASLt, row-wise
+              scales); otherwise the emulated path, logged once
     CPU       torch._scaled_mm as well: torch's CPU kernel takes float8 with row-wise scales and
               computes the emulated path's numbers (dequantize, fp32 matmul), tested equal
     emulated  dequantize xq and Wq to fp32, matmul in fp32, add the bias, round to the model dtype
-On CUDA the per-token quantization is one Triton kernel (fp8_kernels.py), bitwise the torch ops'.
+On CUDA the per-token quantization is one Triton kernel (fp8_kernels.py), bitwise the torch ops', or
+done by the op before the layer (an Fp8Input: the fused Llama path's norms and silu-and-multiply).
 
-NOTE: cuBLASLt's row-wise scaled kernels are not its fastest at decode shapes. On an H200 (torch
-2.11, CUDA 13), replayed from a CUDA graph at batch 64: Llama-8B's down_proj 37 us row-wise, 18 us
-tensor-wise, 37 us in bf16; Llama-1B's 22, 9 and 11 us. So up to TENSORWISE_MAX_TOKENS tokens (0
-for now: not yet measured) the CUDA GEMM runs tensor-wise with unit scales into fp32 sums, and one
-Triton epilogue applies both scales and the bias and rounds once (fp8_kernels.scale_output): the same
-numbers, up to the order of fp32 products. Above it, where the fp32 sums would be more bytes than
-the epilogue saves, row-wise. `python -m pdserve.bench.fp8_gemm` times the three (bf16, row-wise,
-tensor-wise) at the models' shapes; the threshold is to be set from it (not yet measured on a GPU).
+NOTE: cuBLASLt's row-wise scaled kernels are not its fastest at decode shapes. On an H200, replayed
+from a CUDA graph at Llama-8B's shapes and 64 tokens (quantization included): down_proj 45 us
+row-wise, 29 us tensor-wise (unit scales into fp32 sums + fp8_kernels.scale_output), 28 us with the
+Triton GEMM at its swept tiles, 37 us in bf16 (docs/benchmarks.md, "FP8 weights at decode"). The
+tensor-wise path (TENSORWISE_MAX_TOKENS, 0: off) stays for bench/fp8_gemm.py's comparison.
 
 Nothing here syncs with the host (no .item(), no data-dependent shapes): it runs inside captured
 CUDA graphs. What is quantized: every nn.Linear of the model, which is the transformer blocks'
@@ -103,8 +103,8 @@ def _log_emulated(reason: str) -> None:
     log.warning("FP8 linear layers run emulated (dequantize + fp32 matmul, slow): %s", reason)
 
 
-# NOTE 0 (off) until bench/fp8_gemm.py has measured the crossover on a GPU: the tensor-wise path is
-# tested on the CPU (its epilogue interpreted) but has not run on a GPU yet.
+# 0 (off): measured on an H200 (bench/fp8_gemm.py), the Triton GEMM below matched or beat it wherever it beat
+# row-wise (1-128 tokens); kept for the bench's comparison.
 TENSORWISE_MAX_TOKENS = 0
 # Up to this many tokens the CUDA GEMM is fp8_kernels.fp8_gemm (one Triton launch, both scales and the
 # bias in its epilogue). On an H200 at Llama-8B's shapes it beat row-wise cuBLASLt at 1-128 tokens on
