@@ -63,6 +63,28 @@ def test_scattered_host_slots_copy_run_by_run():
         assert torch.equal(page_of(pool, p), page_of(pool, q))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_launch_copy_moves_what_the_index_copies_do(dtype, monkeypatch):
+    """On a GPU one kernel reads and writes the pinned host pages directly (copy_host_pages; here in
+    Triton's interpreter over CPU memory): the same bytes as the index copies, pages out of order,
+    nothing else written."""
+    pool, by_index = device_pool(dtype=dtype), HostKVPool(8, device_pool(dtype=dtype))
+    direct = HostKVPool(8, pool)
+    monkeypatch.setattr(direct, "_direct", lambda device: True)
+    slots, source = [5, 0, 6, 2], [9, 3, 14, 1]
+    before = direct.pages.clone()
+    direct.store(pool, source, slots)
+    by_index.store(pool, source, slots)
+    assert torch.equal(direct.pages, by_index.pages)
+    untouched = [s for s in range(8) if s not in slots]
+    assert torch.equal(direct.pages[untouched], before[untouched])
+    others = page_of(pool, 12).clone()
+    direct.load(pool, slots[::-1], [4, 11, 13, 7])
+    for p, q in zip([4, 11, 13, 7], source[::-1]):
+        assert torch.equal(page_of(pool, p), page_of(pool, q))
+    assert torch.equal(page_of(pool, 12), others)
+
+
 def test_sizing_and_refusals():
     pool = device_pool()
     page_bytes = pool.bytes_per_token() * pool.page_size

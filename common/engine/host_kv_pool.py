@@ -12,9 +12,12 @@ store and load: common/scheduling/radix_cache.py).
 Layout: one host page is every layer's K and V of one device page, contiguous
 ([layers, 2, kv_heads, page_size, head_dim]), so moving n pages is one copy of n pages' bytes
 between the device and the host, not one small copy per page per layer (the device pool keeps each
-layer's K and V head-major: a page is kv_heads strided runs there). On the device the pages are
-gathered into (or scattered from) a staging tensor in that layout; on the CPU the copies are plain
-index copies.
+layer's K and V head-major: a page is kv_heads strided runs there). On a GPU one Triton launch moves
+any number of pages, every layer, K and V, and head, reading or writing the pinned host pages
+directly (mapped memory: common/kv_transfer/page_copy_kernel.py `copy_host_pages`); it was a gather
+or scatter per layer and per K/V plus a bulk copy (32 launches for a Llama-1B load whatever its size:
+14.5 GB/s for 16 pages, 1.2 for one, against the bus's 55: docs/benchmarks.md). On the CPU the
+copies are plain index copies.
 
 NOTE copies run on `stream` when one is given (a side stream, so a load overlaps the running
 batch): that stream must first wait for the one that wrote the pages being stored, and the caller
@@ -52,6 +55,7 @@ class HostKVPool:
         on_gpu = like.k_storage[0].is_cuda
         self.stream = torch.cuda.Stream(like.k_storage[0].device) if on_gpu else None  # loads: load_async
         self.stats = {"load_bytes": 0, "load_s": 0.0, "store_bytes": 0, "store_s": 0.0}
+        self._tables = None  # (device pool, host table, pool table): copy_host_pages' addresses
         self._timing: list[tuple[str, int, object, object]] = []  # (direction, bytes, start, end) in flight
 
     @classmethod
@@ -105,9 +109,12 @@ class HostKVPool:
         self._check(device, device_pages, slots)
         with _on(stream):
             start = self._start("store")
-            staged = self._gather(device, device_pages)
-            for at, begin, stop in _runs(slots):  # one copy per run of consecutive slots
-                self.pages[begin:stop].copy_(staged[at : at + stop - begin], non_blocking=True)
+            if self._direct(device):
+                self._copy_direct(device, slots, device_pages, to_host=True)
+            else:
+                staged = self._gather(device, device_pages)
+                for at, begin, stop in _runs(slots):  # one copy per run of consecutive slots
+                    self.pages[begin:stop].copy_(staged[at : at + stop - begin], non_blocking=True)
             return self._end("store", len(slots), start)
 
     def load(self, device: PagedKVPool, slots: list[int], device_pages: list[int], stream=None):
@@ -116,11 +123,14 @@ class HostKVPool:
         self._check(device, device_pages, slots)
         with _on(stream):
             start = self._start("load")
-            target = device.k_storage[0].device
-            staged = torch.empty((len(slots), *self.page_shape), dtype=self.dtype, device=target)
-            for at, begin, stop in _runs(slots):
-                staged[at : at + stop - begin].copy_(self.pages[begin:stop], non_blocking=True)
-            self._scatter(device, staged, device_pages)
+            if self._direct(device):
+                self._copy_direct(device, slots, device_pages, to_host=False)
+            else:
+                target = device.k_storage[0].device
+                staged = torch.empty((len(slots), *self.page_shape), dtype=self.dtype, device=target)
+                for at, begin, stop in _runs(slots):
+                    staged[at : at + stop - begin].copy_(self.pages[begin:stop], non_blocking=True)
+                self._scatter(device, staged, device_pages)
             return self._end("load", len(slots), start)
 
     def load_async(self, device: PagedKVPool, slots: list[int], device_pages: list[int]):
@@ -151,6 +161,27 @@ class HostKVPool:
         return end
 
     # ---- device side ---------------------------------------------------------------------------
+
+    def _direct(self, device: PagedKVPool) -> bool:
+        """One kernel moves the pages (pinned host pages, a GPU pool, whole 32-bit words a head's page)."""
+        head_page_bytes = device.page_size * device.head_dim * self.pages.element_size()
+        return self.stream is not None and self.pages.is_pinned() and head_page_bytes % 4 == 0
+
+    def _copy_direct(self, device: PagedKVPool, slots: list[int], device_pages: list[int], to_host: bool) -> None:
+        from pdserve.common.kv_transfer.page_copy_kernel import address_table, copy_host_pages
+
+        if self._tables is None or self._tables[0] is not device:
+            buffers = [b for pair in zip(device.k_storage, device.v_storage) for b in pair]  # layer 0 K, V, ...
+            head_page_bytes = device.page_size * device.head_dim * self.pages.element_size()
+            base = self.pages.data_ptr()
+            host = [base + b * device.kv_heads * head_page_bytes for b in range(len(buffers))]
+            host_table = torch.tensor(host, dtype=torch.int64, device=buffers[0].device)
+            self._tables = (device, host_table, address_table(buffers), head_page_bytes)
+        _, host_table, pool_table, head_page_bytes = self._tables
+        index = h2d_array(np.array([slots, device_pages], dtype=np.int64), pool_table.device)
+        copy_host_pages(
+            host_table, pool_table, index[0], index[1], device.kv_heads, device.num_pages, head_page_bytes, to_host
+        )
 
     def _gather(self, device: PagedKVPool, pages: list[int]) -> torch.Tensor:
         """[n, layers, 2, heads, page, dim]: the pages, in this pool's layout, on the device."""

@@ -34,6 +34,8 @@ def _copy_pages_kernel(
     dst_head0,  # where it lands in the destination's
     src_head_words,  # words between two heads of a source buffer (its pages * WORDS)
     dst_head_words,
+    src_page_words,  # words between two pages of a source buffer's head (WORDS in a pool)
+    dst_page_words,
     WORDS: tl.constexpr,  # 32-bit words in one head's page
     BLOCK: tl.constexpr,
 ):
@@ -43,8 +45,8 @@ def _copy_pages_kernel(
     head = (buffer_head % num_heads).to(tl.int64)
     src = tl.load(src_table + buffer).to(tl.pointer_type(tl.int32))
     dst = tl.load(dst_table + buffer).to(tl.pointer_type(tl.int32))
-    src = src + (src_head0 + head) * src_head_words + tl.load(src_pages + page) * WORDS
-    dst = dst + (dst_head0 + head) * dst_head_words + tl.load(dst_pages + page) * WORDS
+    src = src + (src_head0 + head) * src_head_words + tl.load(src_pages + page) * src_page_words
+    dst = dst + (dst_head0 + head) * dst_head_words + tl.load(dst_pages + page) * dst_page_words
     for start in range(0, WORDS, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         mask = offsets < WORDS
@@ -87,6 +89,54 @@ def copy_pages_fused(
         dst_heads.start,
         src_num_pages * words,
         dst_num_pages * words,
+        words,
+        words,
+        WORDS=words,
+        BLOCK=min(1024, triton.next_power_of_2(words)),
+    )
+
+
+def copy_host_pages(
+    host_table: torch.Tensor,
+    pool_table: torch.Tensor,
+    host_pages: torch.Tensor,
+    pool_pages: torch.Tensor,
+    num_heads: int,
+    pool_num_pages: int,
+    head_page_bytes: int,
+    to_host: bool,
+) -> None:
+    """Pages between a device pool (buffers [heads, pages, head page bytes]) and a host tier whose page
+    holds every buffer's heads contiguously ([buffers, heads, head page bytes]: common/engine/
+    host_kv_pool.py), in one launch on the current stream: the kernel reads or writes the pinned host
+    pages directly (mapped memory: one address for the host and the device), so a load or a store of
+    any number of pages is one page-index upload and one launch, not a gather or scatter per buffer.
+    `host_table[b]` is the address of buffer b's first head in host page 0; `to_host`: pool -> host."""
+    if head_page_bytes % 4:
+        raise ValueError(f"a head's page is {head_page_bytes} bytes, not whole 32-bit words")
+    if host_pages.numel() != pool_pages.numel() or host_table.numel() != pool_table.numel():
+        raise ValueError(f"{host_pages.numel()} host pages, {pool_pages.numel()} pool pages")
+    if host_pages.numel() == 0:
+        return
+    words = head_page_bytes // 4
+    host_page_words = host_table.numel() * num_heads * words  # a host page: every buffer's heads
+    host = (host_table, host_pages, words, host_page_words)
+    pool = (pool_table, pool_pages, pool_num_pages * words, words)
+    (src_table, src_pages, src_head, src_page), (dst_table, dst_pages, dst_head, dst_page) = (
+        (pool, host) if to_host else (host, pool)
+    )
+    _copy_pages_kernel[(host_pages.numel(), host_table.numel() * num_heads)](
+        src_table,
+        dst_table,
+        src_pages,
+        dst_pages,
+        num_heads,
+        0,
+        0,
+        src_head,
+        dst_head,
+        src_page,
+        dst_page,
         WORDS=words,
         BLOCK=min(1024, triton.next_power_of_2(words)),
     )

@@ -1,20 +1,22 @@
 """The host KV tier's page pool on a GPU: pinned host pages, copies on a side stream that complete
 with the returned event, pages exact after the round trip."""
 
+import pytest
 import torch
 
 from pdserve.common.engine.host_kv_pool import HostKVPool
 from pdserve.common.engine.kv_pool import PagedKVPool
 
 
-def test_pages_round_trip_on_a_side_stream():
-    pool = PagedKVPool(64, 16, 4, 8, 64, torch.bfloat16, "cuda")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_pages_round_trip_on_a_side_stream(dtype):
+    pool = PagedKVPool(64, 16, 4, 8, 64, dtype, "cuda")
     for b in [*pool.k_storage, *pool.v_storage]:
-        b.copy_(torch.randn(b.shape, device="cuda").to(torch.bfloat16))
+        b.copy_(torch.randn(b.shape, device="cuda").to(dtype))
     host = HostKVPool(32, pool)
-    assert host.pages.is_pinned()
+    assert host.pages.is_pinned() and host._direct(pool)  # one kernel on the mapped host pages
     source, slots = [5, 6, 7, 40, 2], [10, 11, 12, 3, 30]
-    views = [b.view(8, 64, 16, 64) for b in [*pool.k_storage, *pool.v_storage]]
+    views = [b.view(torch.uint8).view(8, 64, 16, 64 * b.element_size()) for b in [*pool.k_storage, *pool.v_storage]]
     before = [v[:, source].clone() for v in views]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())  # the pages were written on the current stream
