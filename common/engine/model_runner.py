@@ -31,6 +31,7 @@ from pdserve.common.engine.overlap import DeviceStreams, ForwardResult, FutureMa
 from pdserve.common.engine.prefill_graph import PrefillGraphRunner
 from pdserve.common.engine.prompt_logprobs import score_prompt
 from pdserve.common.engine.sampling import SampleOutput, SamplingBatchInfo, sample
+from pdserve.common.engine.speculative.verify_graph import capture_verify_graphs
 from pdserve.common.engine.tp import TPGroup
 from pdserve.common.kv_transfer.base import KVSide
 from pdserve.common.model_checks import model_kv_heads_of
@@ -118,6 +119,10 @@ class ModelRunner:
         self.prefill_graphs = self._capture_prefill_graphs() if prefill_graphs else None
         if self.prefill_graphs is not None:
             startup.mark("prefill_graphs")
+        # (a prefill server samples first tokens only: it never speculates)
+        self.verify_graphs = capture_verify_graphs(self, bool(config.speculative) and kv_side is not KVSide.SENDER)
+        if self.verify_graphs is not None:
+            startup.mark("verify_graphs")
 
     def _kv_scales(self, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The FP8 KV cache's scales: the checkpoint's, else calibrated now (before any graph is
@@ -135,7 +140,7 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Free the CUDA graphs (their memory pool included), once nothing will replay them: under
         TP before the NCCL communicators they captured are destroyed (tp_worker.py)."""
-        self.cuda_graphs = self.prefill_graphs = None
+        self.cuda_graphs = self.prefill_graphs = self.verify_graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             gc.collect()
@@ -154,11 +159,13 @@ class ModelRunner:
         start = time.perf_counter()
         longest = min(self.req_to_token_pool.context_len, max(chunk_tokens, 1))
         shapes = [[1], [7], [16], [5, 27], [64, 64, 48], [min(1024, longest)] * max(1, min(chunk_tokens // 1024, 256))]
-        for lens in shapes:
+        verify = [[1 + self.config.num_speculative_tokens] * 3] if self.config.speculative else []
+        for i, lens in enumerate(shapes + verify):  # (and an eager verify step's: every position sampled)
             lens = [min(n, longest) for n in lens]
             batch = self._dummy_extend(lens)
+            batch.verify = i >= len(shapes)
             logits = self.forward(batch, batch.input_ids)
-            sample(logits, SamplingBatchInfo.plain_greedy(len(lens), self.vocab_size))
+            sample(logits, SamplingBatchInfo.plain_greedy(logits.shape[0], self.vocab_size))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
@@ -362,14 +369,12 @@ class ModelRunner:
 
     def _logits(self, batch: ForwardBatch, scored: list | None = None) -> torch.Tensor:
         """Next-token logits of `batch`: a graph replay where one fits, else eager (always when it
-        scores prompt tokens: `scored` gets their PromptLogprobs). Call on the forward stream."""
-        # NOTE the graphs return each request's last logits only: a verify step (every position's) runs
-        # eagerly (TODO: verify graphs at the captured batch sizes).
-        graphs = batch.prompt_logprob_index is None and not batch.verify
-        if graphs and self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
-            return self.cuda_graphs.replay(batch)  # resolves placeholders inside the graph
-        if graphs and self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
-            return self.prefill_graphs.replay(batch)
+        scores prompt tokens: `scored` gets their PromptLogprobs). Call on the forward stream. Decode
+        graphs resolve placeholders inside the graph; verify graphs keep every position's logits."""
+        if batch.prompt_logprob_index is None:
+            for graphs in (self.cuda_graphs, self.verify_graphs, self.prefill_graphs):
+                if graphs is not None and graphs.can_run(batch):
+                    return graphs.replay(batch)
         input_ids = self.future_map.resolve(batch.input_ids) if batch.has_placeholders else batch.input_ids
         return self.forward(batch, input_ids, scored)
 
