@@ -16,7 +16,7 @@ from typing import Any
 
 from pdserve.common import gguf_checkpoint
 from pdserve.common.model_checks import check_tp, resolve_kv_cache_dtype, resolve_quantization
-from pdserve.common.speculation import check_speculative
+from pdserve.common.speculation import SPECULATIVE_MAX_BATCH, check_speculative
 
 # What CUDA graphs, activations and the sampling buffers get is the rest of the GPU's memory.
 DEFAULT_MEM_FRACTION_STATIC = 0.85
@@ -138,6 +138,12 @@ class EngineConfig:
     num_speculative_tokens: int = option(4, "--speculative: most drafts per request in one verify step.")
     speculative_ngram_min: int = option(1, "--speculative ngram: the shortest suffix looked up.")
     speculative_ngram_max: int = option(4, "--speculative ngram: the longest suffix looked up.")
+    speculative_max_batch: int = option(
+        SPECULATIVE_MAX_BATCH, "--speculative: decode steps of more requests than this run plain; 0: no limit."
+    )
+    speculative_fixed_k: bool = option(
+        False, "--speculative: never offer a request fewer drafts because its recent ones were mostly rejected."
+    )
 
     def resolve(self) -> "EngineConfig":
         """Fill every auto value; the result is what the engine runs with."""

@@ -10,6 +10,13 @@ from __future__ import annotations
 PROPOSERS = ("ngram",)  # --speculative choices that are built ("" is off)
 PLANNED = ("draft", "eagle")  # named in the design, not built yet
 
+# --speculative-max-batch's default: decode steps of more requests run plain, where verifying 1 + k positions
+# per request costs more than the drafts it accepts return (the step turns compute-bound as the batch grows).
+# NOTE provisional, awaiting the H200 measurement: `python -m pdserve.bench.verify_step --batch-size 1 8 16
+# 32 64 128` on the Llama-1B and Llama-8B shapes; set it to the largest batch whose verify step of k = 4 is
+# still under 1 + (the accepted drafts a step of a copy-heavy workload keeps) times the plain step.
+SPECULATIVE_MAX_BATCH = 32
+
 
 def check_speculative(config) -> None:
     """ValueError, naming the flag, for a speculative set-up the engine does not run (yet)."""
@@ -22,6 +29,8 @@ def check_speculative(config) -> None:
         raise ValueError(f"--speculative must be ngram (or empty: off), got {kind!r}")
     if config.num_speculative_tokens < 1:
         raise ValueError(f"--num-speculative-tokens must be >= 1, got {config.num_speculative_tokens}")
+    if config.speculative_max_batch < 0:
+        raise ValueError(f"--speculative-max-batch must be >= 0 (0: no limit), got {config.speculative_max_batch}")
     if not 1 <= config.speculative_ngram_min <= config.speculative_ngram_max:
         raise ValueError(
             "--speculative-ngram-min and --speculative-ngram-max must satisfy 1 <= min <= max, got "

@@ -269,6 +269,7 @@ class DecodeEngine(EngineCore):
             kv_total_tokens=self.runner.kv_pool.capacity_tokens,
             inflight_transfers=len(s.transferring),
             host_tier=s.kv.host_tier_report(),
+            speculation=s.speculation.report() if s.speculation is not None else {},
         )
 
     def ready(self) -> ipc.Ready:

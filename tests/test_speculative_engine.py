@@ -115,7 +115,12 @@ def test_right_drafts_give_k_plus_one_tokens_a_step(make_engine, overlap):
     engine.scheduler.speculation.proposer = Oracle(PROMPTS[:1], plain, right=True)
     watch(engine)
     assert engine.generate(PROMPTS[:1], p)[0].output_ids == plain[0].output_ids
-    assert spec_stats(engine) == {"spec_verify_steps": 5, "spec_proposed_tokens": 18, "spec_accepted_tokens": 18}
+    assert spec_stats(engine) == {
+        "spec_verify_steps": 5,
+        "spec_proposed_tokens": 18,
+        "spec_accepted_tokens": 18,
+        "spec_verified_requests": 5,
+    }
 
 
 SAMPLED = [
@@ -304,6 +309,8 @@ def test_the_disaggregated_decode_server_speculates_on_transferred_kv(tiny_model
     completions, _ = drive(prefill, decode, PROMPTS, params)
     assert [completions[f"r{i}"].output_ids for i in range(len(PROMPTS))] == expected
     assert_speculated(decode)
+    assert decode.load().speculation == {"ngram": spec_stats(decode)}  # (the server's metrics: its load reports)
+    assert prefill.load().speculation == {}
     assert prefill.is_idle() and decode.is_idle()
     prefill.close()
     decode.close()

@@ -256,11 +256,11 @@ class EngineCore:
         return self.channel.recv(block=not self.busy()) if self.channel is not None else []
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        if self.proposer is not None and self.in_flight and self.scheduler.running:
+        if self.proposer is not None and self.in_flight and self.scheduler.may_verify_next():
             # NOTE drafts continue the tokens the host has, and a verify step's token count is known only
-            # once it is processed: with speculation on, the results in flight are processed before
-            # the next batch is scheduled (the loop runs serially; TODO the overlapped verify step: a
-            # FutureMap carrying each request's accepted count, docs/architecture.md).
+            # once it is processed: while decode steps may speculate, the results in flight are processed
+            # before the next batch is scheduled (the loop runs serially; TODO the overlapped verify step:
+            # a FutureMap carrying each request's accepted count, docs/architecture.md).
             self.process_results_before(None)
         return self.scheduler.get_next_batch_to_run()
 

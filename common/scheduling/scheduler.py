@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from pdserve.common.config import EngineConfig
 from pdserve.common.scheduling.batch import ForwardMode, ScheduleBatch
 from pdserve.common.scheduling.decode_manager import DecodeManager
+from pdserve.common.scheduling.draft_policy import DraftPolicy
 from pdserve.common.scheduling.kv_manager import KVManager
 from pdserve.common.scheduling.output_processor import append_token, finalize, finalize_all, sampled_tokens
 from pdserve.common.scheduling.pages import pages_for
@@ -107,7 +108,12 @@ class Scheduler:
         self.decode = DecodeManager(config, self.kv, retract=self._retract)
         self.speculation = None
         if proposer is not None:
-            self.speculation = Speculation(proposer, self.kv, config.context_length, eos_token_ids)
+            policy = DraftPolicy(
+                config.num_speculative_tokens, config.speculative_max_batch, not config.speculative_fixed_k
+            )
+            self.speculation = Speculation(
+                proposer, self.kv, config.context_length, eos_token_ids, policy, config.speculative
+            )
 
     # Views for callers and tests.
     @property
@@ -164,6 +170,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.decode.running) or self.prefill.has_work()
+
+    def may_verify_next(self) -> bool:
+        """The next decode step may be a verify step (speculation is on, and the running requests are
+        within its batch limit): drafts continue the tokens the host has, so the results in flight are
+        processed before it is scheduled (EngineCore.get_next_batch_to_run)."""
+        return self.speculation is not None and self.speculation.may_verify(len(self.decode.running))
 
     # ---- choosing the next batch ----------------------------------------------------------------
 

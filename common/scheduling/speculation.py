@@ -21,6 +21,7 @@ that was not accepted.
 from __future__ import annotations
 
 from pdserve.common.scheduling.batch import ForwardMode, RowWrite, ScheduleBatch
+from pdserve.common.scheduling.draft_policy import DraftPolicy
 from pdserve.common.scheduling.kv_manager import KVManager
 from pdserve.common.scheduling.output_processor import append_token
 from pdserve.common.scheduling.pages import pages_for
@@ -30,14 +31,41 @@ from pdserve.common.types import Req, TokenLogprob
 class Speculation:
     """Drafts for decode steps from a proposer, passed in by the engine (common/engine/speculative/): an
     object with `propose_for(req, limit) -> list[int]` (at most `limit` tokens continuing the request's
-    prompt and output) and `retain(reqs)` (forget every other request)."""
+    prompt and output) and `retain(reqs)` (forget every other request). `policy` says which steps
+    speculate and how many drafts each request may get (draft_policy.py); `name`: the proposer's, for
+    the metrics."""
 
-    def __init__(self, proposer, kv: KVManager, context_length: int, eos_token_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        proposer,
+        kv: KVManager,
+        context_length: int,
+        eos_token_ids: tuple[int, ...],
+        policy: DraftPolicy,
+        name: str = "",
+    ):
         self.proposer = proposer
         self.kv = kv
         self.context_length = context_length
         self.eos_token_ids = eos_token_ids
-        self.stats = {"spec_verify_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0}
+        self.policy = policy
+        self.name = name
+        # spec_verified_requests: requests given drafts in a verify step whose result was processed (mean
+        # accepted length: 1 + spec_accepted_tokens / spec_verified_requests, the tokens such a request gains)
+        self.stats = {
+            "spec_verify_steps": 0,
+            "spec_proposed_tokens": 0,
+            "spec_accepted_tokens": 0,
+            "spec_verified_requests": 0,
+        }
+
+    def may_verify(self, batch_size: int) -> bool:
+        """Whether a decode step of `batch_size` requests may be a verify step (the policy's limit)."""
+        return batch_size > 0 and self.policy.speculates(batch_size)
+
+    def report(self) -> dict[str, dict[str, int]]:
+        """The counters since start, under the proposer's name (a server's load report)."""
+        return {self.name: dict(self.stats)}
 
     def verify_batch(self, reqs: list[Req], ends: list[int], row_writes: list[RowWrite]) -> ScheduleBatch | None:
         """The decode step of `reqs` (request i computes position ends[i] - 1, whose page it holds) as a
@@ -46,15 +74,19 @@ class Speculation:
         Drafts are proposed only from tokens the host has: none of the requests may have one in flight
         (the engine processes results first: EngineCore.get_next_batch_to_run). A grammar request gets
         none (speculation is off for structured outputs: its matcher must never see a rejected draft).
-        A request whose drafts' pages are not available gets none this step: drafts never retract."""
-        if any(req.pending for req in reqs):
+        A request whose drafts' pages are not available gets none this step: drafts never retract.
+        A step larger than the policy's limit is a plain one, and each request is offered at most the
+        policy's depth for it."""
+        if any(req.pending for req in reqs) or not self.may_verify(len(reqs)):
             return None
         self.proposer.retain(reqs)
+        self.policy.retain(reqs)
         drafts: list[list[int]] = []
         for req, end in zip(reqs, ends):
             proposed: list[int] = []
             # The step returns up to len(drafts) + 1 tokens: never more than the request may still generate.
             limit = min(req.params.max_new_tokens - req.num_sampled, self.context_length - end) - 1
+            limit = min(limit, self.policy.depth(req))
             if req.grammar is None and limit > 0:
                 proposed = self.proposer.propose_for(req, limit)
             missing = pages_for(end + len(proposed), self.kv.page_size) - len(req.pages)
@@ -108,6 +140,8 @@ class Speculation:
                 req.discard -= 1
                 continue
             self.stats["spec_accepted_tokens"] += taken
+            self.stats["spec_verified_requests"] += bool(drafts)
+            self.policy.record(req, len(drafts), taken)
             for j in range(first, first + taken + 1):
                 append_token(req, next_token_ids[j], logprobs[j], self.eos_token_ids, self.context_length)
                 if req.finished:

@@ -168,6 +168,8 @@ class LoadReport(msgspec.Struct, tag=True):
     inflight_transfers: int
     # The host KV tier's totals since start (KVManager.host_tier_report; empty without one).
     host_tier: dict[str, float] = msgspec.field(default_factory=dict)
+    # Speculative decoding's counters since start, under the proposer's name (Speculation.report; empty: off).
+    speculation: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
 
 
 # Why a decode server refused a KV transfer notification (the label of pdserve_kv_rejected_transfers_total):

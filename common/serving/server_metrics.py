@@ -86,6 +86,24 @@ class Metrics:
         )
         for reason in ipc.REJECT_REASONS:  # every series exists from the start, at 0 (alerts need no absent())
             self.rejected_transfers.labels(role, reason)
+        # Speculative decoding (decode servers with --speculative), from the load reports' totals, per proposer.
+        self.spec_counters = {
+            name: Counter(f"pdserve_{name}", doc, ["role", "proposer"], registry=r)
+            for name, doc in (
+                ("spec_verify_steps", "Decode steps that verified drafts (verify steps)."),
+                ("spec_proposed_tokens", "Draft tokens proposed for verify steps."),
+                ("spec_accepted_tokens", "Draft tokens accepted (each one a token its request gained for free)."),
+                ("spec_verified_requests", "Requests given drafts in a verify step (one per request and step)."),
+            )
+        }
+        self.spec_mean_accepted_length = Gauge(
+            "pdserve_spec_mean_accepted_length",
+            "Tokens a request given drafts gained per verify step (1 + its accepted drafts), mean over the verify "
+            "steps since the previous load report that had any.",
+            ["role", "proposer"],
+            registry=r,
+        )
+        self._spec_seen: dict[tuple[str, str], int] = {}
         self.unauthenticated = Counter(
             "pdserve_unauthenticated_rpcs", "RPCs refused for a missing or wrong cluster secret.", ["role"], registry=r
         ).labels(**labels)
@@ -106,3 +124,16 @@ class Metrics:
                 direction, unit = key.split("_")
                 metric = self.host_copy_bytes if unit == "bytes" else self.host_copy_seconds
                 metric.labels(self.role, direction).inc(new)
+        for proposer, totals in load.speculation.items():
+            self._update_speculation(proposer, totals)
+
+    def _update_speculation(self, proposer: str, totals: dict[str, int]) -> None:
+        new = {}
+        for name, total in totals.items():
+            key = (proposer, name)
+            new[name], self._spec_seen[key] = total - self._spec_seen.get(key, 0), total
+            if name in self.spec_counters and new[name] > 0:
+                self.spec_counters[name].labels(self.role, proposer).inc(new[name])
+        if new.get("spec_verified_requests", 0) > 0:
+            mean = 1 + new.get("spec_accepted_tokens", 0) / new["spec_verified_requests"]
+            self.spec_mean_accepted_length.labels(self.role, proposer).set(mean)

@@ -11,6 +11,7 @@ import torch
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.engine import Engine
 from pdserve.common.engine.speculative.verify_graph import verify_capture_sizes
+from pdserve.common.speculation import SPECULATIVE_MAX_BATCH
 from pdserve.common.types import SamplingParams
 from pdserve.decode.engine import DecodeEngine
 from pdserve.prefill.engine import PrefillEngine
@@ -50,8 +51,8 @@ def test_verify_steps_replay_their_graphs_and_give_the_plain_tokens(tiny_models,
 
     engine = Engine(model_path=path, speculative="ngram", disable_overlap_schedule=not overlap, **CUDA)
     graphs = engine.runner.verify_graphs
-    # (--max-running-requests 256: the decode graphs' largest batch is 256)
-    assert graphs is not None and graphs.sizes == verify_capture_sizes(256, 5)
+    # (--max-running-requests 256: the decode graphs' largest batch is 256; verify stops at the policy's limit)
+    assert graphs is not None and graphs.sizes == verify_capture_sizes(min(256, SPECULATIVE_MAX_BATCH), 5)
     assert len(graphs.graphs) == len(graphs.sizes)
     eager = eager_verify_steps(engine)
     assert [c.output_ids for c in engine.generate(PROMPTS, greedy)] == expected
@@ -95,11 +96,11 @@ def test_a_replayed_verify_step_gives_the_eager_verify_logits(tiny_models):
 
 
 def test_verify_steps_beyond_the_graphs_run_eagerly(tiny_models):
-    """Decode graphs up to 2 requests: verify steps of 3 or 4 requests run eagerly
+    """Decode graphs up to 2 requests, no speculation limit: verify steps of 3 or 4 requests run eagerly
     (the warm-up compiled their shapes), those of 1 or 2 replay; greedy is transformers' either way."""
     path = tiny_models("qwen3")
     expected = hf_greedy(path, PROMPTS, 24, device="cuda")
-    engine = Engine(model_path=path, speculative="ngram", cuda_graph_max_bs=2, **CUDA)
+    engine = Engine(model_path=path, speculative="ngram", speculative_max_batch=0, cuda_graph_max_bs=2, **CUDA)
     graphs = engine.runner.verify_graphs
     assert graphs.sizes == [5, 10]
     plain = Engine(model_path=path, **CUDA).generate(PROMPTS, SamplingParams(max_new_tokens=24, temperature=0))

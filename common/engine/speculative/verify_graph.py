@@ -15,8 +15,9 @@ and `replay` returns the batch's n rows, request after request, each request's l
 its drafts: the order of the verify step's sampling rows (common/engine/speculative/step.py).
 
 The token counts captured follow the decode graphs' batch sizes: T = (1 + k) × bs for each captured
-decode batch size bs up to the largest verify batch (the decode graphs' largest). A step whose requests
-have fewer drafts than k replays the smallest T at least its token count. Verify and decode graphs share one memory pool
+decode batch size bs up to the largest verify batch (the decode graphs' largest, and no more than
+--speculative-max-batch: larger steps never speculate). A step whose requests have fewer drafts than k
+replays the smallest T at least its token count. Verify and decode graphs share one memory pool
 (never replayed at once).
 """
 
@@ -50,4 +51,6 @@ def capture_verify_graphs(runner, speculates: bool) -> VerifyGraphRunner | None:
     if not speculates or runner.cuda_graphs is None:
         return None
     max_bs = runner.cuda_graphs.max_bs
+    if c.speculative_max_batch > 0:  # (larger steps never speculate)
+        max_bs = min(max_bs, c.speculative_max_batch)
     return VerifyGraphRunner(runner, max_bs, 1 + c.num_speculative_tokens, pool=runner.cuda_graphs.pool)
