@@ -92,3 +92,20 @@ def test_each_runner_takes_only_its_own_batches(make_engine, keep_all):
     batch.packed = torch.stack([batch.input_ids, batch.positions, batch.out_cache_loc])
     batch.verify = keep_all
     assert not graphs.can_run(batch)
+
+
+def test_the_warm_up_runs_an_eager_verify_step(make_engine):
+    """Verify steps beyond the graphs run eagerly: the warm-up runs one (every position's logits, sampled),
+    so their kernels are compiled before the first request (on CUDA; here the same calls on CPU)."""
+    runner = make_engine("llama", speculative="ngram", num_speculative_tokens=3).runner
+    seen, forward = [], runner.forward
+
+    def recorded(batch, *args, **kwargs):
+        logits = forward(batch, *args, **kwargs)
+        seen.append((batch.verify, batch.num_tokens, batch.batch_size, logits.shape[0]))
+        return logits
+
+    runner.forward = recorded
+    runner.warmup(64)
+    assert [s for s in seen if s[0]] == [(True, 12, 3, 12)]  # 3 requests of 1 + 3 positions, every one's logits
+    assert len(seen) > 1 and all(rows == b for verify, _, b, rows in seen if not verify)  # (the others: the last)
