@@ -113,6 +113,10 @@ def main() -> None:
         disable_radix_cache=True,
         speculative="ngram",
         num_speculative_tokens=args.num_speculative_tokens,
+        # Every step a verify step of k drafts a request: no batch limit, and k never lowered (the
+        # fixed drafts are all rejected on random weights; the policy would take k down to 1).
+        speculative_max_batch=0,
+        speculative_fixed_k=True,
     )
     results = []
     try:
