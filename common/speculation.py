@@ -12,10 +12,12 @@ PLANNED = ("draft", "eagle")  # named in the design, not built yet
 
 # --speculative-max-batch's default: decode steps of more requests run plain, where verifying 1 + k positions
 # per request costs more than the drafts it accepts return (the step turns compute-bound as the batch grows).
-# NOTE provisional, awaiting the H200 measurement: `python -m pdserve.bench.verify_step --batch-size 1 8 16
-# 32 64 128` on the Llama-1B and Llama-8B shapes; set it to the largest batch whose verify step of k = 4 is
-# still under 1 + (the accepted drafts a step of a copy-heavy workload keeps) times the plain step.
-SPECULATIVE_MAX_BATCH = 32
+# Measured on an H200 (`python -m pdserve.bench.verify_step --batch-size 1 8 32 128`, verify steps replayed
+# from CUDA graphs; docs/benchmarks.md, "The verify step"): a verify step of k = 4 costs 1.09-1.16x the plain
+# decode step at batch 1 and 8, 1.37-1.39x at 32, 2.7-3.2x at 128 (Llama-1B and 8B shapes). The largest
+# batch whose verify step stays under 1 + the drafts a copy-heavy workload accepts a step (0.16 with
+# SmolLM2-135M, `pdserve bench spec-replay`) is 8; a model that copies more pays at 32 too (raise the flag).
+SPECULATIVE_MAX_BATCH = 8
 
 
 def check_speculative(config) -> None:

@@ -27,6 +27,7 @@ from pdserve.common.engine.kv_pool import FP8_KV_DTYPE, PagedKVPool, ReqToTokenP
 from pdserve.common.engine.kv_scales import calibrate_kv_scales, calibration_ids, checkpoint_kv_scales, log_scales
 from pdserve.common.engine.models.loader import checkpoint_sources, load_model
 from pdserve.common.engine.models.parallel import kv_heads_of_rank
+from pdserve.common.engine.mps_check import check_gemms_under_mps
 from pdserve.common.engine.overlap import DeviceStreams, ForwardResult, FutureMap, PinnedOutputs, QueuedForward
 from pdserve.common.engine.prefill_graph import PrefillGraphRunner
 from pdserve.common.engine.prompt_logprobs import score_prompt
@@ -73,6 +74,7 @@ class ModelRunner:
         self.vocab_size = self.model.arch.vocab_size
         if config.attention_backend == "triton" and self.device.type == "cuda":
             self.model.fuse()  # the fast path: merged projections, fused small ops
+        check_gemms_under_mps(self.model, self.dtype, self.device)  # (a server on part of the GPU)
         startup.mark("weights")
         num_layers, kv_heads, head_dim = self.model.kv_geometry()  # this rank's KV heads
         model_kv_heads = model_kv_heads_of(read_hf_config(config.model_path))
