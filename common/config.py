@@ -11,11 +11,10 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pdserve.common import gguf_checkpoint
-from pdserve.common.model_checks import check_tp, resolve_kv_cache_dtype, resolve_quantization
+from pdserve.common.model_checks import check_model_path, check_tp, resolve_kv_cache_dtype, resolve_quantization
 from pdserve.common.speculation import SPECULATIVE_MAX_BATCH, check_speculative
 
 # What CUDA graphs, activations and the sampling buffers get is the rest of the GPU's memory.
@@ -133,9 +132,11 @@ class EngineConfig:
     speculative: str = option(
         "",
         "ngram: speculative decode steps, drafts copied from the request's own prompt and output (prompt "
-        "lookup) and verified exactly (the tokens are the plain engine's, seed for seed); empty: off.",
+        "lookup); draft: drafts from a small model (--draft-model-path); verified exactly (the tokens are the "
+        "plain engine's, seed for seed); empty: off.",
     )
     num_speculative_tokens: int = option(4, "--speculative: most drafts per request in one verify step.")
+    draft_model_path: str = option("", "--speculative draft: the draft model's checkpoint (the target's vocabulary).")
     speculative_ngram_min: int = option(1, "--speculative ngram: the shortest suffix looked up.")
     speculative_ngram_max: int = option(4, "--speculative ngram: the longest suffix looked up.")
     speculative_max_batch: int = option(
@@ -215,7 +216,7 @@ class EngineConfig:
         check_tp(self.tp_size, self.dist_timeout, hf, device)
         quantization = resolve_quantization(self.quantization, hf, self.model_path, self.tp_size)
         kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, self.tp_size)
-        check_speculative(self)
+        check_speculative(self, read_hf_config)
         return dataclasses.replace(
             self,
             attention_backend=attention_backend,
@@ -236,15 +237,6 @@ def short_model_name(model_path: str) -> str:
     name, or its file's without .gguf (`--model-path` as given is accepted too: an alias)."""
     name = os.path.basename(os.path.abspath(model_path))
     return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
-
-
-def check_model_path(model_path: str) -> None:
-    """ValueError unless `model_path` is a checkpoint: a directory with config.json, or GGUF."""
-    if (Path(model_path) / "config.json").is_file() or gguf_checkpoint.gguf_file(model_path) is not None:
-        return
-    raise ValueError(
-        f"--model-path {model_path!r} has no config.json and is not a .gguf file (or a directory holding one)"
-    )
 
 
 def read_hf_config(model_path: str) -> dict:

@@ -18,11 +18,23 @@ Which layers are FP8 is what the tensors say (a `weight_scale` beside the weight
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from pdserve.common import gguf_checkpoint
 from pdserve.common.gpus import cuda_device_count
 
 QUANTIZATIONS = ("", "fp8")
 # compressed-tensors formats whose weights are stored as float8 values with their scales.
 _FLOAT_FORMATS = ("float-quantized", "naive-quantized")
+
+
+def check_model_path(model_path: str) -> None:
+    """ValueError unless `model_path` is a checkpoint: a directory with config.json, or GGUF."""
+    if (Path(model_path) / "config.json").is_file() or gguf_checkpoint.gguf_file(model_path) is not None:
+        return
+    raise ValueError(
+        f"--model-path {model_path!r} has no config.json and is not a .gguf file (or a directory holding one)"
+    )
 
 
 def check_tp(tp: int, dist_timeout: float, hf: dict, device: str) -> None:

@@ -7,8 +7,10 @@ verify step) and common/scheduling/speculation.py (drafts, pages, acceptance); d
 
 from __future__ import annotations
 
-PROPOSERS = ("ngram",)  # --speculative choices that are built ("" is off)
-PLANNED = ("draft", "eagle")  # named in the design, not built yet
+from pdserve.common.model_checks import check_model_path
+
+PROPOSERS = ("ngram", "draft")  # --speculative choices that are built ("" is off)
+PLANNED = ("eagle",)  # named in the design, not built yet
 
 # --speculative-max-batch's default: decode steps of more requests run plain, where verifying 1 + k positions
 # per request costs more than the drafts it accepts return (the step turns compute-bound as the batch grows).
@@ -20,15 +22,20 @@ PLANNED = ("draft", "eagle")  # named in the design, not built yet
 SPECULATIVE_MAX_BATCH = 8
 
 
-def check_speculative(config) -> None:
-    """ValueError, naming the flag, for a speculative set-up the engine does not run (yet)."""
+def check_speculative(config, read_hf_config) -> None:
+    """ValueError, naming the flag, for a speculative set-up the engine does not run (yet).
+    `read_hf_config`: a checkpoint's config.json fields (config.py's)."""
     kind = config.speculative
+    if config.draft_model_path and kind != "draft":
+        raise ValueError(f"--draft-model-path is for --speculative draft, got --speculative {kind!r}")
     if not kind:
         return
     if kind in PLANNED:
-        raise ValueError(f"--speculative {kind} is not yet built; --speculative ngram is")
+        raise ValueError(f"--speculative {kind} is not yet built; --speculative ngram and draft are")
     if kind not in PROPOSERS:
-        raise ValueError(f"--speculative must be ngram (or empty: off), got {kind!r}")
+        raise ValueError(f"--speculative must be ngram or draft (or empty: off), got {kind!r}")
+    if kind == "draft":
+        check_draft_model(config, read_hf_config)
     if config.num_speculative_tokens < 1:
         raise ValueError(f"--num-speculative-tokens must be >= 1, got {config.num_speculative_tokens}")
     if config.speculative_max_batch < 0:
@@ -42,3 +49,21 @@ def check_speculative(config) -> None:
         # NOTE the other ranks replay rank 0's launches (tp_worker.follow): a verify batch's every-position
         # logits and its token count per request are not in that protocol yet.
         raise ValueError("--speculative needs --tp-size 1 for now")
+
+
+def check_draft_model(config, read_hf_config) -> None:
+    """--speculative draft: a draft checkpoint there is, whose vocabulary is the target's (its token ids are
+    the target's drafts, compared id for id)."""
+    path = config.draft_model_path
+    if not path:
+        raise ValueError("--speculative draft needs --draft-model-path (a small model with the target's vocabulary)")
+    try:
+        check_model_path(path)
+    except ValueError as e:
+        raise ValueError(f"--draft-model-path: {e}") from None
+    draft, target = read_hf_config(path).get("vocab_size"), read_hf_config(config.model_path).get("vocab_size")
+    if draft != target:
+        raise ValueError(
+            f"--draft-model-path {path!r} has a vocabulary of {draft} tokens, the target model {target}: "
+            "a draft model must share the target's tokenizer and vocabulary"
+        )

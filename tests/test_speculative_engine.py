@@ -17,6 +17,7 @@ import pytest
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.engine import Engine
 from pdserve.common.scheduling.pages import pages_for
+from pdserve.common.scheduling.proposer import Proposer
 from pdserve.common.tiny_model import ARCHS
 from pdserve.common.types import FinishReason, SamplingParams
 from tests.test_disagg_engines import drive, engines, hf_greedy
@@ -39,7 +40,7 @@ def assert_speculated(engine) -> None:
     assert stats["spec_proposed_tokens"] > 0 and stats["spec_accepted_tokens"] > 0, stats
 
 
-class Oracle:
+class Oracle(Proposer):
     """Drafts each request's plain answer (keyed by prompt) with about one token in three wrong (none
     with `right`), the wrong ones fixed by (prompt, position): the same drafts whatever the batch."""
 
@@ -52,9 +53,6 @@ class Oracle:
         drafts = self.answers[tuple(req.prompt_ids)][done : done + min(self.k, limit)]
         wrong = [(done + j) * 7 + len(req.prompt_ids) for j in range(len(drafts))]
         return [t if w % 3 or self.right else (t + 1) % 512 for t, w in zip(drafts, wrong)]
-
-    def retain(self, reqs) -> None:
-        pass
 
 
 def watch(engine) -> dict:
@@ -347,7 +345,7 @@ def test_grammar_requests_are_not_speculated_and_share_the_verify_step(make_engi
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (dict(speculative="draft"), "not yet built"),
+        (dict(speculative="eagle"), "not yet built"),
         (dict(speculative="medusa"), "must be ngram"),
         (dict(speculative="ngram", num_speculative_tokens=0), "--num-speculative-tokens"),
         (dict(speculative="ngram", speculative_ngram_min=3, speculative_ngram_max=2), "--speculative-ngram-min"),

@@ -115,7 +115,7 @@ class EngineCore:
         self.builder = BatchBuilder(self.runner.req_to_token_pool, self.config.page_size)
         # Speculative decoding's proposer, which the role gives its scheduler (None: off). A prefill server
         # samples first tokens only: it never speculates, whatever the flags its decode servers share.
-        self.proposer = speculative.make_proposer(self.config) if kv_side is not KVSide.SENDER else None
+        self.proposer = speculative.make_proposer(self.config, self.runner) if kv_side is not KVSide.SENDER else None
         self.streams = self.runner.streams
         self.scheduler = None  # the role's: start() takes it
         self.in_flight = InFlight()

@@ -166,6 +166,7 @@ class Scheduler:
         req.finish_reason = FinishReason.ABORT
         req.discard = req.pending  # results still in flight are dropped on arrival
         self.kv.free(req)
+        self._release_drafts(req)
         return finalize(req)
 
     def has_work(self) -> bool:
@@ -205,6 +206,7 @@ class Scheduler:
 
     def _retract(self, victim: Req) -> None:
         self.kv.cache_and_release(victim)
+        self._release_drafts(victim)
         # A token still in flight is dropped when it arrives; the resumed prefill samples it again
         # at the same step with the same seed.
         victim.discard, victim.kv_len = victim.pending, 0
@@ -250,9 +252,14 @@ class Scheduler:
             return []
         for req in done:
             self.kv.cache_and_release(req)
+            self._release_drafts(req)
             req.discard = req.pending  # a step launched after this one is dropped
         self.decode.drop_finished()
         return finalize_all(done)
+
+    def _release_drafts(self, req: Req) -> None:
+        if self.speculation is not None:
+            self.speculation.release(req)
 
     def kv_used_tokens(self) -> int:
         return self.kv.used_tokens()
@@ -262,4 +269,5 @@ class Scheduler:
 
     def is_idle(self) -> bool:
         """Nothing queued, every row back, and every page either free or cached and unlocked."""
-        return not self.has_work() and self.kv.is_idle()
+        drafts_idle = self.speculation is None or self.speculation.is_idle()  # (a draft model's own KV)
+        return not self.has_work() and self.kv.is_idle() and drafts_idle

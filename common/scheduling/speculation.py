@@ -25,19 +25,20 @@ from pdserve.common.scheduling.draft_policy import DraftPolicy
 from pdserve.common.scheduling.kv_manager import KVManager
 from pdserve.common.scheduling.output_processor import append_token
 from pdserve.common.scheduling.pages import pages_for
+from pdserve.common.scheduling.proposer import Proposer
 from pdserve.common.types import Req, TokenLogprob
 
 
 class Speculation:
-    """Drafts for decode steps from a proposer, passed in by the engine (common/engine/speculative/): an
-    object with `propose_for(req, limit) -> list[int]` (at most `limit` tokens continuing the request's
-    prompt and output) and `retain(reqs)` (forget every other request). `policy` says which steps
+    """Drafts for decode steps from a proposer (proposer.py), passed in by the engine
+    (common/engine/speculative/), which it tells when a request's tokens are settled after a verify step
+    and when the request leaves (`release`: the scheduler calls it). `policy` says which steps
     speculate and how many drafts each request may get (draft_policy.py); `name`: the proposer's, for
     the metrics."""
 
     def __init__(
         self,
-        proposer,
+        proposer: Proposer,
         kv: KVManager,
         context_length: int,
         eos_token_ids: tuple[int, ...],
@@ -81,21 +82,19 @@ class Speculation:
             return None
         self.proposer.retain(reqs)
         self.policy.retain(reqs)
-        drafts: list[list[int]] = []
+        limits = []
         for req, end in zip(reqs, ends):
-            proposed: list[int] = []
             # The step returns up to len(drafts) + 1 tokens: never more than the request may still generate.
             limit = min(req.params.max_new_tokens - req.num_sampled, self.context_length - end) - 1
-            limit = min(limit, self.policy.depth(req))
-            if req.grammar is None and limit > 0:
-                proposed = self.proposer.propose_for(req, limit)
-            missing = pages_for(end + len(proposed), self.kv.page_size) - len(req.pages)
-            if proposed and missing > self.kv.available_pages():
-                proposed = []
-            if proposed:
-                self.kv.grow(req, end + len(proposed))
-                req.kv_len = end + len(proposed)
-            drafts.append(proposed)
+            limits.append(min(limit, self.policy.depth(req)) if req.grammar is None else 0)
+        drafts = self.proposer.propose_batch(reqs, limits)
+        for i, (req, end) in enumerate(zip(reqs, ends)):
+            missing = pages_for(end + len(drafts[i]), self.kv.page_size) - len(req.pages)
+            if drafts[i] and missing > self.kv.available_pages():
+                drafts[i] = []
+            if drafts[i]:
+                self.kv.grow(req, end + len(drafts[i]))
+                req.kv_len = end + len(drafts[i])
         if not any(drafts):
             return None
         self.stats["spec_verify_steps"] += 1
@@ -149,5 +148,14 @@ class Speculation:
             req.kv_len = req.seq_len - 1  # every token kept but the newest has its KV written
             self.kv.truncate(req, req.kv_len)
             if req.finished:
-                done.append(req)
+                done.append(req)  # (the scheduler releases it)
+            else:
+                self.proposer.rollback(req)
         return done
+
+    def release(self, req: Req) -> None:
+        """`req` left the running requests (finished, aborted, retracted): the proposer frees what it holds."""
+        self.proposer.release(req)
+
+    def is_idle(self) -> bool:
+        return self.proposer.is_idle()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pdserve.common.scheduling.proposer import Proposer
+
 
 class NgramIndex:
     """One request's tokens and, for each n, the latest end position of every n-gram but its suffix."""
@@ -42,7 +44,7 @@ class NgramIndex:
         return []
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Drafts for many requests, by request id: `extend` as tokens arrive, `propose` before each
     verify step, `free` when the request ends."""
 
@@ -85,6 +87,10 @@ class NgramProposer:
             known = len(prompt)
         self.extend(rid, req.output_ids[known - len(prompt) :])
         return self.propose(rid, limit)
+
+    def release(self, req) -> None:
+        if self.owners.get(req.rid) is req:
+            self.free(req.rid)
 
     def retain(self, reqs) -> None:
         """Forget every request but `reqs` (those of this step: the others ended, or will be re-indexed)."""

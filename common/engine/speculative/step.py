@@ -14,15 +14,20 @@ import torch
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.sampling import SamplingBatchInfo
+from pdserve.common.engine.speculative.draft import DraftProposer
 from pdserve.common.engine.speculative.ngram import NgramProposer
 from pdserve.common.engine.speculative.verify import accepted_lengths, verify_rows
 from pdserve.common.scheduling.batch import ScheduleBatch
+from pdserve.common.scheduling.proposer import Proposer
 
 
-def make_proposer(config: EngineConfig) -> NgramProposer | None:
-    """--speculative's proposer (config resolved: common/speculation.py refused what is not built), or None."""
+def make_proposer(config: EngineConfig, runner) -> Proposer | None:
+    """--speculative's proposer (config resolved: common/speculation.py refused what is not built), or None.
+    `runner`: the target's ModelRunner (a draft model runs on its device, its pool as large as the target's)."""
     if config.speculative == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.speculative_ngram_min, config.speculative_ngram_max)
+    if config.speculative == "draft":
+        return DraftProposer(config, runner.device, runner.kv_pool.capacity_pages)
     return None
 
 

@@ -1,0 +1,186 @@
+"""The draft-model proposer (--speculative draft --draft-model-path DIR): a small model with the target's
+vocabulary drafts k tokens greedily, one eager forward per draft, on the decode server (or the colocated
+engine) with its own KV pool (draft_runner.py).
+
+Each request speculating holds a row and pages of the draft pool, and the tokens whose draft KV they
+hold (`DraftState.tokens`: positions [0, len)). Before drafting, the request's tokens the draft model
+has not seen run through it (the whole prompt, in chunks, when the request first speculates; then the
+tokens of the last step); then k - 1 more one-token forwards feed each draft back:
+
+    draft KV written     positions 0 .. n-2+k   the request's n tokens, then drafts 1 .. k-1
+    kept after verify    the longest prefix equal to the request's tokens (its accepted drafts)
+
+so a rejected draft's KV is dropped exactly as the target's is (`rollback`, after each verify step, and
+again before drafting: a proposal the scheduler dropped for want of target pages leaves KV that no
+verify step rolled back). Pages past the kept positions are freed; a request's row and pages go back
+when it leaves (`release`). NOTE the draft pool fills only with what running requests hold: when it has
+no room for a request, that request gets no drafts this step (never an error, never a retraction).
+
+One host read per verify step: the drafts, all requests' together, after the last draft forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine.overlap import h2d
+from pdserve.common.engine.speculative.draft_runner import DraftRunner
+from pdserve.common.scheduling.pages import pages_for, slots_for_positions
+from pdserve.common.scheduling.proposer import Proposer
+from pdserve.common.types import Req
+
+
+@dataclass
+class DraftState:
+    """One request's share of the draft pool."""
+
+    req: Req
+    row: int
+    pages: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the tokens at the positions whose draft KV is written
+
+
+class DraftProposer(Proposer):
+    def __init__(self, config: EngineConfig, device: torch.device, target_pages: int):
+        """A draft pool of as many pages as the target's (`target_pages`), at most every running request at
+        full context."""
+        self.num_tokens = config.num_speculative_tokens
+        self.page_size = config.page_size
+        # the most tokens one forward computes while a request catches up (its prompt, the first time)
+        self.chunk = config.chunked_prefill_size if config.chunked_prefill_size > 0 else config.max_prefill_tokens
+        rows = config.max_running_requests
+        pages = min(target_pages, rows * pages_for(config.context_length + self.num_tokens, self.page_size))
+        self.runner = DraftRunner(config, device, rows, 1 + pages)
+        self.states: dict[str, DraftState] = {}
+
+    # ---- who holds what -------------------------------------------------------------------------
+
+    def _state(self, req: Req) -> DraftState | None:
+        state = self.states.get(req.rid)
+        if state is not None and state.req is not req:  # the rid used again by another request
+            self.release(state.req)
+            state = None
+        if state is None:
+            row = self.runner.req_to_token_pool.alloc()
+            if row is None:
+                return None
+            state = self.states[req.rid] = DraftState(req, row)
+        return state
+
+    def _keep(self, state: DraftState, tokens: list[int]) -> None:
+        """Keep the draft KV of the longest prefix of `state.tokens` equal to `tokens`; free the pages past it."""
+        kept = next((n for n, (have, real) in enumerate(zip(state.tokens, tokens)) if have != real), None)
+        if kept is None:
+            kept = min(len(state.tokens), len(tokens))
+        del state.tokens[kept:]
+        keep = pages_for(kept, self.page_size)
+        self.runner.kv_pool.free_pages(state.pages[keep:])
+        del state.pages[keep:]
+
+    def rollback(self, req: Req) -> None:
+        state = self.states.get(req.rid)
+        if state is not None and state.req is req:
+            self._keep(state, req.prompt_ids + req.output_ids)
+
+    def release(self, req: Req) -> None:
+        state = self.states.get(req.rid)
+        if state is None or state.req is not req:
+            return
+        del self.states[req.rid]
+        self.runner.kv_pool.free_pages(state.pages)
+        self.runner.req_to_token_pool.free(state.row)
+
+    def retain(self, reqs: list[Req]) -> None:
+        live = {id(req) for req in reqs}
+        for state in [s for s in self.states.values() if id(s.req) not in live]:
+            self.release(state.req)
+
+    def is_idle(self) -> bool:
+        rows, pool = self.runner.req_to_token_pool, self.runner.kv_pool
+        return not self.states and rows.available() == rows.size and pool.num_free_pages() == pool.capacity_pages
+
+    # ---- drafting -------------------------------------------------------------------------------
+
+    def propose_for(self, req: Req, limit: int) -> list[int]:
+        return self.propose_batch([req], [limit])[0]
+
+    def propose_batch(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
+        """Drafts for every request with a positive limit, in one batch of forwards."""
+        jobs = []  # (index, state, its tokens, k)
+        for i, (req, limit) in enumerate(zip(reqs, limits)):
+            k = min(self.num_tokens, limit)
+            state = self._state(req) if k > 0 else None
+            if state is None:
+                continue
+            tokens = req.prompt_ids + req.output_ids
+            self._keep(state, tokens[:-1])  # (the last token runs again: its logits give the first draft)
+            missing = pages_for(len(tokens) + k - 1, self.page_size) - len(state.pages)
+            pages = self.runner.kv_pool.alloc_pages(max(missing, 0))
+            if pages is None:
+                continue  # no room in the draft pool this step: no drafts for this request
+            state.pages += pages
+            jobs.append((i, state, tokens, k))
+        drafts: list[list[int]] = [[] for _ in reqs]
+        if not jobs:
+            return drafts
+        # Deepest first: the requests still drafting at step j are a prefix of the jobs (slices, not gathers).
+        jobs.sort(key=lambda job: -job[3])
+        columns = [self._catch_up(jobs)]  # draft 1 of every job, on the device
+        for j in range(1, jobs[0][3]):
+            live = jobs[: sum(job[3] > j for job in jobs)]
+            columns.append(
+                self.runner.greedy(
+                    columns[-1][: len(live)],
+                    [state.row for _, state, _, _ in live],
+                    [len(tokens) + j - 1 for _, _, tokens, _ in live],
+                    [1] * len(live),
+                    [self._slot(state, len(tokens) + j - 1) for _, state, tokens, _ in live],
+                )
+            )
+        flat = torch.cat(columns).tolist()  # NOTE the one host read: every job's drafts, column after column
+        offsets = [0]
+        for column in columns:
+            offsets.append(offsets[-1] + column.numel())
+        for n, (i, state, tokens, k) in enumerate(jobs):
+            drafts[i] = [flat[offsets[j] + n] for j in range(k)]
+            state.tokens = tokens + drafts[i][: k - 1]  # the KV written: the tokens and every draft fed back
+        return drafts
+
+    def _slot(self, state: DraftState, position: int) -> int:
+        return state.pages[position // self.page_size] * self.page_size + position % self.page_size
+
+    def _catch_up(self, jobs) -> torch.Tensor:
+        """Run each job's tokens the draft model has not seen (at least its last one), in forwards of at
+        most `chunk` tokens; returns each job's argmax after its last token [J], on the device."""
+        firsts: list[torch.Tensor | None] = [None] * len(jobs)
+        todo = [(n, len(state.tokens)) for n, (_, state, _, _) in enumerate(jobs)]  # (job, next position)
+        while todo:
+            batch, budget, rest = [], self.chunk, []
+            for n, start in todo:
+                end = len(jobs[n][2])
+                take = min(end - start, budget)
+                if take > 0:
+                    batch.append((n, start, take))
+                    budget -= take
+                if start + max(take, 0) < end:
+                    rest.append((n, start + max(take, 0)))
+            states = [jobs[n][1] for n, _, _ in batch]
+            ids = [t for n, s, take in batch for t in jobs[n][2][s : s + take]]
+            slots = []
+            for (_, s, take), state in zip(batch, states):
+                slots += slots_for_positions(state.pages, s, s + take, self.page_size)
+            out = self.runner.greedy(
+                h2d(ids, torch.int64, self.runner.device),
+                [state.row for state in states],
+                [s for _, s, _ in batch],
+                [take for _, _, take in batch],
+                slots,
+            )
+            for m, (n, s, take) in enumerate(batch):
+                if s + take == len(jobs[n][2]):
+                    firsts[n] = out[m : m + 1]
+            todo = rest
+        return torch.cat(firsts)

@@ -1,0 +1,39 @@
+"""The proposer interface of speculative decoding: what Speculation (speculation.py) asks of whatever
+drafts tokens. Two are built, common/engine/speculative/ngram.py (a copy of the request's own text) and
+draft.py (a small model with its own KV pool); EAGLE would be a third.
+
+A proposer may hold state per request (an index, draft KV): Speculation tells it when a request's tokens
+are settled after a verify step (`rollback`) and when the request leaves the running batch (`release`:
+finished, aborted or retracted), and `is_idle` says that nothing is held any more.
+"""
+
+from __future__ import annotations
+
+from pdserve.common.types import Req
+
+
+class Proposer:
+    """Drafts continuing running requests. Subclasses define `propose_for`; the rest has defaults for a
+    proposer that holds nothing it must give back."""
+
+    def propose_for(self, req: Req, limit: int) -> list[int]:
+        """At most `limit` (>= 1) tokens continuing `req`'s prompt and output (no token of it pending)."""
+        raise NotImplementedError
+
+    def propose_batch(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
+        """Drafts for a decode step's requests at once (a model drafts them in one batch); `limits[i]`
+        <= 0: none for request i."""
+        return [self.propose_for(req, limit) if limit > 0 else [] for req, limit in zip(reqs, limits)]
+
+    def retain(self, reqs: list[Req]) -> None:
+        """Forget every request but `reqs` (those of this step)."""
+
+    def rollback(self, req: Req) -> None:
+        """A verify step's tokens are the request's now: drop what was kept for its rejected drafts."""
+
+    def release(self, req: Req) -> None:
+        """The request left the running requests (finished, aborted, retracted): free what it holds."""
+
+    def is_idle(self) -> bool:
+        """Nothing held for any request."""
+        return True

@@ -1,0 +1,210 @@
+"""The draft-model proposer (--speculative draft, common/engine/speculative/draft.py): every token is the
+plain engine's (and transformers'), greedy and seeded, overlap on and off, with the target itself as the
+draft model (every draft accepted) and with another model of the same vocabulary (drafts accepted and
+rejected); the draft pool rolled back after every verify step and back to idle after aborts and
+retraction; the disaggregated decode server; the flags' refusals.
+"""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pdserve.common.config import EngineConfig
+from pdserve.common.engine.speculative.draft import DraftProposer
+from pdserve.common.scheduling.pages import pages_for
+from pdserve.common.tiny_model import make_tiny_model
+from pdserve.common.types import FinishReason, SamplingParams
+from tests.test_disagg_engines import drive, engines, hf_greedy
+from tests.test_speculative_engine import BASE, PROMPTS, assert_speculated, spec_stats, watch
+
+
+@pytest.fixture(scope="module")
+def other_draft(tiny_models, tmp_path_factory):
+    """arch -> a draft model with the target's vocabulary and other weights: the target's, each tensor
+    moved by 5% of its spread (about half its drafts are accepted)."""
+    built = {}
+
+    def get(arch: str) -> str:
+        if arch not in built:
+            path = tmp_path_factory.mktemp(f"draft-{arch}")
+            shutil.copytree(tiny_models(arch), path, dirs_exist_ok=True)
+            weights, noise = load_file(path / "model.safetensors"), torch.Generator().manual_seed(1)
+            moved = {
+                name: w + 0.05 * w.std() * torch.randn(w.shape, generator=noise) if w.numel() > 1 else w
+                for name, w in weights.items()
+            }
+            save_file(moved, path / "model.safetensors")
+            built[arch] = str(path)
+        return built[arch]
+
+    return get
+
+
+def watch_drafts(engine) -> dict:
+    """After every verify step: each running request's draft KV is for a prefix of its tokens (the
+    rejected drafts' rolled back) on exactly the pages that prefix needs, and the draft pool's pages are
+    the requests' or free. Also records the tokens of each draft forward (at most the chunk size)."""
+    spec, proposer = engine.scheduler.speculation, engine.proposer
+    assert isinstance(proposer, DraftProposer)
+    seen = {"forward_tokens": [], "checked": 0}
+    original, greedy = spec.process_result, proposer.runner.greedy
+
+    def process_result(batch, next_ids, logprobs, accepted):
+        done = original(batch, next_ids, logprobs, accepted)
+        for req in batch.reqs:
+            state = proposer.states.get(req.rid)
+            if state is None or req.finished:
+                continue
+            tokens = req.prompt_ids + req.output_ids
+            assert state.tokens == tokens[: len(state.tokens)], req.rid
+            assert len(state.pages) == pages_for(len(state.tokens), engine.config.page_size)
+            seen["checked"] += 1
+        held = sum(len(s.pages) for s in proposer.states.values())
+        assert held + proposer.runner.kv_pool.num_free_pages() == proposer.runner.kv_pool.capacity_pages
+        return done
+
+    def counted(input_ids, rows, starts, lens, slots):
+        seen["forward_tokens"].append(sum(lens))
+        return greedy(input_ids, rows, starts, lens, slots)
+
+    spec.process_result = process_result
+    proposer.runner.greedy = counted
+    return seen
+
+
+def acceptance(engine) -> float:
+    stats = spec_stats(engine)
+    return stats["spec_accepted_tokens"] / stats["spec_proposed_tokens"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_greedy_equals_the_plain_engine_and_transformers(make_engine, tiny_models, other_draft, arch):
+    """The target as its own draft model (all drafts accepted) and another model (some rejected), overlap
+    on and off: transformers' tokens. Prompts past 16 tokens reach the draft model in chunks of 16."""
+    p = SamplingParams(max_new_tokens=24, temperature=0)
+    expected = hf_greedy(tiny_models(arch), PROMPTS, 24)
+    assert [c.output_ids for c in make_engine(arch, **BASE).generate(PROMPTS, p)] == expected
+    for draft in (tiny_models(arch), other_draft(arch)):
+        for overlap in (True, False):
+            engine = make_engine(
+                arch, speculative="draft", draft_model_path=draft, disable_overlap_schedule=not overlap, **BASE
+            )
+            checked, drafts = watch(engine), watch_drafts(engine)
+            assert [c.output_ids for c in engine.generate(PROMPTS, p)] == expected, (draft, overlap)
+            assert_speculated(engine)
+            assert checked["verify_steps"] == spec_stats(engine)["spec_verify_steps"]
+            assert drafts["checked"] > 0 and max(drafts["forward_tokens"]) == BASE["chunked_prefill_size"]
+            if draft == tiny_models(arch):
+                assert acceptance(engine) > 0.95, spec_stats(engine)
+            else:
+                assert 0.1 < acceptance(engine) < 0.9, spec_stats(engine)
+            assert engine.proposer.is_idle()
+
+
+def test_seeded_sampling_gives_the_plain_engines_tokens(make_engine, other_draft):
+    """Greedy drafts, verified exactly at any temperature: the plain engine's tokens, seed for seed."""
+    plain_engine = make_engine("gpt2", **BASE)
+    engine = make_engine("gpt2", speculative="draft", draft_model_path=other_draft("gpt2"), **BASE)
+    watch_drafts(engine)
+    for params in (
+        dict(temperature=0.8, top_p=0.9, seed=7),
+        dict(temperature=0.6, top_k=20, seed=11, presence_penalty=1.0),
+    ):
+        p = SamplingParams(max_new_tokens=24, ignore_eos=True, **params)
+        plain = plain_engine.generate(PROMPTS, p)
+        assert [c.output_ids for c in engine.generate(PROMPTS, p)] == [c.output_ids for c in plain]
+    assert_speculated(engine)
+
+
+def test_an_abort_while_a_verify_step_runs_frees_both_pools(make_engine, other_draft):
+    p = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    plain = make_engine("qwen3", **BASE).generate(PROMPTS, p)
+    engine = make_engine("qwen3", speculative="draft", draft_model_path=other_draft("qwen3"), **BASE)
+    watch_drafts(engine)
+    rids = [engine.add_request(prompt, p) for prompt in PROMPTS]
+    loop, done, victim = engine.event_loop(), {}, None
+    while victim is None and engine.busy():
+        for c in next(loop):
+            done[c.rid] = c
+        launched = engine.in_flight.last_batch()
+        if launched is not None and launched.drafts is not None and any(launched.drafts):
+            victim = launched.reqs[[bool(d) for d in launched.drafts].index(True)]
+    assert victim is not None, "no verify step with drafts was ever in flight"
+    assert victim.rid in engine.proposer.states
+    assert engine.abort(victim.rid).finish_reason is FinishReason.ABORT
+    assert victim.rid not in engine.proposer.states  # (its draft pages freed with it)
+    while engine.busy():
+        for c in next(loop):
+            done[c.rid] = c
+    for rid, expected in zip(rids, plain):
+        if rid != victim.rid:
+            assert done[rid].output_ids == expected.output_ids
+    assert engine.proposer.is_idle() and engine.is_idle()
+    assert_speculated(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_retraction_under_kv_pressure_frees_both_pools(make_engine, other_draft, overlap):
+    p = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    tight = dict(BASE, max_total_tokens=160, context_length=96, num_reserved_decode_tokens=4)
+    plain = make_engine("gpt2", **BASE).generate(PROMPTS, p)
+    engine = make_engine(
+        "gpt2",
+        speculative="draft",
+        draft_model_path=other_draft("gpt2"),
+        disable_overlap_schedule=not overlap,
+        **tight,
+    )
+    retracted = []
+    retract = engine.scheduler._retract
+
+    def retract_and_check(victim):
+        had_drafts = victim.rid in engine.proposer.states
+        retract(victim)
+        assert victim.rid not in engine.proposer.states  # its draft pages went with its target pages
+        retracted.append(had_drafts)
+
+    engine.scheduler._retract = engine.scheduler.decode.retract = retract_and_check
+    watch(engine)
+    watch_drafts(engine)
+    assert [c.output_ids for c in engine.generate(PROMPTS, p)] == [c.output_ids for c in plain]
+    assert engine.scheduler.stats["retractions"] == len(retracted) and any(retracted), retracted
+    assert engine.proposer.is_idle() and engine.is_idle()
+    assert_speculated(engine)
+
+
+def test_the_disaggregated_decode_server_drafts_on_transferred_kv(tiny_models, other_draft):
+    """The decode server builds the draft model's KV of prompts whose target KV a prefill server wrote."""
+    path = tiny_models("qwen3")
+    expected = hf_greedy(path, PROMPTS, 24)
+    spec = dict(speculative="draft", draft_model_path=other_draft("qwen3"))
+    prefill, decode = engines(path, decode_kw=spec, prefill_kw=spec)
+    params = [SamplingParams(max_new_tokens=24, temperature=0)] * len(PROMPTS)
+    completions, _ = drive(prefill, decode, PROMPTS, params)
+    assert [completions[f"r{i}"].output_ids for i in range(len(PROMPTS))] == expected
+    assert_speculated(decode)
+    assert decode.load().speculation == {"draft": spec_stats(decode)}
+    assert prefill.proposer is None
+    assert decode.proposer.is_idle() and prefill.is_idle() and decode.is_idle()
+    prefill.close()
+    decode.close()
+
+
+def test_draft_set_ups_not_built_are_refused(tiny_models, tmp_path):
+    llama = tiny_models("llama")
+    other_vocab = str(make_tiny_model(tmp_path / "vocab", "llama", overrides={"vocab_size": 640}))
+    refused = [
+        (dict(speculative="draft"), "needs --draft-model-path"),
+        (
+            dict(speculative="draft", draft_model_path=str(tmp_path / "missing")),
+            "--draft-model-path: .* no config.json",
+        ),
+        (dict(speculative="draft", draft_model_path=other_vocab), "vocabulary of 640 tokens"),
+        (dict(speculative="ngram", draft_model_path=llama), "is for --speculative draft"),
+        (dict(speculative="draft", draft_model_path=llama, tp_size=2, dist_timeout=5.0), "--tp-size 1"),
+    ]
+    for flags, message in refused:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(model_path=llama, device="cpu", **flags).resolve()
