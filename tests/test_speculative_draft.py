@@ -15,7 +15,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.engine.speculative.draft import DraftProposer
 from pdserve.common.scheduling.pages import pages_for
 from pdserve.common.tiny_model import make_tiny_model
-from pdserve.common.types import FinishReason, SamplingParams
+from pdserve.common.types import FinishReason, Req, SamplingParams
 from tests.test_disagg_engines import drive, engines, hf_greedy
 from tests.test_speculative_engine import BASE, PROMPTS, assert_speculated, spec_stats, watch
 
@@ -208,3 +208,33 @@ def test_draft_set_ups_not_built_are_refused(tiny_models, tmp_path):
     for flags, message in refused:
         with pytest.raises(ValueError, match=message):
             EngineConfig(model_path=llama, device="cpu", **flags).resolve()
+
+
+def test_the_draft_pool_holds_the_drafts_kv_then_the_accepted_prefix(tiny_models):
+    """Exact bookkeeping: the target as its own draft model drafts its greedy continuation; the draft KV
+    then covers the prompt and drafts 1 .. k-1 (pages of 4 tokens); after a step that accepted 2 of the 4,
+    the prompt and those 2; a new request under the same rid starts afresh; release gives all back."""
+    path = tiny_models("llama")
+    config = EngineConfig(
+        model_path=path, device="cpu", speculative="draft", draft_model_path=path, page_size=4, chunked_prefill_size=16
+    ).resolve()
+    proposer = DraftProposer(config, torch.device("cpu"), target_pages=64)
+    prompt = PROMPTS[3]  # 46 tokens: three catch-up forwards of at most 16
+    [greedy] = hf_greedy(path, [prompt], 8)
+    req = Req("a", prompt, SamplingParams(max_new_tokens=8, temperature=0), seed=0)
+    short = Req("b", PROMPTS[2], SamplingParams(max_new_tokens=8, temperature=0), seed=0)
+    assert proposer.propose_batch([req, short], [4, 2]) == [greedy[:4], hf_greedy(path, [PROMPTS[2]], 2)[0]]
+    state = proposer.states["a"]
+    assert state.tokens == prompt + greedy[:3] and len(state.pages) == pages_for(len(prompt) + 3, 4)
+    req.output_ids = greedy[:2] + [7]  # 2 drafts accepted, then a token of the target's own
+    proposer.rollback(req)
+    assert state.tokens == prompt + greedy[:2] and len(state.pages) == pages_for(len(prompt) + 2, 4) == 12
+    again = Req("a", prompt, SamplingParams(max_new_tokens=8, temperature=0), seed=0)
+    assert proposer.propose_for(again, 1) == greedy[:1]
+    assert proposer.states["a"].req is again and proposer.states["a"].tokens == prompt
+    free = proposer.runner.kv_pool.num_free_pages()
+    proposer.release(again)
+    proposer.release(req)  # (no longer the rid's owner: nothing to free)
+    assert proposer.runner.kv_pool.num_free_pages() == free + pages_for(len(prompt), 4)
+    proposer.retain([])
+    assert proposer.is_idle()
