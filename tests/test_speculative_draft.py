@@ -238,3 +238,15 @@ def test_the_draft_pool_holds_the_drafts_kv_then_the_accepted_prefix(tiny_models
     assert proposer.runner.kv_pool.num_free_pages() == free + pages_for(len(prompt), 4)
     proposer.retain([])
     assert proposer.is_idle()
+
+
+def test_the_triton_kernels_run_the_draft_model(make_engine, other_draft):
+    """The GPU path's attention for the draft model's forwards too (Triton's extend kernel; in Triton's
+    interpreter on CPU): the plain engine's tokens."""
+    p = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    triton = dict(BASE, attention_backend="triton", max_total_tokens=4096)
+    plain = make_engine("qwen3", **triton).generate(PROMPTS[2:3], p)
+    engine = make_engine("qwen3", speculative="draft", draft_model_path=other_draft("qwen3"), **triton)
+    watch_drafts(engine)
+    assert [c.output_ids for c in engine.generate(PROMPTS[2:3], p)] == [c.output_ids for c in plain]
+    assert_speculated(engine)
