@@ -219,6 +219,9 @@ def test_the_draft_pool_holds_the_drafts_kv_then_the_accepted_prefix(tiny_models
         model_path=path, device="cpu", speculative="draft", draft_model_path=path, page_size=4, chunked_prefill_size=16
     ).resolve()
     proposer = DraftProposer(config, torch.device("cpu"), target_pages=64)
+    # rows for a verify step's requests (--speculative-max-batch), pages for them at full context or the target's
+    assert proposer.runner.req_to_token_pool.size == config.speculative_max_batch == 8
+    assert proposer.runner.kv_pool.capacity_pages == 64
     prompt = PROMPTS[3]  # 46 tokens: three catch-up forwards of at most 16
     [greedy] = hf_greedy(path, [prompt], 8)
     req = Req("a", prompt, SamplingParams(max_new_tokens=8, temperature=0), seed=0)

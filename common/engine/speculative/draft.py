@@ -13,8 +13,8 @@ tokens of the last step); then k - 1 more one-token forwards feed each draft bac
 so a rejected draft's KV is dropped exactly as the target's is (`rollback`, after each verify step, and
 again before drafting: a proposal the scheduler dropped for want of target pages leaves KV that no
 verify step rolled back). Pages past the kept positions are freed; a request's row and pages go back
-when it leaves (`release`). NOTE the draft pool fills only with what running requests hold: when it has
-no room for a request, that request gets no drafts this step (never an error, never a retraction).
+when it leaves (`release`). When the draft pool has no room for a request, that request gets no drafts
+this step (never an error, never a retraction).
 
 One host read per verify step: the drafts, all requests' together, after the last draft forward.
 """
@@ -45,13 +45,17 @@ class DraftState:
 
 class DraftProposer(Proposer):
     def __init__(self, config: EngineConfig, device: torch.device, target_pages: int):
-        """A draft pool of as many pages as the target's (`target_pages`), at most every running request at
-        full context."""
+        """A draft pool with a row for each request a verify step may have (--speculative-max-batch, else
+        --max-running-requests) and pages for all of them at full context, no more than the target's
+        (`target_pages`). NOTE only a verify step's requests hold draft KV (`retain` frees the others'
+        before each proposal), so its rows and pages run out only where the target's pool is smaller."""
         self.num_tokens = config.num_speculative_tokens
         self.page_size = config.page_size
         # the most tokens one forward computes while a request catches up (its prompt, the first time)
         self.chunk = config.chunked_prefill_size if config.chunked_prefill_size > 0 else config.max_prefill_tokens
         rows = config.max_running_requests
+        if config.speculative_max_batch > 0:
+            rows = min(rows, config.speculative_max_batch)
         pages = min(target_pages, rows * pages_for(config.context_length + self.num_tokens, self.page_size))
         self.runner = DraftRunner(config, device, rows, 1 + pages)
         self.states: dict[str, DraftState] = {}
