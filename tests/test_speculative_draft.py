@@ -229,6 +229,7 @@ def test_the_draft_pool_holds_the_drafts_kv_then_the_accepted_prefix(tiny_models
     assert proposer.propose_batch([req, short], [4, 2]) == [greedy[:4], hf_greedy(path, [PROMPTS[2]], 2)[0]]
     state = proposer.states["a"]
     assert state.tokens == prompt + greedy[:3] and len(state.pages) == pages_for(len(prompt) + 3, 4)
+    assert state.settled == len(prompt)  # (only the drafts are compared after the step)
     req.output_ids = greedy[:2] + [7]  # 2 drafts accepted, then a token of the target's own
     proposer.rollback(req)
     assert state.tokens == prompt + greedy[:2] and len(state.pages) == pages_for(len(prompt) + 2, 4) == 12
