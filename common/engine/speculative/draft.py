@@ -30,7 +30,7 @@ from pdserve.common.engine.overlap import h2d
 from pdserve.common.engine.speculative.draft_runner import DraftRunner
 from pdserve.common.scheduling.pages import pages_for, slots_for_positions
 from pdserve.common.scheduling.proposer import Proposer
-from pdserve.common.types import Req
+from pdserve.common.types import Req, SamplingParams
 
 
 @dataclass
@@ -60,6 +60,20 @@ class DraftProposer(Proposer):
         pages = min(target_pages, rows * pages_for(config.context_length + self.num_tokens, self.page_size))
         self.runner = DraftRunner(config, device, rows, 1 + pages)
         self.states: dict[str, DraftState] = {}
+        if device.type == "cuda":
+            self.warmup()
+
+    def warmup(self) -> None:
+        """Draft for dummy requests (one, then three of other lengths) and free them: the draft model's
+        kernels compile before the first request speculates (on CUDA, at start-up)."""
+        params = SamplingParams(max_new_tokens=self.num_tokens + 1)
+        longest = max(1, self.runner.req_to_token_pool.context_len - self.num_tokens)
+        lengths = [min(n, longest) for n in [min(self.chunk, 64), 7, 16, 27][: 1 + self.runner.req_to_token_pool.size]]
+        for batch in (lengths[:1], lengths[1:]):
+            reqs = [Req(f"warmup-{i}", [0] * n, params, seed=0) for i, n in enumerate(batch)]
+            self.propose_batch(reqs, [self.num_tokens] * len(reqs))
+            for req in reqs:
+                self.release(req)
 
     # ---- who holds what -------------------------------------------------------------------------
 
