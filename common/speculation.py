@@ -59,8 +59,10 @@ def check_draft_model(config, read_hf_config) -> None:
         raise ValueError("--speculative draft needs --draft-model-path (a small model with the target's vocabulary)")
     try:
         check_model_path(path)
-    except ValueError as e:
-        raise ValueError(f"--draft-model-path: {e}") from None
+    except ValueError:
+        raise ValueError(
+            f"--draft-model-path {path!r} has no config.json and is not a .gguf file (or a directory holding one)"
+        ) from None
     draft, target = read_hf_config(path).get("vocab_size"), read_hf_config(config.model_path).get("vocab_size")
     if draft != target:
         raise ValueError(

@@ -199,7 +199,7 @@ def test_draft_set_ups_not_built_are_refused(tiny_models, tmp_path):
         (dict(speculative="draft"), "needs --draft-model-path"),
         (
             dict(speculative="draft", draft_model_path=str(tmp_path / "missing")),
-            "--draft-model-path: .* no config.json",
+            "--draft-model-path .* has no config.json",
         ),
         (dict(speculative="draft", draft_model_path=other_vocab), "vocabulary of 640 tokens"),
         (dict(speculative="ngram", draft_model_path=llama), "is for --speculative draft"),
