@@ -75,6 +75,12 @@ class EngineConfig:
         "GiB of host memory (pinned on a GPU) that pages evicted from the prefix cache are kept in and "
         "copied back from on a hit; 0: evicted pages are dropped.",
     )
+    host_kv_write_policy: str = option(
+        "write_through",
+        "When the host tier copies a page: write_through backs it up as soon as it is cached, on a side "
+        "stream, so evicting it copies nothing; write_back copies it when evicted, ahead of the next forward.",
+        choices=("write_through", "write_back"),
+    )
     disable_prefix_aware_transfers: bool = option(
         False,
         "Decode: receive a prompt's whole KV from the prefill server even where this server's prefix cache "

@@ -1,11 +1,13 @@
 """Host-tier loads are asynchronous (`--host-kv-cache-gb`): a request whose cached prefix is being
 copied back from host memory waits while the others run, no forward reads a page before its copy
 completes, a second request matching through pages still loading waits for the same copy, and a
-request freed mid-copy waits for it before its pages change hands.
+request freed mid-copy waits for it before its pages change hands. Write-through backups are
+asynchronous too (the store stream): an evicted page is rewritten only after its store read it.
 
-On the CPU the pool's copies are synchronous; here each load's copy is deferred until its event
-has been polled a few times (DeferredCopy), so a forward that read early would read stale pages
-and the answers would differ from transformers'."""
+On the CPU the pool's copies are synchronous; here each load's and each store_async's copy is
+deferred until its event has been polled a few times (DeferredCopy), so a forward that read early,
+or a store that read a page after it changed hands, would make the answers differ from
+transformers'."""
 
 import pytest
 import torch
@@ -52,16 +54,26 @@ class Deferrals(list):
 
 @pytest.fixture
 def deferred(monkeypatch):
+    """The loads' deferred copies (one stream); `deferred.stores`: the write-through stores' (another)."""
     made = Deferrals()
+    made.stores = []
 
-    def load_async(self, device, slots, pages):
+    def load_async(self, device, slots, pages, keep_slots=False):
         slots, pages = list(slots), list(pages)
         done = DeferredCopy(lambda: HostKVPool.load(self, device, slots, pages), made.polls, made)
         made.append(done)
-        self.free_after(done, slots)
+        if not keep_slots:
+            self.free_after(done, slots)
+        return done
+
+    def store_async(self, device, pages, slots):
+        pages, slots = list(pages), list(slots)
+        done = DeferredCopy(lambda: HostKVPool.store(self, device, pages, slots), made.polls, made.stores)
+        made.stores.append(done)
         return done
 
     monkeypatch.setattr(HostKVPool, "load_async", load_async)
+    monkeypatch.setattr(HostKVPool, "store_async", store_async)
     return made
 
 
@@ -101,6 +113,7 @@ def test_requests_wait_for_their_prefix_while_others_run(tiny_models, deferred, 
         prompts = next_turns(prompts, outputs, seed=turn + 60)
     assert deferred and tree.stats["host_loaded_pages"] > 0
     assert seen["max_loading"] > 0 and seen["ran_beside_a_load"] > 0
+    assert any(store.synced for store in deferred.stores)  # an eviction waited for a store still running
     tree.host.poll()  # every copy completed: every host slot is accounted for again
     assert tree.host.num_free() + tree.host_pages == tree.host.num_pages
 
@@ -165,9 +178,10 @@ def test_a_decode_server_holds_a_landed_request_until_its_prefix_is_back(tiny_mo
     assert report["hit_tokens"] > 0 and report["load_bytes"] > 0 and report["store_bytes"] > 0
 
 
-def test_a_second_match_through_pages_still_loading_waits_for_the_same_copy(deferred):
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_second_match_through_pages_still_loading_waits_for_the_same_copy(deferred, policy):
     pool = device_pool(num_pages=8, page=4)
-    tree = RadixCache(pool, HostKVPool(8, pool))
+    tree = RadixCache(pool, HostKVPool(8, pool, write_policy=policy))
     tokens = list(range(100, 116))  # 4 pages
     pages = pool.alloc_pages(4)
     originals = [page_of(pool, p).clone() for p in pages]
@@ -185,6 +199,39 @@ def test_a_second_match_through_pages_still_loading_waits_for_the_same_copy(defe
         pass
     for p, original in zip(loaded, originals):
         assert torch.equal(page_of(pool, p), original)
+    assert tree.host.num_free() == (4 if policy == "write_through" else 8)  # (write-through: kept as a backup)
+    check_host_accounting(tree)
+
+
+def test_an_evicted_page_is_rewritten_only_after_its_backup_read_it(deferred, monkeypatch):
+    """Write-through: a backup still being stored when its pages are evicted is waited for before
+    they change hands, and its host slots are reused only once it has completed."""
+    deferred.polls = 40
+    pool = device_pool(num_pages=12, page=4)
+    tree = RadixCache(pool, HostKVPool(8, pool))
+    tokens = list(range(100, 116))
+    pages = pool.alloc_pages(4)
+    originals = [page_of(pool, p).clone() for p in pages]
+    tree.insert(tokens, pages)
+    [store] = deferred.stores
+    assert not store.synced and tree.host.num_free() == 4
+    assert tree.evict(4) == 4 and store.synced  # (on a GPU: the current stream waits for its event)
+    for b in [*pool.k_storage, *pool.v_storage]:  # the next owner writes the pages
+        b.view(pool.kv_heads, pool.num_pages, pool.page_size, pool.head_dim)[:, pages] = 0
+    got, node = tree.match_prefix(tokens)
+    loaded, node = tree.load_continuation(tokens, node, max_pages=8)
+    deferred[0].synchronize()
+    tree.dec_lock_ref(node)
+    for p, original in zip(loaded, originals):
+        assert torch.equal(page_of(pool, p), original)
+    # A backup dropped while its store runs: its slots stay taken until the store completes.
+    other = list(range(200, 216))
+    tree.insert(other, pool.alloc_pages(4))
+    waits = []  # as on a GPU: the stream waits for the store, the host does not
+    monkeypatch.setattr(HostKVPool, "wait_for", lambda self, done: waits.append(done))
+    tree.reset()
+    assert waits == [deferred.stores[1]] and tree.host_pages == 0 and tree.host.num_free() == 4
+    deferred.stores[1].synchronize()
     assert tree.host.num_free() == 8
 
 

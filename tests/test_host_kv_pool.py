@@ -105,3 +105,30 @@ def test_sizing_and_refusals():
         host.store(other, [1, 2], slots)
     with pytest.raises(ValueError, match="not in \\[0, 10\\)"):
         host.free([10])
+
+
+class Done:
+    """A copy's event stand-in: complete or not."""
+
+    def __init__(self, complete: bool):
+        self.complete = complete
+
+    def query(self) -> bool:
+        return self.complete
+
+
+def test_slots_come_back_as_their_own_copy_completes_whatever_the_issue_order():
+    """Loads and write-through stores run on two streams: a later copy may complete first, and its
+    slots are free then, while an earlier copy still running keeps its own."""
+    pool = device_pool()
+    host = HostKVPool(6, pool)
+    assert host.write_through and host.store_async(pool, [1, 2], host.alloc(2)) is None  # the CPU: done
+    early, late = Done(False), Done(True)
+    host.free_after(early, [0])
+    host.free_after(late, [1])
+    assert host.num_free() == 5  # slot 1 back, slot 0 still being copied
+    early.complete = True
+    assert host.num_free() == 6
+    assert not HostKVPool(2, pool, write_policy="write_back").write_through
+    with pytest.raises(ValueError, match="host-kv-write-policy"):
+        HostKVPool(2, pool, write_policy="write_around")

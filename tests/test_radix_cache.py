@@ -2,6 +2,7 @@
 
 import random
 
+import pytest
 import torch
 
 from pdserve.common.engine.kv_pool import PagedKVPool
@@ -196,3 +197,46 @@ def test_eviction_heap_always_takes_the_least_recently_used_unlocked_leaf():
         cache.dec_lock_ref(node)
     cache.reset()
     assert cache.total_pages() == 0 and kv.num_free_pages() == kv.capacity_pages
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_randomized_host_tier_keeps_every_page_and_slot_accounted_for(policy):
+    """Random inserts, matches, loads back from the host tier, locks, unlocks and evictions over a
+    device pool and a smaller host pool: every device page and host slot is in exactly one place
+    after each step, and all are free after the last unlock and a reset."""
+    from pdserve.common.engine.host_kv_pool import HostKVPool
+    from tests.test_host_kv_tier import check_host_accounting
+
+    rng = random.Random(5)
+    kv = PagedKVPool(24, 2, num_layers=1, kv_heads=1, head_dim=1, dtype=torch.float32, device="cpu")
+    cache = RadixCache(kv, HostKVPool(10, kv, write_policy=policy))
+    locked = []
+    for _ in range(800):
+        op = rng.random()
+        tokens = [rng.randrange(3) for _ in range(2 * rng.randrange(1, 6))]
+        if op < 0.3:
+            if kv.num_free_pages() < 5:
+                cache.evict(5 - kv.num_free_pages())
+            if kv.num_free_pages() >= 5:
+                cache_pages(cache, kv, tokens)
+        elif op < 0.6:
+            pages, node = cache.match_prefix(tokens)
+            cache.inc_lock_ref(node)
+            more, node = cache.load_continuation(tokens, node, cache.evictable_pages + kv.num_free_pages())
+            assert cache.match_prefix(tokens)[0] == pages + more
+            locked.append(node)
+        elif op < 0.8 and locked:
+            cache.dec_lock_ref(locked.pop(rng.randrange(len(locked))))
+        else:
+            cache.evict(rng.randrange(1, 4))
+        held = sum(len(n.pages) for n in cache._nodes())
+        assert held == cache.evictable_pages + cache.protected_pages
+        assert kv.num_free_pages() + held == kv.capacity_pages
+        check_host_accounting(cache)
+    assert cache.stats["host_loaded_pages"] > 0 and cache.stats["host_dropped_pages"] > 0
+    assert (cache.stats["host_evicted_without_copy_pages"] > 0) == (policy == "write_through")
+    for node in locked:
+        cache.dec_lock_ref(node)
+    cache.reset()
+    assert cache.total_pages() == 0 and kv.num_free_pages() == kv.capacity_pages
+    assert cache.host_pages == 0 and cache.host.num_free() == cache.host.num_pages and cache.num_nodes == 1

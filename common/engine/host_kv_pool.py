@@ -1,13 +1,15 @@
-"""A host-memory tier for KV pages: the pages a device pool evicts, kept in (pinned) host memory and
-copied back when a prefix hit needs them: `--host-kv-cache-gb` (the radix cache decides what to
-store and load: common/scheduling/radix_cache.py).
+"""A host-memory tier for KV pages: the pages of the device pool's prefix cache, kept in (pinned) host
+memory and copied back when a prefix hit needs them: `--host-kv-cache-gb` (the radix cache decides
+what to store and load, and when: common/scheduling/radix_cache.py; `--host-kv-write-policy`).
 
     host = HostKVPool.for_gb(2.0, device_pool)          # as many pages as 2 GiB hold
     slots = host.alloc(len(pages))
     done = host.store(device_pool, pages, slots)        # device -> host; an event on CUDA
+    done = host.store_async(device_pool, pages, slots)  # the same on the pool's store stream
     done = host.load(device_pool, slots, new_pages)     # host -> device, into other device pages
-    done = host.load_async(device_pool, slots, new_pages)  # the same on the pool's own stream; the
+    done = host.load_async(device_pool, slots, new_pages)  # the same on the pool's load stream; the
                                                            # slots are free again once it completes
+                                                           # (unless keep_slots: they stay a backup)
 
 Layout: one host page is every layer's K and V of one device page, contiguous
 ([layers, 2, kv_heads, page_size, head_dim]), so moving n pages is one copy of n pages' bytes
@@ -19,12 +21,13 @@ or scatter per layer and per K/V plus a bulk copy (32 launches for a Llama-1B lo
 14.5 GB/s for 16 pages, 1.2 for one, against the bus's 55: docs/benchmarks.md). On the CPU the
 copies are plain index copies.
 
-NOTE copies run on `stream` when one is given (a side stream, so a load overlaps the running
-batch): that stream must first wait for the one that wrote the pages being stored, and the caller
-must not read loaded pages, reuse stored device pages, or rewrite the host pages being loaded
-before the returned event completes. `load_async` keeps the last promise itself: its host slots
-return to the free list only once the copy has read them (a store into a slot still being loaded
-would be a write-after-read race).
+Streams: loads run on `stream`, write-through stores on `store_stream` (two side streams, so a
+load and a store move in both directions at once, beside the running batch); each first waits for
+everything queued on the current (scheduling) stream. NOTE the caller must not read loaded pages,
+rewrite device pages being stored (`wait_for` the store's event first: a device-side wait), or
+reuse host slots a copy still reads or writes before its event completes: `free_after` gives slots
+back only then (a store into a slot still being loaded is a write-after-read race; two stores on
+different streams into one slot, a write-after-write one). `load_async` frees its slots that way.
 
 Bandwidth: every copy on a GPU is timed with CUDA events (`stats`: bytes and device seconds per
 direction, harvested as the copies complete, never waited for).
@@ -38,34 +41,44 @@ import torch
 from pdserve.common.engine.kv_pool import PagedKVPool
 from pdserve.common.engine.overlap import h2d_array
 
+WRITE_POLICIES = ("write_through", "write_back")
+
 
 class HostKVPool:
-    def __init__(self, num_pages: int, like: PagedKVPool, pin: bool | None = None):
+    def __init__(self, num_pages: int, like: PagedKVPool, pin: bool | None = None, write_policy: str = "write_through"):
         """`num_pages` host pages shaped as `like`'s; pinned when the device pool is on a GPU
-        (unless `pin` says otherwise), which asynchronous copies need."""
+        (unless `pin` says otherwise), which asynchronous copies need. `write_policy`: when the
+        radix cache copies pages here (--host-kv-write-policy)."""
         if num_pages < 1:
             raise ValueError(f"the host KV pool needs at least one page, got {num_pages}")
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"--host-kv-write-policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        # write_through: pages are backed up as they are cached; write_back: copied when evicted.
+        self.write_through = write_policy == "write_through"
         self.num_pages = num_pages
         self.page_shape = (like.num_layers, 2, like.kv_heads, like.page_size, like.head_dim)
         self.dtype = like.dtype
         pin = like.k_storage[0].is_cuda if pin is None else pin
         self.pages = torch.zeros((num_pages, *self.page_shape), dtype=like.dtype, pin_memory=pin)
         self._free = list(range(num_pages - 1, -1, -1))  # popped from the end: 0, 1, 2, ...
-        self._freeing: list[tuple[object, list[int]]] = []  # (load's event, slots it reads), in issue order
+        self._freeing: list[tuple[object, list[int]]] = []  # (copy's event, slots it reads or writes)
         on_gpu = like.k_storage[0].is_cuda
         self.stream = torch.cuda.Stream(like.k_storage[0].device) if on_gpu else None  # loads: load_async
+        self.store_stream = torch.cuda.Stream(like.k_storage[0].device) if on_gpu else None  # store_async
         self.stats = {"load_bytes": 0, "load_s": 0.0, "store_bytes": 0, "store_s": 0.0}
         self._tables = None  # (device pool, host table, pool table): copy_host_pages' addresses
         self._timing: list[tuple[str, int, object, object]] = []  # (direction, bytes, start, end) in flight
 
     @classmethod
-    def for_gb(cls, gb: float, like: PagedKVPool, pin: bool | None = None) -> "HostKVPool":
+    def for_gb(
+        cls, gb: float, like: PagedKVPool, pin: bool | None = None, write_policy: str = "write_through"
+    ) -> "HostKVPool":
         """As many pages as `gb` GiB hold."""
         page_bytes = like.bytes_per_token() * like.page_size
         num_pages = int(gb * (1 << 30)) // page_bytes
         if num_pages < 1:
             raise ValueError(f"{gb} GiB holds no KV page of {page_bytes} bytes")
-        return cls(num_pages, like, pin)
+        return cls(num_pages, like, pin, write_policy)
 
     @property
     def page_bytes(self) -> int:
@@ -95,11 +108,20 @@ class HostKVPool:
             self._freeing.append((done, slots))
 
     def poll(self) -> None:
-        """Free the slots of completed loads; account the completed copies' time (never waits)."""
-        while self._freeing and self._freeing[0][0].query():  # (one stream: they complete in order)
-            self.free(self._freeing.pop(0)[1])
-        while self._timing and self._timing[0][3].query():
-            direction, size, start, end = self._timing.pop(0)
+        """Free the slots of completed copies; account the completed copies' time (never waits)."""
+        if self._freeing:  # (two streams: copies complete out of issue order)
+            pending = []
+            for done, slots in self._freeing:
+                if done.query():
+                    self.free(slots)
+                else:
+                    pending.append((done, slots))
+            self._freeing = pending
+        timing, self._timing = self._timing, []
+        for direction, size, start, end in timing:
+            if not end.query():
+                self._timing.append((direction, size, start, end))
+                continue
             self.stats[f"{direction}_bytes"] += size
             self.stats[f"{direction}_s"] += start.elapsed_time(end) / 1000
 
@@ -133,16 +155,37 @@ class HostKVPool:
                 self._scatter(device, staged, device_pages)
             return self._end("load", len(slots), start)
 
-    def load_async(self, device: PagedKVPool, slots: list[int], device_pages: list[int]):
+    def load_async(self, device: PagedKVPool, slots: list[int], device_pages: list[int], keep_slots: bool = False):
         """`load` on this pool's own stream, after everything queued so far on the current one (the
-        scheduling stream, which has waited for the forward in flight: the device pages are free of
-        readers and of stores); `slots` are freed when it completes. Returns its event (None on the
-        CPU, where it is done on return)."""
+        scheduling stream, which has waited for the forward in flight and for any store of these
+        slots: the device pages are free of readers, the host pages written); `slots` are freed when
+        it completes, unless `keep_slots` (the caller keeps them as the pages' backup, and must
+        free them with `free_after` this event). Returns its event (None on the CPU, where it is
+        done on return)."""
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
         done = self.load(device, slots, device_pages, stream=self.stream)
-        self.free_after(done, slots)
+        if not keep_slots:
+            self.free_after(done, slots)
         return done
+
+    def store_async(self, device: PagedKVPool, device_pages: list[int], slots: list[int]):
+        """`store` on this pool's store stream, after everything queued so far on the current one
+        (which holds the forward that wrote the pages). Returns its event (None on the CPU): until
+        it completes the device pages must not be rewritten (`wait_for`) nor the slots reused."""
+        if self.store_stream is not None:
+            self.store_stream.wait_stream(torch.cuda.current_stream())
+        return self.store(device, device_pages, slots, stream=self.store_stream)
+
+    def wait_for(self, done) -> None:
+        """Order what the current stream does next after `done` (a copy's event, or None): a wait
+        on the device, never on the host."""
+        if done is None:
+            return
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_event(done)
+        else:  # (CPU copies are done on return: only a test's deferred stand-in gets here)
+            done.synchronize()
 
     def _start(self, direction: str):
         if self.stream is None:  # (CPU copies are done on return: bytes counted, not timed)

@@ -100,7 +100,9 @@ class ModelRunner:
         if self.kv_pool.quantized:
             self.kv_pool.set_scales(*self._kv_scales(num_layers))
         if config.host_kv_cache_gb > 0:
-            self.kv_pool.host_tier = HostKVPool.for_gb(config.host_kv_cache_gb, self.kv_pool)
+            self.kv_pool.host_tier = HostKVPool.for_gb(
+                config.host_kv_cache_gb, self.kv_pool, write_policy=config.host_kv_write_policy
+            )
         startup.mark(KV_POOL)
         num_heads = self.model.local_heads()
         self.attn = create_backend(

@@ -12,17 +12,27 @@ Eviction pops a heap of candidate leaves kept up to date as the tree changes (an
 when its node is locked, gains a child, is touched again or is gone, and is skipped when popped),
 so it costs what it evicts, not the size of the tree: a full pool evicts on every admission.
 
-Host tier (optional, `--host-kv-cache-gb`): an evicted leaf's pages are first copied to a host
-pool (common/engine/host_kv_pool.py) and the node stays, host-only (no device pages, `host` slots).
+Host tier (optional, `--host-kv-cache-gb`, common/engine/host_kv_pool.py): a node's pages may have
+a copy in host slots (`host`); an evicted leaf keeps it and stays, host-only (no device pages).
+Write-through (`--host-kv-write-policy`, the default): `insert` backs the tree's new pages up at
+once on the host pool's store stream, off the forward's critical path (`storing`: that copy's
+event), so evicting them copies nothing: the current stream only waits, on the device, for a store
+still running before the pages are freed. A backup is skipped when the host pool is full of other
+nodes' backups (host-only leaves are dropped for it, backups of device nodes never); such a leaf,
+and every leaf under write-back, is copied when evicted, on the caller's stream (in the critical
+path of the next forward).
 A device match stops at a host-only node; `load_continuation` brings the host-only nodes that
 continue a match back into fresh device pages (the request then runs from the longer prefix).
-Loads are asynchronous (the host pool's own stream): a node being loaded has device pages and
-`loading` set to its copy's event, and whoever matches through it must wait for that event before
-a forward reads its pages (`pending_load`); the scheduler polls, it never waits.
-Invariant: a host-only node has only host-only descendants (eviction goes leaf-upward; an insert
-through a host-only node replaces its subtree with the request's device pages). The host pool
-evicts its own leaves LRU when full. NOTE stores copy on the caller's stream and loads are issued
-after it, at scheduling time: on a GPU that must be after the loop's barrier on the forward stream.
+Loads are asynchronous (the load stream): a node being loaded has device pages and `loading` set to
+its copy's event, and whoever matches through it must wait for that event before a forward reads
+its pages (`pending_load`); the scheduler polls, it never waits. Under write-through a loaded node
+keeps its host slots as its backup (evicted again, it copies nothing).
+Invariants: a host-only node has only host-only descendants (eviction goes leaf-upward; an insert
+through a host-only node replaces its subtree with the request's device pages); a node with both
+holds as many host slots as pages. The host pool drops host-only leaves LRU when full; a slot is
+reused only once the copies reading or writing it are done. NOTE loads and stores wait for the
+caller's stream, at scheduling time: on a GPU that must be after the loop's barrier on the forward
+stream (the KV being stored was written by a forward queued before it).
 
 Ownership: pages in the tree belong to the tree. A request owns only the pages after its matched
 prefix until it finishes; then `insert` hands the tree the pages it did not already have, and the
@@ -42,7 +52,7 @@ if TYPE_CHECKING:  # (the pools hold device memory: scheduling only calls their 
 
 
 class TreeNode:
-    __slots__ = ("parent", "children", "key", "pages", "lock_ref", "last_access", "host", "loading")
+    __slots__ = ("parent", "children", "key", "pages", "lock_ref", "last_access", "host", "loading", "storing")
 
     def __init__(self, parent: TreeNode | None, key: tuple[int, ...], pages: list[int], tick: int):
         self.parent = parent
@@ -51,8 +61,9 @@ class TreeNode:
         self.pages = pages
         self.lock_ref = 0
         self.last_access = tick
-        self.host: list[int] | None = None  # host pool slots, once the device pages are gone
+        self.host: list[int] | None = None  # host pool slots: a backup of `pages`, or all there is
         self.loading = None  # (issue order, event) of the copy filling `pages` from the host tier
+        self.storing = None  # event of the copy filling `host` from `pages` (write-through)
 
 
 class RadixCache:
@@ -61,7 +72,10 @@ class RadixCache:
         self.kv_pool = kv_pool
         self.host = host
         self.host_pages = 0  # host slots the tree holds
-        self.stats = {"host_stored_pages": 0, "host_loaded_pages": 0, "host_dropped_pages": 0}
+        # host_stored_pages: copied to host memory, host_backup_pages of them when inserted (write-through);
+        # host_evicted_without_copy_pages: evicted with their backup made already, so no copy then.
+        stored = ("host_stored_pages", "host_backup_pages", "host_evicted_without_copy_pages")
+        self.stats = dict.fromkeys((*stored, "host_loaded_pages", "host_dropped_pages"), 0)
         self._host_lru: list[tuple[int, int, TreeNode]] = []
         self.page_size = kv_pool.page_size
         self._ticks = itertools.count()
@@ -134,6 +148,8 @@ class RadixCache:
                 node.children[first] = new
                 self.evictable_pages += len(new.pages)
                 self.num_nodes += 1
+                if self.host is not None and self.host.write_through:
+                    self._back_up(new)
                 self._offer(new)
                 return pos // self.page_size
             n = self._common_pages(child.key, key[pos:])  # >= 1: the first page matched
@@ -158,7 +174,7 @@ class RadixCache:
         cut = n_pages * self.page_size
         upper = TreeNode(node.parent, node.key[:cut], node.pages[:n_pages], node.last_access)
         upper.lock_ref = node.lock_ref
-        upper.loading = node.loading
+        upper.loading, upper.storing = node.loading, node.storing  # (both halves complete with one copy)
         if node.host is not None:
             upper.host, node.host = node.host[:n_pages], node.host[n_pages:]
         upper.children[node.key[cut : cut + self.page_size]] = node
@@ -190,8 +206,9 @@ class RadixCache:
 
     # ---- eviction -------------------------------------------------------------------------------
 
-    def evict(self, num_pages: int) -> int:
-        """Free at least `num_pages` pages from unlocked leaves, LRU first. Returns pages freed."""
+    def evict(self, num_pages: int, keep: TreeNode | None = None) -> int:
+        """Free at least `num_pages` pages from unlocked leaves, LRU first. Returns pages freed.
+        `keep`: a host-only node that making host room must not drop (load_continuation's)."""
         freed = 0
         while freed < num_pages and self._lru:
             access, _, leaf = heapq.heappop(self._lru)
@@ -199,16 +216,19 @@ class RadixCache:
                 continue  # stale: gone, no longer a leaf, locked, or touched since it was pushed
             n = len(leaf.pages)
             parent = leaf.parent
-            if self.host is not None and self._host_room(n):
+            if leaf.host is not None:  # backed up: no copy
+                self._await_store(leaf)
+                self.stats["host_evicted_without_copy_pages"] += n
+            elif self.host is not None and self._host_room(n, keep):
                 leaf.host = self.host.alloc(n)
-                self.host.store(self.kv_pool, leaf.pages, leaf.host)
+                self.host.store(self.kv_pool, leaf.pages, leaf.host)  # (on the caller's stream)
                 self.host_pages += n
                 self.stats["host_stored_pages"] += n
-                self.kv_pool.free_pages(leaf.pages)
+            self.kv_pool.free_pages(leaf.pages)
+            if leaf.host is not None:
                 leaf.pages = []
                 self._offer_host(leaf)
             else:
-                self.kv_pool.free_pages(leaf.pages)
                 self._drop_subtree(leaf)
             freed += n
             self.evictable_pages -= n
@@ -224,8 +244,7 @@ class RadixCache:
         in place of `node`)."""
         if self.host is None:
             return [], node
-        depth = 0
-        walker = node
+        depth, walker = 0, node
         while walker is not self.root:
             depth += len(walker.key)
             walker = walker.parent
@@ -240,15 +259,18 @@ class RadixCache:
                 child = self._split(child, n)
             free = self.kv_pool.num_free_pages()
             if free < n:
-                self.evict(n - free)  # (stores other leaves to the host pool: never this path)
+                self.evict(n - free, keep=child)  # (stores other leaves to the host pool: never this path)
             loaded = self.kv_pool.alloc_pages(n)
             if loaded is None:
                 break
-            done = self.host.load_async(self.kv_pool, child.host, loaded)  # (frees the slots once read)
+            backup = self.host.write_through  # the host copy stays valid: the node's backup from now on
+            done = self.host.load_async(self.kv_pool, child.host, loaded, keep_slots=backup)
             child.loading = None if done is None else (next(self._ticks), done)
-            self.host_pages -= n
             self.stats["host_loaded_pages"] += n
-            child.host, child.pages = None, loaded
+            if not backup:  # (load_async frees the slots once read)
+                self.host_pages -= n
+                child.host = None
+            child.pages = loaded
             self.evictable_pages += n
             child.last_access = next(self._ticks)
             self.inc_lock_ref(child)  # (before the next room is made: it must not be evicted again)
@@ -277,17 +299,51 @@ class RadixCache:
         """Holds device pages, and none of its children does (an eviction candidate)."""
         return bool(node.pages) and not any(c.pages for c in node.children.values())
 
-    def _host_room(self, n: int) -> bool:
-        """Free n host slots, dropping host-only leaves least recently used first; False if the
-        pool cannot hold n."""
+    def _host_room(self, n: int, keep: TreeNode | None = None) -> bool:
+        """Free n host slots, dropping host-only leaves least recently used first (never a backup
+        of device pages, nor `keep`); False if the pool cannot hold n."""
+        spared = []
         while self.host.num_free() < n and self._host_lru:
-            access, _, leaf = heapq.heappop(self._host_lru)
+            entry = heapq.heappop(self._host_lru)
+            access, _, leaf = entry
             if leaf.parent is None or leaf.children or leaf.pages or leaf.last_access != access:
+                continue
+            if leaf is keep:
+                spared.append(entry)
                 continue
             parent = leaf.parent
             self._drop_subtree(leaf)
             self._offer_host(parent)
+        for entry in spared:
+            heapq.heappush(self._host_lru, entry)
         return self.host.num_free() >= n
+
+    def _back_up(self, node: TreeNode) -> None:
+        """Write-through: copy `node`'s device pages to host slots now, on the store stream, so its
+        eviction copies nothing; skipped (the eviction copies) when the host pool has no room."""
+        n = len(node.pages)
+        if not self._host_room(n):
+            return
+        node.host = self.host.alloc(n)
+        node.storing = self.host.store_async(self.kv_pool, node.pages, node.host)
+        self.host_pages += n
+        self.stats["host_stored_pages"] += n
+        self.stats["host_backup_pages"] += n
+
+    def _await_store(self, node: TreeNode) -> None:
+        """Before `node`'s device pages are freed: a later write into them must come after its
+        backup's store has read them (the current stream waits on the device, the host never)."""
+        if node.storing is not None and not node.storing.query():
+            self.host.wait_for(node.storing)
+
+    def _free_host(self, node: TreeNode) -> None:
+        """Give `node`'s host slots back once the copies reading or writing them are done (a load
+        on the load stream, issued after the store it reads: its event is the later)."""
+        done = node.loading[1] if node.loading is not None else node.storing
+        self.host.free_after(done, node.host)
+        self.host_pages -= len(node.host)
+        self.stats["host_dropped_pages"] += len(node.host)
+        node.host = None
 
     def _drop_subtree(self, node: TreeNode) -> None:
         """Take `node` (device pages already given back) and its host-only descendants out of the tree."""
@@ -296,10 +352,7 @@ class RadixCache:
         while stack:
             n = stack.pop()
             if n.host is not None:
-                self.host.free(n.host)
-                self.host_pages -= len(n.host)
-                self.stats["host_dropped_pages"] += len(n.host)
-                n.host = None
+                self._free_host(n)  # (counted as dropped)
             n.parent = None
             self.num_nodes -= 1
             stack.extend(n.children.values())
@@ -334,10 +387,13 @@ class RadixCache:
         return sum(len(n.pages) for n in self._nodes())
 
     def reset(self) -> None:
-        """Give every cached page back (only valid when no request holds a lock)."""
+        """Give every cached page back, device and host (only valid when no request holds a lock)."""
         assert self.protected_pages == 0, "reset with locked nodes"
-        host, self.host = self.host, None  # dropped, not stored
-        self.evict(self.evictable_pages)
-        self.host = host
+        for node in self._nodes():
+            if node.pages:  # dropped, not stored
+                self._await_store(node)
+                self.kv_pool.free_pages(node.pages)
+                node.pages = []
+        self.evictable_pages, self._lru, self._host_lru = 0, [], []
         for child in list(self.root.children.values()):
-            self._drop_subtree(child)  # what is left is host-only
+            self._drop_subtree(child)

@@ -32,7 +32,45 @@ def test_pages_round_trip_on_a_side_stream(dtype):
         assert torch.equal(v[:, target], b)
 
 
-def test_host_tier_turns_on_cuda_equal_transformers_and_leave_nothing_behind(tiny_models):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_write_through_pages_come_back_bitwise_after_evictions_without_a_copy(dtype):
+    """The backup is stored on the store stream (held back here by a sleep queued on it first): the
+    eviction copies nothing, the freed pages are rewritten at once on the current stream (which
+    must wait for the store on the device), and the pages loaded back are the bytes cached."""
+    from pdserve.common.scheduling.radix_cache import RadixCache
+
+    pool = PagedKVPool(64, 16, 4, 8, 64, dtype, "cuda")
+    host = HostKVPool(32, pool)  # write-through
+    tree = RadixCache(pool, host)
+    views = [b.view(torch.uint8).view(8, 64, 16, 64 * b.element_size()) for b in [*pool.k_storage, *pool.v_storage]]
+    tokens = list(range(1000, 1000 + 5 * 16))
+    pages = pool.alloc_pages(5)
+    for b in [*pool.k_storage, *pool.v_storage]:  # the "forward" writing the KV, on the current stream
+        b.copy_(torch.randn(b.shape, device="cuda").to(dtype))
+    cached = [v[:, pages].clone() for v in views]
+    with torch.cuda.stream(host.store_stream):
+        torch.cuda._sleep(1_000_000_000)  # (the store starts ~0.5 s late)
+    tree.insert(tokens, pages)
+    assert tree.stats["host_backup_pages"] == 5 and host.stats["store_bytes"] == 0  # (still running)
+    for _ in range(2):  # evicted, loaded back, evicted again: the one store serves both
+        assert tree.evict(5) == 5 and tree.stats["host_stored_pages"] == 5
+        for v in views:  # the next owner writes the freed pages at once
+            v[:, pages] = 0
+        _, node = tree.match_prefix(tokens)
+        tree.inc_lock_ref(node)
+        pages, node = tree.load_continuation(tokens, node, max_pages=8)
+        host.wait_for(tree.pending_load(node))  # (None if already complete)
+        for v, b in zip(views, cached):
+            assert torch.equal(v[:, pages], b)
+        tree.dec_lock_ref(node)
+    assert tree.stats["host_evicted_without_copy_pages"] == 10
+    tree.reset()
+    torch.cuda.synchronize()
+    assert host.num_free() == 32 and pool.num_free_pages() == pool.capacity_pages
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_host_tier_turns_on_cuda_equal_transformers_and_leave_nothing_behind(tiny_models, policy):
     """Multi-turn conversations through a device pool too small to keep them: the history goes to
     pinned host pages and comes back for the next turn, and the answers stay transformers'."""
     from pdserve.common.engine.engine import Engine
@@ -44,7 +82,8 @@ def test_host_tier_turns_on_cuda_equal_transformers_and_leave_nothing_behind(tin
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
     kw = dict(model_path=path, device="cuda", dtype="float32", max_total_tokens=32 * PAGE, context_length=256)
     for overlap in (True, False):
-        engine = Engine(page_size=PAGE, host_kv_cache_gb=0.01, disable_overlap_schedule=not overlap, **kw)
+        tier = dict(host_kv_cache_gb=0.01, host_kv_write_policy=policy)
+        engine = Engine(page_size=PAGE, disable_overlap_schedule=not overlap, **tier, **kw)
         tree = engine.scheduler.kv.tree_cache
         prompts = conversations(12, seed=7)
         for turn in range(3):
@@ -53,3 +92,5 @@ def test_host_tier_turns_on_cuda_equal_transformers_and_leave_nothing_behind(tin
             assert engine.is_idle() and engine.stats()["kv_used_tokens"] == 0
             prompts = next_turns(prompts, outputs, seed=turn + 50)
         assert tree.stats["host_stored_pages"] > 0 and tree.stats["host_loaded_pages"] > 0
+        through = tree.stats["host_evicted_without_copy_pages"] > 0 and tree.stats["host_backup_pages"] > 0
+        assert through == (policy == "write_through")

@@ -3,7 +3,9 @@
 the overlap loop's streams. fp32 greedy equals transformers and the plain engine, seeded sampling equals
 the plain engine, colocated and on a decode server whose KV came by NIXL; a replayed verify step's logits
 equal the eager verify forward's of the same batch; verify steps larger than the graphs run eagerly, with
-the same tokens."""
+the same tokens. The draft-model proposer (--speculative draft) on CUDA: its eager draft forwards beside the
+target's graphs, the target itself (every draft accepted) or another model of its vocabulary as the draft
+model, greedy equal to transformers, both KV pools idle afterwards."""
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from pdserve.common.types import SamplingParams
 from pdserve.decode.engine import DecodeEngine
 from pdserve.prefill.engine import PrefillEngine
 from tests.test_disagg_engines import drive, hf_greedy
+from tests.test_speculative_draft import acceptance, other_draft, watch_drafts  # noqa: F401 (other_draft: a fixture)
 from tests.test_speculative_engine import PROMPTS, Oracle, assert_speculated, spec_stats, watch
 
 CUDA = dict(device="cuda", dtype="float32", max_total_tokens=8192, page_size=16)
@@ -128,3 +131,45 @@ def test_a_decode_server_speculates_on_kv_written_by_nixl_on_cuda(tiny_models):
     assert decode.runner.verify_graphs.replays == spec_stats(decode)["spec_verify_steps"]
     assert prefill.runner.verify_graphs is None  # (a prefill server never speculates)
     assert decode.is_idle() and prefill.is_idle()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_draft_model_speculation_gives_the_plain_tokens_under_cuda_graphs(tiny_models, other_draft, arch, overlap):  # noqa: F811
+    """--speculative draft with CUDA graphs: the target as its own draft model (every draft accepted) and
+    another model of its vocabulary (some rejected), overlap on and off: transformers' greedy tokens, the
+    plain engine's; every verify step a graph replay; the draft KV rolled back after each verify step and
+    both KV pools (the target's, the draft model's) idle once the requests are done. Prompts past 16
+    tokens reach the draft model in chunks of 16 (--chunked-prefill-size)."""
+    path = tiny_models(arch)
+    greedy = SamplingParams(max_new_tokens=24, temperature=0)
+    expected = hf_greedy(path, PROMPTS, 24, device="cuda")
+    plain = Engine(model_path=path, disable_overlap_schedule=not overlap, **CUDA).generate(PROMPTS, greedy)
+    assert [c.output_ids for c in plain] == expected
+    for draft in (path, other_draft(arch)):
+        engine = Engine(
+            model_path=path,
+            speculative="draft",
+            draft_model_path=draft,
+            disable_overlap_schedule=not overlap,
+            chunked_prefill_size=16,
+            **CUDA,
+        )
+        graphs, proposer = engine.runner.verify_graphs, engine.proposer
+        assert graphs is not None and proposer.runner.device.type == "cuda"
+        assert proposer.is_idle()  # (its start-up warm-up freed what it drafted for)
+        checked, drafts, eager = watch(engine), watch_drafts(engine), eager_verify_steps(engine)
+        assert [c.output_ids for c in engine.generate(PROMPTS, greedy)] == expected, (draft, overlap)
+        stats = spec_stats(engine)
+        assert_speculated(engine)
+        assert checked["verify_steps"] == stats["spec_verify_steps"] and drafts["checked"] > 0
+        assert graphs.replays == stats["spec_verify_steps"] and eager == []
+        assert max(drafts["forward_tokens"]) == 16
+        if draft == path:
+            assert acceptance(engine) > 0.95, stats
+        else:
+            assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], stats
+        rows, pool = proposer.runner.req_to_token_pool, proposer.runner.kv_pool
+        assert not proposer.states and rows.available() == rows.size
+        assert pool.num_free_pages() == pool.capacity_pages
+        assert engine.is_idle(), engine.stats()
