@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -116,6 +118,12 @@ def local_stack(
     router = free_port()
     base = f"http://127.0.0.1:{router}"
     procs: list[subprocess.Popen] = []
+    # SIGTERM (`timeout`, a job runner) stops the stack as Ctrl-C does: Python's default would end this
+    # process at once, skipping the `finally` below, and the next stack would start beside servers still
+    # holding the GPU's memory (and the MPS daemon).
+    on_term = (
+        signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
+    )
 
     # A fresh cluster secret per run, as `pdserve up` makes one: the measured path is the secured one.
     run_dir = tempfile.mkdtemp(prefix="pdserve-bench-")
@@ -205,6 +213,12 @@ def local_stack(
         if sharing is not None:
             sharing.stop()  # after the servers (router/gpu_sharing.py)
         shutil.rmtree(run_dir, ignore_errors=True)
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def _readiness(base: str) -> dict:
