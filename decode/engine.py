@@ -118,9 +118,10 @@ class DecodeEngine(EngineCore):
     # ---- the decode steps of the loop ----------------------------------------------------------
 
     def pop_preallocated(self) -> None:
-        """Admit queued requests into pages; publish each one's KV destination."""
+        """Admit queued requests into pages; publish each one's KV destination (one whose pages a
+        store to the host tier still reads once no store does: DecodeScheduler.pop_settled)."""
         now = time.monotonic()
-        for req in self.scheduler.pop_preallocated(now):
+        for req in self.scheduler.pop_settled(now) + self.scheduler.pop_preallocated(now):
             expires_unix_s = time.time() + (req.deadline - now)  # wall clock: it crosses machines
             held = req.prefix_pages  # cached here: the prefill server writes the pages after them
             self.destinations.append(

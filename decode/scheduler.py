@@ -8,7 +8,10 @@ Queues, in the order a request passes through them (docs/architecture.md, "The d
                   its pages, until the notification, or KV_WRITE_GRACE_S after the deadline,
                   says no WRITE can land in them any more (prefill servers start none after
                   the deadline, which the destination carries, and give up on one at half
-                  the grace).
+                  the grace). With a host tier, a destination whose pages an eviction freed
+                  while a store to host memory still reads them is `held` (not published)
+                  until those stores complete: the prefill server's WRITE is ordered by no
+                  CUDA stream here, and would corrupt the host copy (`pop_settled`).
     landed        the KV and the first token arrived, but the cached prefix it pinned is still
                   being copied back from the host tier (--host-kv-cache-gb): it waits, others run
     ready         the KV and the first token arrived while --max-running-requests were running:
@@ -65,6 +68,8 @@ class DecodeScheduler(Scheduler):
         self.kv_transfer_timeout = kv_transfer_timeout
         self.prealloc: deque[Req] = deque()
         self.transferring: dict[int, Req] = {}  # room -> request
+        # room -> the stores its pages wait for: transferring, its destination not yet published.
+        self.held: dict[int, list] = {}
         self.landed: list[Req] = []  # arrived; their pinned prefix still loading from host memory
         self.ready: deque[Req] = deque()  # arrived while the running batch was full
         self.max_granted = 2 * config.max_running_requests  # requests holding pages: the rows there are
@@ -107,7 +112,8 @@ class DecodeScheduler(Scheduler):
         return bool(self.prealloc or self.transferring or self.landed or self.ready) or super().has_work()
 
     def pop_preallocated(self, now: float) -> list[Req]:
-        """Give queued requests a row and the pages for their prompt, oldest first.
+        """Give queued requests a row and the pages for their prompt, oldest first; returns those
+        whose destination may be published now (the others are `held`: `pop_settled`).
 
         Admission keeps, as for colocated requests, room for every admitted request's next
         num_reserved_decode_tokens tokens; a request that does not fit blocks those behind it.
@@ -139,16 +145,36 @@ class DecodeScheduler(Scheduler):
             self.transfer_stats["prefix_hit_tokens"] += len(prefix_pages) * self.kv.page_size
             req.deadline = now + self.kv_transfer_timeout
             self.transferring[req.room] = req
+            unsettled = self.kv.unsettled_events(req.pages[req.prefix_pages :])
+            if unsettled:  # (pages an eviction just freed: a store to host memory still reads them)
+                self.held[req.room] = unsettled
             admitted.append(req)
             available -= need
-        return admitted
+        return [r for r in admitted if r.room not in self.held]
+
+    def pop_settled(self, now: float) -> list[Req]:
+        """Held requests whose pages no store reads any more: their destination may be published
+        now, and their deadline starts now (the prefill server gets its whole timeout). Never waits."""
+        if not self.held:
+            return []
+        settled = []
+        for room, events in list(self.held.items()):
+            events = [e for e in events if not e.query()]
+            if events:
+                self.held[room] = events
+                continue
+            del self.held[room]
+            req = self.transferring[room]
+            req.deadline = now + self.kv_transfer_timeout
+            settled.append(req)
+        return settled
 
     def granted_pages(self, room: int) -> int | None:
         """Pages this server granted for `room` (its destination), None if it granted none
         (or so long ago that no WRITE for it may land any more)."""
         req = self.transferring.get(room)
         if req is not None:
-            return self.pages_to_receive(req)
+            return None if room in self.held else self.pages_to_receive(req)  # (held: not granted yet)
         return self.served.get(room)
 
     def pages_to_receive(self, req: Req) -> int:
@@ -206,8 +232,8 @@ class DecodeScheduler(Scheduler):
                 req.error = f"KV transfer timed out after {self.kv_transfer_timeout:g}s (room {req.room})"
                 req.error_code = ErrorCode.KV_TRANSFER_TIMEOUT
                 timed_out.append(finalize(req))
-            if now > req.deadline + KV_WRITE_GRACE_S:
-                del self.transferring[req.room]
+            if now > req.deadline + KV_WRITE_GRACE_S or self.held.pop(req.room, None) is not None:
+                del self.transferring[req.room]  # (held: its destination never left, no WRITE can land)
                 self.kv.free(req)
         return timed_out
 
@@ -230,6 +256,9 @@ class DecodeScheduler(Scheduler):
                 # request until its notification arrives or its deadline and grace pass, so a
                 # late WRITE can never land in a new owner's KV. The client is answered now.
                 req.finish_reason = FinishReason.ABORT
+                if self.held.pop(req.room, None) is not None:  # never published: no WRITE can land
+                    del self.transferring[req.room]
+                    self.kv.free(req)
                 return finalize(req)
         return super().abort(rid)
 

@@ -2,12 +2,16 @@
 copied back from host memory waits while the others run, no forward reads a page before its copy
 completes, a second request matching through pages still loading waits for the same copy, and a
 request freed mid-copy waits for it before its pages change hands. Write-through backups are
-asynchronous too (the store stream): an evicted page is rewritten only after its store read it.
+asynchronous too (the store stream): an evicted page is rewritten only after its store read it,
+and a decode server publishes a KV destination (whose WRITE no stream of its own orders) only once
+the stores still reading its pages have completed.
 
 On the CPU the pool's copies are synchronous; here each load's and each store_async's copy is
 deferred until its event has been polled a few times (DeferredCopy), so a forward that read early,
 or a store that read a page after it changed hands, would make the answers differ from
 transformers'."""
+
+import time
 
 import pytest
 import torch
@@ -69,6 +73,7 @@ def deferred(monkeypatch):
     def store_async(self, device, pages, slots):
         pages, slots = list(pages), list(slots)
         done = DeferredCopy(lambda: HostKVPool.store(self, device, pages, slots), made.polls, made.stores)
+        done.pages = pages  # (the device pages it reads)
         made.stores.append(done)
         return done
 
@@ -176,6 +181,9 @@ def test_a_decode_server_holds_a_landed_request_until_its_prefix_is_back(tiny_mo
     assert max(landed) > 0 and decode.scheduler.kv.tree_cache.stats["host_loaded_pages"] > 0
     report = decode.scheduler.kv.host_tier_report()
     assert report["hit_tokens"] > 0 and report["load_bytes"] > 0 and report["store_bytes"] > 0
+    stats, page = decode.scheduler.kv.tree_cache.stats, decode.scheduler.kv.page_size
+    assert report["backup_tokens"] == stats["host_backup_pages"] * page > 0
+    assert report["evicted_without_copy_tokens"] == stats["host_evicted_without_copy_pages"] * page > 0
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
@@ -242,11 +250,172 @@ def test_the_host_tier_metrics_count_what_each_report_adds():
     metrics = Metrics("decode")
     value = metrics.registry.get_sample_value
     report = dict(hit_tokens=64, load_bytes=4096, load_s=0.001, store_bytes=8192, store_s=0.0)
+    report |= dict(backup_tokens=128, evicted_without_copy_tokens=32)
     metrics.update(ipc.LoadReport(1, 0, 10, 100, 0, host_tier=report))
     metrics.update(ipc.LoadReport(1, 0, 10, 100, 0, host_tier=report | dict(hit_tokens=96, load_bytes=6144)))
     assert value("pdserve_host_kv_hit_tokens_total", {"role": "decode"}) == 96
     assert value("pdserve_host_kv_copy_bytes_total", {"role": "decode", "direction": "load"}) == 6144
     assert value("pdserve_host_kv_copy_bytes_total", {"role": "decode", "direction": "store"}) == 8192
     assert value("pdserve_host_kv_copy_seconds_total", {"role": "decode", "direction": "load"}) == 0.001
+    assert value("pdserve_host_kv_backup_tokens_total", {"role": "decode"}) == 128
+    assert value("pdserve_host_kv_evicted_without_copy_tokens_total", {"role": "decode"}) == 32
     metrics.update(ipc.LoadReport(1, 0, 10, 100, 0))  # a server without a host tier reports none
     assert value("pdserve_host_kv_hit_tokens_total", {"role": "decode"}) == 96
+
+
+class StreamWaits(list):
+    """`HostKVPool.wait_for` as on a GPU: the scheduling stream, not the host, waits for the store.
+    Here the stores it waited for complete before what that stream orders after them runs (the next
+    forward; a load's copy), and before nothing else: a prefill server's WRITE into a KV destination
+    is ordered by no stream of the decode server."""
+
+    def __init__(self, monkeypatch, scheduler):
+        super().__init__()
+        monkeypatch.setattr(HostKVPool, "wait_for", lambda pool, done: done is not None and self.append(done))
+        deferred_load = HostKVPool.load_async
+
+        def load_async(pool, *args, **kwargs):  # (the load stream runs after what the scheduling stream waits for)
+            done, waits = deferred_load(pool, *args, **kwargs), list(self)
+            copy = done.copy
+            done.copy = lambda: ([w.synchronize() for w in waits], copy())
+            return done
+
+        monkeypatch.setattr(HostKVPool, "load_async", load_async)
+        inner = scheduler.get_next_batch_to_run
+
+        def get():
+            batch = inner()
+            if batch is not None:
+                self.sync()
+            return batch
+
+        scheduler.get_next_batch_to_run = get
+
+    def sync(self) -> None:
+        while self:
+            self.pop().synchronize()
+
+
+def held_destination(tiny_models, deferred, monkeypatch):
+    """A decode server whose only cached prompt (prefilled there, its write-through backup still
+    being stored) is evicted to admit a transfer: (prefill, decode, its loop, the cached prompt, the
+    transferred prompt, the held request)."""
+    path = tiny_models("llama")
+    prefill, decode = engines(path, decode_kw=POOL | dict(host_kv_cache_gb=host_gb(path, 64)))
+    deferred.polls = 10**9  # (a store completes only when the scheduling stream waited for it)
+    StreamWaits(monkeypatch, decode.scheduler)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    cached = [0] + list(range(5, 5 + 20 * 8 - 1))
+    decode.add_local_request(cached, params, rid="cached")
+    loop = decode.event_loop()
+    while decode.busy():
+        next(loop)
+    assert decode.scheduler.kv.tree_cache.stats["host_backup_pages"] >= 20
+    assert not any(store.copy is None for store in deferred.stores)  # the backup is still being stored
+    prompt = [0] + list(range(300, 300 + 20 * 8 - 1))  # nothing in common: 21 pages, 20 of them evicted
+    decode.add_decode_request(prompt, params, room=7, rid="r0")
+    next(loop)
+    assert decode.scheduler.kv.tree_cache.stats["host_evicted_without_copy_pages"] > 0
+    [req] = decode.scheduler.transferring.values()
+    assert req.room in decode.scheduler.held and not decode.destinations, "published before its pages' store ran"
+    for _ in range(5):
+        next(loop)
+        assert not decode.destinations and decode.scheduler.granted_pages(7) is None  # (held: not granted yet)
+    return prefill, decode, loop, cached, prompt, req
+
+
+def test_a_destination_is_published_only_once_the_stores_reading_its_pages_completed(
+    tiny_models, deferred, monkeypatch
+):
+    """A decode server's eviction frees pages a write-through backup still reads: the destination
+    granting them to a prefill server, whose WRITE no stream here orders, waits for the store."""
+    prefill, decode, loop, cached, prompt, req = held_destination(tiny_models, deferred, monkeypatch)
+    held_deadline = req.deadline
+    for store in decode.scheduler.held[req.room]:
+        store.synchronize()  # the store completes
+    next(loop)
+    [d] = decode.destinations
+    assert d.rid == "r0" and not decode.scheduler.held and req.deadline > held_deadline  # its timeout starts now
+    assert abs((d.expires_unix_s - time.time()) - (req.deadline - time.monotonic())) < 0.5
+    decode.destinations.clear()
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    prefill.add_prefill_request(
+        prompt, params, d.room, d.agent_metadata, d.page_ids, rid="r0", expires_unix_s=d.expires_unix_s
+    )
+    p_loop, done = prefill.event_loop(), {}
+    while decode.busy() or prefill.busy():
+        next(p_loop)
+        done |= {c.rid: c for c in next(loop)}
+    # The evicted prompt again: its KV comes back from the host copy the WRITE did not overwrite.
+    tree = decode.scheduler.kv.tree_cache
+    loaded, deferred.polls = tree.stats["host_loaded_pages"], POLLS
+    decode.add_local_request(cached, params, rid="again")
+    while decode.busy():
+        done |= {c.rid: c for c in next(loop)}
+    assert tree.stats["host_loaded_pages"] > loaded
+    assert [done[rid].output_ids for rid in ("r0", "again")] == hf_greedy(
+        tiny_models("llama"), [prompt, cached], MAX_NEW
+    )
+    assert decode.is_idle() and decode.stats()["kv_used_tokens"] == 0
+
+
+def test_a_held_destination_aborted_frees_its_pages_and_is_never_published(tiny_models, deferred, monkeypatch):
+    prefill, decode, loop, _, _, req = held_destination(tiny_models, deferred, monkeypatch)
+    completion = decode.abort("r0")
+    assert completion is not None and completion.finish_reason.value == "abort"
+    assert req.req_pool_idx is None and not decode.scheduler.transferring and not decode.scheduler.held
+    for _ in range(3):
+        next(loop)
+    assert not decode.destinations and not decode.busy()
+    assert decode.is_idle() and decode.stats()["kv_used_tokens"] == 0
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_an_eviction_lists_the_stores_still_reading_the_pages_it_frees(deferred, monkeypatch, policy):
+    pool = device_pool(num_pages=8, page=4)
+    tree = RadixCache(pool, HostKVPool(8, pool, write_policy=policy))
+    monkeypatch.setattr(HostKVPool, "wait_for", lambda self, done: None)  # (on a GPU: a device-side wait)
+    if policy == "write_back":  # (its store runs on the caller's stream: on a GPU, it returns an event)
+
+        def store(self, *args):
+            deferred.stores.append(object())
+            return deferred.stores[-1]
+
+        monkeypatch.setattr(HostKVPool, "store", store)
+    pages = pool.alloc_pages(4)
+    tree.insert(list(range(100, 116)), pages)
+    assert tree.evict(4) == 4
+    [store] = deferred.stores
+    assert tree.unsettled == [(pages, store)]  # (a KV destination granting these pages waits for it)
+
+
+def test_a_decode_server_publishes_no_destination_a_store_still_reads(tiny_models, deferred, monkeypatch):
+    """Conversations through a decode server whose small pool evicts on most admissions: no KV
+    destination is published while a write-through store still reads one of its pages (the prefill
+    server's WRITE would overwrite them under it), and the answers stay transformers'."""
+    path = tiny_models("llama")
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    prefill, decode = engines(path, decode_kw=POOL | dict(host_kv_cache_gb=host_gb(path, 64)))
+    deferred.polls = 40
+    StreamWaits(monkeypatch, decode.scheduler)
+    inner, seen = decode.pop_preallocated, {"held": 0, "published": 0}
+
+    def pop_preallocated():
+        before = len(decode.destinations)
+        inner()
+        seen["held"] = max(seen["held"], len(decode.scheduler.held))
+        for d in list(decode.destinations)[before:]:
+            reading = [s for s in deferred.stores if s.copy is not None and not set(s.pages).isdisjoint(d.page_ids)]
+            assert not reading, f"{d.rid}'s destination was published while a store still read its pages"
+            seen["published"] += 1
+
+    decode.pop_preallocated = pop_preallocated
+    prompts = conversations(12, seed=11)
+    for turn in range(3):
+        completions, _ = drive(prefill, decode, prompts, [params] * len(prompts), seed=turn)
+        outputs = [completions[f"r{i}"].output_ids for i in range(len(prompts))]
+        assert outputs == hf_greedy(path, prompts, MAX_NEW)
+        assert prefill.is_idle() and decode.is_idle() and decode.stats()["kv_used_tokens"] == 0
+        check_host_accounting(decode.scheduler.kv.tree_cache)
+        prompts = next_turns(prompts, outputs, seed=turn + 90)
+    assert seen["held"] > 0 and seen["published"] == 36

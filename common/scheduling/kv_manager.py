@@ -11,6 +11,11 @@ and `kv_load_done` says when a forward may read them (the scheduler keeps it out
 then; a request freed before that first waits for the copy: its pages must not change hands while
 the copy still writes them).
 
+Pages an eviction frees while a host-tier store still reads them (a write-back's, or a write-through
+backup not yet complete) may be rewritten by anything the scheduling stream orders (it waits for
+the store on the device), but not by a write no stream orders: a decode server hands such pages to
+a prefill server only once `unsettled_events` says the stores are done (decode/scheduler.py).
+
 Nothing here touches the device. What a row must hold before the request's first forward here
 (a prefix hit, or a decode server's pages for an incoming transfer) is queued as a RowWrite and
 handed to the next ScheduleBatch (`take_row_writes`); the batch builder writes it.
@@ -45,6 +50,8 @@ class KVManager:
         # (the host tier lives beside the pool it backs: the engine made it, --host-kv-cache-gb)
         self.tree_cache = RadixCache(kv_pool, kv_pool.host_tier) if prefix_cache else None
         self.row_writes: list[RowWrite] = []
+        # (pages, event): stores still reading pages an eviction freed (the radix cache's `unsettled`).
+        self._unsettled: list[tuple[list[int], object]] = []
 
     # ---- admission ------------------------------------------------------------------------------
 
@@ -107,6 +114,7 @@ class KVManager:
         if self.tree_cache.host is None:
             return pages, node
         more, node = self.tree_cache.load_continuation(tokens, node, self.available_pages())
+        self._take_unsettled()  # (making room for the copy evicts)
         req.kv_load = self.tree_cache.pending_load(node)
         return pages + more, node
 
@@ -153,9 +161,27 @@ class KVManager:
         free = self.kv_pool.num_free_pages()
         if free < n and self.tree_cache is not None:
             self.tree_cache.evict(n - free)
+            self._take_unsettled()
         pages = self.kv_pool.alloc_pages(n)
         assert pages is not None, "admission and retraction keep enough pages available"
         return pages
+
+    def unsettled_events(self, pages: list[int]) -> list:
+        """The events of the host-tier stores still reading any of `pages` (freed by an eviction
+        before the store completed): a write into them that no CUDA stream orders (another server's,
+        into a KV destination) must start only once they have completed. Never waits; [] on the CPU."""
+        self._take_unsettled()
+        if not self._unsettled:
+            return []
+        wanted = set(pages)
+        return [done for freed, done in self._unsettled if not wanted.isdisjoint(freed)]
+
+    def _take_unsettled(self) -> None:
+        """Move the radix cache's newly unsettled frees here; forget those whose store completed."""
+        if self.tree_cache is None or not (self.tree_cache.unsettled or self._unsettled):
+            return
+        taken, self.tree_cache.unsettled = self.tree_cache.unsettled, []
+        self._unsettled = [(freed, done) for freed, done in self._unsettled + taken if not done.query()]
 
     def grow(self, req: Req, end: int) -> None:
         """Make sure req.pages cover positions [0, end)."""
@@ -201,14 +227,22 @@ class KVManager:
     # ---- accounting -----------------------------------------------------------------------------
 
     def host_tier_report(self) -> dict[str, float]:
-        """Totals of the host tier: prompt tokens it served (`hit_tokens`), and the bytes and device
-        seconds of its copies each way (`load_bytes`, `load_s`, `store_bytes`, `store_s`; seconds
-        only on a GPU). Empty without a host tier."""
+        """Totals of the host tier: prompt tokens it served (`hit_tokens`), tokens backed up when
+        cached (`backup_tokens`: write-through) and evicted with no copy since their backup was
+        made (`evicted_without_copy_tokens`), and the bytes and device seconds of its copies each
+        way (`load_bytes`, `load_s`, `store_bytes`, `store_s`; seconds only on a GPU). Empty
+        without a host tier."""
         tree = self.tree_cache
         if tree is None or tree.host is None:
             return {}
         tree.host.poll()
-        return {"hit_tokens": tree.stats["host_loaded_pages"] * self.page_size, **tree.host.stats}
+        stats, page = tree.stats, self.page_size
+        tokens = {
+            "hit_tokens": stats["host_loaded_pages"] * page,
+            "backup_tokens": stats["host_backup_pages"] * page,
+            "evicted_without_copy_tokens": stats["host_evicted_without_copy_pages"] * page,
+        }
+        return tokens | tree.host.stats
 
     def used_tokens(self) -> int:
         """KV tokens held by requests: neither free nor cached-and-evictable."""

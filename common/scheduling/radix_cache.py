@@ -20,7 +20,8 @@ event), so evicting them copies nothing: the current stream only waits, on the d
 still running before the pages are freed. A backup is skipped when the host pool is full of other
 nodes' backups (host-only leaves are dropped for it, backups of device nodes never); such a leaf,
 and every leaf under write-back, is copied when evicted, on the caller's stream (in the critical
-path of the next forward).
+path of the next forward). A write no stream orders (a KV destination: another server's) waits, on
+the host, for `unsettled`: (pages, event) of stores still reading pages an eviction freed (KVManager).
 A device match stops at a host-only node; `load_continuation` brings the host-only nodes that
 continue a match back into fresh device pages (the request then runs from the longer prefix).
 Loads are asynchronous (the load stream): a node being loaded has device pages and `loading` set to
@@ -76,13 +77,13 @@ class RadixCache:
         # host_evicted_without_copy_pages: evicted with their backup made already, so no copy then.
         stored = ("host_stored_pages", "host_backup_pages", "host_evicted_without_copy_pages")
         self.stats = dict.fromkeys((*stored, "host_loaded_pages", "host_dropped_pages"), 0)
+        self.unsettled: list[tuple[list[int], object]] = []  # (freed pages, a store still reading them)
         self._host_lru: list[tuple[int, int, TreeNode]] = []
         self.page_size = kv_pool.page_size
         self._ticks = itertools.count()
         self.root = TreeNode(None, (), [], next(self._ticks))
         self.root.lock_ref = 1  # the root is never evicted
-        self.evictable_pages = 0
-        self.protected_pages = 0
+        self.evictable_pages = self.protected_pages = 0
         self.num_nodes = 1
         # (last_access, push order, node) for leaves that were evictable when pushed.
         self._lru: list[tuple[int, int, TreeNode]] = []
@@ -221,7 +222,8 @@ class RadixCache:
                 self.stats["host_evicted_without_copy_pages"] += n
             elif self.host is not None and self._host_room(n, keep):
                 leaf.host = self.host.alloc(n)
-                self.host.store(self.kv_pool, leaf.pages, leaf.host)  # (on the caller's stream)
+                done = self.host.store(self.kv_pool, leaf.pages, leaf.host)  # (on the caller's stream)
+                self.unsettled += [(leaf.pages, done)] if done is not None else []
                 self.host_pages += n
                 self.stats["host_stored_pages"] += n
             self.kv_pool.free_pages(leaf.pages)
@@ -332,9 +334,11 @@ class RadixCache:
 
     def _await_store(self, node: TreeNode) -> None:
         """Before `node`'s device pages are freed: a later write into them must come after its
-        backup's store has read them (the current stream waits on the device, the host never)."""
+        backup's store has read them (the current stream waits on the device, the host never; a
+        write no stream orders, for `unsettled`)."""
         if node.storing is not None and not node.storing.query():
             self.host.wait_for(node.storing)
+            self.unsettled.append((node.pages, node.storing))
 
     def _free_host(self, node: TreeNode) -> None:
         """Give `node`'s host slots back once the copies reading or writing them are done (a load
@@ -369,11 +373,8 @@ class RadixCache:
             return
         heapq.heappush(self._lru, (node.last_access, next(self._pushes), node))
         if len(self._lru) > 4 * self.num_nodes + 1024:
-            self._lru = [
-                (n.last_access, next(self._pushes), n)
-                for n in self._nodes()
-                if n is not self.root and self._device_leaf(n) and n.lock_ref == 0
-            ]
+            nodes = [n for n in self._nodes() if n is not self.root and self._device_leaf(n) and n.lock_ref == 0]
+            self._lru = [(n.last_access, next(self._pushes), n) for n in nodes]
             heapq.heapify(self._lru)
 
     def _nodes(self):

@@ -73,6 +73,20 @@ class Metrics:
             ["role", "direction"],
             registry=r,
         )
+        backup = Counter(
+            "pdserve_host_kv_backup_tokens",
+            "KV tokens the host KV tier backed up as they were cached (--host-kv-write-policy write_through).",
+            ["role"],
+            registry=r,
+        ).labels(**labels)
+        evicted_without_copy = Counter(
+            "pdserve_host_kv_evicted_without_copy_tokens",
+            "KV tokens evicted from the GPU with no copy: their host backup was made already (write_through).",
+            ["role"],
+            registry=r,
+        ).labels(**labels)
+        tokens = {"hit": self.host_hit_tokens, "backup": backup, "evicted_without_copy": evicted_without_copy}
+        self.host_tokens = {f"{key}_tokens": counter for key, counter in tokens.items()}
         self._host_seen: dict[str, float] = {}
         self.transfer_failures = Counter(
             "pdserve_kv_transfer_failures", "KV transfers that failed or timed out.", ["role"], registry=r
@@ -118,8 +132,8 @@ class Metrics:
             new, self._host_seen[key] = total - self._host_seen.get(key, 0), total
             if new <= 0:
                 continue
-            if key == "hit_tokens":
-                self.host_hit_tokens.inc(new)
+            if key in self.host_tokens:
+                self.host_tokens[key].inc(new)
             else:
                 direction, unit = key.split("_")
                 metric = self.host_copy_bytes if unit == "bytes" else self.host_copy_seconds
