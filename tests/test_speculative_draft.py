@@ -2,17 +2,23 @@
 plain engine's (and transformers'), greedy and seeded, overlap on and off, with the target itself as the
 draft model (every draft accepted) and with another model of the same vocabulary (drafts accepted and
 rejected); the draft pool rolled back after every verify step and back to idle after aborts and
-retraction; the disaggregated decode server; the flags' refusals.
+retraction; every draft forward of one token per request a DECODE forward (the CUDA-graph path on a GPU);
+the disaggregated decode server; the flags' refusals.
 """
 
+import contextlib
+import functools
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.common.config import EngineConfig
+from pdserve.common.engine.cuda_graph import CudaGraphRunner
 from pdserve.common.engine.speculative.draft import DraftProposer
+from pdserve.common.scheduling.batch import ForwardMode
 from pdserve.common.scheduling.pages import pages_for
 from pdserve.common.tiny_model import make_tiny_model
 from pdserve.common.types import FinishReason, Req, SamplingParams
@@ -45,11 +51,13 @@ def other_draft(tiny_models, tmp_path_factory):
 def watch_drafts(engine) -> dict:
     """After every verify step: each running request's draft KV is for a prefix of its tokens (the
     rejected drafts' rolled back) on exactly the pages that prefix needs, and the draft pool's pages are
-    the requests' or free. Also records the tokens of each draft forward (at most the chunk size)."""
+    the requests' or free. Also records the tokens of each extend draft forward (at most the chunk size),
+    their lengths per request, and each decode draft forward's batch size and whether its input ids were
+    on the device (a feed-back of the last forward's argmax) or the host's (a catch-up)."""
     spec, proposer = engine.scheduler.speculation, engine.proposer
     assert isinstance(proposer, DraftProposer)
-    seen = {"forward_tokens": [], "checked": 0}
-    original, greedy = spec.process_result, proposer.runner.greedy
+    seen = {"forward_tokens": [], "extend_lens": [], "decodes": [], "checked": 0}
+    original, greedy, decode = spec.process_result, proposer.runner.greedy, proposer.runner.decode
 
     def process_result(batch, next_ids, logprobs, accepted):
         done = original(batch, next_ids, logprobs, accepted)
@@ -67,10 +75,16 @@ def watch_drafts(engine) -> dict:
 
     def counted(input_ids, rows, starts, lens, slots):
         seen["forward_tokens"].append(sum(lens))
+        seen["extend_lens"].append(list(lens))
         return greedy(input_ids, rows, starts, lens, slots)
+
+    def counted_decode(input_ids, rows, positions, slots):
+        seen["decodes"].append((len(rows), isinstance(input_ids, torch.Tensor)))
+        return decode(input_ids, rows, positions, slots)
 
     spec.process_result = process_result
     proposer.runner.greedy = counted
+    proposer.runner.decode = counted_decode
     return seen
 
 
@@ -101,6 +115,54 @@ def test_greedy_equals_the_plain_engine_and_transformers(make_engine, tiny_model
             else:
                 assert 0.1 < acceptance(engine) < 0.9, spec_stats(engine)
             assert engine.proposer.is_idle()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_one_token_draft_forwards_take_the_decode_path(make_engine, tiny_models, other_draft, overlap):
+    """The k - 1 feed-back forwards of every proposal, and each catch-up where every request has one unseen
+    token, are DECODE forwards (runner.decode: the draft's CUDA graphs on a GPU, eager on CPU); an extend
+    forward always has a request with more than one token (a prompt's chunk, or 2 tokens after a step that
+    accepted every draft). Same tokens as transformers."""
+    p = SamplingParams(max_new_tokens=24, temperature=0)
+    expected = hf_greedy(tiny_models("llama"), PROMPTS, 24)
+    engine = make_engine(
+        "llama",
+        speculative="draft",
+        draft_model_path=other_draft("llama"),
+        disable_overlap_schedule=not overlap,
+        **BASE,
+    )
+    seen, proposer, per_proposal = watch_drafts(engine), engine.proposer, []
+    propose_batch = proposer.propose_batch
+
+    def counted(reqs, limits):
+        before = len(seen["decodes"])
+        drafts = propose_batch(reqs, limits)
+        feedbacks = sum(on_device for _, on_device in seen["decodes"][before:])
+        per_proposal.append((max(map(len, drafts), default=0), feedbacks, len(seen["decodes"]) - before - feedbacks))
+        return drafts
+
+    proposer.propose_batch = counted
+    modes, init_forward = [], proposer.runner.attn.init_forward
+
+    def init_counted(batch):
+        modes.append(batch.mode)
+        return init_forward(batch)
+
+    proposer.runner.attn.init_forward = init_counted
+    decodes = proposer.runner.decode_forwards
+    assert [c.output_ids for c in engine.generate(PROMPTS, p)] == expected
+    assert_speculated(engine)
+    assert proposer.runner.graphs is None and proposer.runner.graph_replays == 0  # (CPU: eager decode forwards)
+    assert proposer.runner.decode_forwards - decodes == len(seen["decodes"]) == modes.count(ForwardMode.DECODE)
+    assert modes.count(ForwardMode.EXTEND) == len(seen["extend_lens"])
+    for k, feedbacks, catch_ups in per_proposal:  # k - 1 feed-backs (none without drafts), at most one catch-up
+        assert feedbacks == max(k - 1, 0) and catch_ups <= 1, per_proposal
+    assert all(max(lens) > 1 for lens in seen["extend_lens"]), seen["extend_lens"]
+    catch_ups = [bs for bs, on_device in seen["decodes"] if not on_device]
+    assert catch_ups and max(catch_ups) > 1, seen["decodes"]  # (batched over the step's requests)
+    assert max(bs for bs, on_device in seen["decodes"] if on_device) > 1
+    assert 0.1 < acceptance(engine) < 0.9 and engine.proposer.is_idle()
 
 
 def test_seeded_sampling_gives_the_plain_engines_tokens(make_engine, other_draft):
@@ -244,6 +306,51 @@ def test_the_draft_pool_holds_the_drafts_kv_then_the_accepted_prefix(tiny_models
     assert proposer.is_idle()
     proposer.warmup()  # (what a GPU runs at start-up)
     assert proposer.is_idle()
+
+
+def test_the_draft_graph_path_gives_the_greedy_drafts(tiny_models, monkeypatch):
+    """The draft model's CUDA-graph path on CPU (Triton's interpreter), each graph stood in for by a run of
+    what it captured: the adapter's pieces, `packed` built on the device, batches padded to the captured
+    sizes (1, 2, 4). Every DECODE forward is a replay; the drafts are transformers' greedy tokens."""
+    path = tiny_models("llama")
+    expected = hf_greedy(path, PROMPTS[:3], 5)  # (before the torch.cuda stubs: transformers reads its Stream)
+    monkeypatch.setattr(CudaGraphRunner, "_capture_all", stand_in_capture)
+    stub = SimpleNamespace(wait_stream=lambda other: None)
+    for name, value in dict(Stream=lambda device: stub, current_stream=lambda device: stub).items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 0))
+    config = EngineConfig(
+        model_path=path, device="cpu", speculative="draft", draft_model_path=path, attention_backend="triton", **BASE
+    ).resolve()
+    proposer = DraftProposer(config, torch.device("cpu"), target_pages=64)
+    runner = proposer.runner
+    assert runner.graphs is None  # (not on CPU: captured here by hand)
+    runner.graphs = runner._capture(4)
+    assert runner.graphs.sizes == [1, 2, 4]
+    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=8, temperature=0), seed=0) for i, p in enumerate(PROMPTS[:3])]
+    # The prompts' catch-up (extend), then 3 feed-backs of 3 requests (padded to 4)
+    assert proposer.propose_batch(reqs, [4, 4, 4]) == [tokens[:4] for tokens in expected]
+    assert runner.graphs.replays == runner.decode_forwards == 3
+    for req, tokens in zip(reqs, expected):
+        req.output_ids = tokens[:2]  # as if a step kept draft 1 and gave draft 2 as its own: one unseen token
+    # The catch-up of one host token each (3, padded to 4), then feed-backs of 2 requests and of 1
+    drafts = proposer.propose_batch(reqs, [2, 3, 1])
+    assert drafts == [expected[0][2:4], expected[1][2:5], expected[2][2:3]]
+    assert runner.graphs.replays == runner.decode_forwards == 6
+    for req in reqs:
+        proposer.release(req)
+    assert proposer.is_idle()
+
+
+@torch.inference_mode()
+def stand_in_capture(graphs: CudaGraphRunner) -> None:
+    """CudaGraphRunner._capture_all on CPU: each size's "graph" runs the captured forward again into the
+    captured output (its static inputs, its padding, its binding of the attention backend)."""
+    for bs in reversed(graphs.sizes):
+        run = functools.partial(graphs._run_model, bs)
+        graphs.logits[bs] = out = run()
+        graphs.graphs[bs] = SimpleNamespace(replay=functools.partial(lambda out, run: out.copy_(run()), out, run))
 
 
 def test_the_triton_kernels_run_the_draft_model(make_engine, other_draft):

@@ -3,9 +3,10 @@
 the overlap loop's streams. fp32 greedy equals transformers and the plain engine, seeded sampling equals
 the plain engine, colocated and on a decode server whose KV came by NIXL; a replayed verify step's logits
 equal the eager verify forward's of the same batch; verify steps larger than the graphs run eagerly, with
-the same tokens. The draft-model proposer (--speculative draft) on CUDA: its eager draft forwards beside the
-target's graphs, the target itself (every draft accepted) or another model of its vocabulary as the draft
-model, greedy equal to transformers, both KV pools idle afterwards."""
+the same tokens. The draft-model proposer (--speculative draft) on CUDA: the draft model fused, its one-token
+draft forwards replayed from its own CUDA graphs (on the scheduling stream, beside the target's graphs), the
+target itself (every draft accepted) or another model of its vocabulary as the draft model, greedy equal to
+transformers, both KV pools idle afterwards."""
 
 import pytest
 import torch
@@ -138,9 +139,10 @@ def test_a_decode_server_speculates_on_kv_written_by_nixl_on_cuda(tiny_models):
 def test_draft_model_speculation_gives_the_plain_tokens_under_cuda_graphs(tiny_models, other_draft, arch, overlap):  # noqa: F811
     """--speculative draft with CUDA graphs: the target as its own draft model (every draft accepted) and
     another model of its vocabulary (some rejected), overlap on and off: transformers' greedy tokens, the
-    plain engine's; every verify step a graph replay; the draft KV rolled back after each verify step and
-    both KV pools (the target's, the draft model's) idle once the requests are done. Prompts past 16
-    tokens reach the draft model in chunks of 16 (--chunked-prefill-size)."""
+    plain engine's; every verify step a graph replay; the draft model fused as the target is, and every
+    DECODE draft forward (the feed-backs, the one-token catch-ups) a replay of the draft model's graphs; the
+    draft KV rolled back after each verify step and both KV pools (the target's, the draft model's) idle once
+    the requests are done. Prompts past 16 tokens reach the draft model in chunks of 16 (--chunked-prefill-size)."""
     path = tiny_models(arch)
     greedy = SamplingParams(max_new_tokens=24, temperature=0)
     expected = hf_greedy(path, PROMPTS, 24, device="cuda")
@@ -158,6 +160,12 @@ def test_draft_model_speculation_gives_the_plain_tokens_under_cuda_graphs(tiny_m
         graphs, proposer = engine.runner.verify_graphs, engine.proposer
         assert graphs is not None and proposer.runner.device.type == "cuda"
         assert proposer.is_idle()  # (its start-up warm-up freed what it drafted for)
+        draft_runner = proposer.runner
+        assert all(hasattr(layer.self_attn, "qkv_proj") for layer in draft_runner.model.model.layers)  # fused
+        draft_graphs = draft_runner.graphs
+        assert draft_graphs is not None and draft_graphs.max_bs == draft_runner.req_to_token_pool.size
+        assert draft_graphs.pool != engine.runner.cuda_graphs.pool  # (the target's may run meanwhile)
+        replays, decodes = draft_graphs.replays, draft_runner.decode_forwards
         checked, drafts, eager = watch(engine), watch_drafts(engine), eager_verify_steps(engine)
         assert [c.output_ids for c in engine.generate(PROMPTS, greedy)] == expected, (draft, overlap)
         stats = spec_stats(engine)
@@ -165,10 +173,12 @@ def test_draft_model_speculation_gives_the_plain_tokens_under_cuda_graphs(tiny_m
         assert checked["verify_steps"] == stats["spec_verify_steps"] and drafts["checked"] > 0
         assert graphs.replays == stats["spec_verify_steps"] and eager == []
         assert max(drafts["forward_tokens"]) == 16
+        assert draft_graphs.replays - replays == draft_runner.decode_forwards - decodes == len(drafts["decodes"]) > 0
         if draft == path:
             assert acceptance(engine) > 0.95, stats
         else:
             assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], stats
+            assert any(not on_device for _, on_device in drafts["decodes"])  # one-token catch-ups replayed too
         rows, pool = proposer.runner.req_to_token_pool, proposer.runner.kv_pool
         assert not proposer.states and rows.available() == rows.size
         assert pool.num_free_pages() == pool.capacity_pages

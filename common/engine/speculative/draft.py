@@ -1,11 +1,15 @@
 """The draft-model proposer (--speculative draft --draft-model-path DIR): a small model with the target's
-vocabulary drafts k tokens greedily, one eager forward per draft, on the decode server (or the colocated
+vocabulary drafts k tokens greedily, one forward per draft, on the decode server (or the colocated
 engine) with its own KV pool (draft_runner.py).
 
 Each request speculating holds a row and pages of the draft pool, and the tokens whose draft KV they
 hold (`DraftState.tokens`: positions [0, len)). Before drafting, the request's tokens the draft model
 has not seen run through it (the whole prompt, in chunks, when the request first speculates; then the
-tokens of the last step); then k - 1 more one-token forwards feed each draft back:
+tokens of the last step); then k - 1 more one-token forwards feed each draft back. A forward of one token
+per request (each feed-back; the catch-up when every request has one unseen token, as after a verify step
+that did not accept all its drafts) is a DECODE forward, replayed from the draft model's CUDA graphs on a
+GPU; a catch-up with more tokens for any request (the prompt; 2 tokens after all k drafts were accepted)
+is an eager EXTEND forward:
 
     draft KV written     positions 0 .. n-2+k   the request's n tokens, then drafts 1 .. k-1
     kept after verify    the longest prefix equal to the request's tokens (its accepted drafts)
@@ -153,12 +157,11 @@ class DraftProposer(Proposer):
         columns = [self._catch_up(jobs)]  # draft 1 of every job, on the device
         for j in range(1, jobs[0][3]):
             live = jobs[: sum(job[3] > j for job in jobs)]
-            columns.append(
-                self.runner.greedy(
+            columns.append(  # one token per request: a DECODE forward (a CUDA-graph replay where captured)
+                self.runner.decode(
                     columns[-1][: len(live)],
                     [state.row for _, state, _, _ in live],
                     [len(tokens) + j - 1 for _, _, tokens, _ in live],
-                    [1] * len(live),
                     [self._slot(state, len(tokens) + j - 1) for _, state, tokens, _ in live],
                 )
             )
@@ -177,7 +180,15 @@ class DraftProposer(Proposer):
 
     def _catch_up(self, jobs) -> torch.Tensor:
         """Run each job's tokens the draft model has not seen (at least its last one), in forwards of at
-        most `chunk` tokens; returns each job's argmax after its last token [J], on the device."""
+        most `chunk` tokens; returns each job's argmax after its last token [J], on the device. When every
+        job has one such token (the common case after a verify step: its bonus token), a DECODE forward."""
+        if all(len(tokens) - len(state.tokens) == 1 for _, state, tokens, _ in jobs):
+            return self.runner.decode(
+                [tokens[-1] for _, _, tokens, _ in jobs],
+                [state.row for _, state, _, _ in jobs],
+                [len(tokens) - 1 for _, _, tokens, _ in jobs],
+                [self._slot(state, len(tokens) - 1) for _, state, tokens, _ in jobs],
+            )
         firsts: list[torch.Tensor | None] = [None] * len(jobs)
         todo = [(n, len(state.tokens)) for n, (_, state, _, _) in enumerate(jobs)]  # (job, next position)
         while todo:
