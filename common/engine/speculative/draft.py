@@ -181,8 +181,21 @@ class DraftProposer(Proposer):
     def _catch_up(self, jobs) -> torch.Tensor:
         """Run each job's tokens the draft model has not seen (at least its last one), in forwards of at
         most `chunk` tokens; returns each job's argmax after its last token [J], on the device. When every
-        job has one such token (the common case after a verify step: its bonus token), a DECODE forward."""
-        if all(len(tokens) - len(state.tokens) == 1 for _, state, tokens, _ in jobs):
+        job has one or two such tokens (after a verify step: its bonus token, and the last draft when all
+        were accepted), DECODE forwards (graph replays on CUDA): one more first for the jobs with two."""
+        unseen = [len(tokens) - len(state.tokens) for _, state, tokens, _ in jobs]
+        if all(n in (1, 2) for n in unseen):
+            # Two unseen (after a step that accepted all k drafts: the last draft and the bonus token):
+            # the first of them in a DECODE forward of those jobs alone (its argmax is not needed), so
+            # the catch-up stays two graph replays instead of an eager EXTEND forward.
+            two = [job for job, n in zip(jobs, unseen) if n == 2]
+            if two:
+                self.runner.decode(
+                    [tokens[-2] for _, _, tokens, _ in two],
+                    [state.row for _, state, _, _ in two],
+                    [len(tokens) - 2 for _, _, tokens, _ in two],
+                    [self._slot(state, len(tokens) - 2) for _, state, tokens, _ in two],
+                )
             return self.runner.decode(
                 [tokens[-1] for _, _, tokens, _ in jobs],
                 [state.row for _, state, _, _ in jobs],
