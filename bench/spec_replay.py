@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             pool = token_pool(args.model_path)
             prompts = random_prompts(pool, args.num_prompts, args.input_len, args.seed, run=0)
-        answers = [c.output_ids for c in engine.generate(prompts, SamplingParams(max_new_tokens=args.output_len))]
+        greedy = SamplingParams(max_new_tokens=args.output_len, temperature=0)  # (the default samples at 1.0)
+        answers = [c.output_ids for c in engine.generate(prompts, greedy)]
     finally:
         engine.close()
     rows = []
