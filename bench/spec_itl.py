@@ -124,9 +124,27 @@ def run_engine(config, prompts: list[list[int]], warmup: list[list[int]], batch:
             raise RuntimeError(f"the engine is not idle after the waves: {engine.stats()}")
     finally:
         engine.close()
+        del engine
+        release_engine_memory()
     if not itls:
         raise RuntimeError("no request gave two tokens: no inter-token latency to measure (raise --output-len)")
     return {"answers": answers, "itls": itls, "tokens_per_step": statistics.mean(steps), "counters": counters}
+
+
+def release_engine_memory() -> None:
+    """Give a closed engine's memory back before the next one sizes its KV cache from what is free
+    (on an H200 the second engine found the first one's 120 GiB still taken: "no room for the KV
+    cache"). NOTE two holders: torch's caching allocator keeps freed blocks reserved until
+    empty_cache, and the engine froze the heap at start (common/gc_tuning.py), so whatever of it is
+    cyclic is collected only once the heap is unfrozen."""
+    import gc
+
+    import torch
+
+    gc.unfreeze()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def check_exact(off: list[list[int]], on: list[list[int]], strict: bool = True) -> int:
