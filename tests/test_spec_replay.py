@@ -25,15 +25,15 @@ def test_copy_requests_accept_drafts_on_the_real_model(capsys):
     from tests.real_model import smollm2_gguf_path
 
     argv = ["bench", "spec-replay", "--model-path", smollm2_gguf_path(), "--device", "cpu"]
-    assert main([*argv, "--num-prompts", "4", "--output-len", "48", "--num-speculative-tokens", "1", "4"]) == 0
+    assert main([*argv, "--num-prompts", "3", "--output-len", "32", "--num-speculative-tokens", "1", "4"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     one, four = report["rows"]
     assert (one["k"], four["k"]) == (1, 4) and one["plain_steps"] == four["plain_steps"] > 0
     # Drafts were accepted. k = 4 never takes more steps than k = 1 (its first draft is k = 1's), but
-    # whether it takes fewer depends on the answers: 4 short greedy answers on this CPU sometimes
+    # whether it takes fewer depends on the answers: a few short greedy answers on this CPU sometimes
     # hold no run of two accepted drafts (a CI run: 147 steps both), so that is not asserted.
     assert four["steps"] <= one["steps"] < one["plain_steps"]
     assert 1 < one["tokens_per_step"] <= four["tokens_per_step"] <= 5
-    # Greedy answers copy their passage (3.7 tokens a step at k = 4 here); answers sampled at temperature
+    # Greedy answers copy their passage (3.2 tokens a step at k = 4 here); answers sampled at temperature
     # 1 (SamplingParams' default, once used here by mistake) paraphrase it: ~1.2.
     assert four["tokens_per_step"] > 2
