@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from pdserve.common.config import DEFAULT_MEM_FRACTION_STATIC, EngineConfig
+from pdserve.common.lifetime import parent_death_signal_setter
 from pdserve.common.ports import free_port
 from pdserve.common.trust import write_secret_file
 from pdserve.router.gpu_sharing import DEFAULT_SM_SHARES, GpuSharing, SMShares, parse_sm_shares
@@ -183,7 +184,8 @@ def local_stack(
                     "--log-level",
                     "warning",
                     *secret,
-                ]
+                ],
+                preexec_fn=parent_death_signal_setter(signal.SIGTERM),  # (the servers' too: router/up.py)
             )
         )
         _wait_until(

@@ -1,5 +1,5 @@
-"""A bench's local stack stops with the bench when the bench is sent SIGTERM (`timeout`, a job runner):
-no server is left holding the device for the next stack. Real processes: a bench script started in its
+"""A bench's local stack stops with the bench when the bench is sent SIGTERM (`timeout`, a job runner)
+or killed: no server is left holding the device for the next stack. Real processes: a bench script started in its
 own process, its servers, the router."""
 
 import os
@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import psutil
+import pytest
 
 SCRIPT = textwrap.dedent(
     """
@@ -23,7 +24,10 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_sigterm_to_a_bench_stops_its_local_stack(tiny_models):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_bench_stopped_or_killed_takes_its_local_stack_with_it(tiny_models, sig):
+    """SIGTERM: the bench stops its stack on the way out; SIGKILL (no way out): the servers and the
+    router each get SIGTERM when the bench dies (their parent-death signal)."""
     bench = subprocess.Popen(
         [sys.executable, "-c", SCRIPT, tiny_models("llama")],
         stdout=subprocess.PIPE,
@@ -37,7 +41,7 @@ def test_sigterm_to_a_bench_stops_its_local_stack(tiny_models):
         assert lines[-1].strip() == "UP", f"the local stack did not start: {lines}"
         stack = psutil.Process(bench.pid).children(recursive=True)
         assert len(stack) >= 2  # a decode server (and its scheduler) and the router
-        bench.send_signal(signal.SIGTERM)
+        bench.send_signal(sig)
         assert bench.wait(timeout=90) != 0  # (interrupted: the stack was stopped on the way out)
         _, alive = psutil.wait_procs(stack, timeout=30)
         assert not alive, f"still running after the bench stopped: {[p.cmdline()[:3] for p in alive]}"
