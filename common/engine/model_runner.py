@@ -32,6 +32,7 @@ from pdserve.common.engine.overlap import DeviceStreams, ForwardResult, FutureMa
 from pdserve.common.engine.prefill_graph import PrefillGraphRunner
 from pdserve.common.engine.prompt_logprobs import score_prompt
 from pdserve.common.engine.sampling import SampleOutput, SamplingBatchInfo, sample
+from pdserve.common.engine.speculative.draft_memory import draft_reserve_bytes
 from pdserve.common.engine.speculative.verify_graph import capture_verify_graphs
 from pdserve.common.engine.tp import TPGroup
 from pdserve.common.kv_transfer.base import KVSide
@@ -246,21 +247,20 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         in_use = total - free  # weights, the CUDA context, and anything else on the GPU
-        budget = total * c.mem_fraction_static - in_use
-        self.memory_report = {"total": total, "in_use": in_use, "kv_budget": budget}
+        draft = draft_reserve_bytes(c, self.dtype)  # (--speculative draft: loaded after this pool)
+        budget = total * c.mem_fraction_static - in_use - draft
+        self.memory_report = {"total": total, "in_use": in_use, "draft": draft, "kv_budget": budget}
+        gib = f"{in_use / 2**30:.1f} GiB of {total / 2**30:.1f} GiB in use after loading" + (
+            f", {draft / 2**30:.2f} GiB kept for the draft model" if draft else ""
+        )
         logger.info(
-            "GPU memory: %.1f GiB in use of %.1f GiB after loading; KV cache budget %.2f GiB "
-            "(--mem-fraction-static %s)",
-            in_use / 2**30,
-            total / 2**30,
+            "GPU memory: %s; KV cache budget %.2f GiB (--mem-fraction-static %s)",
+            gib,
             budget / 2**30,
             c.mem_fraction_static,
         )
         if budget <= 0:
-            raise ValueError(
-                f"--mem-fraction-static {c.mem_fraction_static} leaves no room for the KV cache: "
-                f"{in_use / 2**30:.1f} GiB of {total / 2**30:.1f} GiB is already in use after loading the model"
-            )
+            raise ValueError(f"--mem-fraction-static {c.mem_fraction_static} leaves no room for the KV cache: {gib}")
         return budget
 
     @torch.inference_mode()

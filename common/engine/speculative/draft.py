@@ -31,6 +31,7 @@ import torch
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.overlap import h2d
+from pdserve.common.engine.speculative.draft_memory import draft_pool_pages, draft_rows
 from pdserve.common.engine.speculative.draft_runner import DraftRunner
 from pdserve.common.scheduling.pages import pages_for, slots_for_positions
 from pdserve.common.scheduling.proposer import Proposer
@@ -58,11 +59,8 @@ class DraftProposer(Proposer):
         self.page_size = config.page_size
         # the most tokens one forward computes while a request catches up (its prompt, the first time)
         self.chunk = config.chunked_prefill_size if config.chunked_prefill_size > 0 else config.max_prefill_tokens
-        rows = config.max_running_requests
-        if config.speculative_max_batch > 0:
-            rows = min(rows, config.speculative_max_batch)
-        pages = min(target_pages, rows * pages_for(config.context_length + self.num_tokens, self.page_size))
-        self.runner = DraftRunner(config, device, rows, 1 + pages)
+        pages = min(target_pages, draft_pool_pages(config))  # (the target left room for the most: draft_memory.py)
+        self.runner = DraftRunner(config, device, draft_rows(config), 1 + pages)
         self.states: dict[str, DraftState] = {}
         if device.type == "cuda":
             self.warmup()
