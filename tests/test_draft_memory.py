@@ -9,6 +9,7 @@ import torch
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.speculative.draft_memory import draft_reserve_bytes
+from pdserve.common.kv_transfer.base import KVSide
 
 
 def _bytes(tensors) -> int:
@@ -45,7 +46,7 @@ def test_the_target_leaves_the_draft_model_room(tiny_models, monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
-    runner = SimpleNamespace(config=config, device=torch.device("cpu"), dtype=torch.float32, memory_report=None)
+    runner = SimpleNamespace(config=config, device=torch.device("cpu"), dtype=torch.float32, kv_side=None)
     runner.config = config.__class__(**{**config.__dict__, "mem_fraction_static": 0.5})
     budget = ModelRunner._kv_budget_bytes(runner)
     assert budget == pytest.approx(total * 0.5 - (1 << 30) - reserve)
@@ -53,3 +54,5 @@ def test_the_target_leaves_the_draft_model_room(tiny_models, monkeypatch):
     runner.config = config.__class__(**{**config.__dict__, "mem_fraction_static": ((1 << 30) + reserve) / total})
     with pytest.raises(ValueError, match="kept for the draft model"):
         ModelRunner._kv_budget_bytes(runner)
+    runner.kv_side = KVSide.SENDER  # a prefill server: it never speculates, nothing kept
+    assert ModelRunner._kv_budget_bytes(runner) == pytest.approx(total * runner.config.mem_fraction_static - (1 << 30))

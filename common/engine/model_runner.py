@@ -83,6 +83,7 @@ class ModelRunner:
         assert len(heads) == kv_heads, (heads, kv_heads)
         kv_dtype = KV_DTYPES[config.kv_cache_dtype]
         bytes_per_token = 2 * num_layers * kv_heads * head_dim * kv_dtype.itemsize
+        self.kv_side = kv_side
         rows = config.max_running_requests * (2 if kv_side is KVSide.RECEIVER else 1)
         self.req_to_token_pool = ReqToTokenPool(rows, config.context_length, self.device)
         # Rank 0 hands out page ids for every rank: all pools have the smallest rank's page count.
@@ -247,7 +248,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         in_use = total - free  # weights, the CUDA context, and anything else on the GPU
-        draft = draft_reserve_bytes(c, self.dtype)  # (--speculative draft: loaded after this pool)
+        # --speculative draft: its model loads after this pool (a prefill server never speculates)
+        draft = 0 if self.kv_side is KVSide.SENDER else draft_reserve_bytes(c, self.dtype)
         budget = total * c.mem_fraction_static - in_use - draft
         self.memory_report = {"total": total, "in_use": in_use, "draft": draft, "kv_budget": budget}
         gib = f"{in_use / 2**30:.1f} GiB of {total / 2**30:.1f} GiB in use after loading" + (
