@@ -206,6 +206,9 @@ class Req:
         self.pending = 0
         self.future_idx = 0
         self.discard = 0
+        # Speculative decoding: (launch seq, drafts, AfterStep or None) of each launched verify step not yet
+        # processed, oldest first (common/scheduling/speculation.py); one keeps 1 to len(drafts) + 1 tokens.
+        self.spec_inflight: list[tuple] = []
         # Disaggregation: the 63-bit room pairing this request's prefill with its decode, and
         # the role-specific transfer state (decode: deadline for the KV; prefill: destination).
         self.room = 0
@@ -229,6 +232,12 @@ class Req:
     def seq_len(self) -> int:
         """Tokens in the sequence, counting sampled-but-unseen (pending) ones."""
         return len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def spec_ahead(self) -> int:
+        """Positions past seq_len - 1 the latest launched step may write: its drafts, when it is a verify
+        step in flight (seq_len counts it as one token; it may keep len(drafts) more)."""
+        return len(self.spec_inflight[-1][1]) if self.pending and self.spec_inflight else 0
 
     @property
     def num_sampled(self) -> int:

@@ -44,41 +44,63 @@ class Oracle(Proposer):
     """Drafts each request's plain answer (keyed by prompt) with about one token in three wrong (none
     with `right`), the wrong ones fixed by (prompt, position): the same drafts whatever the batch."""
 
+    hypothesizes = True  # (drafts after a step in flight too: the overlapped verify step)
+
     def __init__(self, prompts, completions, k: int = 4, right: bool = False):
         self.answers = {tuple(p): c.output_ids for p, c in zip(prompts, completions)}
         self.k, self.right = k, right
 
     def propose_for(self, req, limit: int) -> list[int]:
-        done = len(req.output_ids)
-        drafts = self.answers[tuple(req.prompt_ids)][done : done + min(self.k, limit)]
+        return self._answer(req, len(req.output_ids), min(self.k, limit))
+
+    def propose_after(self, req, extra, limit: int) -> list[int]:
+        # (its first token guesses the in-flight step's last: wrong where the answer's token is made wrong)
+        return self._answer(req, len(req.output_ids) + len(extra), min(self.k + 1, limit))
+
+    def _answer(self, req, done: int, n: int) -> list[int]:
+        drafts = self.answers[tuple(req.prompt_ids)][done : done + n]
         wrong = [(done + j) * 7 + len(req.prompt_ids) for j in range(len(drafts))]
         return [t if w % 3 or self.right else (t + 1) % 512 for t, w in zip(drafts, wrong)]
 
 
 def watch(engine) -> dict:
     """Check the rollback after every verify step (kv_len is the tokens kept but the newest, and the
-    request holds exactly the pages for them), and count requests that finished before the tokens a
-    step accepted for them ran out."""
+    request holds exactly the pages for them and for a step still in flight), and count requests that
+    finished before the tokens a step accepted for them ran out, and overlapped steps."""
     spec, page = engine.scheduler.speculation, engine.config.page_size
-    seen = {"mid_draft_finishes": 0, "verify_steps": 0}
+    seen = {"mid_draft_finishes": 0, "verify_steps": 0, "overlapped": 0, "verify_batches": 0, "moved": 0}
     original = spec.process_result
 
     def process_result(batch, next_ids, logprobs, accepted):
         before = [len(r.output_ids) for r in batch.reqs]
+        dropped = [r.discard > 0 for r in batch.reqs]  # (retracted or aborted while it ran)
+        # (positions that moved on the device: the step before kept drafts)
+        seen["moved"] += any(
+            a and a.drafts and len(r.output_ids) > a.known + 1 for r, a in zip(batch.reqs, afters(batch))
+        )
         done = original(batch, next_ids, logprobs, accepted)
-        seen["verify_steps"] += 1
-        for req, n, taken in zip(batch.reqs, before, accepted):
-            if req.finish_reason is FinishReason.ABORT:
+        seen["verify_steps"] += any(batch.drafts)
+        seen["verify_batches"] += 1  # (with drafts, or after a verify step whose drafts move its positions)
+        seen["overlapped"] += batch.after is not None  # (scheduled while a step of its requests ran)
+        for req, n, taken, gone in zip(batch.reqs, before, accepted, dropped):
+            if gone or req.finish_reason is FinishReason.ABORT:
                 continue
             if req.finished:
                 seen["mid_draft_finishes"] += len(req.output_ids) - n < taken + 1
             else:
-                assert req.kv_len == req.seq_len - 1, (req, req.kv_len)
-                assert len(req.pages) == pages_for(req.kv_len, page), (req, len(req.pages))
+                # A step still in flight (overlapped) writes positions known - 1 .. known - 1 + its drafts.
+                known = len(req.prompt_ids) + len(req.output_ids)
+                assert req.kv_len == known - 1, (req, req.kv_len)
+                held = known + req.spec_ahead if req.pending else req.kv_len
+                assert len(req.pages) == pages_for(held, page), (req, len(req.pages))
         return done
 
     spec.process_result = process_result
     return seen
+
+
+def afters(batch) -> list:
+    return batch.after or [None] * len(batch.reqs)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -93,32 +115,42 @@ def test_greedy_equals_the_plain_engine_and_transformers(make_engine, tiny_model
         engine = make_engine(arch, speculative="ngram", disable_overlap_schedule=not overlap, **BASE)
         checked = watch(engine)
         assert [c.output_ids for c in engine.generate(PROMPTS, p)] == expected, overlap
-        assert_speculated(engine)
+        # (overlapped, n-gram drafts also guess the token in flight: on random weights they are seldom
+        # accepted, the oracle below is)
+        assert spec_stats(engine)["spec_proposed_tokens"] > 0
         assert checked["verify_steps"] == spec_stats(engine)["spec_verify_steps"]
-    engine = make_engine(arch, speculative="ngram", **BASE)
-    engine.scheduler.speculation.proposer = Oracle(PROMPTS, plain)
-    watch(engine)
-    assert [c.output_ids for c in engine.generate(PROMPTS, p)] == expected
-    assert_speculated(engine)
-    assert spec_stats(engine)["spec_accepted_tokens"] >= sum(len(e) for e in expected) // 4
+        assert (checked["overlapped"] > 0) == overlap
+    for overlap in (True, False):
+        engine = make_engine(arch, speculative="ngram", disable_overlap_schedule=not overlap, **BASE)
+        engine.scheduler.speculation.proposer = Oracle(PROMPTS, plain)
+        checked = watch(engine)
+        assert [c.output_ids for c in engine.generate(PROMPTS, p)] == expected
+        assert_speculated(engine)
+        assert spec_stats(engine)["spec_accepted_tokens"] >= sum(len(e) for e in expected) // 4
+        assert (checked["overlapped"] > 0) == overlap
 
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_right_drafts_give_k_plus_one_tokens_a_step(make_engine, overlap):
     """Drafts all right (k = 4): each verify step keeps its 4 drafts and the token after them; the
-    last one drafts only what max_tokens leaves (24 tokens: the prefill's, then 5 + 5 + 5 + 5 + 3)."""
+    last one drafts only what max_tokens leaves (24 tokens: the prefill's, then 5 + 5 + 5 + 5 + 3),
+    overlapped or not."""
     p = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
     plain = make_engine("llama", **BASE).generate(PROMPTS[:1], p)
     engine = make_engine("llama", speculative="ngram", disable_overlap_schedule=not overlap, **BASE)
     engine.scheduler.speculation.proposer = Oracle(PROMPTS[:1], plain, right=True)
-    watch(engine)
+    checked = watch(engine)
     assert engine.generate(PROMPTS[:1], p)[0].output_ids == plain[0].output_ids
     assert spec_stats(engine) == {
         "spec_verify_steps": 5,
         "spec_proposed_tokens": 18,
         "spec_accepted_tokens": 18,
         "spec_verified_requests": 5,
+        "spec_unconfirmed_tokens": 0,
     }
+    # Overlapped, every verify step but the first was scheduled while the one before ran (and the first
+    # while the prefill ran), its positions moved on the device by the 4 drafts that one kept.
+    assert checked["overlapped"] == (6 if overlap else 0)
 
 
 SAMPLED = [
@@ -163,7 +195,8 @@ def test_a_prefix_hit_on_kv_that_verify_steps_wrote(make_engine):
     first = plain_engine.generate(firsts, params)
     turns = [prompt + c.output_ids + [7, 8, 9] for prompt, c in zip(firsts, first)]
     second = plain_engine.generate(turns, p)
-    engine = make_engine("qwen3", speculative="ngram", **BASE)
+    # (dozens of requests at once: every step speculates, overlapped)
+    engine = make_engine("qwen3", speculative="ngram", speculative_max_batch=0, **BASE)
     engine.scheduler.speculation.proposer = Oracle(PROMPTS + turns, answers + second)
     assert [c.output_ids for c in engine.generate(firsts, params)] == [c.output_ids for c in first]
     hits = engine.scheduler.stats["cache_hit_tokens"]
@@ -359,12 +392,15 @@ def test_speculative_set_ups_not_built_are_refused(tiny_models, flags, message):
 
 def test_the_triton_kernels_run_the_verify_step(make_engine):
     """The GPU path's attention (Triton's extend kernel over a request's last token and drafts; in
-    Triton's interpreter on CPU): the plain engine's tokens."""
-    p = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    Triton's interpreter on CPU): the plain engine's tokens, overlapped verify steps included."""
+    p = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
     triton = dict(BASE, attention_backend="triton", max_total_tokens=4096)
-    plain = make_engine("qwen3", **triton).generate(PROMPTS[:2], p)
-    engine = make_engine("qwen3", speculative="ngram", **triton)
-    engine.scheduler.speculation.proposer = Oracle(PROMPTS[:2], plain)
-    watch(engine)
-    assert [c.output_ids for c in engine.generate(PROMPTS[:2], p)] == [c.output_ids for c in plain]
+    plain = make_engine("llama", **triton).generate(PROMPTS, p)
+    engine = make_engine("llama", speculative="ngram", **triton)
+    engine.scheduler.speculation.proposer = Oracle(PROMPTS, plain)
+    checked = watch(engine)
+    assert [c.output_ids for c in engine.generate(PROMPTS, p)] == [c.output_ids for c in plain]
     assert_speculated(engine)
+    # Overlapped verify steps whose positions, KV slots and lengths moved on the device (the kernel reads
+    # the device's lengths: the host's are the unmoved ones)
+    assert checked["moved"] > 0 and not engine.runner.attn.host_lens

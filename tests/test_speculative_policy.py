@@ -35,7 +35,11 @@ def test_the_policy_lowers_k_on_rejections_never_below_1_and_raises_it_back():
 
 class WrongUntil(Oracle):
     """Each request's plain answer as drafts, every one wrong (the first draft too: none accepted) while
-    the request has fewer output tokens than `wrong_until[i]` (its prompt's)."""
+    the request has fewer output tokens than `wrong_until[i]` (its prompt's). It drafts only from the tokens
+    the host has (no `propose_after`): its verify steps run serially, so each step's k follows every
+    earlier step's acceptance (overlapped, k would lag a step)."""
+
+    hypothesizes = False
 
     def __init__(self, prompts, completions, wrong_until):
         super().__init__(prompts, completions, right=True)

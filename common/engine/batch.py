@@ -47,6 +47,10 @@ class BatchPlan:
     prompt_logprobs: np.ndarray | None = None
     prompt_top_n: int = 0
     verify: bool = False  # a verify step (speculative decoding): every position's logits are kept
+    # A verify step's per-request upload (common/engine/speculative/overlap.py VerifySpec.plan), and whether
+    # its positions move by counts still on the device.
+    verify_spec: np.ndarray | None = None
+    verify_moves: bool = False
 
 
 @dataclass
@@ -80,6 +84,7 @@ class ForwardBatch:
     # A verify step (speculative decoding: a request's last token and its drafts): the forward returns
     # the logits of every position [T, vocab], not only each request's last, and runs eagerly.
     verify: bool = False
+    spec: object = None  # a verify step's VerifySpec (common/engine/speculative/overlap.py)
 
     @property
     def batch_size(self) -> int:

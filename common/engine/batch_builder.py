@@ -21,6 +21,7 @@ import numpy as np
 from pdserve.common.engine.batch import BatchPlan, ForwardBatch
 from pdserve.common.engine.kv_pool import ReqToTokenPool
 from pdserve.common.engine.overlap import h2d_array
+from pdserve.common.engine.speculative.overlap import VerifySpec, moves, range_writes
 from pdserve.common.scheduling.batch import ForwardMode, RowWrite, ScheduleBatch
 
 
@@ -58,6 +59,9 @@ class BatchBuilder:
             self.req_to_token_pool.write_slots(tok_rows, pos, loc)
             fields = dict(packed=packed[: 3 * t].view(3, t))
         scored = None if plan.prompt_logprobs is None else h2d_array(plan.prompt_logprobs, self.device)
+        spec = None
+        if plan.verify_spec is not None:
+            spec = VerifySpec.views(h2d_array(plan.verify_spec, self.device), b, t, plan.verify_moves)
         return ForwardBatch(
             mode=plan.mode,
             reqs=list(reqs),
@@ -79,6 +83,7 @@ class BatchBuilder:
             prompt_top_n=plan.prompt_top_n,
             plan=plan,
             verify=plan.verify,
+            spec=spec,
             **fields,
         )
 
@@ -107,7 +112,7 @@ class BatchBuilder:
             extend_starts.append(num_tokens)
             num_tokens += end - start
             if batch.drafts is not None:  # a verify step: the last token, then the drafts (no fill_ids copy)
-                ids.append((req.output_ids or req.prompt_ids)[-1])
+                ids.append(-req.future_idx if req.pending else (req.output_ids or req.prompt_ids)[-1])
                 ids += batch.drafts[i]
             else:
                 known = req.prompt_ids if end <= len(req.prompt_ids) else req.fill_ids()
@@ -129,6 +134,12 @@ class BatchBuilder:
         per_req = np.asarray(req_rows + last + batch.ends, dtype=np.int64)
         rows = np.repeat(np.asarray(req_rows, dtype=np.int64), lens)
         input_ids = np.asarray(ids, dtype=np.int64)
+        verify_spec = None
+        if batch.drafts is not None:  # (overlapped: its positions may move, so every slot they may reach)
+            verify_spec = VerifySpec.plan(batch, extend_starts)
+            ahead = range_writes(batch, page)
+            if ahead is not None:
+                row_writes = ahead if row_writes is None else np.concatenate([row_writes, ahead], axis=1)
         return BatchPlan(
             mode=ForwardMode.EXTEND,
             packed=np.concatenate([input_ids, positions, out_loc, rows, per_req]),
@@ -138,12 +149,14 @@ class BatchBuilder:
             extend_starts=extend_starts,
             req_rows=req_rows,
             samples=batch.samples,
-            has_placeholders=False,  # a prefill feeds only tokens the host knows
+            has_placeholders=bool(batch.drafts) and any(r.pending for r in batch.reqs),  # (an overlapped verify step)
             row_writes=row_writes,
             seq=batch.seq,
             prompt_logprobs=self._prompt_logprob_rows(batch, extend_starts),
             prompt_top_n=max((batch.reqs[i].params.prompt_logprobs for i, _, _ in batch.prompt_logprobs), default=0),
             verify=batch.drafts is not None,
+            verify_spec=verify_spec,
+            verify_moves=moves(batch),
         )
 
     @staticmethod

@@ -256,11 +256,10 @@ class EngineCore:
         return self.channel.recv(block=not self.busy()) if self.channel is not None else []
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        if self.proposer is not None and self.in_flight and self.scheduler.may_verify_next():
-            # NOTE drafts continue the tokens the host has, and a verify step's token count is known only
-            # once it is processed: while decode steps may speculate, the results in flight are processed
-            # before the next batch is scheduled (the loop runs serially; TODO the overlapped verify step:
-            # a FutureMap carrying each request's accepted count, docs/architecture.md).
+        if self.proposer is not None and self.in_flight and self.scheduler.results_first():
+            # NOTE a verify step's token count is known on the host only once it is processed: a step after
+            # one in flight is an overlapped verify step (its positions move on the device), or the loop
+            # runs serially here (Scheduler.results_first; docs/architecture.md, "Speculative decoding").
             self.process_results_before(None)
         return self.scheduler.get_next_batch_to_run()
 
@@ -278,8 +277,7 @@ class EngineCore:
         if self.in_flight and self.must_run_serially(batch):
             self.process_results_before(None)
         info = speculative.sampling_info(batch, self.vocab_size, self.eos_token_ids, self.runner.device)
-        # (a verify step's tokens are read by no later batch on the device: they take no FutureMap slots)
-        slots = self.runner.future_map.alloc(batch.batch_size) if batch.drafts is None else []
+        slots = self.runner.future_map.alloc(batch.batch_size)  # (a verify step's: its last tokens and counts)
         # The previous batch's sampling, whose tokens this forward reads: launched only now, so
         # this batch was built while its grammar masks were filling (the host's chain from one
         # batch's tokens to the next one's sampling is a Llama-1B step's critical path).

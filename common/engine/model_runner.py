@@ -12,9 +12,7 @@ same ids and the next batch's placeholders resolve the same everywhere (`launch_
 from __future__ import annotations
 
 import gc
-import itertools
 import logging
-import time
 
 import torch
 
@@ -32,9 +30,11 @@ from pdserve.common.engine.overlap import DeviceStreams, ForwardResult, FutureMa
 from pdserve.common.engine.prefill_graph import PrefillGraphRunner
 from pdserve.common.engine.prompt_logprobs import score_prompt
 from pdserve.common.engine.sampling import SampleOutput, SamplingBatchInfo, sample
+from pdserve.common.engine.speculative import overlap as verify_overlap
 from pdserve.common.engine.speculative.draft_memory import draft_reserve_bytes
 from pdserve.common.engine.speculative.verify_graph import capture_verify_graphs
 from pdserve.common.engine.tp import TPGroup
+from pdserve.common.engine.warmup import dummy_extend, warmup
 from pdserve.common.kv_transfer.base import KVSide
 from pdserve.common.model_checks import model_kv_heads_of
 from pdserve.common.scheduling.batch import ForwardMode
@@ -112,6 +112,7 @@ class ModelRunner:
         )
         self.streams = DeviceStreams(self.device)
         self.future_map = FutureMap(config.max_running_requests, self.device)
+        self.future_map.counts_read = bool(config.speculative)
         # A verify step samples every position: 1 + --num-speculative-tokens rows per request.
         rows = config.max_running_requests * (1 + (config.num_speculative_tokens if config.speculative else 0))
         self.pinned = PinnedOutputs(rows, MAX_TOP_LOGPROBS, self.device)
@@ -151,50 +152,12 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             gc.collect()
 
-    @torch.inference_mode()
     def warmup(self, chunk_tokens: int) -> float:
-        """Run the prefill path (forward and greedy sampling) on dummy batches, so the first requests
-        a server takes do not pay for kernel compilation and allocator growth; returns the seconds.
-
-        Triton compiles a kernel again for each new specialization of its integer arguments (equal
-        to 1, divisible by 16), and the caching allocator grows on the first big batch: on a fresh
-        GPU server the first burst of requests ran at half speed without this. The batches write
-        their KV to slot 0 and read through the pad row, as padded CUDA-graph rows do, so the pools
-        are left as they were.
-        """
-        start = time.perf_counter()
-        longest = min(self.req_to_token_pool.context_len, max(chunk_tokens, 1))
-        shapes = [[1], [7], [16], [5, 27], [64, 64, 48], [min(1024, longest)] * max(1, min(chunk_tokens // 1024, 256))]
-        verify = [[1 + self.config.num_speculative_tokens] * 3] if self.config.speculative else []
-        for i, lens in enumerate(shapes + verify):  # (and an eager verify step's: every position sampled)
-            lens = [min(n, longest) for n in lens]
-            batch = self._dummy_extend(lens)
-            batch.verify = i >= len(shapes)
-            logits = self.forward(batch, batch.input_ids)
-            sample(logits, SamplingBatchInfo.plain_greedy(logits.shape[0], self.vocab_size))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - start
+        """Run the prefill path on dummy batches before the first request; returns the seconds (warmup.py)."""
+        return warmup(self, chunk_tokens)
 
     def _dummy_extend(self, lens: list[int]) -> ForwardBatch:
-        device, pad = self.device, self.req_to_token_pool.pad_row
-        starts = [0, *itertools.accumulate(lens)][:-1]
-        tokens = sum(lens)
-        return ForwardBatch(
-            mode=ForwardMode.EXTEND,
-            reqs=[],
-            input_ids=torch.zeros(tokens, dtype=torch.int64, device=device),
-            positions=torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]).to(device),
-            out_cache_loc=torch.zeros(tokens, dtype=torch.int64, device=device),
-            req_pool_indices=torch.full((len(lens),), pad, dtype=torch.int64, device=device),
-            seq_lens=list(lens),
-            extend_lens=list(lens),
-            extend_starts=starts,
-            req_rows=[pad] * len(lens),
-            last_indices=torch.tensor([s + n - 1 for s, n in zip(starts, lens)], dtype=torch.int64, device=device),
-            samples=[True] * len(lens),
-            has_placeholders=False,
-        )
+        return dummy_extend(self, lens)
 
     def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
         c = self.config
@@ -305,6 +268,8 @@ class ModelRunner:
         streams = self.streams
         with streams.use(streams.forward_stream):
             streams.forward_stream.wait_stream(streams.schedule_stream)
+            if batch.spec is not None:  # a verify step: what the step before left on the device
+                verify_overlap.resolve(batch, self.future_map, self.req_to_token_pool.req_to_token, self.attn.host_lens)
             if self.before_forward is not None:
                 self.before_forward(batch)
             scored: list = []
@@ -331,7 +296,10 @@ class ModelRunner:
             out = sample(queued.logits, info, mask)
             if self.tp.size > 1:
                 out.next_token_ids = self.tp.broadcast(out.next_token_ids.contiguous())  # to launch_replica
-            self.future_map.store(future_slots, out.next_token_ids)
+            if batch.spec is not None:  # (its accepted counts, and the token after them)
+                verify_overlap.store(self.future_map, future_slots, out.next_token_ids, batch.spec)
+            else:
+                self.future_map.store(future_slots, out.next_token_ids)
             published = streams.event()
             published.record(streams.forward_stream)
         host = self.pinned.acquire()

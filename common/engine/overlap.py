@@ -153,6 +153,11 @@ class FutureMap:
     def __init__(self, max_batch: int, device: torch.device):
         self.size = 4 * max_batch + 2
         self.buf = torch.zeros(self.size, dtype=torch.int64, device=device)
+        # A verify step's accepted drafts per request, beside its last token (common/engine/speculative/
+        # overlap.py): how far the next step's positions move. With `counts_read` (speculation on) every
+        # other store writes 0 there.
+        self.counts = torch.zeros(self.size, dtype=torch.int64, device=device)
+        self.counts_read = False
         self.next = 1
 
     def alloc(self, n: int) -> list[int]:
@@ -163,11 +168,16 @@ class FutureMap:
         self.next += n
         return slots
 
-    def store(self, slots: list[int], token_ids: torch.Tensor) -> None:
-        """Write `token_ids` to `slots` (consecutive, as alloc hands them out): a slice copy, no
-        index upload."""
+    def store(self, slots: list[int], token_ids: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        """Write `token_ids` (and a verify step's accepted `counts`, else 0) to `slots` (consecutive, as
+        alloc hands them out): slice copies, no index upload."""
         if slots:
-            self.buf[slots[0] : slots[0] + len(slots)].copy_(token_ids)
+            window = slice(slots[0], slots[0] + len(slots))
+            self.buf[window].copy_(token_ids)
+            if counts is not None:
+                self.counts[window].copy_(counts)
+            elif self.counts_read:
+                self.counts[window].zero_()
 
     def resolve(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Input ids with placeholders replaced (a new tensor; runs on the current stream)."""

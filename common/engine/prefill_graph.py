@@ -173,6 +173,8 @@ class PrefillGraphRunner:
         uploaded = h2d_array(per_req, self.tokens.device)
         self.per_req[:, :slots].copy_(uploaded[:2])
         self.lens[:, :slots].copy_(uploaded[2:])
+        if batch.spec is not None and batch.spec.moves:  # (an overlapped verify step's lengths: the device's)
+            self.lens[0, :b].copy_(batch.seq_lens_dev)
         self.tokens[:, :n].copy_(batch.packed)  # one strided copy of the batch's upload
         if size > n:  # tokens a longer batch left behind become padding again
             self.tokens[:, n:size].zero_()

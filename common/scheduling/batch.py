@@ -26,6 +26,17 @@ class RowWrite:
 
 
 @dataclass
+class AfterStep:
+    """A verify step's request whose previous step is still in flight (speculation.py): the step keeps 0 to
+    len(drafts) of its drafts, so this one's positions move by that many on the device."""
+
+    slot: int  # FutureMap slot of the token that step samples last
+    drafts: list[int]  # that step's drafts ([] for a plain step: it moves nothing)
+    guess: int  # the token this step's drafts assume that step samples after all its drafts; -1: no drafts
+    known: int  # len(req.output_ids) when this step was scheduled
+
+
+@dataclass
 class ScheduleBatch:
     """One forward as the scheduler decided it. Request i computes positions [starts[i], ends[i])."""
 
@@ -44,6 +55,8 @@ class ScheduleBatch:
     # after its last token at positions [starts[i] + 1, ends[i]) (EXTEND mode); every position samples.
     # None for any other batch.
     drafts: list[list[int]] | None = None
+    # An overlapped verify step (speculation.py): per request, its step still in flight, or None.
+    after: list[AfterStep | None] | None = None
     seq: int = 0  # launch order, set when launched (for traces and tests)
 
     @property

@@ -51,7 +51,7 @@ class DecodeManager:
                 continue
             reqs.append(req)
             ends.append(n)
-            if (n - 1) // page >= len(req.pages):
+            if (n - 1 + req.spec_ahead) // page >= len(req.pages):  # (a verify step in flight may move it)
                 growing.append(req)
         return reqs, ends, growing
 

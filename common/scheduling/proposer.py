@@ -16,6 +16,10 @@ class Proposer:
     """Drafts continuing running requests. Subclasses define `propose_for`; the rest has defaults for a
     proposer that holds nothing it must give back."""
 
+    # Whether `propose_after` is defined: a verify step may then be scheduled while the request's previous
+    # step still runs (the overlapped verify step, speculation.py); otherwise that step is processed first.
+    hypothesizes = False
+
     def propose_for(self, req: Req, limit: int) -> list[int]:
         """At most `limit` (>= 1) tokens continuing `req`'s prompt and output (no token of it pending)."""
         raise NotImplementedError
@@ -24,6 +28,11 @@ class Proposer:
         """Drafts for a decode step's requests at once (a model drafts them in one batch); `limits[i]`
         <= 0: none for request i."""
         return [self.propose_for(req, limit) if limit > 0 else [] for req, limit in zip(reqs, limits)]
+
+    def propose_after(self, req: Req, extra: list[int], limit: int) -> list[int]:
+        """At most `limit` tokens continuing `req`'s known tokens and then `extra` (the drafts of its step in
+        flight, as if all were accepted), the first a guess of the token that step samples after them."""
+        raise NotImplementedError
 
     def retain(self, reqs: list[Req]) -> None:
         """Forget every request but `reqs` (those of this step)."""

@@ -172,11 +172,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.decode.running) or self.prefill.has_work()
 
-    def may_verify_next(self) -> bool:
-        """The next decode step may be a verify step (speculation is on, and the running requests are
-        within its batch limit): drafts continue the tokens the host has, so the results in flight are
-        processed before it is scheduled (EngineCore.get_next_batch_to_run)."""
-        return self.speculation is not None and self.speculation.may_verify(len(self.decode.running))
+    def results_first(self) -> bool:
+        """Whether the results in flight must be processed before the next batch is scheduled
+        (EngineCore.get_next_batch_to_run): the next decode step may be a verify step (speculation is on,
+        the running requests within its batch limit) that cannot continue their steps in flight
+        (Speculation.may_overlap), or a verify step is in flight and the next decode step is a plain one,
+        whose positions the host must know."""
+        spec = self.speculation
+        if spec is None:
+            return False
+        if spec.may_verify(len(self.decode.running)):
+            return not spec.may_overlap(self.decode.running)
+        return spec.in_flight > 0
 
     # ---- choosing the next batch ----------------------------------------------------------------
 
@@ -205,7 +212,9 @@ class Scheduler:
         return ScheduleBatch(ForwardMode.DECODE, reqs, [n - 1 for n in ends], ends, [True] * len(reqs), writes)
 
     def _retract(self, victim: Req) -> None:
+        victim.kv_len = min(victim.kv_len, len(victim.prompt_ids) + len(victim.output_ids))  # (no drafts cached)
         self.kv.cache_and_release(victim)
+        victim.spec_inflight = []
         self._release_drafts(victim)
         # A token still in flight is dropped when it arrives; the resumed prefill samples it again
         # at the same step with the same seed.
@@ -214,7 +223,7 @@ class Scheduler:
 
     def on_launched(self, batch: ScheduleBatch, future_slots: list[int]) -> None:
         if self.speculation is not None and batch.drafts is not None:
-            self.speculation.on_launched(batch)
+            self.speculation.on_launched(batch, future_slots)
             return
         on_launched(batch, future_slots)
 
@@ -251,6 +260,8 @@ class Scheduler:
         if not done:
             return []
         for req in done:
+            # (a verify step in flight may have drafts past the known tokens: never cached)
+            req.kv_len = min(req.kv_len, len(req.prompt_ids) + len(req.output_ids))
             self.kv.cache_and_release(req)
             self._release_drafts(req)
             req.discard = req.pending  # a step launched after this one is dropped

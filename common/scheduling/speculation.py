@@ -20,7 +20,7 @@ that was not accepted.
 
 from __future__ import annotations
 
-from pdserve.common.scheduling.batch import ForwardMode, RowWrite, ScheduleBatch
+from pdserve.common.scheduling.batch import AfterStep, ForwardMode, RowWrite, ScheduleBatch
 from pdserve.common.scheduling.draft_policy import DraftPolicy
 from pdserve.common.scheduling.kv_manager import KVManager
 from pdserve.common.scheduling.output_processor import append_token
@@ -58,7 +58,10 @@ class Speculation:
             "spec_proposed_tokens": 0,
             "spec_accepted_tokens": 0,
             "spec_verified_requests": 0,
+            # drafts of overlapped verify steps dropped because the step before did not end as they assumed
+            "spec_unconfirmed_tokens": 0,
         }
+        self.in_flight = 0  # verify steps launched and not processed
 
     def may_verify(self, batch_size: int) -> bool:
         """Whether a decode step of `batch_size` requests may be a verify step (the policy's limit)."""
@@ -68,37 +71,64 @@ class Speculation:
         """The counters since start, under the proposer's name (a server's load report)."""
         return {self.name: dict(self.stats)}
 
+    def may_overlap(self, reqs: list[Req]) -> bool:
+        """Whether a verify step of `reqs` may be scheduled while their previous step runs: the proposer
+        drafts after a step in flight (`propose_after`), and every request is plain greedy (its rows need
+        no token of its own: one argmax) with that one step at most in flight."""
+        return self.proposer.hypothesizes and all(
+            r.params.plain_greedy and r.pending <= 1 and not r.discard for r in reqs
+        )
+
     def verify_batch(self, reqs: list[Req], ends: list[int], row_writes: list[RowWrite]) -> ScheduleBatch | None:
         """The decode step of `reqs` (request i computes position ends[i] - 1, whose page it holds) as a
-        verify step, or None when no request has drafts (then it stays a plain decode step).
+        verify step, or None when it may stay a plain decode step (no drafts, and no request's positions
+        wait on a verify step in flight).
 
-        Drafts are proposed only from tokens the host has: none of the requests may have one in flight
-        (the engine processes results first: EngineCore.get_next_batch_to_run). A grammar request gets
-        none (speculation is off for structured outputs: its matcher must never see a rejected draft).
-        A request whose drafts' pages are not available gets none this step: drafts never retract.
-        A step larger than the policy's limit is a plain one, and each request is offered at most the
-        policy's depth for it."""
-        if any(req.pending for req in reqs) or not self.may_verify(len(reqs)):
+        A request with no step in flight is proposed drafts from its tokens. One whose previous step still
+        runs (the overlapped verify step; `may_overlap` must hold) continues it: its positions move on the
+        device by the drafts that step keeps, and its drafts are the proposer's guess of what follows that
+        step's drafts all accepted (`propose_after`: its first token is a guess of that step's last; the
+        device drops the drafts when the guess is wrong, common/engine/speculative/overlap.py).
+        A grammar request gets none (speculation is off for structured outputs: its matcher must never see
+        a rejected draft). A request whose drafts' pages are not available gets none this step: drafts
+        never retract. A step larger than the policy's limit is a plain one, and each request is offered
+        at most the policy's depth for it."""
+        if not self.may_verify(len(reqs)):
             return None
+        overlapped = any(req.pending for req in reqs)
+        if overlapped and not self.may_overlap(reqs):
+            raise AssertionError("a verify step after a step in flight needs may_overlap (results first)")
         self.proposer.retain(reqs)
         self.policy.retain(reqs)
+        afters = [self._after(req) for req in reqs] if overlapped else [None] * len(reqs)
         limits = []
-        for req, end in zip(reqs, ends):
-            # The step returns up to len(drafts) + 1 tokens: never more than the request may still generate.
-            limit = min(req.params.max_new_tokens - req.num_sampled, self.context_length - end) - 1
+        for req, end, after in zip(reqs, ends, afters):
+            # The step returns up to len(drafts) + 1 tokens: never more than the request may still
+            # generate, counting all that the step in flight may keep.
+            ahead = len(after.drafts) if after is not None else 0
+            limit = min(req.params.max_new_tokens - req.num_sampled, self.context_length - end) - 1 - ahead
             limits.append(min(limit, self.policy.depth(req)) if req.grammar is None else 0)
-        drafts = self.proposer.propose_batch(reqs, limits)
-        for i, (req, end) in enumerate(zip(reqs, ends)):
-            missing = pages_for(end + len(drafts[i]), self.kv.page_size) - len(req.pages)
+        drafts = self.proposer.propose_batch(reqs, [0 if a else n for a, n in zip(afters, limits)])
+        for i, after in enumerate(afters):
+            if after is not None and limits[i] > 0:
+                guessed = self.proposer.propose_after(reqs[i], after.drafts, limits[i] + 1)
+                if len(guessed) > 1:
+                    after.guess, drafts[i] = guessed[0], guessed[1:]
+        for i, (req, end, after) in enumerate(zip(reqs, ends, afters)):
+            ahead = len(after.drafts) if after is not None else 0
+            missing = pages_for(end + ahead + len(drafts[i]), self.kv.page_size) - len(req.pages)
             if drafts[i] and missing > self.kv.available_pages():
                 drafts[i] = []
-            if drafts[i]:
-                self.kv.grow(req, end + len(drafts[i]))
-                req.kv_len = end + len(drafts[i])
-        if not any(drafts):
+                if after is not None:
+                    after.guess = -1
+            self.kv.grow(req, end + ahead + len(drafts[i]))  # (the scheduler holds the pages up to end + ahead)
+            req.kv_len = end + ahead + len(drafts[i])  # what the step may write
+        moves = any(a is not None and a.drafts for a in afters)
+        if not any(drafts) and not moves:
             return None
-        self.stats["spec_verify_steps"] += 1
-        self.stats["spec_proposed_tokens"] += sum(len(d) for d in drafts)
+        if any(drafts):
+            self.stats["spec_verify_steps"] += 1
+            self.stats["spec_proposed_tokens"] += sum(len(d) for d in drafts)
         return ScheduleBatch(
             ForwardMode.EXTEND,
             reqs,
@@ -107,15 +137,31 @@ class Speculation:
             [True] * len(reqs),
             row_writes,
             drafts=drafts,
+            after=afters if overlapped else None,
         )
 
-    def on_launched(self, batch: ScheduleBatch) -> None:
+    @staticmethod
+    def _after(req: Req) -> AfterStep | None:
+        """What a request's step in flight leaves for the next (None: nothing in flight). Its drafts: none
+        for a plain step or a prefill, and none for a verify step whose drafts continued a guess that the
+        tokens since (all processed: only that step is in flight) did not confirm: it keeps none of them."""
+        if not req.pending:
+            return None
+        drafts, prior = req.spec_inflight[-1][1:] if req.spec_inflight else ([], None)
+        if prior is not None and prior.guess >= 0 and req.output_ids[prior.known :] != prior.drafts + [prior.guess]:
+            drafts = []
+        return AfterStep(req.future_idx, drafts, -1, len(req.output_ids))
+
+    def on_launched(self, batch: ScheduleBatch, future_slots: list[int]) -> None:
         """The verify step is queued: each request has a result in flight, counted as one pending token
-        until it arrives. NOTE no FutureMap slot: no later batch may read its tokens on the device (none
-        is scheduled for these requests before the result is processed), and `future_idx` is left as it
-        was, never read while this result is pending."""
-        for req in batch.reqs:
+        until it arrives (it may keep more: `Req.spec_inflight`), whose last token and accepted count the
+        device stores in its FutureMap slot."""
+        self.in_flight += 1
+        afters = batch.after or [None] * len(batch.reqs)
+        for req, drafts, slot, after in zip(batch.reqs, batch.drafts, future_slots, afters):
             req.pending += 1
+            req.future_idx = slot
+            req.spec_inflight.append((batch.seq, drafts, after))
             if req.finished:  # (finished or aborted after the batch was built)
                 req.discard += 1
 
@@ -130,23 +176,33 @@ class Speculation:
         token finishes it (EOS, a stop string, max_new_tokens: exactly the tokens a plain run returns),
         and roll its KV back to what they wrote. `next_token_ids` / `logprobs`: one per position, request
         after request; `accepted[i]`: request i's drafts equal to the samples before them
-        (common/engine/speculative/verify.py). Returns the requests that finished."""
+        (common/engine/speculative/verify.py), none where they continued a guess the step before did
+        not confirm (the device dropped them too). Returns the requests that finished."""
+        self.in_flight -= 1
         done, row = [], 0
-        for req, drafts, taken in zip(batch.reqs, batch.drafts, accepted):
+        afters = batch.after or [None] * len(batch.reqs)
+        for req, drafts, taken, after in zip(batch.reqs, batch.drafts, accepted, afters):
             first, row = row, row + len(drafts) + 1
             req.pending -= 1
+            req.spec_inflight = [e for e in req.spec_inflight if e[0] != batch.seq]
             if req.discard:  # aborted while the step ran: its pages are already freed
                 req.discard -= 1
                 continue
-            self.stats["spec_accepted_tokens"] += taken
-            self.stats["spec_verified_requests"] += bool(drafts)
-            self.policy.record(req, len(drafts), taken)
+            if after is not None and after.guess >= 0 and req.output_ids[after.known :] != after.drafts + [after.guess]:
+                taken = 0
+                self.stats["spec_unconfirmed_tokens"] += len(drafts)
+            elif drafts:
+                self.stats["spec_accepted_tokens"] += taken
+                self.stats["spec_verified_requests"] += 1
+                self.policy.record(req, len(drafts), taken)
             for j in range(first, first + taken + 1):
                 append_token(req, next_token_ids[j], logprobs[j], self.eos_token_ids, self.context_length)
                 if req.finished:
                     break
-            req.kv_len = req.seq_len - 1  # every token kept but the newest has its KV written
-            self.kv.truncate(req, req.kv_len)
+            known = len(req.prompt_ids) + len(req.output_ids)
+            req.kv_len = known - 1  # every token kept but the newest has its KV written
+            # (a step in flight writes positions known - 1 .. known - 1 + its drafts: their pages stay)
+            self.kv.truncate(req, known + req.spec_ahead if req.pending else req.kv_len)
             if req.finished:
                 done.append(req)  # (the scheduler releases it)
             else:

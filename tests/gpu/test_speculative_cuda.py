@@ -59,9 +59,18 @@ def test_verify_steps_replay_their_graphs_and_give_the_plain_tokens(tiny_models,
     assert graphs is not None and graphs.sizes == verify_capture_sizes(min(256, SPECULATIVE_MAX_BATCH), 5)
     assert len(graphs.graphs) == len(graphs.sizes)
     eager = eager_verify_steps(engine)
+    checked = watch(engine)
+    assert [c.output_ids for c in engine.generate(PROMPTS, greedy)] == expected
+    assert spec_stats(engine)["spec_proposed_tokens"] > 0  # (n-gram on random weights: seldom accepted)
+    assert graphs.replays == checked["verify_batches"] and eager == []
+
+    # Overlapped (greedy, drafts that guess the token in flight): positions moved on the device, replayed.
+    engine.scheduler.speculation.proposer = Oracle(PROMPTS, plain)
+    replays, batches = graphs.replays, checked["verify_batches"]
     assert [c.output_ids for c in engine.generate(PROMPTS, greedy)] == expected
     assert_speculated(engine)
-    assert graphs.replays == spec_stats(engine)["spec_verify_steps"] and eager == []
+    assert graphs.replays - replays == checked["verify_batches"] - batches > 0 and eager == []
+    assert (checked["moved"] > 0) == overlap
 
     engine.scheduler.speculation.proposer = Oracle(PROMPTS, plain_sampled)
     watch(engine)
@@ -96,10 +105,12 @@ def test_a_replayed_verify_step_gives_the_eager_verify_logits(tiny_models):
         return logits
 
     graphs.replay = checked
+    seen = watch(engine)
     assert [c.output_ids for c in engine.generate(PROMPTS, greedy)] == [c.output_ids for c in plain]
     assert_speculated(engine)
-    assert len(compared) == spec_stats(engine)["spec_verify_steps"]
+    assert len(compared) == seen["verify_batches"]
     assert any(n not in graphs.sizes for n in compared)  # padded replays among them
+    assert seen["moved"] > 0  # overlapped: lengths the graph read from the device
 
 
 def test_verify_steps_beyond_the_graphs_run_eagerly(tiny_models):
@@ -113,11 +124,12 @@ def test_verify_steps_beyond_the_graphs_run_eagerly(tiny_models):
     plain = Engine(model_path=path, **CUDA).generate(PROMPTS, SamplingParams(max_new_tokens=24, temperature=0))
     engine.scheduler.speculation.proposer = Oracle(PROMPTS, plain)
     eager = eager_verify_steps(engine)
+    seen = watch(engine)
     outs = engine.generate(PROMPTS, [SamplingParams(max_new_tokens=n, temperature=0) for n in (8, 16, 20, 24)])
     assert [c.output_ids for c in outs] == [e[:n] for e, n in zip(expected, (8, 16, 20, 24))]
     assert_speculated(engine)
     assert eager and max(eager) == 4 and min(eager) >= 3 and graphs.replays > 0
-    assert graphs.replays + len(eager) == spec_stats(engine)["spec_verify_steps"]
+    assert graphs.replays + len(eager) == seen["verify_batches"]
 
 
 def test_a_decode_server_speculates_on_kv_written_by_nixl_on_cuda(tiny_models):

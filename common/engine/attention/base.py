@@ -25,6 +25,9 @@ class AttentionBackend(ABC):
     # Whether `rope_and_store` is implemented (one fused kernel); otherwise the model rotates
     # q and k itself and `forward` stores.
     fuses_rope_and_store = False
+    # Whether it reads a batch's lengths from the host lists (ForwardBatch.seq_lens), not the device
+    # (seq_lens_dev): an overlapped verify step's are then read back (speculative/overlap.py).
+    host_lens = True
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: PagedKVPool):
         self.req_to_token_pool = req_to_token_pool

@@ -48,6 +48,7 @@ class ExtendMeta:
 
 
 class TritonBackend(AttentionBackend):
+    host_lens = False
     fuses_rope_and_store = True
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: PagedKVPool, num_heads: int, max_batch: int):
@@ -73,6 +74,8 @@ class TritonBackend(AttentionBackend):
         packed = h2d(
             [batch.seq_lens, batch.extend_lens, batch.extend_starts], torch.int32, batch.req_pool_indices.device
         )
+        if batch.spec is not None and batch.spec.moves:  # (an overlapped verify step's lengths: the device's)
+            packed[0].copy_(batch.seq_lens_dev)
         self.meta = ExtendMeta(batch.req_pool_indices, packed[0], packed[1], packed[2], max(batch.extend_lens))
 
     def bind_decode(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:

@@ -43,10 +43,36 @@ class NgramIndex:
                 return self.tokens[end : min(end + k, length)]
         return []
 
+    def propose_after(self, extra: list[int], m: int) -> list[int]:
+        """`propose(m)` as if `extra` had been appended, the index unchanged: the n-grams that end inside
+        `extra` (or at its start: the index's own suffix) are looked at first, latest first, then the index.
+        With no `extra` it is `propose(m)`."""
+        tokens, known = self.tokens, len(self.tokens)
+        length = known + len(extra)
+
+        def at(i: int) -> int:
+            return tokens[i] if i < known else extra[i - known]
+
+        for n in range(min(self.max_n, length), self.min_n - 1, -1):
+            suffix = tuple(at(i) for i in range(length - n, length))
+            end = None
+            if extra:
+                for e in range(length - 1, max(known, n) - 1, -1):  # ends inside extra, latest first
+                    if tuple(at(i) for i in range(e - n, e)) == suffix:
+                        end = e
+                        break
+            if end is None:
+                end = self.ends[n].get(suffix)
+            if end is not None:
+                return [at(i) for i in range(end, min(end + m, length))]
+        return []
+
 
 class NgramProposer(Proposer):
     """Drafts for many requests, by request id: `extend` as tokens arrive, `propose` before each
     verify step, `free` when the request ends."""
+
+    hypothesizes = True
 
     def __init__(self, num_tokens: int, min_n: int = 1, max_n: int = 4):
         if num_tokens < 1:
@@ -87,6 +113,15 @@ class NgramProposer(Proposer):
             known = len(prompt)
         self.extend(rid, req.output_ids[known - len(prompt) :])
         return self.propose(rid, limit)
+
+    def propose_after(self, req, extra: list[int], limit: int) -> list[int]:
+        """At most `limit` tokens continuing `req`'s known tokens followed by `extra` (a verify step still
+        in flight: its drafts, as if all were accepted); the first is a guess of the token that step
+        samples after them. `limit` may exceed num_tokens by one (that guess)."""
+        self.propose_for(req, 0)  # (the index catches up with the request's known tokens)
+        index = self.indexes.get(req.rid)
+        m = min(self.num_tokens + 1, limit)
+        return index.propose_after(list(extra), m) if index is not None and m > 0 else []
 
     def release(self, req) -> None:
         if self.owners.get(req.rid) is req:

@@ -35,11 +35,11 @@ def sampling_info(batch: ScheduleBatch, vocab_size: int, eos_token_ids: tuple[in
     """The batch's sampling rows on the device: one per request, or a verify step's one per position."""
     if batch.drafts is None:
         return SamplingBatchInfo.from_reqs(batch.reqs, vocab_size, eos_token_ids, device)
-    if any(req.pending for req in batch.reqs):
-        raise ValueError("a verify step needs its requests' tokens: none may be in flight")
     num_rows = len(batch.reqs) + sum(len(d) for d in batch.drafts)
     if all(req.params.plain_greedy for req in batch.reqs):
         return SamplingBatchInfo.plain_greedy(num_rows, vocab_size)  # (argmax: no row's tokens are read)
+    if any(req.pending for req in batch.reqs):
+        raise ValueError("a verify step's sampling rows need its requests' tokens: none may be in flight")
     rows = []
     for req, drafts in zip(batch.reqs, batch.drafts):
         rows += verify_rows(req, drafts)
