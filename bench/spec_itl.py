@@ -34,7 +34,13 @@ import time
 
 from pdserve.bench.metrics import percentile
 
-SPEC_COUNTERS = ("spec_verify_steps", "spec_proposed_tokens", "spec_accepted_tokens", "spec_verified_requests")
+SPEC_COUNTERS = (
+    "spec_verify_steps",
+    "spec_proposed_tokens",
+    "spec_accepted_tokens",
+    "spec_verified_requests",
+    "spec_unconfirmed_tokens",
+)
 
 
 def add_parser(kinds) -> None:

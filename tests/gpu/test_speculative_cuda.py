@@ -138,10 +138,11 @@ def test_a_decode_server_speculates_on_kv_written_by_nixl_on_cuda(tiny_models):
     spec = EngineConfig(model_path=path, speculative="ngram", **CUDA)  # (the prefill server ignores the flag)
     prefill = PrefillEngine(spec, "prefill-cuda-spec", kv_transfer_timeout=30)
     decode = DecodeEngine(spec, "decode-cuda-spec", kv_transfer_timeout=30)
+    seen = watch(decode)
     completions, _ = drive(prefill, decode, PROMPTS, [SamplingParams(max_new_tokens=24, temperature=0)] * 4)
     assert [completions[f"r{i}"].output_ids for i in range(len(PROMPTS))] == expected
-    assert_speculated(decode)
-    assert decode.runner.verify_graphs.replays == spec_stats(decode)["spec_verify_steps"]
+    assert spec_stats(decode)["spec_proposed_tokens"] > 0  # (n-gram on random weights: seldom accepted)
+    assert decode.runner.verify_graphs.replays == seen["verify_batches"] > 0
     assert prefill.runner.verify_graphs is None  # (a prefill server never speculates)
     assert decode.is_idle() and prefill.is_idle()
 
