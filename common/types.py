@@ -123,6 +123,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @functools.cached_property
+    def reads_step_only(self) -> bool:
+        """Its sampling reads nothing of the request but the output step (the noise key): no penalties (they
+        read the tokens), no min_new_tokens (its ban depends on the step too), no grammar. An overlapped
+        verify step's rows are built before the step in flight lands (common/engine/speculative/overlap.py)."""
+        return not self.has_penalties and self.min_new_tokens == 0 and self.grammar is None
+
     @functools.cached_property  # read for every request of every decode step
     def plain_greedy(self) -> bool:
         """The argmax of the raw logits is all this request's sampling needs (no tensor at all)."""

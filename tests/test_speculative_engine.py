@@ -164,14 +164,18 @@ SAMPLED = [
 @pytest.mark.parametrize("params", SAMPLED, ids=["top_p", "penalties", "min_tokens_bias_logprobs", "greedy_penalties"])
 def test_seeded_sampling_gives_the_plain_engines_tokens(make_engine, params):
     """Verification is seed-exact: the same tokens (and logprobs) as the plain engine at any
-    temperature, penalties seeing the drafts as output."""
+    temperature, penalties seeing the drafts as output, overlapped verify steps included."""
     p = SamplingParams(max_new_tokens=24, ignore_eos=True, **params)
     plain = make_engine("gpt2", **BASE).generate(PROMPTS, p)
     for overlap in (True, False):
         engine = make_engine("gpt2", speculative="ngram", disable_overlap_schedule=not overlap, **BASE)
         engine.scheduler.speculation.proposer = Oracle(PROMPTS, plain)
+        checked = watch(engine)
         spec = engine.generate(PROMPTS, p)
         assert [c.output_ids for c in spec] == [c.output_ids for c in plain]
+        # Overlapped where sampling reads only the step (its noise keys made again on the device): not
+        # with penalties or min_new_tokens, which run serially.
+        assert (checked["moved"] > 0) == (overlap and p.reads_step_only)
         if p.logprobs is not None:  # (the extend kernels' float sums differ from decode's in the last bits)
             for a, b in zip(spec, plain):
                 assert [lp.token_id for lp in a.logprobs] == [lp.token_id for lp in b.logprobs]

@@ -291,6 +291,8 @@ class ModelRunner:
         streams, scored = self.streams, queued.scored
         with streams.use(streams.forward_stream):
             mask = None
+            if batch.spec is not None:  # (a verify step whose steps moved: its sampled rows' noise keys)
+                verify_overlap.move_noise(info, batch.spec)
             if grammar_mask is not None:  # (Grammars pins it on CUDA)
                 mask = grammar_mask.to(self.device, non_blocking=grammar_mask.is_pinned())
             out = sample(queued.logits, info, mask)

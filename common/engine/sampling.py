@@ -36,8 +36,18 @@ def _mix32(x):
 
 def row_key(seed: int, step: int) -> int:
     """The 32-bit noise key of one request at one output step (host side)."""
+    return step_key(seed_key(seed), step)
+
+
+def seed_key(seed: int) -> int:
+    """The part of row_key that depends on the seed alone."""
     seed %= 2**64  # seeds may come in signed
-    key = _mix32(_mix32((seed & _MASK32) ^ 0x9E3779B9) ^ (seed >> 32))
+    return _mix32(_mix32((seed & _MASK32) ^ 0x9E3779B9) ^ (seed >> 32))
+
+
+def step_key(key, step):
+    """row_key from seed_key(seed) and the step: ints, or int64 tensors on the device (an overlapped verify
+    step's steps move there: common/engine/speculative/overlap.py)."""
     # The round after the step keeps keys from having the token hash's form, mix(x ^ constant):
     # with it, noise(token t, step s) would equal noise(token s', step t') for s' = t ^ c, t' = s ^ c.
     return _mix32(_mix32(key ^ (step & _MASK32)) ^ 0x85EBCA6B)
@@ -81,6 +91,10 @@ class SamplingBatchInfo:
     top_logprobs_k: int  # the largest top-n asked for in the batch; 0 for none
     bias_idx: torch.Tensor | None = None  # [L] flat indices of logit_bias tokens
     bias_values: torch.Tensor | None = None  # [L] float32: their biases
+    # An overlapped verify step's sampled rows: seed_key and step of each row [B, 1] int64, for noise keys
+    # made again on the device once the steps have moved (common/engine/speculative/overlap.py).
+    seed_keys: torch.Tensor | None = None
+    steps: torch.Tensor | None = None
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], vocab_size: int, eos_token_ids: tuple[int, ...], device) -> "SamplingBatchInfo":

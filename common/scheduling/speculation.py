@@ -73,10 +73,10 @@ class Speculation:
 
     def may_overlap(self, reqs: list[Req]) -> bool:
         """Whether a verify step of `reqs` may be scheduled while their previous step runs: the proposer
-        drafts after a step in flight (`propose_after`), and every request is plain greedy (its rows need
-        no token of its own: one argmax) with that one step at most in flight."""
+        drafts after a step in flight (`propose_after`), and every request's sampling reads nothing but its
+        step (SamplingParams.reads_step_only), with that one step at most in flight."""
         return self.proposer.hypothesizes and all(
-            r.params.plain_greedy and r.pending <= 1 and not r.discard for r in reqs
+            r.params.reads_step_only and r.pending <= 1 and not r.discard for r in reqs
         )
 
     def verify_batch(self, reqs: list[Req], ends: list[int], row_writes: list[RowWrite]) -> ScheduleBatch | None:

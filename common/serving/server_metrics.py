@@ -110,7 +110,8 @@ class Metrics:
                 ("spec_verified_requests", "Requests given drafts in a verify step (one per request and step)."),
                 (
                     "spec_unconfirmed_tokens",
-                    "Drafts of overlapped verify steps dropped: they continued a guess the step before did not confirm.",
+                    "Drafts of overlapped verify steps dropped: they continued a guess the step before did not "
+                    "confirm.",
                 ),
             )
         }

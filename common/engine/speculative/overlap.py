@@ -13,7 +13,8 @@ The host schedules N+1 as if N kept none of its drafts (seq_len counts a step in
 and proposes N+1's drafts as if N kept all of them and then sampled the proposer's guess; when that
 guess is wrong the drafts are dropped on the device (the request's rows still run: its first position
 is its next token, exactly a plain step's). Every verify step stores, per request, its bonus token and
-its accepted count in its FutureMap slots (`store`); a plain step's store writes count 0.
+its accepted count in its FutureMap slots (`store`); a plain step's store writes count 0. A sampled
+row's noise key depends on its step, which moves too: made again on the device (`move_noise`).
 
 NOTE req_to_token must map every position the step may write: the builder writes the rows of positions
 [ends[i], ends[i] + len(N's drafts)) too (`range_writes`), and the scheduler holds their pages.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.common.engine.sampling import step_key
 from pdserve.common.engine.speculative.verify import accepted_lengths
 
 
@@ -41,6 +43,7 @@ class VerifySpec:
     drafts: torch.Tensor  # [B, K] padded with -1
     token_req: torch.Tensor  # [T] the request of each token
     moves: bool  # some request's positions depend on a count still on the device
+    delta: torch.Tensor | None = None  # [B] how far each request's positions moved (set by `resolve`)
 
     @staticmethod
     def plan(batch, extend_starts: list[int]) -> np.ndarray:
@@ -97,7 +100,7 @@ def resolve(batch, future_map, req_to_token: torch.Tensor, host_lens: bool) -> N
     (in place in its upload, so a CUDA graph's copy of it sees them). `host_lens`: the attention backend
     reads the host's seq_lens, which are then read back (on a GPU, a sync: the torch-native backend)."""
     spec = batch.spec
-    delta = future_map.counts[spec.after]
+    delta = spec.delta = future_map.counts[spec.after]
     held = (spec.guess < 0) | ((delta == spec.expect) & (future_map.buf[spec.after] == spec.guess))
     spec.num_drafts.mul_(held.to(torch.int64))
     if batch.has_placeholders:
@@ -110,6 +113,14 @@ def resolve(batch, future_map, req_to_token: torch.Tensor, host_lens: bool) -> N
         batch.seq_lens_dev.add_(delta)
         if host_lens:
             batch.seq_lens = batch.seq_lens_dev.tolist()
+
+
+def move_noise(info, spec: VerifySpec) -> None:
+    """On the forward stream, before sampling: the noise keys of sampled rows whose steps moved with their
+    positions (a row samples its request's step num_sampled + j, counted as if the step before kept no
+    drafts when the host built it), so each token is still the plain engine's draw at its step."""
+    if spec.moves and info.seed_keys is not None:
+        info.noise_keys = step_key(info.seed_keys, info.steps + spec.delta[spec.token_req][:, None])
 
 
 def store(future_map, slots: list[int], next_token_ids: torch.Tensor, spec: VerifySpec) -> None:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from pdserve.common.config import EngineConfig
-from pdserve.common.engine.sampling import SamplingBatchInfo
+from pdserve.common.engine.overlap import h2d
+from pdserve.common.engine.sampling import SamplingBatchInfo, seed_key
 from pdserve.common.engine.speculative.draft import DraftProposer
 from pdserve.common.engine.speculative.ngram import NgramProposer
 from pdserve.common.engine.speculative.verify import accepted_lengths, verify_rows
@@ -38,12 +39,14 @@ def sampling_info(batch: ScheduleBatch, vocab_size: int, eos_token_ids: tuple[in
     num_rows = len(batch.reqs) + sum(len(d) for d in batch.drafts)
     if all(req.params.plain_greedy for req in batch.reqs):
         return SamplingBatchInfo.plain_greedy(num_rows, vocab_size)  # (argmax: no row's tokens are read)
-    if any(req.pending for req in batch.reqs):
-        raise ValueError("a verify step's sampling rows need its requests' tokens: none may be in flight")
     rows = []
     for req, drafts in zip(batch.reqs, batch.drafts):
         rows += verify_rows(req, drafts)
-    return SamplingBatchInfo.from_reqs(rows, vocab_size, eos_token_ids, device)
+    info = SamplingBatchInfo.from_reqs(rows, vocab_size, eos_token_ids, device)
+    if batch.after is not None and info.noise_keys is not None:  # (its steps may move: overlap.py)
+        info.seed_keys = h2d([[seed_key(r.seed)] for r in rows], torch.int64, device)
+        info.steps = h2d([[r.num_sampled] for r in rows], torch.int64, device)
+    return info
 
 
 def row_owners(batch: ScheduleBatch) -> list:

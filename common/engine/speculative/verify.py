@@ -34,8 +34,10 @@ class AtStep:
 
 
 def verify_rows(req, drafts: list[int]) -> list[AtStep]:
-    """The k + 1 sampling rows of `req` (a Req with no pending tokens) verifying `drafts`."""
-    if req.pending:
+    """The k + 1 sampling rows of `req` verifying `drafts`. With a step in flight (an overlapped verify
+    step) the rows' steps are the ones if that step keeps no drafts, moved on the device, and the tokens
+    are not all here: only a request whose sampling reads neither (SamplingParams.reads_step_only)."""
+    if req.pending and not req.params.reads_step_only:
         raise ValueError("verify rows need the request's tokens: none may be pending")
     step = req.num_sampled
     return [
