@@ -22,10 +22,13 @@ setup: $(VENV)/.installed
 # The CPU test suite (what CI runs): the linter and the format check first, then pytest. Exit code 5
 # (no tests collected) is a failure, as it should be. Two pytest workers, a test file each at a time
 # (--dist loadfile: a module's started servers stay shared by its tests): the suite alone keeps a
-# 2-core machine ~55% busy (13.6 -> 9.9 min on CI's machine).
+# 2-core machine ~55% busy (13.6 -> 9.9 min on CI's machine). One torch thread per process
+# (OMP_NUM_THREADS=1, the servers the tests start included): two workers with a thread per core each
+# oversubscribed the cores, and torch's spinning threads made compute-heavy tests up to 15x slower
+# whenever both workers ran one (the speculative-decoding files: 154 -> 25 s).
 TEST_WORKERS ?= 2
 test: lint
-	$(VENV)/bin/python -m pytest tests -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=15
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # ruff (pyproject.toml's [tool.ruff]): lint, and check that the tree is formatted (`make format` formats it).
 lint: setup

@@ -151,6 +151,11 @@ class EngineConfig:
     speculative_fixed_k: bool = option(
         False, "--speculative: never offer a request fewer drafts because its recent ones were mostly rejected."
     )
+    speculative_overlap: str = option(
+        "auto",
+        "--speculative ngram: schedule a verify step while the previous one runs, its drafts guessing how that "
+        "one ends: on, off, or auto (while recent guesses would mostly hold).",
+    )
 
     def resolve(self) -> "EngineConfig":
         """Fill every auto value; the result is what the engine runs with."""

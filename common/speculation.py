@@ -38,6 +38,8 @@ def check_speculative(config, read_hf_config) -> None:
         check_draft_model(config, read_hf_config)
     if config.num_speculative_tokens < 1:
         raise ValueError(f"--num-speculative-tokens must be >= 1, got {config.num_speculative_tokens}")
+    if config.speculative_overlap not in ("auto", "on", "off"):
+        raise ValueError(f"--speculative-overlap must be auto, on or off, got {config.speculative_overlap!r}")
     if config.speculative_max_batch < 0:
         raise ValueError(f"--speculative-max-batch must be >= 0 (0: no limit), got {config.speculative_max_batch}")
     if not 1 <= config.speculative_ngram_min <= config.speculative_ngram_max:

@@ -22,7 +22,9 @@ from pdserve.common.tiny_model import ARCHS
 from pdserve.common.types import FinishReason, SamplingParams
 from tests.test_disagg_engines import drive, engines, hf_greedy
 
-BASE = dict(page_size=4, chunked_prefill_size=16)  # rollbacks cross pages; prompts past 16 are chunked
+# Rollbacks cross pages; prompts past 16 are chunked; verify steps overlap whenever they can (the default,
+# auto, overlaps only while guesses hold: test_auto_overlaps_only_while_the_guesses_hold).
+BASE = dict(page_size=4, chunked_prefill_size=16, speculative_overlap="on")
 PROMPTS = [
     [0] + [5, 6, 7, 8, 9] * 6,
     [0] + [11, 12, 13] * 8 + [40, 41],
@@ -151,6 +153,23 @@ def test_right_drafts_give_k_plus_one_tokens_a_step(make_engine, overlap):
     # Overlapped, every verify step but the first was scheduled while the one before ran (and the first
     # while the prefill ran), its positions moved on the device by the 4 drafts that one kept.
     assert checked["overlapped"] == (6 if overlap else 0)
+
+
+def test_auto_overlaps_only_while_the_guesses_hold(make_engine):
+    """--speculative-overlap auto (the default): with drafts all right the guesses an overlapped step would
+    ride on hold, judged on each serial step's result, and from a few steps on the verify steps overlap;
+    with one draft in three wrong they would seldom hold, and the steps stay serial. The tokens are the
+    plain engine's either way."""
+    p = SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True)
+    plain = make_engine("llama", **BASE).generate(PROMPTS, p)
+    for right in (True, False):
+        engine = make_engine("llama", speculative="ngram", **dict(BASE, speculative_overlap="auto"))
+        engine.scheduler.speculation.proposer = Oracle(PROMPTS, plain, right=right)
+        checked = watch(engine)
+        assert [c.output_ids for c in engine.generate(PROMPTS, p)] == [c.output_ids for c in plain]
+        assert_speculated(engine)
+        assert (checked["overlapped"] > 0) == right, checked
+        assert 0 < checked["overlapped"] < checked["verify_batches"] or not right  # (it started serial)
 
 
 SAMPLED = [
@@ -397,13 +416,13 @@ def test_speculative_set_ups_not_built_are_refused(tiny_models, flags, message):
 def test_the_triton_kernels_run_the_verify_step(make_engine):
     """The GPU path's attention (Triton's extend kernel over a request's last token and drafts; in
     Triton's interpreter on CPU): the plain engine's tokens, overlapped verify steps included."""
-    p = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    p = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
     triton = dict(BASE, attention_backend="triton", max_total_tokens=4096)
-    plain = make_engine("llama", **triton).generate(PROMPTS, p)
+    plain = make_engine("llama", **triton).generate(PROMPTS[:2], p)
     engine = make_engine("llama", speculative="ngram", **triton)
-    engine.scheduler.speculation.proposer = Oracle(PROMPTS, plain)
+    engine.scheduler.speculation.proposer = Oracle(PROMPTS[:2], plain)
     checked = watch(engine)
-    assert [c.output_ids for c in engine.generate(PROMPTS, p)] == [c.output_ids for c in plain]
+    assert [c.output_ids for c in engine.generate(PROMPTS[:2], p)] == [c.output_ids for c in plain]
     assert_speculated(engine)
     # Overlapped verify steps whose positions, KV slots and lengths moved on the device (the kernel reads
     # the device's lengths: the host's are the unmoved ones)

@@ -32,7 +32,7 @@ def test_the_padded_verify_forward_gives_the_eager_verify_logits_and_tokens(make
     arch, max_new = "qwen3", [8, 16]
     prompts = PROMPTS[:2]
     params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in max_new]
-    base = dict(page_size=4, chunked_prefill_size=16, max_total_tokens=4096)
+    base = dict(page_size=4, chunked_prefill_size=16, max_total_tokens=4096, speculative_overlap="on")
     plain = make_engine(arch, **base).generate(prompts, params)  # (torch_native: the interpreter is slow)
     expected = hf_greedy(tiny_models(arch), prompts, max(max_new))
     for c, e, n in zip(plain, expected, max_new):  # (transformers stops at EOS; ignore_eos runs on)

@@ -9,6 +9,12 @@ says, every token is the plain engine's.
   its drafts accepted per verify step (starting at 1), and is offered average × k drafts (rounded),
   never fewer than 1; accepted drafts raise the average again, and k with it (a request at 1 draft whose
   draft is accepted is offered 2 the next step). --speculative-fixed-k turns this off.
+- Overlapped verify steps only while they pay (--speculative-overlap auto): an overlapped step's drafts
+  guess that the step in flight keeps all its drafts and then samples the proposer's next token; where
+  the guess fails they are lost, and with partial acceptance every other step would lose them. So the
+  policy keeps an average of how often that guess holds (or would have held, judged on each verify
+  step's result while the loop runs serially), over all requests, and overlaps while it is at least
+  OVERLAP_MIN_HELD; it starts serial.
 """
 
 from __future__ import annotations
@@ -21,14 +27,30 @@ from pdserve.common.types import Req
 # step, so two steps with every draft rejected take k = 4 down to 1, and from 1 three steps with every draft
 # accepted bring it back (1 -> 2 -> 3 -> 4).
 ACCEPTANCE_WEIGHT = 0.5
+# Overlap while this share of the guesses overlapped steps ride on holds (an average over requests and steps,
+# each observation weighing HELD_WEIGHT). On an H200 (Llama-1B shape, drafts all right) overlapping made a
+# verify step 11% cheaper; with one draft in three wrong it made steps lose their drafts half the time
+# (docs/benchmarks.md, "The overlapped verify step"): it pays only when the guess nearly always holds.
+OVERLAP_MIN_HELD = 0.8
+HELD_WEIGHT = 1 / 16
 
 
 class DraftPolicy:
-    def __init__(self, num_tokens: int, max_batch: int = 0, adaptive: bool = True):
+    def __init__(self, num_tokens: int, max_batch: int = 0, adaptive: bool = True, overlap: str = "auto"):
         """`num_tokens`: k, the most drafts per request; `max_batch`: the largest decode step that
-        speculates (0: any); `adaptive`: lower k for requests whose drafts are rejected."""
-        self.num_tokens, self.max_batch, self.adaptive = num_tokens, max_batch, adaptive
+        speculates (0: any); `adaptive`: lower k for requests whose drafts are rejected; `overlap`: on, off,
+        or auto (`overlaps`)."""
+        self.num_tokens, self.max_batch, self.adaptive, self.overlap = num_tokens, max_batch, adaptive, overlap
         self.acceptance: dict[str, tuple[Req, float]] = {}  # rid -> (the request, its average acceptance)
+        self.held = 0.0  # the average share of guesses that held (auto starts serial)
+
+    def overlaps(self) -> bool:
+        """Whether a verify step may be scheduled while the previous one runs (when its requests allow)."""
+        return self.overlap == "on" or (self.overlap == "auto" and self.held >= OVERLAP_MIN_HELD)
+
+    def record_guess(self, held: bool) -> None:
+        """A guess an overlapped step rode on held or failed (or, judged on a serial step's result, would have)."""
+        self.held += HELD_WEIGHT * (held - self.held)
 
     def speculates(self, batch_size: int) -> bool:
         """Whether a decode step of `batch_size` requests gets drafts at all."""

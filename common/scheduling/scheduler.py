@@ -109,7 +109,10 @@ class Scheduler:
         self.speculation = None
         if proposer is not None:
             policy = DraftPolicy(
-                config.num_speculative_tokens, config.speculative_max_batch, not config.speculative_fixed_k
+                config.num_speculative_tokens,
+                config.speculative_max_batch,
+                not config.speculative_fixed_k,
+                config.speculative_overlap,
             )
             self.speculation = Speculation(
                 proposer, self.kv, config.context_length, eos_token_ids, policy, config.speculative

@@ -73,10 +73,13 @@ class Speculation:
 
     def may_overlap(self, reqs: list[Req]) -> bool:
         """Whether a verify step of `reqs` may be scheduled while their previous step runs: the proposer
-        drafts after a step in flight (`propose_after`), and every request's sampling reads nothing but its
-        step (SamplingParams.reads_step_only), with that one step at most in flight."""
-        return self.proposer.hypothesizes and all(
-            r.params.reads_step_only and r.pending <= 1 and not r.discard for r in reqs
+        drafts after a step in flight (`propose_after`), the policy says it pays (DraftPolicy.overlaps), and
+        every request's sampling reads nothing but its step (SamplingParams.reads_step_only), with that one
+        step at most in flight."""
+        return (
+            self.proposer.hypothesizes
+            and self.policy.overlaps()
+            and all(r.params.reads_step_only and r.pending <= 1 and not r.discard for r in reqs)
         )
 
     def verify_batch(self, reqs: list[Req], ends: list[int], row_writes: list[RowWrite]) -> ScheduleBatch | None:
@@ -188,7 +191,14 @@ class Speculation:
             if req.discard:  # aborted while the step ran: its pages are already freed
                 req.discard -= 1
                 continue
-            if after is not None and after.guess >= 0 and req.output_ids[after.known :] != after.drafts + [after.guess]:
+            held = None
+            if after is not None and after.guess >= 0:
+                held = req.output_ids[after.known :] == after.drafts + [after.guess]
+            elif after is None:  # (what an overlapped step after this one would have guessed)
+                held = self._would_hold(req, drafts, taken, next_token_ids[first + taken])
+            if held is not None:
+                self.policy.record_guess(held)
+            if after is not None and after.guess >= 0 and not held:
                 taken = 0
                 self.stats["spec_unconfirmed_tokens"] += len(drafts)
             elif drafts:
@@ -208,6 +218,17 @@ class Speculation:
             else:
                 self.proposer.rollback(req)
         return done
+
+    def _would_hold(self, req: Req, drafts: list[int], taken: int, bonus: int) -> bool | None:
+        """Judged on a verify step's result, before its tokens are the request's: would the guess of a step
+        overlapped after it (all drafts kept, then the proposer's next token) have held? None: no guess
+        (the proposer has none, or the policy never overlaps)."""
+        if self.policy.overlap != "auto" or not self.proposer.hypothesizes:
+            return None
+        guess = self.proposer.propose_after(req, drafts, 1)
+        if not guess:
+            return None
+        return taken == len(drafts) and bonus == guess[0]
 
     def release(self, req: Req) -> None:
         """`req` left the running requests (finished, aborted, retracted): the proposer frees what it holds."""

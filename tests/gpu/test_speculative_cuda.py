@@ -22,7 +22,7 @@ from tests.test_disagg_engines import drive, hf_greedy
 from tests.test_speculative_draft import acceptance, other_draft, watch_drafts  # noqa: F401 (other_draft: a fixture)
 from tests.test_speculative_engine import PROMPTS, Oracle, assert_speculated, spec_stats, watch
 
-CUDA = dict(device="cuda", dtype="float32", max_total_tokens=8192, page_size=16)
+CUDA = dict(device="cuda", dtype="float32", max_total_tokens=8192, page_size=16, speculative_overlap="on")
 
 
 def eager_verify_steps(engine) -> list[int]:
