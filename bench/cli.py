@@ -96,6 +96,13 @@ def add_bench_parser(sub) -> None:
     serve.add_argument("--num-prefill", type=int, default=1, help="Local stack: prefill servers behind the router.")
     serve.add_argument("--num-decode", type=int, default=1, help="Local stack: decode servers behind the router.")
     serve.add_argument(
+        "--decode-max-total-tokens",
+        type=int,
+        default=0,
+        help="Local stack: the decode servers' KV pool in tokens (0: as the other servers'). A decode server "
+        "holds every running request's whole prompt: e.g. a multi-turn run whose prefill pool is small.",
+    )
+    serve.add_argument(
         "--prefill-tp",
         type=int,
         default=0,

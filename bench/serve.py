@@ -98,6 +98,7 @@ def run_serve(args: argparse.Namespace) -> int:
                         mps=args.mps,
                         sm_shares=sm_shares_of(args),
                         router_workers=args.router_workers,
+                        decode_max_total_tokens=args.decode_max_total_tokens,
                     )
                 )
                 base_url, router_pid = stack.base_url, stack.router_pid
@@ -160,6 +161,7 @@ def run_stacks(args: argparse.Namespace, stacks: list[StackSpec], config, local,
             mps=args.mps,
             sm_shares=spec.sm_shares or sm_shares_of(args),
             router_workers=args.router_workers,
+            decode_max_total_tokens=args.decode_max_total_tokens,
         ) as stack:
             headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
             model = args.model or asyncio.run(get_json(stack.base_url + "/v1/models", headers))["data"][0]["id"]

@@ -58,16 +58,22 @@ def engine_flags(config: EngineConfig) -> list[str]:
 
 
 def server_configs(
-    config: EngineConfig, plan: list[ServerPlacement], device: str, tp_of: dict[str, int]
+    config: EngineConfig,
+    plan: list[ServerPlacement],
+    device: str,
+    tp_of: dict[str, int],
+    decode_max_total_tokens: int = 0,
 ) -> list[EngineConfig]:
     """Each planned server's config: its role's TP size, the device kind (it sees only its own GPUs:
     rank r on cuda:r) and its --mem-fraction-static from the plan, unless the KV cache is sized
-    explicitly (--max-total-tokens, --kv-cache-memory-gb apply to each server as given)."""
-    explicit = bool(config.max_total_tokens or config.kv_cache_memory_gb)
+    explicitly (--max-total-tokens, --kv-cache-memory-gb apply to each server as given;
+    `decode_max_total_tokens` > 0, `bench serve --decode-max-total-tokens`, to the decode servers instead)."""
     configs = []
     for server in plan:
         cfg = dataclasses.replace(config, device=device, tp_size=tp_of[server.role])
-        if server.gpus and not explicit:
+        if server.role == "decode" and decode_max_total_tokens:
+            cfg = dataclasses.replace(cfg, max_total_tokens=decode_max_total_tokens)
+        if server.gpus and not (cfg.max_total_tokens or cfg.kv_cache_memory_gb):
             cfg = dataclasses.replace(cfg, mem_fraction_static=server.mem_fraction)
         configs.append(cfg)
     return configs
@@ -98,6 +104,7 @@ def local_stack(
     disagg_policy: str = "always",
     mps: str = "auto",
     sm_shares: SMShares = DEFAULT_SM_SHARES,
+    decode_max_total_tokens: int = 0,
 ) -> Iterator[LocalStack]:
     """Start `num_decode` decode servers, `num_prefill` prefill servers and a router, placed as
     `pdserve up` places them (router/placement.py; `gpus`: --gpus as given, None: every visible
@@ -107,14 +114,15 @@ def local_stack(
     server on CPU gets the cores split among all local ranks). `router_workers` is the router's
     --workers (1, the default here: one process, whose CPU time router_pid measures);
     `disagg_policy` its --disagg-policy (`never` runs with no prefill server). `mps`, `sm_shares`:
-    how servers sharing a GPU run (`pdserve up --mps --sm-shares`)."""
+    how servers sharing a GPU run (`pdserve up --mps --sm-shares`). `decode_max_total_tokens` > 0: the
+    decode servers' KV pool in tokens (server_configs)."""
     py = sys.executable
     tp_of = {"prefill": prefill_tp or config.tp_size, "decode": decode_tp or config.tp_size}
     visible = visible_gpu_names() if device != "cpu" else []
     device, placed_on = resolve_gpus(device, gpus, visible)
     fraction = config.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
     plan = plan_placement(placed_on, num_prefill, tp_of["prefill"], num_decode, tp_of["decode"], fraction)
-    configs = dict(zip(plan, server_configs(config, plan, device, tp_of)))
+    configs = dict(zip(plan, server_configs(config, plan, device, tp_of, decode_max_total_tokens)))
     rank_share = rank_threads(num_prefill * tp_of["prefill"] + num_decode * tp_of["decode"], usable_cores())
     router = free_port()
     base = f"http://127.0.0.1:{router}"

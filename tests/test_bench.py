@@ -469,6 +469,15 @@ def test_engine_flags_reach_the_local_servers():
         0,
         0,
     ]
+    # --decode-max-total-tokens: the decode server's pool (first in the plan), the prefill server's as before.
+    plan = plan_placement([0], 1, 1, 1, 1)
+    sized = server_configs(explicit, plan, "cuda", tp1, decode_max_total_tokens=65536)
+    assert [(p.role, c.max_total_tokens, c.mem_fraction_static) for p, c in zip(plan, sized)] == [
+        ("decode", 65536, 0),
+        ("prefill", 4096, 0),
+    ]
+    only_decode = server_configs(EngineConfig(model_path="/m"), plan, "cuda", tp1, decode_max_total_tokens=65536)
+    assert [(c.max_total_tokens, c.mem_fraction_static) for c in only_decode] == [(65536, 0), (0, 0.85)]
 
 
 def check_serve_runs(report, runs, requests, output_len, output_tokens=None):
