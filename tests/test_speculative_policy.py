@@ -125,6 +125,22 @@ def test_no_drafts_above_the_batch_limit_and_the_loop_overlaps_there(make_engine
     assert bool(overlapped) == overlap
 
 
+def test_a_step_under_the_limit_after_plain_steps_in_flight_stays_plain_where_it_cannot_overlap(make_engine):
+    """--speculative-max-batch 2, four requests, two of which end early and one with penalties: while all four
+    run, the plain steps overlap; the step where the two that reached max_tokens still wait for their last
+    token leaves two requests, under the limit, after plain steps in flight, and the penalized one cannot be
+    in an overlapped verify step: that step is a plain one (it once raised). The tokens are the plain engine's."""
+    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in (6, 6, 20)]
+    params.append(SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1.3))
+    plain = make_engine("gpt2", **BASE).generate(PROMPTS, params)
+    engine = make_engine("gpt2", speculative="ngram", speculative_max_batch=2, **BASE)
+    engine.scheduler.speculation.proposer = Oracle(PROMPTS, plain)
+    watch(engine)
+    assert [c.output_ids for c in engine.generate(PROMPTS, params)] == [c.output_ids for c in plain]
+    assert_speculated(engine)
+    assert engine.is_idle()
+
+
 def test_the_speculation_counters_are_prometheus_series_with_the_mean_accepted_length():
     metrics = Metrics("decode")
     value = metrics.registry.get_sample_value
