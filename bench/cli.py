@@ -299,10 +299,11 @@ def add_bench_parser(sub) -> None:
     add_cli_args(accuracy, EngineConfig)
     accuracy.set_defaults(func=_accuracy)
 
-    from pdserve.bench import spec_itl, spec_replay
+    from pdserve.bench import spec_itl, spec_overlap, spec_replay
 
     spec_replay.add_parser(kinds)
     spec_itl.add_parser(kinds)
+    spec_overlap.add_parser(kinds)
 
 
 def _workload_args(parser: argparse.ArgumentParser) -> None:
