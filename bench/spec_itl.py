@@ -40,6 +40,7 @@ SPEC_COUNTERS = (
     "spec_accepted_tokens",
     "spec_verified_requests",
     "spec_unconfirmed_tokens",
+    "spec_overlapped_steps",
 )
 
 
@@ -249,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
         "speculative": kind,
         "num_speculative_tokens": resolved.num_speculative_tokens,
         "speculative_max_batch": resolved.speculative_max_batch,
+        "speculative_overlap": resolved.speculative_overlap,
         "model": resolved.model_path,
         "device": device_name(resolved.device),
         "dtype": resolved.dtype,

@@ -149,9 +149,11 @@ def test_right_drafts_give_k_plus_one_tokens_a_step(make_engine, overlap):
         "spec_accepted_tokens": 18,
         "spec_verified_requests": 5,
         "spec_unconfirmed_tokens": 0,
+        # Overlapped, every verify step but the first was scheduled while the one before ran (and the first
+        # while the prefill ran), its positions moved on the device by the 4 drafts that one kept; the sixth
+        # (no drafts: max_tokens was reached) too, its result dropped.
+        "spec_overlapped_steps": 6 if overlap else 0,
     }
-    # Overlapped, every verify step but the first was scheduled while the one before ran (and the first
-    # while the prefill ran), its positions moved on the device by the 4 drafts that one kept.
     assert checked["overlapped"] == (6 if overlap else 0)
 
 

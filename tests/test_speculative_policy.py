@@ -151,9 +151,12 @@ def test_the_speculation_counters_are_prometheus_series_with_the_mean_accepted_l
     assert value("pdserve_spec_accepted_tokens_total", labels) == 24
     assert value("pdserve_spec_mean_accepted_length", labels) == 1 + 24 / 16
     later = dict(spec_verify_steps=14, spec_proposed_tokens=50, spec_accepted_tokens=27, spec_verified_requests=22)
+    later |= dict(spec_overlapped_steps=9, spec_unconfirmed_tokens=5)  # (overlapped verify steps since)
     metrics.update(ipc.LoadReport(1, 0, 10, 100, 0, speculation={"ngram": later}))
     assert value("pdserve_spec_proposed_tokens_total", labels) == 50
     assert value("pdserve_spec_verified_requests_total", labels) == 22
+    assert value("pdserve_spec_overlapped_steps_total", labels) == 9
+    assert value("pdserve_spec_unconfirmed_tokens_total", labels) == 5
     assert value("pdserve_spec_mean_accepted_length", labels) == 1 + 3 / 6  # the steps since the last report
     metrics.update(ipc.LoadReport(1, 0, 10, 100, 0, speculation={"ngram": later}))  # no verify step since
     assert value("pdserve_spec_mean_accepted_length", labels) == 1 + 3 / 6

@@ -60,6 +60,9 @@ class Speculation:
             "spec_verified_requests": 0,
             # drafts of overlapped verify steps dropped because the step before did not end as they assumed
             "spec_unconfirmed_tokens": 0,
+            # verify steps scheduled while the step before them ran (with --speculative-overlap auto: while
+            # the guesses hold)
+            "spec_overlapped_steps": 0,
         }
         self.in_flight = 0  # verify steps launched and not processed
 
@@ -164,6 +167,7 @@ class Speculation:
         until it arrives (it may keep more: `Req.spec_inflight`), whose last token and accepted count the
         device stores in its FutureMap slot."""
         self.in_flight += 1
+        self.stats["spec_overlapped_steps"] += batch.after is not None
         afters = batch.after or [None] * len(batch.reqs)
         for req, drafts, slot, after in zip(batch.reqs, batch.drafts, future_slots, afters):
             req.pending += 1

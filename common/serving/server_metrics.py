@@ -108,6 +108,7 @@ class Metrics:
                 ("spec_proposed_tokens", "Draft tokens proposed for verify steps."),
                 ("spec_accepted_tokens", "Draft tokens accepted (each one a token its request gained for free)."),
                 ("spec_verified_requests", "Requests given drafts in a verify step (one per request and step)."),
+                ("spec_overlapped_steps", "Verify steps scheduled while the step before them ran (overlapped)."),
                 (
                     "spec_unconfirmed_tokens",
                     "Drafts of overlapped verify steps dropped: they continued a guess the step before did not "
