@@ -11,6 +11,7 @@ rarely repeat themselves: the oracle puts accepted and rejected drafts at every 
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 
@@ -360,12 +361,18 @@ def test_the_disaggregated_decode_server_speculates_on_transferred_kv(tiny_model
     on the decode server gives transformers' tokens (the prefill server, given the same flags, ignores them)."""
     path = tiny_models("qwen3")
     expected = hf_greedy(path, PROMPTS, 24)
-    spec = dict(speculative="ngram")
+    spec = dict(speculative="ngram", speculative_overlap="on")
     prefill, decode = engines(path, overlap=overlap, decode_kw=spec, prefill_kw=spec)
+    # Oracle drafts (the expected answers, one in three wrong): accepted and rejected, overlapped verify steps
+    # whose positions move on the decode server (overlap on).
+    answers = [SimpleNamespace(output_ids=e) for e in expected]
+    decode.scheduler.speculation.proposer = Oracle(PROMPTS, answers)
+    checked = watch(decode)
     params = [SamplingParams(max_new_tokens=24, temperature=0)] * len(PROMPTS)
     completions, _ = drive(prefill, decode, PROMPTS, params)
     assert [completions[f"r{i}"].output_ids for i in range(len(PROMPTS))] == expected
     assert_speculated(decode)
+    assert (checked["moved"] > 0) == overlap
     assert decode.load().speculation == {"ngram": spec_stats(decode)}  # (the server's metrics: its load reports)
     assert prefill.load().speculation == {}
     assert prefill.is_idle() and decode.is_idle()
