@@ -49,8 +49,8 @@ def other_draft(tiny_models, tmp_path_factory):
 
 
 def watch_drafts(engine) -> dict:
-    """After every verify step: each running request's draft KV is for a prefix of its tokens (the
-    rejected drafts' rolled back) on exactly the pages that prefix needs, and the draft pool's pages are
+    """After every verify step: each running request's draft KV is for tokens that agree with its own (the
+    rejected drafts' rolled back; what a proposal for a step in flight assumed past them kept) on exactly the pages that prefix needs, and the draft pool's pages are
     the requests' or free. Also records the tokens of each extend draft forward (at most the chunk size),
     their lengths per request, and each decode draft forward's batch size and whether its input ids were
     on the device (a feed-back of the last forward's argmax) or the host's (a catch-up)."""
@@ -66,7 +66,8 @@ def watch_drafts(engine) -> dict:
             if state is None or req.finished:
                 continue
             tokens = req.prompt_ids + req.output_ids
-            assert state.tokens == tokens[: len(state.tokens)], req.rid
+            common = min(len(state.tokens), len(tokens))  # (past the tokens: the drafts of a step in flight)
+            assert state.tokens[:common] == tokens[:common], req.rid
             assert len(state.pages) == pages_for(len(state.tokens), engine.config.page_size)
             seen["checked"] += 1
         held = sum(len(s.pages) for s in proposer.states.values())
@@ -110,10 +111,13 @@ def test_greedy_equals_the_plain_engine_and_transformers(make_engine, tiny_model
             assert_speculated(engine)
             assert checked["verify_steps"] == spec_stats(engine)["spec_verify_steps"]
             assert drafts["checked"] > 0 and max(drafts["forward_tokens"]) == BASE["chunked_prefill_size"]
-            if draft == tiny_models(arch):
-                assert acceptance(engine) > 0.95, spec_stats(engine)
+            stats = spec_stats(engine)
+            # Overlap on: verify steps proposed while the one before ran (--speculative-overlap on)
+            assert (stats["spec_overlapped_steps"] > 0) == overlap, stats
+            if draft == tiny_models(arch):  # (every guess holds: the draft is the target)
+                assert acceptance(engine) > 0.95 and stats["spec_unconfirmed_tokens"] == 0, stats
             else:
-                assert 0.1 < acceptance(engine) < 0.9, spec_stats(engine)
+                assert 0.1 < acceptance(engine) < 0.9, stats
             assert engine.proposer.is_idle()
 
 
@@ -137,9 +141,9 @@ def test_one_token_draft_forwards_take_the_decode_path(make_engine, tiny_models,
     seen, proposer, per_proposal = watch_drafts(engine), engine.proposer, []
     propose_batch = proposer.propose_batch
 
-    def counted(reqs, limits):
+    def counted(reqs, limits, extras=None):
         before = len(seen["decodes"])
-        drafts = propose_batch(reqs, limits)
+        drafts = propose_batch(reqs, limits, extras)
         feedbacks = sum(on_device for _, on_device in seen["decodes"][before:])
         per_proposal.append((max(map(len, drafts), default=0), feedbacks, len(seen["decodes"]) - before - feedbacks))
         return drafts
@@ -158,14 +162,19 @@ def test_one_token_draft_forwards_take_the_decode_path(make_engine, tiny_models,
     assert proposer.runner.graphs is None and proposer.runner.graph_replays == 0  # (CPU: eager decode forwards)
     assert proposer.runner.decode_forwards - decodes == len(seen["decodes"]) == modes.count(ForwardMode.DECODE)
     assert modes.count(ForwardMode.EXTEND) == len(seen["extend_lens"])
-    for k, feedbacks, catch_ups in per_proposal:  # k - 1 feed-backs (none without drafts), at most two catch-ups
-        assert feedbacks == max(k - 1, 0) and catch_ups <= 2, per_proposal
-    assert all(max(lens) > 1 for lens in seen["extend_lens"]), seen["extend_lens"]
+    # k - 1 feed-backs (none without drafts), k in the overlapped loop (the last draft's too), at most two catch-ups
+    for k, feedbacks, catch_ups in per_proposal:
+        assert feedbacks == (k if overlap else max(k - 1, 0)) and catch_ups <= 2, per_proposal
+    for before, lens in zip([[0]] + seen["extend_lens"], seen["extend_lens"]):  # (one token: a chunked catch-up's tail)
+        assert max(lens) > 1 or sum(before) == BASE["chunked_prefill_size"], seen["extend_lens"]
     catch_ups = [bs for bs, on_device in seen["decodes"] if not on_device]
-    assert catch_ups and max(catch_ups) > 1, seen["decodes"]  # (batched over the step's requests)
+    if not (overlap and draft == "target"):  # (there every proposal but the first starts from `next`)
+        assert catch_ups and max(catch_ups) > 1, seen["decodes"]  # (batched over the step's requests)
     assert max(bs for bs, on_device in seen["decodes"] if on_device) > 1
     if draft == "other":
         assert 0.1 < acceptance(engine) < 0.9
+    elif overlap:  # every draft accepted and every guess held: most proposals start from the last one's `next`
+        assert acceptance(engine) > 0.95 and sum(c == 0 for _, _, c in per_proposal) >= len(per_proposal) // 2
     else:  # every draft accepted: the catch-ups after the first proposal are two DECODE forwards
         assert acceptance(engine) > 0.95 and sum(c == 2 for _, _, c in per_proposal) >= len(per_proposal) // 2
     assert engine.proposer.is_idle()
@@ -296,18 +305,31 @@ def test_the_draft_pool_holds_the_drafts_kv_then_the_accepted_prefix(tiny_models
     short = Req("b", PROMPTS[2], SamplingParams(max_new_tokens=8, temperature=0), seed=0)
     assert proposer.propose_batch([req, short], [4, 2]) == [greedy[:4], hf_greedy(path, [PROMPTS[2]], 2)[0]]
     state = proposer.states["a"]
-    assert state.tokens == prompt + greedy[:3] and len(state.pages) == pages_for(len(prompt) + 3, 4)
+    # Every draft fed back, the last one too (the loop overlaps: config.speculative_overlap auto)
+    assert proposer.feeds_last and state.next == greedy[4] == proposer.guess_after(req, greedy[:4])
+    assert state.tokens == prompt + greedy[:4] and len(state.pages) == pages_for(len(prompt) + 4, 4)
     assert state.settled == len(prompt)  # (only the drafts are compared after the step)
-    req.output_ids = greedy[:2] + [7]  # 2 drafts accepted, then a token of the target's own
+    # The next step proposed while this one runs: after its drafts, the first a guess of its bonus token,
+    # from `next` (no catch-up forward: 3 feed-backs, the last giving `next` again)
+    forwards = proposer.runner.decode_forwards
+    assert proposer.propose_after(req, greedy[:4], 3) == greedy[4:7]
+    assert proposer.runner.decode_forwards - forwards == 3 and state.next == greedy[7]
+    assert state.tokens == prompt + greedy[:7] and state.settled == len(prompt)
+    req.output_ids = greedy[:5]  # the first step kept all 4 and sampled the guessed token: nothing is cut
+    proposer.rollback(req)
+    assert state.tokens == prompt + greedy[:7] and state.next == greedy[7] and state.settled == len(prompt) + 5
+    req.output_ids = greedy[:2] + [7]  # (the other history: 2 drafts accepted, then a token of the target's own)
+    state.settled = len(prompt)
     proposer.rollback(req)
     assert state.tokens == prompt + greedy[:2] and len(state.pages) == pages_for(len(prompt) + 2, 4) == 12
+    assert state.next is None and proposer.guess_after(req, greedy[2:4]) is None
     again = Req("a", prompt, SamplingParams(max_new_tokens=8, temperature=0), seed=0)
     assert proposer.propose_for(again, 1) == greedy[:1]
-    assert proposer.states["a"].req is again and proposer.states["a"].tokens == prompt
+    assert proposer.states["a"].req is again and proposer.states["a"].tokens == prompt + greedy[:1]
     free = proposer.runner.kv_pool.num_free_pages()
     proposer.release(again)
     proposer.release(req)  # (no longer the rid's owner: nothing to free)
-    assert proposer.runner.kv_pool.num_free_pages() == free + pages_for(len(prompt), 4)
+    assert proposer.runner.kv_pool.num_free_pages() == free + pages_for(len(prompt) + 1, 4)
     proposer.retain([])
     assert proposer.is_idle()
     proposer.warmup()  # (what a GPU runs at start-up)
@@ -335,15 +357,15 @@ def test_the_draft_graph_path_gives_the_greedy_drafts(tiny_models, monkeypatch):
     runner.graphs = runner._capture(4)
     assert runner.graphs.sizes == [1, 2, 4]
     reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=8, temperature=0), seed=0) for i, p in enumerate(PROMPTS[:3])]
-    # The prompts' catch-up (extend), then 3 feed-backs of 3 requests (padded to 4)
-    assert proposer.propose_batch(reqs, [4, 4, 4]) == [tokens[:4] for tokens in expected]
-    assert runner.graphs.replays == runner.decode_forwards == 3
+    # The prompts' catch-up (extend), then 4 feed-backs of 3 requests (padded to 4; the last draft's too)
+    assert proposer.feeds_last and proposer.propose_batch(reqs, [4, 4, 4]) == [tokens[:4] for tokens in expected]
+    assert runner.graphs.replays == runner.decode_forwards == 4
     for req, tokens in zip(reqs, expected):
         req.output_ids = tokens[:2]  # as if a step kept draft 1 and gave draft 2 as its own: one unseen token
-    # The catch-up of one host token each (3, padded to 4), then feed-backs of 2 requests and of 1
+    # The catch-up of one host token each (3, padded to 4), then feed-backs of 3 requests, 2 and 1
     drafts = proposer.propose_batch(reqs, [2, 3, 1])
     assert drafts == [expected[0][2:4], expected[1][2:5], expected[2][2:3]]
-    assert runner.graphs.replays == runner.decode_forwards == 6
+    assert runner.graphs.replays == runner.decode_forwards == 8
     for req in reqs:
         proposer.release(req)
     assert proposer.is_idle()

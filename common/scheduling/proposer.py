@@ -24,15 +24,31 @@ class Proposer:
         """At most `limit` (>= 1) tokens continuing `req`'s prompt and output (no token of it pending)."""
         raise NotImplementedError
 
-    def propose_batch(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
+    def propose_batch(
+        self, reqs: list[Req], limits: list[int], extras: list[list[int] | None] | None = None
+    ) -> list[list[int]]:
         """Drafts for a decode step's requests at once (a model drafts them in one batch); `limits[i]`
-        <= 0: none for request i."""
-        return [self.propose_for(req, limit) if limit > 0 else [] for req, limit in zip(reqs, limits)]
+        <= 0: none for request i. `extras[i]` not None: request i's previous step is still in flight, and
+        its drafts continue the request's known tokens and then `extras[i]` (`propose_after`)."""
+        extras = extras or [None] * len(reqs)
+        out = []
+        for req, limit, extra in zip(reqs, limits, extras):
+            if limit <= 0:
+                out.append([])
+            else:
+                out.append(self.propose_for(req, limit) if extra is None else self.propose_after(req, extra, limit))
+        return out
 
     def propose_after(self, req: Req, extra: list[int], limit: int) -> list[int]:
         """At most `limit` tokens continuing `req`'s known tokens and then `extra` (the drafts of its step in
         flight, as if all were accepted), the first a guess of the token that step samples after them."""
         raise NotImplementedError
+
+    def guess_after(self, req: Req, drafts: list[int]) -> int | None:
+        """The token this proposer would guess a verify step of `req` with `drafts` samples after them, all
+        accepted (what an overlapped step after it would have assumed); None: no guess."""
+        guess = self.propose_after(req, drafts, 1)
+        return guess[0] if guess else None
 
     def retain(self, reqs: list[Req]) -> None:
         """Forget every request but `reqs` (those of this step)."""

@@ -118,12 +118,15 @@ class Speculation:
             ahead = len(after.drafts) if after is not None else 0
             limit = min(req.params.max_new_tokens - req.num_sampled, self.context_length - end) - 1 - ahead
             limits.append(min(limit, self.policy.depth(req)) if req.grammar is None else 0)
-        drafts = self.proposer.propose_batch(reqs, [0 if a else n for a, n in zip(afters, limits)])
+        # A request with a step in flight is asked one token more: the guess of that step's last.
+        asks = [n if a is None else n + 1 if n > 0 else 0 for a, n in zip(afters, limits)]
+        drafts = self.proposer.propose_batch(reqs, asks, [a.drafts if a is not None else None for a in afters])
         for i, after in enumerate(afters):
-            if after is not None and limits[i] > 0:
-                guessed = self.proposer.propose_after(reqs[i], after.drafts, limits[i] + 1)
-                if len(guessed) > 1:
-                    after.guess, drafts[i] = guessed[0], guessed[1:]
+            if after is not None:
+                if len(drafts[i]) > 1:
+                    after.guess, drafts[i] = drafts[i][0], drafts[i][1:]
+                else:
+                    drafts[i] = []
         for i, (req, end, after) in enumerate(zip(reqs, ends, afters)):
             ahead = len(after.drafts) if after is not None else 0
             missing = pages_for(end + ahead + len(drafts[i]), self.kv.page_size) - len(req.pages)
@@ -233,10 +236,10 @@ class Speculation:
         (the proposer has none, or the policy never overlaps)."""
         if self.policy.overlap != "auto" or not self.proposer.hypothesizes:
             return None
-        guess = self.proposer.propose_after(req, drafts, 1)
-        if not guess:
+        guess = self.proposer.guess_after(req, drafts)
+        if guess is None:
             return None
-        return taken == len(drafts) and bonus == guess[0]
+        return taken == len(drafts) and bonus == guess
 
     def release(self, req: Req) -> None:
         """`req` left the running requests (finished, aborted, retracted): the proposer frees what it holds."""

@@ -4,7 +4,7 @@ the overlap loop's streams. fp32 greedy equals transformers and the plain engine
 the plain engine, colocated and on a decode server whose KV came by NIXL; a replayed verify step's logits
 equal the eager verify forward's of the same batch; verify steps larger than the graphs run eagerly, with
 the same tokens. The draft-model proposer (--speculative draft) on CUDA: the draft model fused, its one-token
-draft forwards replayed from its own CUDA graphs (on the scheduling stream, beside the target's graphs), the
+draft forwards replayed from its own CUDA graphs (on its own stream, beside the target's graphs), the
 target itself (every draft accepted) or another model of its vocabulary as the draft model, greedy equal to
 transformers, both KV pools idle afterwards."""
 
@@ -181,15 +181,27 @@ def test_draft_model_speculation_gives_the_plain_tokens_under_cuda_graphs(tiny_m
         assert draft_graphs.pool != engine.runner.cuda_graphs.pool  # (the target's may run meanwhile)
         replays, decodes = draft_graphs.replays, draft_runner.decode_forwards
         checked, drafts, eager = watch(engine), watch_drafts(engine), eager_verify_steps(engine)
+        streams, forward = [], draft_runner.decode
+
+        def on_stream(*args):
+            streams.append(torch.cuda.current_stream())
+            return forward(*args)
+
+        draft_runner.decode = on_stream
         assert [c.output_ids for c in engine.generate(PROMPTS, greedy)] == expected, (draft, overlap)
         stats = spec_stats(engine)
+        # Every draft forward on the draft model's own stream (not behind the target's step in flight), and
+        # with overlap on, verify steps proposed while the one before ran
+        assert streams and all(s == draft_runner.stream for s in streams)
+        assert draft_runner.stream not in (engine.streams.schedule_stream, engine.streams.forward_stream)
+        assert (stats["spec_overlapped_steps"] > 0) == overlap, stats
         assert_speculated(engine)
         assert checked["verify_steps"] == stats["spec_verify_steps"] and drafts["checked"] > 0
         assert graphs.replays == stats["spec_verify_steps"] and eager == []
         assert max(drafts["forward_tokens"]) == 16
         assert draft_graphs.replays - replays == draft_runner.decode_forwards - decodes == len(drafts["decodes"]) > 0
-        if draft == path:
-            assert acceptance(engine) > 0.95, stats
+        if draft == path:  # (every guess holds)
+            assert acceptance(engine) > 0.95 and stats["spec_unconfirmed_tokens"] == 0, stats
         else:
             assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], stats
             assert any(not on_device for _, on_device in drafts["decodes"])  # one-token catch-ups replayed too

@@ -4,8 +4,8 @@ paged KV pool and request rows, and two greedy forwards (argmax only: no samplin
     greedy   EXTEND: any number of tokens per request, for a catch-up where any request has more than one
              (its prompt in chunks, the first time it speculates; 2 tokens after a step that accepted
              every draft; more after steps that did not speculate); always eager
-    decode   DECODE: one token per request (the k - 1 forwards feeding each draft back, and the catch-up
-             of a step's one new token); a replay of the draft model's CUDA graphs where they exist
+    decode   DECODE: one token per request (the forwards feeding each draft back, and the catch-up of a
+             step's one new token); a replay of the draft model's CUDA graphs where they exist
 
 The pieces are the model runner's (common/engine/model_runner.py): load_model, `fuse` under the same
 conditions (Triton attention on CUDA: merged projections, fused small ops), PagedKVPool, ReqToTokenPool,
@@ -13,10 +13,12 @@ the attention backend, and its decode graphs' runner (common/engine/cuda_graph.p
 the draft's input ids are never FutureMap placeholders). The graphs are captured at start-up on CUDA with
 Triton attention, unless --disable-cuda-graph, for every capture size up to the pool's rows (at most
 --cuda-graph-max-bs), in a memory pool of their own: the target's graphs may run on the forward stream
-while the draft's replay. Captured on a private stream, they replay on the current stream, where every
-draft forward runs (the scheduling stream, in the loops): the static buffers are written there just before
-each replay, and every proposal ends with a host read of its drafts, so no replay of one proposal is still
-queued when the next proposal (on whatever stream) writes them again. A decode batch's `packed` [5, B] is
+while the draft's replay. Every draft forward runs on the draft's own stream (`drafting`), where the graphs
+were captured and replay: not the scheduling stream, which waits behind the target's step in flight (the
+loop's WAR barrier), so the drafts of an overlapped verify step are made while the target verifies the one
+before. The static buffers are written there just before each replay, and every proposal ends with a host
+read of its drafts, so no replay of one proposal is still queued when the next one writes them again. A
+decode batch's `packed` [5, B] is
 built on the device: the previous draft forward's argmax (never read back) over one upload of the rest.
 
 The pool is the draft model's alone: the target's pages, prefix cache and page counts never see it.
@@ -25,6 +27,7 @@ Who holds which of its rows and pages is DraftProposer's (draft.py) bookkeeping.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from types import SimpleNamespace
 
@@ -69,6 +72,8 @@ class DraftRunner:
         )
         self.request_indices = torch.arange(rows, dtype=torch.int64, device=device)  # a decode batch's last_indices
         self.decode_forwards = 0  # DECODE-mode forwards run (graph replays or eager)
+        # Every draft forward runs on this stream (`drafting`); its graphs are captured on it too.
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.graphs: CudaGraphRunner | None = None
         if triton_on_cuda and not config.disable_cuda_graph:
             self.graphs = self._capture(min(rows, config.cuda_graph_max_bs or rows))
@@ -80,7 +85,9 @@ class DraftRunner:
         current while the runner writes its static buffers (so they are written before the capture reads them).
         NOTE not the target's forward stream: what a graph captures per stream (cuBLAS's workspace) would
         then be shared by the draft's replays and the target's, which may run at the same time."""
-        stream = torch.cuda.Stream(self.device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         adapter = SimpleNamespace(
             device=self.device,
@@ -92,6 +99,21 @@ class DraftRunner:
         )
         with torch.cuda.stream(stream):
             return CudaGraphRunner(adapter, max_bs)
+
+    @contextlib.contextmanager
+    def drafting(self):
+        """Run the draft forwards inside on the draft model's own stream. They read and write only the
+        draft's weights, pool and rows (and token ids uploaded from the host), so they wait for nothing the
+        target queued: an overlapped verify step's drafts are made while the target verifies the step
+        before (on the scheduling stream they would wait behind it, the loop's WAR barrier). NOTE nothing
+        here waits for the current stream: whatever they read must be written on this stream or before
+        start-up ended; every proposal ends with a host read of its drafts, which waits for this stream
+        only."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.stream):
+            yield
 
     @property
     def graph_replays(self) -> int:
