@@ -153,7 +153,7 @@ class EngineConfig:
     )
     speculative_overlap: str = option(
         "auto",
-        "--speculative ngram: schedule a verify step while the previous one runs, its drafts guessing how that "
+        "--speculative: schedule a verify step while the previous one runs, its drafts guessing how that "
         "one ends: on, off, or auto (while recent guesses would mostly hold).",
     )
 
