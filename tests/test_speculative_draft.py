@@ -50,10 +50,11 @@ def other_draft(tiny_models, tmp_path_factory):
 
 def watch_drafts(engine) -> dict:
     """After every verify step: each running request's draft KV is for tokens that agree with its own (the
-    rejected drafts' rolled back; what a proposal for a step in flight assumed past them kept) on exactly the pages that prefix needs, and the draft pool's pages are
-    the requests' or free. Also records the tokens of each extend draft forward (at most the chunk size),
-    their lengths per request, and each decode draft forward's batch size and whether its input ids were
-    on the device (a feed-back of the last forward's argmax) or the host's (a catch-up)."""
+    rejected drafts' rolled back; what a proposal for a step in flight assumed past them kept) on exactly
+    the pages those tokens need, and the draft pool's pages are the requests' or free. Also records the
+    tokens of each extend draft forward (at most the chunk size), their lengths per request, and each
+    decode draft forward's batch size and whether its input ids were on the device (a feed-back of the
+    last forward's argmax) or the host's (a catch-up)."""
     spec, proposer = engine.scheduler.speculation, engine.proposer
     assert isinstance(proposer, DraftProposer)
     seen = {"forward_tokens": [], "extend_lens": [], "decodes": [], "checked": 0}
