@@ -142,9 +142,9 @@ def test_one_token_draft_forwards_take_the_decode_path(make_engine, tiny_models,
     seen, proposer, per_proposal = watch_drafts(engine), engine.proposer, []
     propose_batch = proposer.propose_batch
 
-    def counted(reqs, limits, extras=None):
+    def counted(reqs, limits, extras=None, guesses=None):
         before = len(seen["decodes"])
-        drafts = propose_batch(reqs, limits, extras)
+        drafts = propose_batch(reqs, limits, extras, guesses)
         feedbacks = sum(on_device for _, on_device in seen["decodes"][before:])
         per_proposal.append((max(map(len, drafts), default=0), feedbacks, len(seen["decodes"]) - before - feedbacks))
         return drafts
@@ -163,7 +163,8 @@ def test_one_token_draft_forwards_take_the_decode_path(make_engine, tiny_models,
     assert proposer.runner.graphs is None and proposer.runner.graph_replays == 0  # (CPU: eager decode forwards)
     assert proposer.runner.decode_forwards - decodes == len(seen["decodes"]) == modes.count(ForwardMode.DECODE)
     assert modes.count(ForwardMode.EXTEND) == len(seen["extend_lens"])
-    # k - 1 feed-backs (none without drafts), k in the overlapped loop (the last draft's too), at most two catch-ups
+    # k - 1 feed-backs (none without drafts), k in the overlapped loop with overlap on (the last draft's too: its
+    # guess asked for), at most two catch-ups
     for k, feedbacks, catch_ups in per_proposal:
         assert feedbacks == (k if overlap else max(k - 1, 0)) and catch_ups <= 2, per_proposal
     for before, lens in zip([[0]] + seen["extend_lens"], seen["extend_lens"]):  # (one token: a chunked catch-up's tail)
@@ -304,16 +305,18 @@ def test_the_draft_pool_holds_the_drafts_kv_then_the_accepted_prefix(tiny_models
     [greedy] = hf_greedy(path, [prompt], 8)
     req = Req("a", prompt, SamplingParams(max_new_tokens=8, temperature=0), seed=0)
     short = Req("b", PROMPTS[2], SamplingParams(max_new_tokens=8, temperature=0), seed=0)
-    assert proposer.propose_batch([req, short], [4, 2]) == [greedy[:4], hf_greedy(path, [PROMPTS[2]], 2)[0]]
+    drafts = proposer.propose_batch([req, short], [4, 2], guesses=[True, False])
+    assert drafts == [greedy[:4], hf_greedy(path, [PROMPTS[2]], 2)[0]]
     state = proposer.states["a"]
-    # Every draft fed back, the last one too (the loop overlaps: config.speculative_overlap auto)
-    assert proposer.feeds_last and state.next == greedy[4] == proposer.guess_after(req, greedy[:4])
+    # Every draft fed back, the last one too (its guess asked for), not the other's
+    assert state.next == greedy[4] == proposer.guess_after(req, greedy[:4])
+    assert proposer.states["b"].next is None and len(proposer.states["b"].tokens) == len(PROMPTS[2]) + 1
     assert state.tokens == prompt + greedy[:4] and len(state.pages) == pages_for(len(prompt) + 4, 4)
     assert state.settled == len(prompt)  # (only the drafts are compared after the step)
     # The next step proposed while this one runs: after its drafts, the first a guess of its bonus token,
     # from `next` (no catch-up forward: 3 feed-backs, the last giving `next` again)
     forwards = proposer.runner.decode_forwards
-    assert proposer.propose_after(req, greedy[:4], 3) == greedy[4:7]
+    assert proposer.propose_batch([req], [3], [greedy[:4]], [True]) == [greedy[4:7]]
     assert proposer.runner.decode_forwards - forwards == 3 and state.next == greedy[7]
     assert state.tokens == prompt + greedy[:7] and state.settled == len(prompt)
     req.output_ids = greedy[:5]  # the first step kept all 4 and sampled the guessed token: nothing is cut
@@ -325,12 +328,12 @@ def test_the_draft_pool_holds_the_drafts_kv_then_the_accepted_prefix(tiny_models
     assert state.tokens == prompt + greedy[:2] and len(state.pages) == pages_for(len(prompt) + 2, 4) == 12
     assert state.next is None and proposer.guess_after(req, greedy[2:4]) is None
     again = Req("a", prompt, SamplingParams(max_new_tokens=8, temperature=0), seed=0)
-    assert proposer.propose_for(again, 1) == greedy[:1]
-    assert proposer.states["a"].req is again and proposer.states["a"].tokens == prompt + greedy[:1]
+    assert proposer.propose_for(again, 1) == greedy[:1]  # (no guess asked: no draft fed back)
+    assert proposer.states["a"].req is again and proposer.states["a"].tokens == prompt
     free = proposer.runner.kv_pool.num_free_pages()
     proposer.release(again)
     proposer.release(req)  # (no longer the rid's owner: nothing to free)
-    assert proposer.runner.kv_pool.num_free_pages() == free + pages_for(len(prompt) + 1, 4)
+    assert proposer.runner.kv_pool.num_free_pages() == free + pages_for(len(prompt), 4)
     proposer.retain([])
     assert proposer.is_idle()
     proposer.warmup()  # (what a GPU runs at start-up)
@@ -359,12 +362,12 @@ def test_the_draft_graph_path_gives_the_greedy_drafts(tiny_models, monkeypatch):
     assert runner.graphs.sizes == [1, 2, 4]
     reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=8, temperature=0), seed=0) for i, p in enumerate(PROMPTS[:3])]
     # The prompts' catch-up (extend), then 4 feed-backs of 3 requests (padded to 4; the last draft's too)
-    assert proposer.feeds_last and proposer.propose_batch(reqs, [4, 4, 4]) == [tokens[:4] for tokens in expected]
+    assert proposer.propose_batch(reqs, [4, 4, 4], guesses=[True] * 3) == [tokens[:4] for tokens in expected]
     assert runner.graphs.replays == runner.decode_forwards == 4
     for req, tokens in zip(reqs, expected):
         req.output_ids = tokens[:2]  # as if a step kept draft 1 and gave draft 2 as its own: one unseen token
     # The catch-up of one host token each (3, padded to 4), then feed-backs of 3 requests, 2 and 1
-    drafts = proposer.propose_batch(reqs, [2, 3, 1])
+    drafts = proposer.propose_batch(reqs, [2, 3, 1], guesses=[True] * 3)
     assert drafts == [expected[0][2:4], expected[1][2:5], expected[2][2:3]]
     assert runner.graphs.replays == runner.decode_forwards == 8
     for req in reqs:

@@ -5,7 +5,9 @@ policy does. The scheduler's counters as Prometheus series (common/serving/serve
 
 import pytest
 
-from pdserve.common.scheduling.draft_policy import DraftPolicy
+from pdserve.common.scheduling.draft_policy import OVERLAP_MIN_HELD, DraftPolicy
+from pdserve.common.scheduling.proposer import Proposer
+from pdserve.common.scheduling.speculation import Speculation
 from pdserve.common.serving import ipc
 from pdserve.common.serving.server_metrics import Metrics
 from pdserve.common.types import Req, SamplingParams
@@ -31,6 +33,41 @@ def test_the_policy_lowers_k_on_rejections_never_below_1_and_raises_it_back():
     assert fixed.depth(req) == 4
     assert [DraftPolicy(4, max_batch=2).speculates(b) for b in (1, 2, 3)] == [True, True, False]
     assert DraftPolicy(4, max_batch=0).speculates(10**6)
+
+
+def test_a_guess_is_asked_for_where_the_next_step_may_ride_on_it():
+    """DraftPolicy.may_guess: never with overlap off; always for an overlapped step or with overlap on;
+    with auto, for a request whose drafts are accepted at least OVERLAP_MIN_HELD of the time (its guess can
+    hold that often at most: a draft model feeds its last draft back only then)."""
+    req = Req("a", [0, 1], SamplingParams(), 0)
+    assert not DraftPolicy(4, overlap="off").may_guess(req, overlapped=False)
+    assert DraftPolicy(4, overlap="on").may_guess(req, overlapped=False)
+    auto = DraftPolicy(4, overlap="auto")
+    assert auto.may_guess(req, overlapped=False)  # (before its first verify step: rate 1)
+    auto.record(req, 4, 4)
+    assert auto.may_guess(req, overlapped=False)
+    auto.record(req, 4, 1)
+    assert auto.rate(req) < OVERLAP_MIN_HELD and not auto.may_guess(req, overlapped=False)
+    assert auto.may_guess(req, overlapped=True)
+
+
+def test_a_serial_step_that_kept_only_some_drafts_counts_as_a_failed_guess():
+    """With auto, a serial step's result tells whether an overlapped step after it would have held: never
+    where it kept only some drafts (no guess needed), else the proposer's guess against the bonus token
+    (unknown where the proposer did not compute one: no observation)."""
+
+    class Guesses(Proposer):
+        hypothesizes = True
+
+        def guess_after(self, req, drafts):
+            return {(1, 2): 7}.get(tuple(drafts))
+
+    spec = Speculation(Guesses(), None, 4096, (), DraftPolicy(4, overlap="auto"))
+    req = Req("a", [0, 1], SamplingParams(), 0)
+    assert spec._would_hold(req, [1, 2], 1, 5) is False and spec._would_hold(req, [3, 4], 0, 5) is False
+    assert spec._would_hold(req, [1, 2], 2, 7) is True and spec._would_hold(req, [1, 2], 2, 8) is False
+    assert spec._would_hold(req, [3, 4], 2, 7) is None  # (no guess computed)
+    assert Speculation(Guesses(), None, 4096, (), DraftPolicy(4, overlap="on"))._would_hold(req, [1, 2], 2, 7) is None
 
 
 class WrongUntil(Oracle):

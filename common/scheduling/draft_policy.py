@@ -52,6 +52,15 @@ class DraftPolicy:
         """A guess an overlapped step rode on held or failed (or, judged on a serial step's result, would have)."""
         self.held += HELD_WEIGHT * (held - self.held)
 
+    def may_guess(self, req: Req, overlapped: bool) -> bool:
+        """Whether the proposer should know its guess after `req`'s drafts this step (Proposer.guess_after):
+        when the next step may ride on it — this one is overlapped, or overlap is on — or, with auto, when
+        the request's drafts are accepted often enough for a guess to hold (its rate at least the share of
+        guesses that must hold), so that the serial steps' results tell whether overlapping would pay."""
+        if self.overlap == "off":
+            return False
+        return overlapped or self.overlap == "on" or self.rate(req) >= OVERLAP_MIN_HELD
+
     def speculates(self, batch_size: int) -> bool:
         """Whether a decode step of `batch_size` requests gets drafts at all."""
         return self.max_batch == 0 or batch_size <= self.max_batch

@@ -25,11 +25,17 @@ class Proposer:
         raise NotImplementedError
 
     def propose_batch(
-        self, reqs: list[Req], limits: list[int], extras: list[list[int] | None] | None = None
+        self,
+        reqs: list[Req],
+        limits: list[int],
+        extras: list[list[int] | None] | None = None,
+        guesses: list[bool] | None = None,
     ) -> list[list[int]]:
         """Drafts for a decode step's requests at once (a model drafts them in one batch); `limits[i]`
         <= 0: none for request i. `extras[i]` not None: request i's previous step is still in flight, and
-        its drafts continue the request's known tokens and then `extras[i]` (`propose_after`)."""
+        its drafts continue the request's known tokens and then `extras[i]` (`propose_after`).
+        `guesses[i]`: `guess_after` will be asked about request i's drafts (a proposer for which that
+        costs work, a model's forward, does it only then)."""
         extras = extras or [None] * len(reqs)
         out = []
         for req, limit, extra in zip(reqs, limits, extras):

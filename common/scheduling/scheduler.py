@@ -112,7 +112,7 @@ class Scheduler:
                 config.num_speculative_tokens,
                 config.speculative_max_batch,
                 not config.speculative_fixed_k,
-                config.speculative_overlap,
+                "off" if config.disable_overlap_schedule else config.speculative_overlap,  # (the serial loop)
             )
             self.speculation = Speculation(
                 proposer, self.kv, config.context_length, eos_token_ids, policy, config.speculative

@@ -120,7 +120,9 @@ class Speculation:
             limits.append(min(limit, self.policy.depth(req)) if req.grammar is None else 0)
         # A request with a step in flight is asked one token more: the guess of that step's last.
         asks = [n if a is None else n + 1 if n > 0 else 0 for a, n in zip(afters, limits)]
-        drafts = self.proposer.propose_batch(reqs, asks, [a.drafts if a is not None else None for a in afters])
+        extras = [a.drafts if a is not None else None for a in afters]
+        guesses = [self.policy.may_guess(req, overlapped) for req in reqs]
+        drafts = self.proposer.propose_batch(reqs, asks, extras, guesses)
         for i, after in enumerate(afters):
             if after is not None:
                 if len(drafts[i]) > 1:
@@ -236,10 +238,10 @@ class Speculation:
         (the proposer has none, or the policy never overlaps)."""
         if self.policy.overlap != "auto" or not self.proposer.hypothesizes:
             return None
+        if taken < len(drafts):
+            return False  # (whatever the guess: the step after assumed every draft kept)
         guess = self.proposer.guess_after(req, drafts)
-        if guess is None:
-            return None
-        return taken == len(drafts) and bonus == guess
+        return None if guess is None else bonus == guess
 
     def release(self, req: Req) -> None:
         """`req` left the running requests (finished, aborted, retracted): the proposer frees what it holds."""

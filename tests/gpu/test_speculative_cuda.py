@@ -197,7 +197,7 @@ def test_draft_model_speculation_gives_the_plain_tokens_under_cuda_graphs(tiny_m
         assert (stats["spec_overlapped_steps"] > 0) == overlap, stats
         assert_speculated(engine)
         assert checked["verify_steps"] == stats["spec_verify_steps"] and drafts["checked"] > 0
-        assert graphs.replays == stats["spec_verify_steps"] and eager == []
+        assert graphs.replays == checked["verify_batches"] and eager == []  # (with drafts, or moved by the step before)
         assert max(drafts["forward_tokens"]) == 16
         assert draft_graphs.replays - replays == draft_runner.decode_forwards - decodes == len(drafts["decodes"]) > 0
         if draft == path:  # (every guess holds)

@@ -5,9 +5,11 @@ engine) with its own KV pool (draft_runner.py).
 Each request speculating holds a row and pages of the draft pool, and the tokens whose draft KV they
 hold (`DraftState.tokens`: positions [0, len)). Before drafting, the request's tokens the draft model
 has not seen run through it (the whole prompt, in chunks, when the request first speculates; then the
-tokens of the last step); then one-token forwards feed each draft back, the last one too in the
-overlapped loop (`feeds_last`: its argmax, `DraftState.next`, is the guess an overlapped step after this
-one rides on, and that step's first draft without a forward of its own). A forward of one token per
+tokens of the last step); then one-token forwards feed each draft back, the last one too where the
+scheduler asks for the guess after them (`guesses`, DraftPolicy.may_guess: the overlapped loop, and
+requests whose drafts are accepted often enough for it to hold): its argmax, `DraftState.next`, is the
+guess an overlapped step after this one rides on, and that step's first draft without a forward of its
+own. A forward of one token per
 request (each feed-back; the catch-up when every request has one or two unseen tokens, as after a verify
 step) is a DECODE forward, replayed from the draft model's CUDA graphs on a GPU; a catch-up with more
 tokens for any request (the prompt) is an eager EXTEND forward:
@@ -67,9 +69,6 @@ class DraftProposer(Proposer):
         (`target_pages`). NOTE only a verify step's requests hold draft KV (`retain` frees the others'
         before each proposal), so its rows and pages run out only where the target's pool is smaller."""
         self.num_tokens = config.num_speculative_tokens
-        # Feed back the last draft too (one forward more), so that its argmax is known: the guess of an
-        # overlapped step after this one, and the first draft of that step without a forward of its own.
-        self.feeds_last = config.speculative_overlap != "off" and not config.disable_overlap_schedule
         self.page_size = config.page_size
         # the most tokens one forward computes while a request catches up (its prompt, the first time)
         self.chunk = config.chunked_prefill_size if config.chunked_prefill_size > 0 else config.max_prefill_tokens
@@ -170,15 +169,22 @@ class DraftProposer(Proposer):
         return state.next if len(state.tokens) == n + len(drafts) and state.tokens[n:] == drafts else None
 
     def propose_batch(
-        self, reqs: list[Req], limits: list[int], extras: list[list[int] | None] | None = None
+        self,
+        reqs: list[Req],
+        limits: list[int],
+        extras: list[list[int] | None] | None = None,
+        guesses: list[bool] | None = None,
     ) -> list[list[int]]:
         """Drafts for every request with a positive limit, in one batch of forwards on the draft model's
         stream (DraftRunner.drafting: never behind the target's step in flight). Request i's drafts continue
         its tokens, then `extras[i]` where given (its step in flight's drafts, all accepted: the first draft
-        is then the guess of that step's last token, speculation.py)."""
+        is then the guess of that step's last token, speculation.py). Where `guesses[i]`, its last draft is
+        fed back too (one forward more): its argmax, `next`, is the guess after the drafts (`guess_after`)
+        and the first draft of an overlapped step after this one, without a forward of its own."""
         extras = extras or [None] * len(reqs)
-        jobs = []  # (index, state, the tokens drafted after, k, how many of them are the request's own)
-        for i, (req, limit, extra) in enumerate(zip(reqs, limits, extras)):
+        guesses = guesses or [False] * len(reqs)
+        jobs = []  # (index, state, the tokens drafted after, k, how many of them are the request's own, feeds)
+        for i, (req, limit, extra, guess) in enumerate(zip(reqs, limits, extras, guesses)):
             k = min(self.num_tokens + (extra is not None), limit)
             state = self._state(req) if k > 0 else None
             if state is None:
@@ -188,21 +194,22 @@ class DraftProposer(Proposer):
             self._keep(state, tokens)
             if len(state.tokens) == len(tokens) and state.next is None:
                 self._cut(state, len(tokens) - 1)  # (the last token runs again: its logits give the first draft)
-            missing = pages_for(len(tokens) + self._depth(k), self.page_size) - len(state.pages)
+            feeds = k if guess else k - 1  # the drafts fed back: a forward each
+            missing = pages_for(len(tokens) + feeds, self.page_size) - len(state.pages)
             pages = self.runner.kv_pool.alloc_pages(max(missing, 0))
             if pages is None:
                 continue  # no room in the draft pool this step: no drafts for this request
             state.pages += pages
-            jobs.append((i, state, tokens, k, len(known)))
+            jobs.append((i, state, tokens, k, len(known), feeds))
         drafts: list[list[int]] = [[] for _ in reqs]
         if not jobs:
             return drafts
         # Deepest first: the requests still drafting at step j are a prefix of the jobs (slices, not gathers).
-        jobs.sort(key=lambda job: -job[3])
+        jobs.sort(key=lambda job: -job[5])
         with self.runner.drafting():
             columns = [self._first(jobs)]  # draft 1 of every job, on the device
-            for j in range(1, self._depth(jobs[0][3]) + 1):  # feed draft j back
-                live = jobs[: sum(self._depth(job[3]) >= j for job in jobs)]
+            for j in range(1, jobs[0][5] + 1):  # feed draft j back
+                live = jobs[: sum(job[5] >= j for job in jobs)]
                 columns.append(  # one token per request: a DECODE forward (a CUDA-graph replay where captured)
                     self.runner.decode(
                         columns[-1][: len(live)],
@@ -215,17 +222,13 @@ class DraftProposer(Proposer):
         offsets = [0]
         for column in columns:
             offsets.append(offsets[-1] + column.numel())
-        for n, (i, state, tokens, k, known) in enumerate(jobs):
-            out = [flat[offsets[j] + n] for j in range(1 + self._depth(k))]
+        for n, (i, state, tokens, k, known, feeds) in enumerate(jobs):
+            out = [flat[offsets[j] + n] for j in range(1 + feeds)]
             drafts[i] = out[:k]
-            state.tokens = tokens + out[: self._depth(k)]  # the KV written: the tokens and every draft fed back
-            state.next = out[k] if self.feeds_last else None
+            state.tokens = tokens + out[:feeds]  # the KV written: the tokens and every draft fed back
+            state.next = out[k] if feeds == k else None
             state.settled = known
         return drafts
-
-    def _depth(self, k: int) -> int:
-        """How many of k drafts are fed back (a forward each)."""
-        return k if self.feeds_last else k - 1
 
     def _first(self, jobs) -> torch.Tensor:
         """Each job's first draft [J] on the device: its `next` where the draft KV covers all its tokens
