@@ -184,7 +184,8 @@ def batch_row(batch: int, off: dict, on: dict, num_tokens: int, differ: int = 0)
     row["itl_median_ratio"] = row["itl_median_ms_off"] / row["itl_median_ms_on"]
     row["itl_p90_ratio"] = row["itl_p90_ms_off"] / row["itl_p90_ms_on"]
     row |= c
-    row["acceptance"] = c["spec_accepted_tokens"] / c["spec_proposed_tokens"] if c["spec_proposed_tokens"] else 0.0
+    judged = c["spec_proposed_tokens"] - c.get("spec_unconfirmed_tokens", 0)  # (drafts dropped unjudged: not counted)
+    row["acceptance"] = c["spec_accepted_tokens"] / judged if judged > 0 else 0.0
     row["accepted_per_verified_request"] = c["spec_accepted_tokens"] / verified if verified else 0.0
     return row
 

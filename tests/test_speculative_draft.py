@@ -91,11 +91,12 @@ def watch_drafts(engine) -> dict:
 
 
 def acceptance(engine) -> float:
+    """Accepted drafts over the drafts judged (those dropped unjudged, `spec_unconfirmed_tokens`, left out)."""
     stats = spec_stats(engine)
-    return stats["spec_accepted_tokens"] / stats["spec_proposed_tokens"]
+    return stats["spec_accepted_tokens"] / (stats["spec_proposed_tokens"] - stats["spec_unconfirmed_tokens"])
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3"])  # (qwen3's requests end at EOS: steps dropped)
 def test_greedy_equals_the_plain_engine_and_transformers(make_engine, tiny_models, other_draft, arch):
     """The target as its own draft model (all drafts accepted) and another model (some rejected), overlap
     on and off: transformers' tokens. Prompts past 16 tokens reach the draft model in chunks of 16."""
@@ -116,7 +117,8 @@ def test_greedy_equals_the_plain_engine_and_transformers(make_engine, tiny_model
             # Overlap on: verify steps proposed while the one before ran (--speculative-overlap on)
             assert (stats["spec_overlapped_steps"] > 0) == overlap, stats
             if draft == tiny_models(arch):  # (every guess holds: the draft is the target)
-                assert acceptance(engine) > 0.95 and stats["spec_unconfirmed_tokens"] == 0, stats
+                assert acceptance(engine) > 0.95, stats
+                assert stats["spec_unconfirmed_tokens"] == checked["dropped_drafts"], (stats, checked)
             else:
                 assert 0.1 < acceptance(engine) < 0.9, stats
             assert engine.proposer.is_idle()

@@ -72,11 +72,13 @@ def watch(engine) -> dict:
     finished before the tokens a step accepted for them ran out, and overlapped steps."""
     spec, page = engine.scheduler.speculation, engine.config.page_size
     seen = {"mid_draft_finishes": 0, "verify_steps": 0, "overlapped": 0, "verify_batches": 0, "moved": 0}
+    seen["dropped_drafts"] = 0  # drafts of steps whose request finished in the step before (or left) while they ran
     original = spec.process_result
 
     def process_result(batch, next_ids, logprobs, accepted):
         before = [len(r.output_ids) for r in batch.reqs]
         dropped = [r.discard > 0 for r in batch.reqs]  # (retracted or aborted while it ran)
+        seen["dropped_drafts"] += sum(len(d) for d, gone in zip(batch.drafts, dropped) if gone)
         # (positions that moved on the device: the step before kept drafts)
         seen["moved"] += any(
             a and a.drafts and len(r.output_ids) > a.known + 1 for r, a in zip(batch.reqs, afters(batch))

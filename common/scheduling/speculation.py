@@ -58,7 +58,8 @@ class Speculation:
             "spec_proposed_tokens": 0,
             "spec_accepted_tokens": 0,
             "spec_verified_requests": 0,
-            # drafts of overlapped verify steps dropped because the step before did not end as they assumed
+            # drafts never judged: dropped because the step before did not end as they assumed (a guess that
+            # failed, or a request that finished there), or with their request (aborted, retracted)
             "spec_unconfirmed_tokens": 0,
             # verify steps scheduled while the step before them ran (with --speculative-overlap auto: while
             # the guesses hold)
@@ -201,8 +202,9 @@ class Speculation:
             first, row = row, row + len(drafts) + 1
             req.pending -= 1
             req.spec_inflight = [e for e in req.spec_inflight if e[0] != batch.seq]
-            if req.discard:  # aborted while the step ran: its pages are already freed
+            if req.discard:  # finished in the step before, or aborted while the step ran: pages already freed
                 req.discard -= 1
+                self.stats["spec_unconfirmed_tokens"] += len(drafts)
                 continue
             held = None
             if after is not None and after.guess >= 0:

@@ -200,8 +200,9 @@ def test_draft_model_speculation_gives_the_plain_tokens_under_cuda_graphs(tiny_m
         assert graphs.replays == checked["verify_batches"] and eager == []  # (with drafts, or moved by the step before)
         assert max(drafts["forward_tokens"]) == 16
         assert draft_graphs.replays - replays == draft_runner.decode_forwards - decodes == len(drafts["decodes"]) > 0
-        if draft == path:  # (every guess holds)
-            assert acceptance(engine) > 0.95 and stats["spec_unconfirmed_tokens"] == 0, stats
+        if draft == path:  # (every guess holds: only drafts of steps whose request had finished go unjudged)
+            assert acceptance(engine) > 0.95, stats
+            assert stats["spec_unconfirmed_tokens"] == checked["dropped_drafts"], (stats, checked)
         else:
             assert 0 < stats["spec_accepted_tokens"] < stats["spec_proposed_tokens"], stats
             assert any(not on_device for _, on_device in drafts["decodes"])  # one-token catch-ups replayed too
