@@ -14,6 +14,9 @@ run's time / its tokens. The answers must equal the plain ones (float32: the ben
 difference; in bf16 a near-tie may go the other way and the oracle's drafts then stop being accepted,
 so use --dtype float32 with random weights). The proposer stands in for one that proposes exactly
 what the model will say: acceptance is set, not measured — `bench spec-itl` measures a real proposer's.
+
+With `--speculative draft --draft-model-path DIR` the engine's draft model drafts instead (one row per
+B, --wrong-every unused): the plain baseline is still timed with a proposer that drafts nothing.
 """
 
 from __future__ import annotations
@@ -103,20 +106,21 @@ def run_batch_size(config, batch: int, args, strict: bool) -> list[dict]:
         vocab = engine.vocab_size
         prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
         spec = engine.scheduler.speculation
+        draft_model = spec.proposer if config.speculative == "draft" else None
         spec.proposer, spec.policy.overlap = AnswerProposer({}, 0, 0, vocab), "on"
         plain, plain_s, _ = timed(engine, prompts, params)
         tokens = sum(len(a) for a in plain)
         answers = {tuple(p): a for p, a in zip(prompts, plain)}
         rows = []
-        for every in args.wrong_every:
+        for every in [None] if draft_model is not None else args.wrong_every:
             row = {
                 "batch_size": batch,
-                "wrong_every": every,
+                "wrong_every": every,  # (None: the draft model's drafts)
                 "tokens": tokens,
                 "plain_ms_per_token": 1e3 * plain_s / tokens,
             }
             for mode in MODES:
-                spec.proposer = AnswerProposer(answers, config.num_speculative_tokens, every, vocab)
+                spec.proposer = draft_model or AnswerProposer(answers, config.num_speculative_tokens, every, vocab)
                 spec.policy.overlap, spec.policy.held = mode, 0.0
                 out, seconds, counters = timed(engine, prompts, params)
                 row[f"{mode}_answers_differing"] = check_exact(plain, out, strict)
@@ -133,6 +137,12 @@ def run_batch_size(config, batch: int, args, strict: bool) -> list[dict]:
         release_engine_memory()
 
 
+def drafts_label(wrong_every: int | None) -> str:
+    if wrong_every is None:
+        return "draft model"
+    return f"every {wrong_every}-th wrong" if wrong_every else "all right"
+
+
 def run(args: argparse.Namespace) -> int:
     from pdserve.bench.random_weights import model_path_from_args
     from pdserve.bench.report import command_line, device_name, emit, table
@@ -141,7 +151,9 @@ def run(args: argparse.Namespace) -> int:
     if min(args.batch_size) < 1 or args.prompt_len < 1 or args.output_len < 2 or min(args.wrong_every) < 0:
         raise SystemExit("error: --batch-size, --prompt-len >= 1, --output-len >= 2, --wrong-every >= 0")
     model_path_from_args(args)
-    config = dataclasses.replace(from_cli_args(args, EngineConfig), speculative="ngram", speculative_max_batch=0)
+    config = from_cli_args(args, EngineConfig)
+    speculative = "draft" if config.speculative == "draft" else "ngram"  # (ngram: its proposer replaced)
+    config = dataclasses.replace(config, speculative=speculative, speculative_max_batch=0)
     resolved = config.resolve()  # (refuses bad flags before any engine)
     rows = []
     for batch in args.batch_size:
@@ -150,12 +162,12 @@ def run(args: argparse.Namespace) -> int:
         f"spec-overlap: k {resolved.num_speculative_tokens}, {args.prompt_len}-token random prompts, "
         f"{args.output_len} tokens each, greedy; ms per token (x: against plain decode steps)"
     )
-    header = ["B", "every N-th wrong", "plain"] + [f"{m}" for m in MODES] + ["verify steps off / on / auto"]
+    header = ["B", "drafts", "plain"] + [f"{m}" for m in MODES] + ["verify steps off / on / auto"]
     print(
         table(
             header,
             [
-                [r["batch_size"], r["wrong_every"] or "none", f"{r['plain_ms_per_token']:.3f}"]
+                [r["batch_size"], drafts_label(r["wrong_every"]), f"{r['plain_ms_per_token']:.3f}"]
                 + [f"{r[f'{m}_ms_per_token']:.3f} ({r[f'{m}_speedup']:.2f}x)" for m in MODES]
                 + [" / ".join(str(r[f"{m}_counters"]["spec_verify_steps"]) for m in MODES)]
                 for r in rows

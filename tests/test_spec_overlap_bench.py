@@ -28,3 +28,20 @@ def test_the_report_times_each_overlap_mode_on_drafts_of_set_acceptance(tiny_mod
     # one draft in three wrong: overlapped steps lose drafts, auto (serial here) loses none
     assert wrong["on_counters"]["spec_unconfirmed_tokens"] > 0 == wrong["auto_counters"]["spec_unconfirmed_tokens"]
     assert wrong["on_counters"]["spec_verify_steps"] > wrong["off_counters"]["spec_verify_steps"]
+
+
+def test_with_a_draft_model_the_engines_own_drafts_are_timed_in_each_mode(tiny_models, tmp_path, capsys):
+    """--speculative draft: one row per batch size, the draft model's drafts (the target itself: all
+    accepted, every guess held, so `on` and `auto` overlap), the answers the plain steps'."""
+    path = tiny_models("llama")
+    argv = ["bench", "spec-overlap", "--model-path", path, "--device", "cpu", "--dtype", "float32"]
+    argv += ["--batch-size", "2", "--prompt-len", "12", "--output-len", "40", "--max-total-tokens", "2048"]
+    assert main([*argv, "--speculative", "draft", "--draft-model-path", path]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    [row] = json.loads(lines[-1])["rows"]
+    assert row["wrong_every"] is None and any("draft model" in line for line in lines)
+    for mode in ("off", "on", "auto"):
+        c = row[f"{mode}_counters"]
+        assert row[f"{mode}_answers_differing"] == 0 and c["spec_accepted_tokens"] == c["spec_proposed_tokens"] > 0
+    assert row["off_counters"]["spec_overlapped_steps"] == 0 < row["on_counters"]["spec_overlapped_steps"]
+    assert row["auto_counters"]["spec_overlapped_steps"] > 0
