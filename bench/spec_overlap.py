@@ -102,8 +102,8 @@ def run_batch_size(config, batch: int, args, strict: bool) -> list[dict]:
     rng = random.Random(args.seed + batch)
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0, ignore_eos=True)
     # (a draft model's pool holds every row a verify step may have at full context: no more rows than B)
-    rows = batch if config.speculative == "draft" else max(batch, config.max_running_requests)
-    engine = Engine(dataclasses.replace(config, max_running_requests=rows))
+    running = batch if config.speculative == "draft" else max(batch, config.max_running_requests)
+    engine = Engine(dataclasses.replace(config, max_running_requests=running))
     try:
         vocab = engine.vocab_size
         prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
