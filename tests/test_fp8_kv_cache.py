@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.engine import Engine
+from pdserve.common.scheduling.batch import ForwardMode
 from pdserve.common.types import SamplingParams
 from tests.test_disagg_engines import drive, engines
 from tests.test_fp8_weights import write_fp8_checkpoint
@@ -29,8 +30,15 @@ PROMPTS = [[rng.randrange(5, 512) for _ in range(40)] for _ in range(6)]
 NEW_TOKENS = 8
 
 
+# Prompts in chunks of 16: a prompt's own tokens attend to each other through their K and V as
+# computed (only the prefix is read through float8), so one chunk would leave the prompt logprobs
+# unquantized; in chunks, the later ones read the earlier ones' float8 K and V.
+CHUNK = 16
+
+
 def engine_for(path, **overrides) -> Engine:
-    return Engine(model_path=str(path), **({"device": "cpu", "max_total_tokens": 4096} | overrides))
+    defaults = {"device": "cpu", "max_total_tokens": 4096, "chunked_prefill_size": CHUNK}
+    return Engine(model_path=str(path), **(defaults | overrides))
 
 
 def fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -39,16 +47,27 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def reference_engine(path, k_scales, v_scales, **overrides) -> Engine:
-    """The unquantized engine whose pool stores K and V rounded through float8 with these scales."""
+    """The unquantized engine whose pool keeps K and V rounded through float8 with these scales,
+    but for a prefill's new tokens, which its attention reads as computed (stored exactly first,
+    rounded after)."""
     engine = engine_for(path, **overrides)
-    pool = engine.runner.kv_pool
-    assert not pool.quantized and engine.runner.attn.fuses_rope_and_store is False
-    store = pool.set_kv
+    pool, attn = engine.runner.kv_pool, engine.runner.attn
+    assert not pool.quantized and attn.fuses_rope_and_store is False
+    store, attend = pool.set_kv, attn.forward
 
     def set_kv(layer, loc, k, v):
         store(layer, loc, fake_quant(k, k_scales[layer]), fake_quant(v, v_scales[layer]))
 
-    pool.set_kv = set_kv
+    def forward(q, k, v, layer_id, batch, scale, sliding_window=None, kv_stored=False):
+        if batch.mode is ForwardMode.DECODE:
+            set_kv(layer_id, batch.out_cache_loc, k, v)
+            return attend(q, k, v, layer_id, batch, scale, sliding_window, kv_stored=True)
+        store(layer_id, batch.out_cache_loc, k, v)
+        out = attend(q, k, v, layer_id, batch, scale, sliding_window, kv_stored=True)
+        set_kv(layer_id, batch.out_cache_loc, k, v)
+        return out
+
+    attn.forward = forward
     return engine
 
 
@@ -226,7 +245,8 @@ def test_disaggregated_fp8_kv_moves_fp8_pages_and_matches_the_colocated_engine(t
     assert prefill.runner.kv_pool.quantized and decode.runner.kv_pool.quantized
     params = [SamplingParams(max_new_tokens=6, temperature=0)] * 3
     completions, results = drive(prefill, decode, PROMPTS[:3], params)
-    colocated = engine_for(path, page_size=8, **fp8).generate(PROMPTS[:3], params)
+    chunk = prefill.config.chunked_prefill_size  # the prefill server's chunks: the same exact-within-chunk reads
+    colocated = engine_for(path, page_size=8, chunked_prefill_size=chunk, **fp8).generate(PROMPTS[:3], params)
     assert [completions[f"r{i}"].output_ids for i in range(3)] == [o.output_ids for o in colocated]
     # One byte per K and V element: the pages that crossed are FP8.
     pool = decode.runner.kv_pool
@@ -246,7 +266,9 @@ def test_mismatched_kv_dtypes_are_refused_with_the_flag_named(tiny_models):
 
 def test_the_host_tier_keeps_fp8_pages_byte_for_byte(tiny_models):
     """Pages evicted to host memory and copied back are the FP8 bytes: the answers are those of an
-    FP8 engine whose pool never evicts."""
+    FP8 engine whose pool never evicts. One request at a time, so both engines hit the same
+    prefixes (a prompt's own tokens are read as computed and a hit's through float8: a request
+    queued behind another that shares its prefix would hit where the roomy engine computes)."""
     path = tiny_models("llama")
     small = dict(max_total_tokens=32 * PAGE, context_length=256, page_size=PAGE, kv_cache_dtype="fp8_e4m3")
     host_gb = 64 * small_page_bytes(path, small) / (1 << 30)
@@ -255,8 +277,8 @@ def test_the_host_tier_keeps_fp8_pages_byte_for_byte(tiny_models):
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
     prompts = conversations(12, seed=5)
     for turn in range(3):
-        outputs = [c.output_ids for c in tiered.generate(prompts, params)]
-        assert outputs == [c.output_ids for c in roomy.generate(prompts, params)]
+        outputs = [tiered.generate([p], params)[0].output_ids for p in prompts]
+        assert outputs == [roomy.generate([p], params)[0].output_ids for p in prompts]
         prompts = next_turns(prompts, outputs, seed=turn + 20)
     tree = tiered.scheduler.kv.tree_cache
     assert tree.host.dtype == FP8 and tree.stats["host_loaded_pages"] > 0

@@ -19,6 +19,7 @@ from pdserve.common.engine.kv_scales import (
 
 FP8 = torch.float8_e4m3fn
 KV_HEADS, HEADS, DIM, TOKENS = 2, 4, 32, 40
+PREFIX = 24  # of TOKENS: the extend test's cached prefix (not a multiple of the kernel's key block)
 
 
 def fp8_pool() -> PagedKVPool:
@@ -98,11 +99,22 @@ def test_decode_and_extend_read_float8_times_the_layer_scale(splits):
     assert torch.equal(pool.k_buffers[0][slots[-1:]].view(torch.uint8), quantize_kv(k[-1:], 0.05).view(torch.uint8))
     torch.testing.assert_close(out, attention(q[-1:], keys, values, 0.2), atol=3e-5, rtol=1e-4)
 
-    out = torch.empty_like(q)
-    i32 = torch.tensor([TOKENS], dtype=torch.int32)
+    # Extend: the first PREFIX tokens cached (read through float8), the rest new, read as computed.
+    new = TOKENS - PREFIX
+    pool.set_kv(0, slots, k, v)
+    keys, values = pool.read_kv(0, slots, torch.float32)
+    keys[PREFIX:], values[PREFIX:] = k[PREFIX:], v[PREFIX:]
+    out = torch.empty(new, HEADS, DIM)
+    lens = torch.tensor([TOKENS], dtype=torch.int32), torch.tensor([new], dtype=torch.int32)
     zero = torch.tensor([0], dtype=torch.int32)
-    extend_attention(q, k_buf, v_buf, out, r2t, row, i32, i32, zero, TOKENS, 0.2, None, k_scale, v_scale)
-    torch.testing.assert_close(out, attention(q, keys, values, 0.2), atol=3e-5, rtol=1e-4)
+    extend_attention(
+        q[PREFIX:], k_buf, v_buf, out, r2t, row, *lens, zero, new, 0.2, None, k_scale, v_scale, k[PREFIX:], v[PREFIX:]
+    )
+    torch.testing.assert_close(out, attention(q[PREFIX:], keys, values, 0.2), atol=3e-5, rtol=1e-4)
+    # (the prefix did go through float8: read as computed, it gives another output)
+    assert not torch.allclose(out, attention(q[PREFIX:], k, v, 0.2), atol=1e-3, rtol=1e-3)
+    with pytest.raises(AssertionError, match="own K and V"):
+        extend_attention(q[PREFIX:], k_buf, v_buf, out, r2t, row, *lens, zero, new, 0.2, None, k_scale, v_scale)
 
 
 class Tokenizer:

@@ -34,7 +34,7 @@ class TorchNativeBackend(AttentionBackend):
             self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         if self._decode is not None:
             return self._decode_attention(q, layer_id, scale, sliding_window)
-        return self._extend_attention(q, layer_id, batch, scale, sliding_window)
+        return self._extend_attention(q, k, v, layer_id, batch, scale, sliding_window)
 
     def _decode_attention(self, q, layer_id, scale, sliding_window):
         slots, k_pos, q_pos = self._decode
@@ -50,7 +50,7 @@ class TorchNativeBackend(AttentionBackend):
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.einsum("bhl,blhd->bhd", probs, values)
 
-    def _extend_attention(self, q, layer_id, batch: ForwardBatch, scale, sliding_window):
+    def _extend_attention(self, q, k, v, layer_id, batch: ForwardBatch, scale, sliding_window):
         req_to_token = self.req_to_token_pool.req_to_token
         group = q.shape[1] // self.kv_pool.kv_heads
         out = torch.empty_like(q)
@@ -58,6 +58,11 @@ class TorchNativeBackend(AttentionBackend):
             seq_len, ext, start = batch.seq_lens[i], batch.extend_lens[i], batch.extend_starts[i]
             slots = req_to_token[batch.req_rows[i], :seq_len].long()
             keys, values = self.kv_pool.read_kv(layer_id, slots, q.dtype)  # [S, KVH, D]
+            if self.kv_pool.quantized:
+                # The new tokens attend to each other through their own K and V, as computed; only
+                # the prefix is read back through float8 (triton_extend's rule, SGLang's).
+                keys[seq_len - ext :] = k[start : start + ext]
+                values[seq_len - ext :] = v[start : start + ext]
             keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
             values = values.repeat_interleave(group, dim=1).transpose(0, 1)
             queries = q[start : start + ext].transpose(0, 1)  # [H, E, D]

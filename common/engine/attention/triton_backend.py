@@ -138,5 +138,7 @@ class TritonBackend(AttentionBackend):
                 sliding_window,
                 k_scale,
                 v_scale,
+                k,
+                v,
             )
         return out

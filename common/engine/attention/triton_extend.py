@@ -1,11 +1,16 @@
-"""Triton kernel: prefill (extend) attention over a cached prefix, reading all KV from the pool.
+"""Triton kernel: prefill (extend) attention over a cached prefix, reading the KV from the pool.
 
 Grid (query heads, query blocks, requests): a program takes BLOCK_M consecutive new queries of
 one request and one head, and walks that request's keys through req_to_token from the start of
 the block's sliding window to the causal bound of its last query. The new tokens' K and V are
 already in the pool (the backend stores them first), so prefix and new keys are one walk; only
 the key blocks at the causal diagonal and the window's edge pay for masks. Heads of one request
-and KV group are adjacent in the grid, so their shared K/V stays in L2.
+and KV group are adjacent in the grid, so their shared K/V stays in L2. A float8 pool is the
+exception: the new tokens' K and V are read from the forward's own tensors, not the pool (the
+same walk, each key block from one or the other: _pool_or_new).
+
+Why this file is long: the kernel, its two block helpers and the range walk share a dozen
+arguments each, spelled out (Triton has no keyword defaults for them).
 
 NOTE: import this module lazily (never from common/engine/attention/__init__.py): Triton reads
 TRITON_INTERPRET when a @triton.jit function is defined, and the CPU tests set it in conftest.
@@ -37,6 +42,7 @@ def _attend_block(
     v_buf,
     kv_head_offset,
     stride_buf_s,
+    new_kv,
     qk_scale,
     offs_d,
     BLOCK_N: tl.constexpr,
@@ -44,10 +50,13 @@ def _attend_block(
     MASKED: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NEW_FROM_FORWARD: tl.constexpr,
 ):
     """Online softmax over keys [block_start, min(block_start + BLOCK_N, end)): one gather of
     slots, then [BLOCK_N, BLOCK_D] of K and of V. MASKED: apply the bound, causal and window
-    masks; without it the block must be whole and visible to every query."""
+    masks; without it the block must be whole and visible to every query. NEW_FROM_FORWARD (a
+    float8 pool): keys at positions >= prefix_len are read from the forward's own K and V
+    (`new_kv`), the prefix's from the pool, dequantized (see _extend_kernel)."""
     offs_n = block_start + tl.arange(0, BLOCK_N)
     mask_d = offs_d < HEAD_DIM
     if MASKED:
@@ -58,7 +67,10 @@ def _attend_block(
         slots = tl.load(row_slots + offs_n).to(tl.int64)
         kv_mask = mask_d[None, :]
     kv_offsets = slots[:, None] * stride_buf_s + kv_head_offset + offs_d[None, :]
-    k_tile = tl.load(k_buf + kv_offsets, mask=kv_mask, other=0.0).to(q_tile.dtype)  # [BLOCK_N, BLOCK_D]
+    if NEW_FROM_FORWARD:
+        k_tile = _pool_or_new(k_buf, kv_offsets, kv_mask, offs_n, offs_d, new_kv, 0, q_tile.dtype)
+    else:
+        k_tile = tl.load(k_buf + kv_offsets, mask=kv_mask, other=0.0).to(q_tile.dtype)  # [BLOCK_N, BLOCK_D]
     scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         distance = q_pos[:, None] - offs_n[None, :]
@@ -71,9 +83,26 @@ def _attend_block(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v_tile = tl.load(v_buf + kv_offsets, mask=kv_mask, other=0.0).to(q_tile.dtype)
+    if NEW_FROM_FORWARD:
+        v_tile = _pool_or_new(v_buf, kv_offsets, kv_mask, offs_n, offs_d, new_kv, 1, q_tile.dtype)
+    else:
+        v_tile = tl.load(v_buf + kv_offsets, mask=kv_mask, other=0.0).to(q_tile.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _pool_or_new(buf, kv_offsets, kv_mask, offs_n, offs_d, new_kv, which: tl.constexpr, dtype: tl.constexpr):
+    """A K (which 0) or V (1) tile in `dtype`: the prefix's rows from the float8 pool times the
+    layer's scale (kv_pool.read_kv's numbers), the new tokens' rows from the forward's own tensor.
+    new_kv = (prefix_len, k_new, v_new, their token strides, k_scale, v_scale): k_new and v_new
+    already point at this request's first new token and this program's KV head."""
+    prefix_len = new_kv[0]
+    is_new = (offs_n >= prefix_len)[:, None]
+    new_ptr = new_kv[1 + which] + (offs_n - prefix_len)[:, None] * new_kv[3 + which] + offs_d[None, :]
+    fresh = tl.load(new_ptr, mask=kv_mask & is_new, other=0.0)
+    cached = tl.load(buf + kv_offsets, mask=kv_mask & ~is_new, other=0.0).to(tl.float32) * new_kv[5 + which]
+    return tl.where(is_new, fresh.to(dtype), cached.to(dtype))
 
 
 @triton.jit
@@ -91,6 +120,7 @@ def _attend_range(
     v_buf,
     kv_head_offset,
     stride_buf_s,
+    new_kv,
     qk_scale,
     offs_d,
     BLOCK_N: tl.constexpr,
@@ -99,6 +129,7 @@ def _attend_range(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    NEW_FROM_FORWARD: tl.constexpr,
 ):
     """_attend_block over keys [start, end), BLOCK_N at a time."""
     if INTERPRETED:
@@ -120,6 +151,7 @@ def _attend_range(
                 v_buf,
                 kv_head_offset,
                 stride_buf_s,
+                new_kv,
                 qk_scale,
                 offs_d,
                 BLOCK_N,
@@ -127,6 +159,7 @@ def _attend_range(
                 MASKED,
                 USE_WINDOW,
                 DOT_PRECISION,
+                NEW_FROM_FORWARD,
             )
             block_start += BLOCK_N
     else:
@@ -145,6 +178,7 @@ def _attend_range(
                 v_buf,
                 kv_head_offset,
                 stride_buf_s,
+                new_kv,
                 qk_scale,
                 offs_d,
                 BLOCK_N,
@@ -152,6 +186,7 @@ def _attend_range(
                 MASKED,
                 USE_WINDOW,
                 DOT_PRECISION,
+                NEW_FROM_FORWARD,
             )
     return m_i, l_i, acc
 
@@ -167,8 +202,14 @@ def _extend_kernel(
     seq_lens,
     extend_lens,
     extend_starts,
+    k_new,
+    v_new,
     k_scale,
     v_scale,
+    stride_kn_t,
+    stride_kn_h,
+    stride_vn_t,
+    stride_vn_h,
     stride_q_t,
     stride_q_h,
     stride_o_t,
@@ -209,10 +250,16 @@ def _extend_kernel(
     q_rows = extend_start + offs_m
     q_ptrs = q + q_rows[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :]
     q_tile = tl.load(q_ptrs, mask=mask_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
+    # A float8 pool: the new tokens attend to each other through the forward's own K and V, and
+    # only to the prefix through the pool (dequantized: k8 * k_scale, rounded to q's dtype). A
+    # prompt's own attention is then exact, as SGLang's extend kernels read it (docs/architecture.md,
+    # "FP8 KV cache"); what the pool's rounding costs shows in later chunks and in decode.
+    new_kv = (0,)  # (read only where KV_SCALED)
     if KV_SCALED:
-        # A float8 pool: K = k8 * k_scale, so q.K = (q.k8) * k_scale, folded into the score scale
-        # (and V's scale into the output below); the tiles are float8 widened to q's dtype, exact.
-        qk_scale = qk_scale * tl.load(k_scale)
+        kv_head = head // group_size
+        new_kv = (prefix_len, k_new + extend_start * stride_kn_t + kv_head * stride_kn_h,
+                  v_new + extend_start * stride_vn_t + kv_head * stride_vn_h, stride_kn_t, stride_vn_t,
+                  tl.load(k_scale), tl.load(v_scale))  # fmt: skip
 
     # The block's queries sit at [first_q, last_q]; it reads keys [lo, hi), in three ranges:
     #   [lo, full_lo)       outside the window of some queries          masked (window only)
@@ -249,6 +296,7 @@ def _extend_kernel(
             v_buf,
             kv_head_offset,
             stride_buf_s,
+            new_kv,
             qk_scale,
             offs_d,
             BLOCK_N,
@@ -257,6 +305,7 @@ def _extend_kernel(
             USE_WINDOW,
             DOT_PRECISION,
             INTERPRETED,
+            KV_SCALED,
         )
     m_i, l_i, acc = _attend_range(
         q_tile,
@@ -272,6 +321,7 @@ def _extend_kernel(
         v_buf,
         kv_head_offset,
         stride_buf_s,
+        new_kv,
         qk_scale,
         offs_d,
         BLOCK_N,
@@ -280,6 +330,7 @@ def _extend_kernel(
         USE_WINDOW,
         DOT_PRECISION,
         INTERPRETED,
+        KV_SCALED,
     )
     m_i, l_i, acc = _attend_range(
         q_tile,
@@ -295,6 +346,7 @@ def _extend_kernel(
         v_buf,
         kv_head_offset,
         stride_buf_s,
+        new_kv,
         qk_scale,
         offs_d,
         BLOCK_N,
@@ -303,12 +355,11 @@ def _extend_kernel(
         USE_WINDOW,
         DOT_PRECISION,
         INTERPRETED,
+        KV_SCALED,
     )
 
     # Every valid row saw at least its own key (l_i > 0); the guard is for the masked-off rows.
     out_tile = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    if KV_SCALED:
-        out_tile = out_tile * tl.load(v_scale)
     o_ptrs = out + q_rows[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :]
     tl.store(o_ptrs, out_tile.to(out.dtype.element_ty), mask=mask_qd)
 
@@ -339,6 +390,8 @@ def extend_attention(
     sliding_window: int | None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> None:
     """Prefill over a cached prefix. q, out: [T, H, D] flat, request after request: request i owns
     rows [extend_starts[i], extend_starts[i] + extend_lens[i]); its KV (prefix + the new tokens,
@@ -347,7 +400,8 @@ def extend_attention(
     and is causal and, with sliding_window w (None or 0 = off), sees only keys with q_pos - k_pos < w.
     seq_lens, extend_lens, extend_starts: [B] int32 on the device; max_extend_len: host int (grid).
     Output in q's dtype. A float8 pool needs its layer's k_scale and v_scale ([1] fp32 device
-    tensors): read K = k8 * k_scale, V = v8 * v_scale.
+    tensors), read K = k8 * k_scale, V = v8 * v_scale, for the prefix, and this forward's new K and
+    V as computed (k_new, v_new [T, KVH, D], rows as q's; strided views are fine) for the new tokens.
     """
     num_tokens, num_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
@@ -362,6 +416,12 @@ def extend_attention(
     config = _launch_config(head_dim)
     grid = (num_heads, triton.cdiv(max_extend_len, config["BLOCK_M"]), batch)
     k_scale, v_scale, kv_scaled = kv_scales(k_buf, k_scale, v_scale)
+    if kv_scaled:
+        assert k_new is not None and v_new is not None, "a float8 KV pool needs the forward's own K and V"
+        assert k_new.shape == v_new.shape == (num_tokens, num_kv_heads, head_dim)
+        assert k_new.stride(2) == v_new.stride(2) == 1 and k_new.dtype == v_new.dtype == q.dtype
+    else:
+        k_new = v_new = q  # not read
     _extend_kernel[grid](
         q,
         k_buf,
@@ -372,8 +432,14 @@ def extend_attention(
         seq_lens,
         extend_lens,
         extend_starts,
+        k_new,
+        v_new,
         k_scale,
         v_scale,
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
         q.stride(0),
         q.stride(1),
         out.stride(0),
