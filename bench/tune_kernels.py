@@ -1,6 +1,6 @@
 """Tuning sweep for the decode-step kernels at batch 128 (~300-token contexts), on a GPU.
 
-    python -m pdserve.bench.tune_kernels [--layout | --attention]
+    python -m pdserve.bench.tune_kernels [--layout | --attention | --fp8-attention]
 
 Times, with CUDA graphs of many launches (median of repeats), the split-K decode attention for the
 two benchmark shapes (Llama-1B: 32 heads / 8 KV heads; GPT-2: 12 heads MHA; head_dim 64) under
@@ -174,10 +174,69 @@ def gemm_sweep(m: int = 128, layers: int = 16) -> None:
         del ws, wts
 
 
+def fp8_attention(layers: int = 8) -> None:
+    """Decode and extend attention over a bf16 pool and a float8 one (K and V widened to bf16 or to
+    fp16: triton_decode.FP8_WIDEN_TO_F16), Llama-8B's heads (32 / 8, head_dim 128), rotating over
+    `layers` layers' pools so the L2 cache does not hold them. Prints us a layer and the pool's bytes
+    read per us."""
+    from pdserve.common.engine.attention import triton_decode as td
+    from pdserve.common.engine.attention.triton_extend import extend_attention
+
+    heads, kv_heads, d = 32, 8, 128
+    scale = torch.tensor([0.02], device="cuda")
+    print(f"\nFP8 KV attention, {heads}/{kv_heads} heads, head_dim {d}, {layers} layers rotated")
+    for bs, ctx in ((64, 160), (64, 1024), (256, 1024), (256, 2048)):
+        slots, r2t, rows, seq_lens, q, out = decode_case(bs, ctx, heads, d)
+        ws = td.DecodeWorkspace(bs, heads, d, 16, "cuda")
+        splits = td.num_kv_splits_for(bs, heads, kv_heads, 16)
+        row = []
+        for name, dtype, widen in (("bf16", torch.bfloat16, False), ("fp8>bf16", torch.float8_e4m3fn, False),
+                                   ("fp8>fp16", torch.float8_e4m3fn, True)):  # fmt: skip
+            bufs = [torch.randn(slots, kv_heads, d, device="cuda").to(dtype) for _ in range(2 * layers)]
+            kw = dict(k_scale=scale, v_scale=scale) if dtype != torch.bfloat16 else {}
+            td.FP8_WIDEN_TO_F16 = widen
+
+            def run(bufs=bufs, kw=kw):
+                for k, v in zip(bufs[::2], bufs[1::2]):
+                    td.decode_attention(q, k, v, out, r2t, rows, seq_lens, 0.088, None, splits, ws, **kw)
+
+            us = time_us(run, calls=2) / layers
+            kv_bytes = 2 * bs * ctx * kv_heads * d * bufs[0].element_size()
+            row.append(f"{name} {us:7.1f} us ({kv_bytes / us / 1e6:4.2f} TB/s)")
+            del bufs
+        td.FP8_WIDEN_TO_F16 = True
+        print(f"  decode batch {bs:3d} context {ctx:4d}: " + " | ".join(row))
+    for bs, prefix, new in ((8, 0, 1024), (8, 1024, 512)):
+        ctx = prefix + new
+        slots, r2t, rows, _, _, _ = decode_case(bs, ctx, heads, d)
+        q = torch.randn(bs * new, heads, d, device="cuda", dtype=torch.bfloat16)
+        k_new, v_new = (torch.randn(bs * new, kv_heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        i32 = dict(dtype=torch.int32, device="cuda")
+        lens = (torch.full((bs,), ctx, **i32), torch.full((bs,), new, **i32), torch.arange(0, bs * new, new, **i32))
+        row = []
+        for name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+            bufs = [torch.randn(slots, kv_heads, d, device="cuda").to(dtype) for _ in range(2 * layers)]
+            kw = dict(k_scale=scale, v_scale=scale, k_new=k_new, v_new=v_new) if dtype != torch.bfloat16 else {}
+            out = torch.empty_like(q)
+
+            def run(bufs=bufs, kw=kw, out=out):
+                for k, v in zip(bufs[::2], bufs[1::2]):
+                    extend_attention(q, k, v, out, r2t, rows, *lens, new, 0.088, None, **kw)
+
+            us = time_us(run, calls=2) / layers
+            flops = 4 * bs * heads * d * new * (prefix + new / 2)
+            row.append(f"{name} {us:7.1f} us ({flops / us / 1e6:5.0f} TFLOPS)")
+            del bufs
+        print(f"  extend batch {bs} prefix {prefix:4d} + {new:4d} new: " + " | ".join(row))
+
+
 def main() -> None:
     import sys
 
     print(torch.cuda.get_device_name())
+    if sys.argv[1:] == ["--fp8-attention"]:
+        fp8_attention()
+        return
     if sys.argv[1:] == ["--layout"]:
         layout_sweep()
         return

@@ -182,3 +182,26 @@ def test_checkpoint_scales_by_layer_and_their_refusals():
         checkpoint_kv_scales([("a", Tensors(tensors))], num_layers=3)
     with pytest.raises(ValueError, match="one positive number"):
         checkpoint_kv_scales([("a", Tensors(tensors | {"model.layers.0.self_attn.v_scale": torch.tensor(0.0)}))], 2)
+
+
+def test_decode_of_a_bf16_model_reads_float8_in_fp16():
+    """A bf16 q over a float8 pool: the products in fp16 (triton_decode.FP8_WIDEN_TO_F16), within
+    bf16's rounding of attention computed in fp32. (Only this path on the CPU: Triton 3.6's
+    interpreter computes bf16 tl.dot wrongly, ~1e7 off; tests/gpu/test_fp8_kv_cuda.py runs both.)"""
+    k, v = kv(2)
+    slots = torch.arange(16, 16 + TOKENS)
+    pool = fp8_pool()
+    pool.set_kv(0, slots, k, v)
+    r2t = torch.zeros(2, 64, dtype=torch.int32)
+    r2t[0, :TOKENS] = slots.int()
+    q = torch.randn(1, HEADS, DIM) * 3
+    keys, values = pool.read_kv(0, slots, torch.float32)
+    expected = attention(q.bfloat16().float(), keys, values, 0.2)
+    out = torch.empty(1, HEADS, DIM, dtype=torch.bfloat16)
+    work = DecodeWorkspace(2, HEADS, DIM, 1, "cpu")
+    decode_attention(
+        q.bfloat16(), pool.k_buffers[0], pool.v_buffers[0], out, r2t, torch.tensor([0]), torch.tensor([TOKENS]), 0.2,
+        None, 1, work, k_scale=pool.k_scales[:1], v_scale=pool.v_scales[:1],
+    )  # fmt: skip
+    error = (out.float() - expected).abs().max().item()
+    assert error < 0.02 * expected.abs().max().item(), error

@@ -38,3 +38,36 @@ def test_fp8_kv_on_cuda_agrees_like_the_reference_and_graphs_give_the_eager_toke
     eager = engine_for(path, **flags, disable_cuda_graph=True, prefill_cuda_graph_max_tokens=0, **CUDA)
     assert torch.equal(eager.runner.kv_pool.k_scales, pool.k_scales)  # calibration is deterministic
     assert top1_and_greedy(eager)[1] == greedy
+
+
+@pytest.mark.parametrize("widen_to_f16", [True, False])
+def test_decode_kernel_reads_float8_for_a_bf16_model_in_fp16_or_bf16(widen_to_f16, monkeypatch):
+    """triton_decode.FP8_WIDEN_TO_F16 on and off, compiled: both within bf16's rounding of attention
+    computed in fp32 over the dequantized pool, at a Llama-8B head geometry and 1024 keys."""
+    from pdserve.common.engine.attention import triton_decode
+    from pdserve.common.engine.kv_pool import PagedKVPool
+
+    monkeypatch.setattr(triton_decode, "FP8_WIDEN_TO_F16", widen_to_f16)
+    heads, kv_heads, dim, tokens, batch = 32, 8, 128, 1024, 4
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pool = PagedKVPool(1 + batch * tokens // 16, 16, 1, kv_heads, dim, FP8, "cuda")
+    pool.set_scales(torch.tensor([0.02], device="cuda"), torch.tensor([0.01], device="cuda"))
+    slots = torch.arange(16, 16 + batch * tokens, device="cuda")
+    k = torch.randn(batch * tokens, kv_heads, dim, device="cuda", generator=g) * 2
+    pool.set_kv(0, slots, k, torch.randn(k.shape, device="cuda", generator=g))
+    r2t = slots.view(batch, tokens).int()
+    q = (torch.randn(batch, heads, dim, device="cuda", generator=g) * 3).bfloat16()
+    out = torch.empty_like(q)
+    work = triton_decode.DecodeWorkspace(batch, heads, dim, 4, "cuda")
+    rows, lens = torch.arange(batch, device="cuda"), torch.full((batch,), tokens, device="cuda")
+    scales = dict(k_scale=pool.k_scales[:1], v_scale=pool.v_scales[:1])
+    triton_decode.decode_attention(
+        q, pool.k_buffers[0], pool.v_buffers[0], out, r2t, rows, lens, 0.1, None, 2, work, **scales
+    )
+    keys, values = pool.read_kv(0, r2t.long(), torch.float32)  # [B, L, KVH, D]
+    keys, values = keys.repeat_interleave(heads // kv_heads, 2), values.repeat_interleave(heads // kv_heads, 2)
+    probs = (torch.einsum("bhd,blhd->bhl", q.float(), keys) * 0.1).softmax(-1)
+    expected = torch.einsum("bhl,blhd->bhd", probs, values)
+    error = (out.float() - expected).abs().max().item()
+    print(f"widen_to_f16={widen_to_f16}: max error {error:.2e} of {expected.abs().max().item():.2e}")
+    assert error < 0.02 * expected.abs().max().item(), error

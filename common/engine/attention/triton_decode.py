@@ -35,6 +35,8 @@ from pdserve.common.engine.attention.triton_store import kv_scales, to_pool
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # "no sliding window", as a window wider than any context
+# A float8 pool under a bf16 model: widen K and V to fp16 and compute q.K and p.V in fp16 (else bf16).
+FP8_WIDEN_TO_F16 = True
 
 
 class DecodeWorkspace:
@@ -138,6 +140,7 @@ def _decode_split_kernel(
     WINDOWED: tl.constexpr,
     INTERPRETED: tl.constexpr,
     KV_SCALED: tl.constexpr,
+    WIDEN_TO_F16: tl.constexpr,
 ):
     req = tl.program_id(0)
     req_64 = req.to(tl.int64)
@@ -170,6 +173,11 @@ def _decode_split_kernel(
     offs_h = kv_head * group_size + in_group
     q_ptrs = q + req_64 * stride_q_b + offs_h[:, None] * stride_q_h + offs_d[None, :]
     q_tile = tl.load(q_ptrs, mask=mask_hd, other=0.0)  # [BLOCK_H, BLOCK_D]
+    if WIDEN_TO_F16:
+        # A float8 pool under a bf16 model: the products in fp16 (float8 -> fp16 is one convert
+        # a pair, -> bf16 several; fp16 holds every e4m3 value and more of q's bits). q is clamped
+        # to fp16's range (a bf16 q past 65504 would be inf).
+        q_tile = tl.minimum(tl.maximum(q_tile.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     # A finite floor instead of -inf: exp2(m_old - m_new) stays 0 or 1, never nan.
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
@@ -440,6 +448,7 @@ def decode_attention(
         WINDOWED=window != NO_WINDOW,
         INTERPRETED=INTERPRETED,
         KV_SCALED=kv_scaled,
+        WIDEN_TO_F16=kv_scaled and q.dtype == torch.bfloat16 and FP8_WIDEN_TO_F16,
         **_split_config(block_d, group_size, grid[0] * grid[1] * grid[2], _num_sms(q.device)),
     )
     if num_kv_splits == 1:
