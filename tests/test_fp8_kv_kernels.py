@@ -69,13 +69,16 @@ def test_the_store_kernels_quantize_bit_for_bit_as_torch():
         store_kv(pool.k_buffers[0], pool.v_buffers[0], loc, k, v)
 
 
-def attention(q, keys, values, scale):
-    """Causal attention of the last len(q) positions over [S, KVH, D] keys and values, in fp32."""
+def attention(q, keys, values, scale, window=None):
+    """Causal attention of the last len(q) positions over [S, KVH, D] keys and values, in fp32
+    (with a sliding window: only keys less than `window` positions back)."""
     group = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
     scores = torch.einsum("thd,shd->hts", q, keys) * scale
     n, e = keys.shape[0], q.shape[0]
-    scores = scores.masked_fill(torch.arange(n)[None] > torch.arange(n - e, n)[:, None], float("-inf"))
+    distance = torch.arange(n - e, n)[:, None] - torch.arange(n)[None]
+    hidden = (distance < 0) | (distance >= window) if window else distance < 0
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hts,shd->thd", scores.softmax(-1), values)
 
 
@@ -205,3 +208,33 @@ def test_decode_of_a_bf16_model_reads_float8_in_fp16():
     )  # fmt: skip
     error = (out.float() - expected).abs().max().item()
     assert error < 0.02 * expected.abs().max().item(), error
+
+
+@pytest.mark.parametrize("prefix,new,window", [(0, 130, None), (100, 150, None), (100, 150, 70), (130, 20, 40)])
+def test_extend_over_a_float8_prefix_in_every_range(prefix, new, window):
+    """Two requests, prefixes read through float8 and new keys as computed, each walked in the
+    kernel's three ranges (whole key blocks, the causal diagonal, a sliding window's edge)."""
+    total, g = prefix + new, torch.Generator().manual_seed(3)
+    pool = PagedKVPool(2 + 2 * total // 16, 16, 1, KV_HEADS, DIM, FP8, "cpu")
+    pool.set_scales(torch.tensor([0.05]), torch.tensor([0.02]))
+    r2t = torch.zeros(2, total, dtype=torch.int32)
+    q, out, expected = torch.randn(2 * new, HEADS, DIM, generator=g), torch.empty(2 * new, HEADS, DIM), []
+    k, v = torch.randn(2 * total, KV_HEADS, DIM, generator=g) * 8, torch.randn(2 * total, KV_HEADS, DIM, generator=g)
+    k_new, v_new = torch.empty(2 * new, KV_HEADS, DIM), torch.empty(2 * new, KV_HEADS, DIM)
+    shuffled = torch.randperm(2 * total, generator=g) + 16  # (page 0 stays reserved)
+    for r in range(2):
+        slots = shuffled[r * total : (r + 1) * total]
+        r2t[r] = slots.int()
+        mine = slice(r * total, (r + 1) * total)
+        pool.set_kv(0, slots.long(), k[mine], v[mine])
+        k_new[r * new : (r + 1) * new], v_new[r * new : (r + 1) * new] = k[mine][prefix:], v[mine][prefix:]
+        keys, values = pool.read_kv(0, slots.long(), torch.float32)
+        keys[prefix:], values[prefix:] = k[mine][prefix:], v[mine][prefix:]
+        expected.append(attention(q[r * new : (r + 1) * new], keys, values, 0.2, window))
+    i32 = dict(dtype=torch.int32)
+    lens = torch.tensor([total] * 2, **i32), torch.tensor([new] * 2, **i32), torch.tensor([0, new], **i32)
+    rows = torch.tensor([1, 0])  # request i reads row 1 - i
+    r2t = r2t.flip(0).contiguous()
+    extend_attention(q, pool.k_buffers[0], pool.v_buffers[0], out, r2t, rows, *lens, new, 0.2, window,
+                     *pool.layer_scales(0), k_new, v_new)  # fmt: skip
+    torch.testing.assert_close(out, torch.cat(expected), atol=3e-5, rtol=1e-4)

@@ -7,10 +7,7 @@ already in the pool (the backend stores them first), so prefix and new keys are 
 the key blocks at the causal diagonal and the window's edge pay for masks. Heads of one request
 and KV group are adjacent in the grid, so their shared K/V stays in L2. A float8 pool is the
 exception: the new tokens' K and V are read from the forward's own tensors, not the pool (the
-same walk, each key block from one or the other: _pool_or_new).
-
-Why this file is long: the kernel, its two block helpers and the range walk share a dozen
-arguments each, spelled out (Triton has no keyword defaults for them).
+prefix from the pool and the new keys from those tensors, each walked as above: _walk).
 
 NOTE: import this module lazily (never from common/engine/attention/__init__.py): Triton reads
 TRITON_INTERPRET when a @triton.jit function is defined, and the CPU tests set it in conftest.
@@ -29,48 +26,38 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_block(
-    q_tile,
-    q_pos,
-    m_i,
-    l_i,
-    acc,
-    block_start,
-    end,
-    window,
-    row_slots,
-    k_buf,
-    v_buf,
-    kv_head_offset,
-    stride_buf_s,
-    new_kv,
-    qk_scale,
-    offs_d,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    NEW_FROM_FORWARD: tl.constexpr,
-):
-    """Online softmax over keys [block_start, min(block_start + BLOCK_N, end)): one gather of
-    slots, then [BLOCK_N, BLOCK_D] of K and of V. MASKED: apply the bound, causal and window
-    masks; without it the block must be whole and visible to every query. NEW_FROM_FORWARD (a
-    float8 pool): keys at positions >= prefix_len are read from the forward's own K and V
-    (`new_kv`), the prefix's from the pool, dequantized (see _extend_kernel)."""
+    q_tile, q_pos, m_i, l_i, acc, block_start, end, window, src, qk_scale, offs_d,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FROM_NEW: tl.constexpr, SCALED: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over keys [block_start, min(block_start + BLOCK_N, end)): [BLOCK_N, BLOCK_D]
+    of K and of V. MASKED: apply the bound, causal and window masks; without it the block must be
+    whole and visible to every query. Where the keys are (`src`, a tuple; the last item V's scale):
+      the pool:           (row_slots, k_buf, v_buf, kv_head_offset, stride_buf_s, v_scale), one
+                          gather of slots through req_to_token;
+      FROM_NEW, the forward's own K and V: (k_new, v_new, k token stride, v token stride,
+                          prefix_len, 1.0), row = position - prefix_len.
+    SCALED: a float8 pool's V scale multiplies p.V (K's is in qk_scale)."""
     offs_n = block_start + tl.arange(0, BLOCK_N)
     mask_d = offs_d < HEAD_DIM
     if MASKED:
         mask_n = offs_n < end
-        slots = tl.load(row_slots + offs_n, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
     else:
-        slots = tl.load(row_slots + offs_n).to(tl.int64)
         kv_mask = mask_d[None, :]
-    kv_offsets = slots[:, None] * stride_buf_s + kv_head_offset + offs_d[None, :]
-    if NEW_FROM_FORWARD:
-        k_tile = _pool_or_new(k_buf, kv_offsets, kv_mask, offs_n, offs_d, new_kv, 0, q_tile.dtype)
+    if FROM_NEW:
+        rows = (offs_n - src[4]).to(tl.int64)
+        k_ptrs = src[0] + rows[:, None] * src[2] + offs_d[None, :]
+        v_ptrs = src[1] + rows[:, None] * src[3] + offs_d[None, :]
     else:
-        k_tile = tl.load(k_buf + kv_offsets, mask=kv_mask, other=0.0).to(q_tile.dtype)  # [BLOCK_N, BLOCK_D]
+        if MASKED:
+            slots = tl.load(src[0] + offs_n, mask=mask_n, other=0).to(tl.int64)
+        else:
+            slots = tl.load(src[0] + offs_n).to(tl.int64)
+        kv_offsets = slots[:, None] * src[4] + src[3] + offs_d[None, :]
+        k_ptrs = src[1] + kv_offsets
+        v_ptrs = src[2] + kv_offsets
+    k_tile = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q_tile.dtype)  # [BLOCK_N, BLOCK_D]
     scores = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         distance = q_pos[:, None] - offs_n[None, :]
@@ -83,54 +70,19 @@ def _attend_block(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if NEW_FROM_FORWARD:
-        v_tile = _pool_or_new(v_buf, kv_offsets, kv_mask, offs_n, offs_d, new_kv, 1, q_tile.dtype)
-    else:
-        v_tile = tl.load(v_buf + kv_offsets, mask=kv_mask, other=0.0).to(q_tile.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _pool_or_new(buf, kv_offsets, kv_mask, offs_n, offs_d, new_kv, which: tl.constexpr, dtype: tl.constexpr):
-    """A K (which 0) or V (1) tile in `dtype`: the prefix's rows from the float8 pool times the
-    layer's scale (kv_pool.read_kv's numbers), the new tokens' rows from the forward's own tensor.
-    new_kv = (prefix_len, k_new, v_new, their token strides, k_scale, v_scale): k_new and v_new
-    already point at this request's first new token and this program's KV head."""
-    prefix_len = new_kv[0]
-    is_new = (offs_n >= prefix_len)[:, None]
-    new_ptr = new_kv[1 + which] + (offs_n - prefix_len)[:, None] * new_kv[3 + which] + offs_d[None, :]
-    fresh = tl.load(new_ptr, mask=kv_mask & is_new, other=0.0)
-    cached = tl.load(buf + kv_offsets, mask=kv_mask & ~is_new, other=0.0).to(tl.float32) * new_kv[5 + which]
-    return tl.where(is_new, fresh.to(dtype), cached.to(dtype))
+    v_tile = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q_tile.dtype)
+    pv = tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
+    if SCALED:
+        pv = pv * src[5]
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
 def _attend_range(
-    q_tile,
-    q_pos,
-    m_i,
-    l_i,
-    acc,
-    start,
-    end,
-    window,
-    row_slots,
-    k_buf,
-    v_buf,
-    kv_head_offset,
-    stride_buf_s,
-    new_kv,
-    qk_scale,
-    offs_d,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-    NEW_FROM_FORWARD: tl.constexpr,
-):
+    q_tile, q_pos, m_i, l_i, acc, start, end, window, src, qk_scale, offs_d,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, FROM_NEW: tl.constexpr, SCALED: tl.constexpr,
+):  # fmt: skip
     """_attend_block over keys [start, end), BLOCK_N at a time."""
     if INTERPRETED:
         # NOTE: Triton 3.6's interpreter int()s range() bounds, which numpy >= 2.4 refuses for its
@@ -138,97 +90,54 @@ def _attend_range(
         block_start = start
         while block_start < end:
             m_i, l_i, acc = _attend_block(
-                q_tile,
-                q_pos,
-                m_i,
-                l_i,
-                acc,
-                block_start,
-                end,
-                window,
-                row_slots,
-                k_buf,
-                v_buf,
-                kv_head_offset,
-                stride_buf_s,
-                new_kv,
-                qk_scale,
-                offs_d,
-                BLOCK_N,
-                HEAD_DIM,
-                MASKED,
-                USE_WINDOW,
-                DOT_PRECISION,
-                NEW_FROM_FORWARD,
-            )
+                q_tile, q_pos, m_i, l_i, acc, block_start, end, window, src, qk_scale, offs_d,
+                BLOCK_N, HEAD_DIM, MASKED, USE_WINDOW, DOT_PRECISION, FROM_NEW, SCALED,
+            )  # fmt: skip
             block_start += BLOCK_N
     else:
         for block_start in range(start, end, BLOCK_N):
             m_i, l_i, acc = _attend_block(
-                q_tile,
-                q_pos,
-                m_i,
-                l_i,
-                acc,
-                block_start,
-                end,
-                window,
-                row_slots,
-                k_buf,
-                v_buf,
-                kv_head_offset,
-                stride_buf_s,
-                new_kv,
-                qk_scale,
-                offs_d,
-                BLOCK_N,
-                HEAD_DIM,
-                MASKED,
-                USE_WINDOW,
-                DOT_PRECISION,
-                NEW_FROM_FORWARD,
-            )
+                q_tile, q_pos, m_i, l_i, acc, block_start, end, window, src, qk_scale, offs_d,
+                BLOCK_N, HEAD_DIM, MASKED, USE_WINDOW, DOT_PRECISION, FROM_NEW, SCALED,
+            )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _walk(
+    q_tile, q_pos, m_i, l_i, acc, lo, full_lo, full_hi, hi, window, src, qk_scale, offs_d,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr, FROM_NEW: tl.constexpr, SCALED: tl.constexpr,
+):  # fmt: skip
+    """Keys [lo, hi) from one source in three ranges (see _extend_kernel): [lo, full_lo) masked
+    (the window's edge), [full_lo, full_hi) whole blocks every query sees, [full_hi, hi) masked."""
+    if USE_WINDOW:
+        m_i, l_i, acc = _attend_range(
+            q_tile, q_pos, m_i, l_i, acc, lo, full_lo, window, src, qk_scale, offs_d,
+            BLOCK_N, HEAD_DIM, True, USE_WINDOW, DOT_PRECISION, INTERPRETED, FROM_NEW, SCALED,
+        )  # fmt: skip
+    m_i, l_i, acc = _attend_range(
+        q_tile, q_pos, m_i, l_i, acc, full_lo, full_hi, window, src, qk_scale, offs_d,
+        BLOCK_N, HEAD_DIM, False, USE_WINDOW, DOT_PRECISION, INTERPRETED, FROM_NEW, SCALED,
+    )  # fmt: skip
+    m_i, l_i, acc = _attend_range(
+        q_tile, q_pos, m_i, l_i, acc, full_hi, hi, window, src, qk_scale, offs_d,
+        BLOCK_N, HEAD_DIM, True, USE_WINDOW, DOT_PRECISION, INTERPRETED, FROM_NEW, SCALED,
+    )  # fmt: skip
     return m_i, l_i, acc
 
 
 @triton.jit
 def _extend_kernel(
-    q,
-    k_buf,
-    v_buf,
-    out,
-    req_to_token,
-    req_pool_indices,
-    seq_lens,
-    extend_lens,
-    extend_starts,
-    k_new,
-    v_new,
-    k_scale,
-    v_scale,
-    stride_kn_t,
-    stride_kn_h,
-    stride_vn_t,
-    stride_vn_h,
-    stride_q_t,
-    stride_q_h,
-    stride_o_t,
-    stride_o_h,
-    stride_buf_s,
-    stride_buf_h,
-    stride_r2t,
+    q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, extend_lens, extend_starts,
+    k_new, v_new, k_scale, v_scale,
+    stride_kn_t, stride_kn_h, stride_vn_t, stride_vn_h, stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_buf_s, stride_buf_h, stride_r2t,
     qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
-    window,
-    group_size,
-    HEAD_DIM: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-    KV_SCALED: tl.constexpr,
-):
+    window, group_size,
+    HEAD_DIM: tl.constexpr, USE_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, KV_SCALED: tl.constexpr,
+):  # fmt: skip
     head = tl.program_id(0)
     q_block = tl.program_id(1)
     req = tl.program_id(2)
@@ -250,16 +159,6 @@ def _extend_kernel(
     q_rows = extend_start + offs_m
     q_ptrs = q + q_rows[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :]
     q_tile = tl.load(q_ptrs, mask=mask_qd, other=0.0)  # [BLOCK_M, BLOCK_D]
-    # A float8 pool: the new tokens attend to each other through the forward's own K and V, and
-    # only to the prefix through the pool (dequantized: k8 * k_scale, rounded to q's dtype). A
-    # prompt's own attention is then exact, as SGLang's extend kernels read it (docs/architecture.md,
-    # "FP8 KV cache"); what the pool's rounding costs shows in later chunks and in decode.
-    new_kv = (0,)  # (read only where KV_SCALED)
-    if KV_SCALED:
-        kv_head = head // group_size
-        new_kv = (prefix_len, k_new + extend_start * stride_kn_t + kv_head * stride_kn_h,
-                  v_new + extend_start * stride_vn_t + kv_head * stride_vn_h, stride_kn_t, stride_vn_t,
-                  tl.load(k_scale), tl.load(v_scale))  # fmt: skip
 
     # The block's queries sit at [first_q, last_q]; it reads keys [lo, hi), in three ranges:
     #   [lo, full_lo)       outside the window of some queries          masked (window only)
@@ -272,91 +171,45 @@ def _extend_kernel(
     if USE_WINDOW:
         lo = tl.maximum(first_q - window + 1, 0)
         full_lo = tl.minimum(tl.maximum(hi - window, lo), hi)  # the last query's window start
-    full_hi = full_lo + tl.maximum(first_q + 1 - full_lo, 0) // BLOCK_N * BLOCK_N
 
     # A finite floor instead of -inf: a row whose keys in a block are all masked (before its
     # window opens) keeps exp2(m_old - m_new) at 1 and p at 0, never nan.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    row_slots = req_to_token + row * stride_r2t
-    kv_head_offset = (head // group_size).to(tl.int64) * stride_buf_h
-    if USE_WINDOW:
-        m_i, l_i, acc = _attend_range(
-            q_tile,
-            q_pos,
-            m_i,
-            l_i,
-            acc,
-            lo,
-            full_lo,
-            window,
-            row_slots,
-            k_buf,
-            v_buf,
-            kv_head_offset,
-            stride_buf_s,
-            new_kv,
-            qk_scale,
-            offs_d,
-            BLOCK_N,
-            HEAD_DIM,
-            True,
-            USE_WINDOW,
-            DOT_PRECISION,
-            INTERPRETED,
-            KV_SCALED,
-        )
-    m_i, l_i, acc = _attend_range(
-        q_tile,
-        q_pos,
-        m_i,
-        l_i,
-        acc,
-        full_lo,
-        full_hi,
-        window,
-        row_slots,
-        k_buf,
-        v_buf,
-        kv_head_offset,
-        stride_buf_s,
-        new_kv,
-        qk_scale,
-        offs_d,
-        BLOCK_N,
-        HEAD_DIM,
-        False,
-        USE_WINDOW,
-        DOT_PRECISION,
-        INTERPRETED,
-        KV_SCALED,
-    )
-    m_i, l_i, acc = _attend_range(
-        q_tile,
-        q_pos,
-        m_i,
-        l_i,
-        acc,
-        full_hi,
-        hi,
-        window,
-        row_slots,
-        k_buf,
-        v_buf,
-        kv_head_offset,
-        stride_buf_s,
-        new_kv,
-        qk_scale,
-        offs_d,
-        BLOCK_N,
-        HEAD_DIM,
-        True,
-        USE_WINDOW,
-        DOT_PRECISION,
-        INTERPRETED,
-        KV_SCALED,
-    )
+    kv_head = head // group_size
+    pool = (req_to_token + row * stride_r2t, k_buf, v_buf, kv_head.to(tl.int64) * stride_buf_h, stride_buf_s, 1.0)
+    if KV_SCALED:
+        # A float8 pool: the new tokens attend to each other through the forward's own K and V, and
+        # only to the prefix through the pool, as SGLang's extend kernels read it (docs/architecture.md,
+        # "FP8 KV cache"). So two walks, each in the three ranges cut at prefix_len: the prefix's keys
+        # come before every query (no causal mask), and its K = k8 * k_scale folds k_scale into the
+        # score scale (q.(k8 s) = (q.k8) s; float8 widened to q's dtype is exact), V's into p.V.
+        pool = (pool[0], k_buf, v_buf, pool[3], stride_buf_s, tl.load(v_scale))
+        end = tl.minimum(prefix_len, hi)
+        p_lo = tl.minimum(lo, end)
+        p_full_lo = tl.minimum(full_lo, end)
+        p_full_hi = p_full_lo + (end - p_full_lo) // BLOCK_N * BLOCK_N
+        m_i, l_i, acc = _walk(
+            q_tile, q_pos, m_i, l_i, acc, p_lo, p_full_lo, p_full_hi, end, window, pool,
+            qk_scale * tl.load(k_scale), offs_d, BLOCK_N, HEAD_DIM, USE_WINDOW, DOT_PRECISION, INTERPRETED, False, True,
+        )  # fmt: skip
+        k_first = k_new + extend_start * stride_kn_t + kv_head * stride_kn_h  # this request's first new row
+        v_first = v_new + extend_start * stride_vn_t + kv_head * stride_vn_h
+        new = (k_first, v_first, stride_kn_t, stride_vn_t, prefix_len, 1.0)
+        n_lo = tl.maximum(lo, prefix_len)
+        n_full_lo = tl.maximum(full_lo, prefix_len)
+        n_full_hi = n_full_lo + tl.maximum(first_q + 1 - n_full_lo, 0) // BLOCK_N * BLOCK_N
+        m_i, l_i, acc = _walk(
+            q_tile, q_pos, m_i, l_i, acc, n_lo, n_full_lo, n_full_hi, hi, window, new,
+            qk_scale, offs_d, BLOCK_N, HEAD_DIM, USE_WINDOW, DOT_PRECISION, INTERPRETED, True, False,
+        )  # fmt: skip
+    else:
+        full_hi = full_lo + tl.maximum(first_q + 1 - full_lo, 0) // BLOCK_N * BLOCK_N
+        m_i, l_i, acc = _walk(
+            q_tile, q_pos, m_i, l_i, acc, lo, full_lo, full_hi, hi, window, pool,
+            qk_scale, offs_d, BLOCK_N, HEAD_DIM, USE_WINDOW, DOT_PRECISION, INTERPRETED, False, False,
+        )  # fmt: skip
 
     # Every valid row saw at least its own key (l_i > 0); the guard is for the masked-off rows.
     out_tile = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
