@@ -228,6 +228,28 @@ def fp8_attention(layers: int = 8) -> None:
             row.append(f"{name} {us:7.1f} us ({flops / us / 1e6:5.0f} TFLOPS)")
             del bufs
         print(f"  extend batch {bs} prefix {prefix:4d} + {new:4d} new: " + " | ".join(row))
+    for bs, ctx in ((64, 1024), (256, 1024)):  # the float8 pool's decode under other tile settings
+        slots, r2t, rows, seq_lens, q, out = decode_case(bs, ctx, heads, d)
+        ws = td.DecodeWorkspace(bs, heads, d, 16, "cuda")
+        bufs = [torch.randn(slots, kv_heads, d, device="cuda").to(torch.float8_e4m3fn) for _ in range(2 * layers)]
+        original, timed = td._split_config, []
+        for block_n, warps, stages, splits in itertools.product((64, 128), (4, 8), (2, 3, 4), (1, 2)):
+            td._split_config = lambda *args, c=dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages): c
+
+            def run(splits=splits, bufs=bufs):
+                for k, v in zip(bufs[::2], bufs[1::2]):
+                    td.decode_attention(q, k, v, out, r2t, rows, seq_lens, 0.088, None, splits, ws, k_scale=scale,
+                                        v_scale=scale)  # fmt: skip
+
+            try:
+                timed.append((time_us(run, calls=2) / layers, block_n, warps, stages, splits))
+            except Exception as e:  # a config that does not compile (shared memory, registers)
+                print(f"  BLOCK_N {block_n} warps {warps} stages {stages}: {type(e).__name__}")
+        td._split_config = original
+        for us, block_n, warps, stages, splits in sorted(timed)[:4]:
+            print(f"  fp8 decode batch {bs} context {ctx}: {us:6.1f} us BLOCK_N {block_n} warps {warps} "
+                  f"stages {stages} splits {splits}")  # fmt: skip
+        del bufs
 
 
 def main() -> None:
