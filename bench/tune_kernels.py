@@ -180,6 +180,7 @@ def fp8_attention(layers: int = 8) -> None:
     `layers` layers' pools so the L2 cache does not hold them. Prints us a layer and the pool's bytes
     read per us."""
     from pdserve.common.engine.attention import triton_decode as td
+    from pdserve.common.engine.attention import triton_extend
     from pdserve.common.engine.attention.triton_extend import extend_attention
 
     heads, kv_heads, d = 32, 8, 128
@@ -214,7 +215,9 @@ def fp8_attention(layers: int = 8) -> None:
         i32 = dict(dtype=torch.int32, device="cuda")
         lens = (torch.full((bs,), ctx, **i32), torch.full((bs,), new, **i32), torch.arange(0, bs * new, new, **i32))
         row = []
-        for name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+        for name, dtype, widen in (("bf16", torch.bfloat16, False), ("fp8>bf16", torch.float8_e4m3fn, False),
+                                   ("fp8>fp16", torch.float8_e4m3fn, True)):  # fmt: skip
+            triton_extend.FP8_WIDEN_TO_F16 = widen
             bufs = [torch.randn(slots, kv_heads, d, device="cuda").to(dtype) for _ in range(2 * layers)]
             kw = dict(k_scale=scale, v_scale=scale, k_new=k_new, v_new=v_new) if dtype != torch.bfloat16 else {}
             out = torch.empty_like(q)
@@ -227,6 +230,7 @@ def fp8_attention(layers: int = 8) -> None:
             flops = 4 * bs * heads * d * new * (prefix + new / 2)
             row.append(f"{name} {us:7.1f} us ({flops / us / 1e6:5.0f} TFLOPS)")
             del bufs
+        triton_extend.FP8_WIDEN_TO_F16 = True
         print(f"  extend batch {bs} prefix {prefix:4d} + {new:4d} new: " + " | ".join(row))
     for bs, ctx in ((64, 1024), (256, 1024)):  # the float8 pool's decode under other tile settings
         slots, r2t, rows, seq_lens, q, out = decode_case(bs, ctx, heads, d)

@@ -71,3 +71,39 @@ def test_decode_kernel_reads_float8_for_a_bf16_model_in_fp16_or_bf16(widen_to_f1
     error = (out.float() - expected).abs().max().item()
     print(f"widen_to_f16={widen_to_f16}: max error {error:.2e} of {expected.abs().max().item():.2e}")
     assert error < 0.02 * expected.abs().max().item(), error
+
+
+@pytest.mark.parametrize("widen_to_f16", [True, False])
+def test_extend_kernel_over_a_float8_prefix_for_a_bf16_model(widen_to_f16, monkeypatch):
+    """triton_extend.FP8_WIDEN_TO_F16 on and off, compiled: a bf16 prompt of 300 new tokens after
+    1000 cached ones (read through float8), within bf16's rounding of attention in fp32 over the
+    dequantized prefix and the new tokens' own K and V."""
+    from pdserve.common.engine.attention import triton_extend
+    from pdserve.common.engine.kv_pool import PagedKVPool
+
+    monkeypatch.setattr(triton_extend, "FP8_WIDEN_TO_F16", widen_to_f16)
+    heads, kv_heads, dim, prefix, new = 32, 8, 128, 1000, 300
+    total, g = prefix + new, torch.Generator(device="cuda").manual_seed(0)
+    pool = PagedKVPool(2 + total // 16, 16, 1, kv_heads, dim, FP8, "cuda")
+    pool.set_scales(torch.tensor([0.02], device="cuda"), torch.tensor([0.01], device="cuda"))
+    slots = torch.randperm(total, device="cuda", generator=g) + 16
+    k = torch.randn(total, kv_heads, dim, device="cuda", generator=g) * 2
+    v = torch.randn(total, kv_heads, dim, device="cuda", generator=g)
+    pool.set_kv(0, slots, k, v)
+    q = (torch.randn(new, heads, dim, device="cuda", generator=g) * 3).bfloat16()
+    out = torch.empty_like(q)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    lens = torch.tensor([total], **i32), torch.tensor([new], **i32), torch.tensor([0], **i32)
+    k_new, v_new = k[prefix:].bfloat16(), v[prefix:].bfloat16()
+    triton_extend.extend_attention(q, pool.k_buffers[0], pool.v_buffers[0], out, slots[None].int(),
+                                   torch.tensor([0], device="cuda"), *lens, new, 0.1, None, *pool.layer_scales(0),
+                                   k_new, v_new)  # fmt: skip
+    keys, values = pool.read_kv(0, slots, torch.float32)
+    keys[prefix:], values[prefix:] = k_new.float(), v_new.float()
+    keys, values = keys.repeat_interleave(heads // kv_heads, 1), values.repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("thd,shd->hts", q.float(), keys) * 0.1
+    causal = torch.arange(total, device="cuda")[None] > torch.arange(prefix, total, device="cuda")[:, None]
+    expected = torch.einsum("hts,shd->thd", scores.masked_fill(causal, float("-inf")).softmax(-1), values)
+    error = (out.float() - expected).abs().max().item()
+    print(f"extend widen_to_f16={widen_to_f16}: max error {error:.2e} of {expected.abs().max().item():.2e}")
+    assert error < 0.02 * expected.abs().max().item(), error

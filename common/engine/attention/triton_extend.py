@@ -22,6 +22,8 @@ import triton.language as tl
 from pdserve.common.engine.attention.triton_store import kv_scales
 
 LOG2E = 1.4426950408889634
+# A float8 pool under a bf16 model: the prefix's q.K and p.V in fp16 (triton_decode.FP8_WIDEN_TO_F16's).
+FP8_WIDEN_TO_F16 = True
 
 
 @triton.jit
@@ -137,6 +139,7 @@ def _extend_kernel(
     window, group_size,
     HEAD_DIM: tl.constexpr, USE_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, KV_SCALED: tl.constexpr,
+    WIDEN_TO_F16: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -186,12 +189,15 @@ def _extend_kernel(
         # come before every query (no causal mask), and its K = k8 * k_scale folds k_scale into the
         # score scale (q.(k8 s) = (q.k8) s; float8 widened to q's dtype is exact), V's into p.V.
         pool = (pool[0], k_buf, v_buf, pool[3], stride_buf_s, tl.load(v_scale))
+        q_pool = q_tile
+        if WIDEN_TO_F16:  # (triton_decode's reason: float8 -> fp16 is one convert a pair, -> bf16 several)
+            q_pool = tl.minimum(tl.maximum(q_tile.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         end = tl.minimum(prefix_len, hi)
         p_lo = tl.minimum(lo, end)
         p_full_lo = tl.minimum(full_lo, end)
         p_full_hi = p_full_lo + (end - p_full_lo) // BLOCK_N * BLOCK_N
         m_i, l_i, acc = _walk(
-            q_tile, q_pos, m_i, l_i, acc, p_lo, p_full_lo, p_full_hi, end, window, pool,
+            q_pool, q_pos, m_i, l_i, acc, p_lo, p_full_lo, p_full_hi, end, window, pool,
             qk_scale * tl.load(k_scale), offs_d, BLOCK_N, HEAD_DIM, USE_WINDOW, DOT_PRECISION, INTERPRETED, False, True,
         )  # fmt: skip
         k_first = k_new + extend_start * stride_kn_t + kv_head * stride_kn_h  # this request's first new row
@@ -310,5 +316,6 @@ def extend_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 must not drop to tf32
         INTERPRETED=INTERPRETED,
         KV_SCALED=kv_scaled,
+        WIDEN_TO_F16=kv_scaled and q.dtype == torch.bfloat16 and FP8_WIDEN_TO_F16,
         **config,
     )
