@@ -312,13 +312,20 @@ def _head_block(group_size: int) -> int:
     return max(16, min(64, triton.next_power_of_2(group_size)))
 
 
-def _split_config(block_d: int, group_size: int, programs: int, num_sms: int) -> dict:
+def _split_config(block_d: int, group_size: int, programs: int, num_sms: int, float8: bool = False) -> dict:
     """Stage 1's keys per iteration (BLOCK_N), warps and stages, tuned on an H200 in bf16 with
     ~300-token contexts (sweeps of this kernel; bench/tune_kernels.py --attention): 64 keys x
     2 stages (Llama's GQA 4 at batch 128: 23.4 us a layer; 32 x 3: 24.8), except for MHA with more
     programs than fit an SM 8 at a time (~114 registers each at 64 keys): there 32-key blocks win
     (GPT-2 with its K/V store, 12 heads: batch 128 35.8 vs 37.9 us, batch 96 30.2 vs 33.0; batch 80
-    and below 64 keys win, 23.4 vs 28.1 us at 80, 14.5 vs 21.7 at 32)."""
+    and below 64 keys win, 23.4 vs 28.1 us at 80, 14.5 vs 21.7 at 32).
+
+    A float8 pool at head_dim 128 (Llama-8B's heads; bench/tune_kernels.py --fp8-attention, H100):
+    128 keys x 3 stages, half the bytes a key so twice the keys an iteration: batch 64 x 1024
+    keys 62.4 us a layer against 89.6 at bf16's settings (bf16's own: 95.4), batch 256 225.3 against
+    267.3 (370.8)."""
+    if float8 and block_d > 64:
+        return dict(BLOCK_N=128, num_warps=4, num_stages=3)
     if block_d > 64:
         return dict(BLOCK_N=64, num_warps=4, num_stages=2)
     if group_size == 1 and programs > 8 * num_sms:
@@ -449,7 +456,7 @@ def decode_attention(
         INTERPRETED=INTERPRETED,
         KV_SCALED=kv_scaled,
         WIDEN_TO_F16=kv_scaled and q.dtype == torch.bfloat16 and FP8_WIDEN_TO_F16,
-        **_split_config(block_d, group_size, grid[0] * grid[1] * grid[2], _num_sms(q.device)),
+        **_split_config(block_d, group_size, grid[0] * grid[1] * grid[2], _num_sms(q.device), kv_scaled),
     )
     if num_kv_splits == 1:
         return
