@@ -28,7 +28,12 @@ from pdserve.bench.shapes import resolve_shape
 
 REPLAYS = 50
 # fp8_gemm's configurations tried by --sweep-tokens: (BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps).
-SWEEP = [(64, bk, split, st, w) for bk in (128, 256) for split in (1, 2, 4) for st, w in ((4, 4), (3, 8))]
+SWEEP = [(bn, bk, split, st, w) for bn in (32, 64, 128) for bk in (128, 256) for split in (1, 2, 4)
+         for st, w in ((4, 4), (3, 8))]  # fmt: skip
+# The sweep reads this many bytes of weights a replay, in copies of the layer's weight, as a decode
+# step does (each layer's weight once): more than an H100's or H200's L2 (50 / 60 MB), which would
+# otherwise hold a small projection's weight (o_proj: 16.8 MB) across replays.
+SWEEP_WEIGHT_BYTES = 256 << 20
 
 
 def projections(shape: str) -> dict[str, tuple[int, int]]:
@@ -104,7 +109,9 @@ def triton_path(x, wq, w_scale, config):
 
 
 def sweep(shape: str, tokens: list[int]) -> list[dict]:
-    """fp8_gemm at every configuration of SWEEP (BLOCK_M from gemm_config), the fastest first per layer."""
+    """fp8_gemm alone (its input quantized once) at every configuration of SWEEP (BLOCK_M from
+    gemm_config) and at gemm_config's, over SWEEP_WEIGHT_BYTES of weight copies a replay: the
+    fastest first per layer."""
     from pdserve.common.engine.models import fp8, fp8_kernels
 
     rows = []
@@ -112,18 +119,26 @@ def sweep(shape: str, tokens: list[int]) -> list[dict]:
     for name, (k, n) in projections(shape).items():
         weight = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
         wq, w_scale = fp8.quantize_per_channel(weight)
+        copies = [wq] + [wq.clone() for _ in range(SWEEP_WEIGHT_BYTES // wq.numel())]
         for m in tokens:
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-            block_m = fp8_kernels.gemm_config(m, n, k)["BLOCK_M"]
+            default = fp8_kernels.gemm_config(m, n, k)
+            xq, sx = fp8_kernels.quantize_per_token(x, fp8.MIN_AMAX)  # (once: the GEMM alone is timed)
+
+            def layers(cfg):
+                return [fp8_kernels.fp8_gemm(xq, sx, w, w_scale, None, x.dtype, cfg) for w in copies]
+
             timed = []
             for bn, bk, split, stages, warps in SWEEP:
-                cfg = {"BLOCK_N": bn, "BLOCK_M": block_m, "BLOCK_K": bk, "SPLIT_K": split, "num_stages": stages,
-                       "num_warps": warps}  # fmt: skip
+                cfg = {"BLOCK_N": bn, "BLOCK_M": default["BLOCK_M"], "BLOCK_K": bk, "SPLIT_K": split,
+                       "num_stages": stages, "num_warps": warps}  # fmt: skip
                 try:
-                    timed.append((replay_us(lambda: triton_path(x, wq, w_scale, cfg)), cfg))
+                    timed.append((replay_us(lambda cfg=cfg: layers(cfg)) / len(copies), cfg))
                 except Exception as e:  # (a configuration that does not fit shared memory)
                     print(f"  {name} M {m} {cfg}: {type(e).__name__}", flush=True)
             timed.sort(key=lambda t: t[0])
+            us = replay_us(lambda: layers(default)) / len(copies)
+            print(f"sweep {name:8s} K {k:6d} N {n:6d} M {m:5d}: {us:7.1f} us gemm_config's {default}", flush=True)
             for us, cfg in timed[:3]:
                 rows.append({"layer": name, "K": k, "N": n, "tokens": m, "us": us, **cfg})
                 print(f"sweep {name:8s} K {k:6d} N {n:6d} M {m:5d}: {us:7.1f} us {cfg}", flush=True)
