@@ -6,7 +6,8 @@ Each path is what fp8.fp8_linear launches for one layer, the per-token activatio
 included, captured in a CUDA graph (as the engine replays its decode steps) and replayed:
 
     bf16        F.linear
-    row-wise    quantize + torch._scaled_mm with [M, 1] and [1, N] scales (cuBLASLt's epilogue)
+    row-wise    quantize + torch._scaled_mm with [M, 1] and [1, N] scales (cuBLASLt's epilogue), also
+                with use_fast_accum (fp8.FP8_FAST_ACCUM)
     tensor-wise quantize + torch._scaled_mm with unit scales into fp32 + the Triton scale epilogue
     triton      quantize + fp8_kernels.fp8_gemm (one Triton launch, scales and bias in its epilogue),
                 at gemm_config's tiles
@@ -83,6 +84,11 @@ def measure(shape: str, tokens: list[int]) -> list[dict]:
                 xq, sx = fp8_kernels.quantize_per_token(x, fp8.MIN_AMAX)
                 return torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=w_scale.view(1, -1), out_dtype=x.dtype)
 
+            def rowwise_fast():
+                xq, sx = fp8_kernels.quantize_per_token(x, fp8.MIN_AMAX)
+                return torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=w_scale.view(1, -1), out_dtype=x.dtype,
+                                        use_fast_accum=True)  # fmt: skip
+
             def tensorwise():
                 xq, sx = fp8_kernels.quantize_per_token(x, fp8.MIN_AMAX)
                 return fp8.tensorwise_fp8_mm(xq, sx, wq, w_scale, None, x.dtype)
@@ -90,11 +96,13 @@ def measure(shape: str, tokens: list[int]) -> list[dict]:
             row = {"layer": name, "K": k, "N": n, "tokens": m}
             row |= {"bf16_us": replay_us(lambda: torch.nn.functional.linear(x, weight))}
             row |= {"rowwise_us": replay_us(rowwise), "tensorwise_us": replay_us(tensorwise)}
+            row |= {"rowwise_fast_accum_us": replay_us(rowwise_fast)}
             row |= {"triton_us": replay_us(lambda: triton_path(x, wq, w_scale, None))}
             rows.append(row)
             print(
                 f"{name:8s} K {k:6d} N {n:6d} M {m:5d}: bf16 {row['bf16_us']:7.1f} us, row-wise "
-                f"{row['rowwise_us']:7.1f} us, tensor-wise {row['tensorwise_us']:7.1f} us, "
+                f"{row['rowwise_us']:7.1f} us (fast accumulation {row['rowwise_fast_accum_us']:7.1f}), "
+                f"tensor-wise {row['tensorwise_us']:7.1f} us, "
                 f"triton {row['triton_us']:7.1f} us",
                 flush=True,
             )

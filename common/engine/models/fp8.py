@@ -110,6 +110,9 @@ TENSORWISE_MAX_TOKENS = 0
 # bias in its epilogue). On an H200 at Llama-8B's shapes it beat row-wise cuBLASLt at 1-128 tokens on
 # every projection, and lost on gate_up at 256 (docs/benchmarks.md, "FP8 weights at decode").
 TRITON_MAX_TOKENS = 128
+# Above it, torch._scaled_mm's use_fast_accum (CUTLASS's FP8 "fast accumulation" schedule on Hopper:
+# the tensor cores' partial sums are not promoted to fp32 every few k-steps; vLLM's FP8 GEMMs use it).
+FP8_FAST_ACCUM = False
 
 
 @functools.cache
@@ -174,8 +177,9 @@ def fp8_linear(
     else:
         # NOTE: mat2 must be column-major: the [N, K] weight's transpose is, as a view.
         out = torch._scaled_mm(
-            xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=bias, out_dtype=x.dtype
-        )
+            xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=bias, out_dtype=x.dtype,
+            use_fast_accum=FP8_FAST_ACCUM and rows.is_cuda,
+        )  # fmt: skip
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
