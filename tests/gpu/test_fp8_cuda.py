@@ -54,6 +54,26 @@ def test_scaled_mm_agrees_with_the_emulated_path(layer, batch):
     assert err < 0.06, f"{layer} at batch {batch}: {err:.3f} relative error against bf16"
 
 
+@pytest.mark.parametrize("fast_accum", [True, False])
+@pytest.mark.parametrize("n,k", [(4096, 14336), (28672, 4096)])  # Llama-8B's down_proj and gate_up
+def test_prefill_gemms_with_and_without_fast_accumulation_agree_with_the_emulated_path(n, k, fast_accum, monkeypatch):
+    """Above TRITON_MAX_TOKENS the GEMM is torch._scaled_mm, with use_fast_accum (fp8.FP8_FAST_ACCUM,
+    the default) or not: the same float8 operands as the fp32 reference, the partial sums promoted
+    less often. At Llama-8B's longest K both stay within the bound the promoted sums meet."""
+    monkeypatch.setattr(fp8, "FP8_FAST_ACCUM", fast_accum)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    weight = torch.randn(n, k, device="cuda", generator=g).bfloat16() * 0.02
+    x = torch.randn(512, k, device="cuda", generator=g).bfloat16()
+    q, scale = fp8.quantize_per_channel(weight)
+    got = fp8.fp8_linear(x, q, scale, None)
+    xq, x_scale = fp8.quantize_per_token(x)
+    want = fp8.emulated_fp8_mm(xq, x_scale, q, scale, None, torch.float32)
+    err = (got.float() - want).norm() / want.norm()
+    print(f"N {n} K {k} fast accumulation {fast_accum}: relative error {err:.2e} against fp32 sums")
+    assert err < 5e-3, err
+    torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("batch", [1, 64, 200])
 @pytest.mark.parametrize("layer", LLAMA_1B)
 def test_the_triton_gemm_agrees_with_the_emulated_path(layer, batch):
