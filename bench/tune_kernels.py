@@ -219,7 +219,8 @@ def fp8_attention(layers: int = 8) -> None:
                                    ("fp8>fp16", torch.float8_e4m3fn, True)):  # fmt: skip
             triton_extend.FP8_WIDEN_TO_F16 = widen
             bufs = [torch.randn(slots, kv_heads, d, device="cuda").to(dtype) for _ in range(2 * layers)]
-            kw = dict(k_scale=scale, v_scale=scale, k_new=k_new, v_new=v_new) if dtype != torch.bfloat16 else {}
+            kw = dict(k_scale=scale, v_scale=scale, k_new=k_new, v_new=v_new, has_prefix=prefix > 0)
+            kw = kw if dtype != torch.bfloat16 else {}
             out = torch.empty_like(q)
 
             def run(bufs=bufs, kw=kw, out=out):

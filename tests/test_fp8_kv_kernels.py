@@ -238,3 +238,8 @@ def test_extend_over_a_float8_prefix_in_every_range(prefix, new, window):
     extend_attention(q, pool.k_buffers[0], pool.v_buffers[0], out, r2t, rows, *lens, new, 0.2, window,
                      *pool.layer_scales(0), k_new, v_new)  # fmt: skip
     torch.testing.assert_close(out, torch.cat(expected), atol=3e-5, rtol=1e-4)
+    if prefix == 0:  # the kernel compiled without the prefix's walk gives the same numbers
+        alone = torch.empty_like(out)
+        extend_attention(q, pool.k_buffers[0], pool.v_buffers[0], alone, r2t, rows, *lens, new, 0.2, window,
+                         *pool.layer_scales(0), k_new, v_new, has_prefix=False)  # fmt: skip
+        assert torch.equal(alone, out)

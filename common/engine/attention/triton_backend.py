@@ -45,6 +45,9 @@ class ExtendMeta:
     extend_lens: torch.Tensor  # [B] int32
     extend_starts: torch.Tensor  # [B] int32
     max_extend_len: int
+    # Whether any request has a cached prefix (a float8 pool's kernel without the prefix's walk is
+    # another compile: extend_attention's has_prefix). True wherever the host cannot tell.
+    has_prefix: bool = True
 
 
 class TritonBackend(AttentionBackend):
@@ -76,7 +79,11 @@ class TritonBackend(AttentionBackend):
         )
         if batch.spec is not None and batch.spec.moves:  # (an overlapped verify step's lengths: the device's)
             packed[0].copy_(batch.seq_lens_dev)
-        self.meta = ExtendMeta(batch.req_pool_indices, packed[0], packed[1], packed[2], max(batch.extend_lens))
+        # (a verify step always extends a prefix, and an overlapped one's host lengths may lag)
+        has_prefix = batch.spec is not None or any(s > e for s, e in zip(batch.seq_lens, batch.extend_lens))
+        self.meta = ExtendMeta(
+            batch.req_pool_indices, packed[0], packed[1], packed[2], max(batch.extend_lens), has_prefix
+        )
 
     def bind_decode(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Decode over caller-owned device buffers (a CUDA graph's static inputs)."""
@@ -140,5 +147,6 @@ class TritonBackend(AttentionBackend):
                 v_scale,
                 k,
                 v,
+                m.has_prefix,
             )
         return out

@@ -139,7 +139,7 @@ def _extend_kernel(
     window, group_size,
     HEAD_DIM: tl.constexpr, USE_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, KV_SCALED: tl.constexpr,
-    WIDEN_TO_F16: tl.constexpr,
+    WIDEN_TO_F16: tl.constexpr, HAS_PREFIX: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -192,14 +192,19 @@ def _extend_kernel(
         q_pool = q_tile
         if WIDEN_TO_F16:  # (triton_decode's reason: float8 -> fp16 is one convert a pair, -> bf16 several)
             q_pool = tl.minimum(tl.maximum(q_tile.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-        end = tl.minimum(prefix_len, hi)
-        p_lo = tl.minimum(lo, end)
-        p_full_lo = tl.minimum(full_lo, end)
-        p_full_hi = p_full_lo + (end - p_full_lo) // BLOCK_N * BLOCK_N
-        m_i, l_i, acc = _walk(
-            q_pool, q_pos, m_i, l_i, acc, p_lo, p_full_lo, p_full_hi, end, window, pool,
-            qk_scale * tl.load(k_scale), offs_d, BLOCK_N, HEAD_DIM, USE_WINDOW, DOT_PRECISION, INTERPRETED, False, True,
-        )  # fmt: skip
+        # NOTE: HAS_PREFIX False (no request of the batch has one) compiles the prefix's walk out: with
+        # both walks the kernel held 248 registers instead of 168 and a prompt with no prefix took
+        # 1.2x bf16's time; without, 0.8x (H100, docs/benchmarks.md).
+        if HAS_PREFIX:
+            end = tl.minimum(prefix_len, hi)
+            p_lo = tl.minimum(lo, end)
+            p_full_lo = tl.minimum(full_lo, end)
+            p_full_hi = p_full_lo + (end - p_full_lo) // BLOCK_N * BLOCK_N
+            m_i, l_i, acc = _walk(
+                q_pool, q_pos, m_i, l_i, acc, p_lo, p_full_lo, p_full_hi, end, window, pool,
+                qk_scale * tl.load(k_scale), offs_d, BLOCK_N, HEAD_DIM, USE_WINDOW, DOT_PRECISION, INTERPRETED, False,
+                True,
+            )  # fmt: skip
         k_first = k_new + extend_start * stride_kn_t + kv_head * stride_kn_h  # this request's first new row
         v_first = v_new + extend_start * stride_vn_t + kv_head * stride_vn_h
         new = (k_first, v_first, stride_kn_t, stride_vn_t, prefix_len, 1.0)
@@ -251,6 +256,7 @@ def extend_attention(
     v_scale: torch.Tensor | None = None,
     k_new: torch.Tensor | None = None,
     v_new: torch.Tensor | None = None,
+    has_prefix: bool = True,
 ) -> None:
     """Prefill over a cached prefix. q, out: [T, H, D] flat, request after request: request i owns
     rows [extend_starts[i], extend_starts[i] + extend_lens[i]); its KV (prefix + the new tokens,
@@ -261,6 +267,8 @@ def extend_attention(
     Output in q's dtype. A float8 pool needs its layer's k_scale and v_scale ([1] fp32 device
     tensors), read K = k8 * k_scale, V = v8 * v_scale, for the prefix, and this forward's new K and
     V as computed (k_new, v_new [T, KVH, D], rows as q's; strided views are fine) for the new tokens.
+    has_prefix=False (a float8 pool): promises every request's seq_len equals its extend_len, and
+    leaves the prefix's walk out of the kernel.
     """
     num_tokens, num_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
@@ -317,5 +325,6 @@ def extend_attention(
         INTERPRETED=INTERPRETED,
         KV_SCALED=kv_scaled,
         WIDEN_TO_F16=kv_scaled and q.dtype == torch.bfloat16 and FP8_WIDEN_TO_F16,
+        HAS_PREFIX=has_prefix or not kv_scaled,  # (a bf16 pool's kernel has one walk either way: one compile)
         **config,
     )
