@@ -10,7 +10,7 @@ included, captured in a CUDA graph (as the engine replays its decode steps) and 
                 with use_fast_accum (fp8.FP8_FAST_ACCUM)
     tensor-wise quantize + torch._scaled_mm with unit scales into fp32 + the Triton scale epilogue
     triton      quantize + fp8_kernels.fp8_gemm (one Triton launch, scales and bias in its epilogue),
-                at gemm_config's tiles
+                at gemm_config's tiles, tiles read by TMA (Hopper), and by pointer
 
 Prints microseconds per layer and the tokens up to which tensor-wise beats row-wise: what
 fp8.TENSORWISE_MAX_TOKENS should be on this GPU. --sweep-tokens also times fp8_gemm at every tile
@@ -30,7 +30,7 @@ from pdserve.bench.shapes import resolve_shape
 REPLAYS = 50
 # fp8_gemm's configurations tried by --sweep-tokens: (BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps).
 SWEEP = [(bn, bk, split, st, w) for bn in (32, 64, 128) for bk in (128, 256) for split in (1, 2, 4)
-         for st, w in ((4, 4), (3, 8))]  # fmt: skip
+         for st, w in ((3, 4), (4, 4), (6, 4), (3, 8))]  # fmt: skip
 # The sweep reads this many bytes of weights a replay, in copies of the layer's weight, as a decode
 # step does (each layer's weight once): more than an H100's or H200's L2 (50 / 60 MB), which would
 # otherwise hold a small projection's weight (o_proj: 16.8 MB) across replays.
@@ -98,22 +98,23 @@ def measure(shape: str, tokens: list[int]) -> list[dict]:
             row |= {"rowwise_us": replay_us(rowwise), "tensorwise_us": replay_us(tensorwise)}
             row |= {"rowwise_fast_accum_us": replay_us(rowwise_fast)}
             row |= {"triton_us": replay_us(lambda: triton_path(x, wq, w_scale, None))}
+            row |= {"triton_pointer_us": replay_us(lambda: triton_path(x, wq, w_scale, None, tma=False))}
             rows.append(row)
             print(
                 f"{name:8s} K {k:6d} N {n:6d} M {m:5d}: bf16 {row['bf16_us']:7.1f} us, row-wise "
                 f"{row['rowwise_us']:7.1f} us (fast accumulation {row['rowwise_fast_accum_us']:7.1f}), "
                 f"tensor-wise {row['tensorwise_us']:7.1f} us, "
-                f"triton {row['triton_us']:7.1f} us",
+                f"triton {row['triton_us']:7.1f} us (pointer kernel {row['triton_pointer_us']:7.1f})",
                 flush=True,
             )
     return rows
 
 
-def triton_path(x, wq, w_scale, config):
+def triton_path(x, wq, w_scale, config, tma=None):
     from pdserve.common.engine.models import fp8, fp8_kernels
 
     xq, sx = fp8_kernels.quantize_per_token(x, fp8.MIN_AMAX)
-    return fp8_kernels.fp8_gemm(xq, sx, wq, w_scale, None, x.dtype, config)
+    return fp8_kernels.fp8_gemm(xq, sx, wq, w_scale, None, x.dtype, config, tma=tma)
 
 
 def sweep(shape: str, tokens: list[int]) -> list[dict]:

@@ -109,23 +109,26 @@ def test_the_tensorwise_path_computes_the_emulated_numbers(dtype, bias):
 
 
 @pytest.mark.parametrize("m,n,k,bias", [(1, 96, 64, False), (7, 80, 176, True), (33, 64, 128, False)])
-def test_the_triton_gemm_is_bitwise_the_tensorwise_path(m, n, k, bias):
-    """fp8_kernels.fp8_gemm (CUDA's path at decode sizes, here interpreted): the tensor-wise path's
-    numbers — unscaled sums, (sums * x scale) * weight scale + bias, one rounding — at tiles that leave
-    partial blocks on every side (N, M and K)."""
+@pytest.mark.parametrize("tma", [True, False])
+def test_the_triton_gemm_is_bitwise_the_tensorwise_path(m, n, k, bias, tma):
+    """fp8_kernels.fp8_gemm (CUDA's path at decode sizes, here interpreted), its tiles read by TMA
+    (Hopper) or by pointer: the tensor-wise path's numbers — unscaled sums, (sums * x scale) *
+    weight scale + bias, one rounding — at tiles that leave partial blocks on every side (N, M, K)."""
     from pdserve.common.engine.models import fp8_kernels
 
     layer = fp8.Fp8Linear.quantize(make_layer(n, k, bias, 3).to(torch.bfloat16))
     xq, x_scale = fp8.quantize_per_token(torch.randn(m, k).to(torch.bfloat16))
     tiles = {"BLOCK_N": 32, "BLOCK_M": 16, "BLOCK_K": 32}
-    got = fp8_kernels.fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, torch.bfloat16, tiles)
+    got = fp8_kernels.fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, torch.bfloat16, tiles,
+                               tma=tma)  # fmt: skip
     want = fp8.tensorwise_fp8_mm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("split", [2, 4])
-def test_the_triton_gemm_split_over_k_sums_its_parts_in_order(split):
+@pytest.mark.parametrize("tma", [True, False])
+def test_the_triton_gemm_split_over_k_sums_its_parts_in_order(split, tma):
     """With SPLIT_K each program sums a K slice; the parts are added in order, then scaled: the same
     numbers up to the order of the fp32 sums, and the same bits run after run."""
     from pdserve.common.engine.models import fp8_kernels
@@ -133,11 +136,34 @@ def test_the_triton_gemm_split_over_k_sums_its_parts_in_order(split):
     layer = fp8.Fp8Linear.quantize(make_layer(80, 256, True, 4).to(torch.bfloat16))
     xq, x_scale = fp8.quantize_per_token(torch.randn(9, 256).to(torch.bfloat16))
     tiles = {"BLOCK_N": 32, "BLOCK_M": 16, "BLOCK_K": 32, "SPLIT_K": split}
-    got = fp8_kernels.fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, torch.bfloat16, tiles)
+    got = fp8_kernels.fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, torch.bfloat16, tiles,
+                               tma=tma)  # fmt: skip
     want = fp8.emulated_fp8_mm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, torch.bfloat16)
     torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-5)
     assert torch.equal(got, fp8_kernels.fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias,
-                                                 torch.bfloat16, tiles))  # fmt: skip
+                                                 torch.bfloat16, tiles, tma=tma))  # fmt: skip
+
+
+@pytest.mark.parametrize("m,inter", [(1, 64), (7, 80), (20, 200)])
+def test_the_fused_gate_up_is_the_gemm_then_silu_and_multiply(m, inter):
+    """fp8_kernels.gate_up_silu_fp8 (interpreted): silu(gate) * up quantized per token, as fp8_gemm of
+    the merged [gate; up] layer then silu_mul_fp8 give it, at intermediate sizes that leave a partial
+    tile (80, 200: the gate tile's last rows are up's first, never stored)."""
+    from pdserve.common.engine.models import fp8_kernels
+
+    k = 96
+    gate_up = fp8.Fp8Linear.quantize(make_layer(2 * inter, k, False, 5).to(torch.bfloat16))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    xq, x_scale = fp8.quantize_per_token(x.to(torch.bfloat16))
+    args = (xq, x_scale, gate_up.weight, gate_up.weight_scale)
+    tiles = {"BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 32}
+    want_q, want_scale = fp8_kernels.silu_mul_fp8(
+        fp8_kernels.fp8_gemm(*args, None, torch.bfloat16, tiles, tma=False), fp8.MIN_AMAX
+    )
+    got_q, got_scale = fp8_kernels.gate_up_silu_fp8(*args, torch.bfloat16, fp8.MIN_AMAX, block_k=32)
+    assert got_q.dtype == torch.float8_e4m3fn and got_q.shape == (m, inter) and got_scale.shape == (m, 1)
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
 
 
 def test_an_input_quantized_by_the_op_before_gives_the_layers_numbers():

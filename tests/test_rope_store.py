@@ -4,6 +4,7 @@ store_kv: bitwise the same q, k and pool (the interpreter on CPU; compiled on a 
 import pytest
 import torch
 
+from pdserve.common.engine.attention import triton_store
 from pdserve.common.engine.attention.triton_store import rope_store_kv, store_kv
 from pdserve.common.engine.models import triton_ops
 from pdserve.common.engine.models.layers import rope_inv_freq
@@ -42,7 +43,11 @@ def both_ways(tokens, heads, kv_heads, head_dim, dtype, loc, seed, pool_dtype=No
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (8, 4, 32), (8, 2, 24), (12, 3, 64)])
 @pytest.mark.parametrize("tokens", [1, 7, 13])
-def test_rope_store_kv_is_bitwise_rope_then_store(dtype, heads, kv_heads, head_dim, tokens):
+@pytest.mark.parametrize("head_groups", [True, False])
+def test_rope_store_kv_is_bitwise_rope_then_store(dtype, heads, kv_heads, head_dim, tokens, head_groups, monkeypatch):
+    """With a program per token and KV head group (a decode step's few tokens) and per token (many)."""
+    if not head_groups:
+        monkeypatch.setattr(triton_store, "_FEW_TOKENS", 0)
     loc = (torch.randperm(POOL - 1, generator=torch.Generator().manual_seed(tokens))[:tokens] + 1).to(DEVICE)
     ref, out, v_before, v = both_ways(tokens, heads, kv_heads, head_dim, dtype, loc, seed=heads * head_dim + tokens)
     for name, a, b in zip(["q", "k", "k_buf", "v_buf"], ref, out):

@@ -92,6 +92,39 @@ def test_the_triton_gemm_agrees_with_the_emulated_path(layer, batch):
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2 * want.abs().max().item())
 
 
+LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+@pytest.mark.parametrize("batch", [1, 64, 100, 128])
+@pytest.mark.parametrize("layer", LLAMA_8B)
+def test_the_tma_gemm_is_bitwise_the_pointer_gemm(layer, batch):
+    """fp8_gemm's two kernels at gemm_config's TMA tiles: the same sums in the same order."""
+    from pdserve.common.engine.models import fp8_kernels
+
+    n, k = LLAMA_8B[layer]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, scale = fp8.quantize_per_channel(torch.randn(n, k, device="cuda", generator=g).bfloat16() * 0.02)
+    xq, x_scale = fp8.quantize_per_token(torch.randn(batch, k, device="cuda", generator=g).bfloat16())
+    assert fp8_kernels.tma_describable(xq, q)
+    tiles = fp8_kernels.gemm_config(batch, n, k, tma=True)
+    got = fp8_kernels.fp8_gemm(xq, x_scale, q, scale, None, torch.bfloat16)
+    want = fp8_kernels.fp8_gemm(xq, x_scale, q, scale, None, torch.bfloat16, tiles, tma=False)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("batch", [1, 64, 128])
+def test_the_fused_gate_up_is_bitwise_the_gemm_then_silu_and_multiply(batch):
+    """gate_up_silu_fp8 at Llama-8B's gate_up: fp8_gemm then silu_mul_fp8's float8 rows and scales."""
+    from pdserve.common.engine.models import fp8_kernels
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q, scale = fp8.quantize_per_channel(torch.randn(28672, 4096, device="cuda", generator=g).bfloat16() * 0.02)
+    xq, x_scale = fp8.quantize_per_token(torch.randn(batch, 4096, device="cuda", generator=g).bfloat16() * 3)
+    want = fp8_kernels.silu_mul_fp8(fp8_kernels.fp8_gemm(xq, x_scale, q, scale, None, torch.bfloat16), fp8.MIN_AMAX)
+    got = fp8_kernels.gate_up_silu_fp8(xq, x_scale, q, scale, torch.bfloat16, fp8.MIN_AMAX)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+
+
 def test_unaligned_or_non_bf16_layers_fall_back_to_the_emulated_path():
     x = torch.randn(4, 40, device="cuda").bfloat16()
     q, _ = fp8.quantize_per_channel(torch.randn(24, 40, device="cuda"))

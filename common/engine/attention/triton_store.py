@@ -20,6 +20,8 @@ from pdserve.common.engine.models.triton_ops import _rope_token_q, _rotate_store
 # A program copies BLOCK_H heads x BLOCK_D dims of one token's K and V; about 4k elements is a
 # few 16-byte vectors per thread and keeps wide models (64 KV heads x 128) from spilling.
 _MAX_TILE = 4096
+# rope_store_kv splits a token's heads over programs up to this many tokens.
+_FEW_TOKENS = 256
 
 
 @triton.jit
@@ -159,22 +161,25 @@ def _rope_store_kv_kernel(
     stride_vh,
     stride_buf_s,
     stride_buf_h,
-    num_q_heads,
-    num_kv_heads,
+    q_heads_per_group,
+    kv_heads_per_group,
     half,
     BLOCK_HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
     QUANTIZE: tl.constexpr,
 ):
-    # One program per token: rope_'s math (the same helpers), then store_kv's writes.
+    # One program per token and head group (grid axis 1: a group's query heads and the KV heads
+    # they read): rope_'s math (the same helpers), then store_kv's writes.
     token = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
     offs, mask_d, cos, sin = _rope_token_q(
-        q, positions, inv_freq, token, stride_qt, stride_qh, num_q_heads, half, BLOCK_HALF, BLOCK_QH
-    )
+        q, positions, inv_freq, token, stride_qt, stride_qh, group * q_heads_per_group, q_heads_per_group, half,
+        BLOCK_HALF, BLOCK_QH,
+    )  # fmt: skip
 
-    kv_heads = tl.arange(0, BLOCK_KH)
-    kv_mask = (kv_heads < num_kv_heads)[:, None] & mask_d[None, :]
+    kv_heads = group * kv_heads_per_group + tl.arange(0, BLOCK_KH)
+    kv_mask = (kv_heads < (group + 1) * kv_heads_per_group)[:, None] & mask_d[None, :]
     # k too is rotated in place, so after this call k holds what rope_ would have left there.
     k1, k2 = _rotate_store(
         k + token * stride_kt + kv_heads[:, None] * stride_kh + offs[None, :], cos, sin, half, kv_mask
@@ -208,7 +213,11 @@ def rope_store_kv(q, k, v, positions, inv_freq, k_buf, v_buf, loc, k_scale=None,
     assert v_buf.shape == k_buf.shape and v_buf.stride() == k_buf.stride() and k.dtype == q.dtype
     assert q.stride(2) == k.stride(2) == v.stride(2) == k_buf.stride(2) == 1
     k_scale, v_scale, quantize = kv_scales(k_buf, k_scale, v_scale)
-    _rope_store_kv_kernel[(num_tokens,)](
+    # Few tokens (a decode step): a program per KV head group, else too few programs to fill the GPU
+    # (Llama-8B, batch 64: 64 programs of 32 + 8 heads took 6.8 us a layer, H100).
+    groups = num_kv_heads if num_tokens <= _FEW_TOKENS and num_q_heads % num_kv_heads == 0 else 1
+    q_per_group, kv_per_group = num_q_heads // groups, num_kv_heads // groups
+    _rope_store_kv_kernel[(num_tokens, groups)](
         q,
         k,
         v,
@@ -227,12 +236,12 @@ def rope_store_kv(q, k, v, positions, inv_freq, k_buf, v_buf, loc, k_scale=None,
         v.stride(1),
         k_buf.stride(0),
         k_buf.stride(1),
-        num_q_heads,
-        num_kv_heads,
+        q_per_group,
+        kv_per_group,
         half,
         BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_QH=triton.next_power_of_2(num_q_heads),
-        BLOCK_KH=triton.next_power_of_2(num_kv_heads),
+        BLOCK_QH=triton.next_power_of_2(q_per_group),
+        BLOCK_KH=triton.next_power_of_2(kv_per_group),
         QUANTIZE=quantize,
-        num_warps=4,
+        num_warps=4 if groups == 1 else 1,
     )

@@ -186,6 +186,28 @@ def fp8_linear(
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def gate_up_fuses(x, gate_up: nn.Module) -> bool:
+    """Whether gate_up_silu runs this MLP input: an FP8 gate_up without bias, its input quantized by
+    the norm before it, decode-sized (TRITON_MAX_TOKENS), operands TMA can read."""
+    if not (isinstance(x, Fp8Input) and isinstance(gate_up, Fp8Linear) and gate_up.bias is None):
+        return False
+    if not x.q.is_cuda or x.q.shape[0] > TRITON_MAX_TOKENS or scaled_mm_refusal(x, gate_up.weight):
+        return False
+    from pdserve.common.engine.models import fp8_kernels
+
+    return fp8_kernels.tma_describable(x.q, gate_up.weight)
+
+
+def gate_up_silu(x: Fp8Input, gate_up: "Fp8Linear") -> Fp8Input:
+    """silu(gate) * up of a merged FP8 gate_up layer, quantized per token for down_proj: what
+    gate_up(x), then fp8_kernels.silu_mul_fp8, would give, in fp8_kernels.gate_up_silu_fp8's two
+    launches (gate_up_fuses says where)."""
+    from pdserve.common.engine.models import fp8_kernels
+
+    q, scale = fp8_kernels.gate_up_silu_fp8(x.q, x.scale, gate_up.weight, gate_up.weight_scale, x.dtype, MIN_AMAX)
+    return Fp8Input(q, scale, x.dtype)
+
+
 def emulated_fp8_mm(
     xq: torch.Tensor,
     x_scale: torch.Tensor,

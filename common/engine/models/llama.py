@@ -150,6 +150,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x):
         if hasattr(self, "gate_up_proj"):
+            if self.fp8_down and fp8.gate_up_fuses(x, self.gate_up_proj):
+                return self.down_proj(fp8.gate_up_silu(x, self.gate_up_proj))
             gate_up = self.gate_up_proj(x)
             if self.fp8_down:
                 from pdserve.common.engine.models import fp8_kernels

@@ -165,7 +165,7 @@ def _rope_kernel(
     # One program per token rotates all its query and key heads (one tile each).
     token = tl.program_id(0).to(tl.int64)
     offs, mask_d, cos, sin = _rope_token_q(
-        q, positions, inv_freq, token, stride_qt, stride_qh, num_q_heads, half, BLOCK_HALF, BLOCK_QH
+        q, positions, inv_freq, token, stride_qt, stride_qh, 0, num_q_heads, half, BLOCK_HALF, BLOCK_QH
     )
     k_heads = tl.arange(0, BLOCK_KH)
     k_mask = (k_heads < num_kv_heads)[:, None] & mask_d[None, :]
@@ -181,18 +181,19 @@ def _rope_token_q(
     token,
     stride_qt,
     stride_qh,
+    first_q_head,
     num_q_heads,
     half,
     BLOCK_HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr,
 ):
-    """One token's cos/sin, and its query heads rotated in place. Returns (offs, mask_d, cos, sin)
-    for rotating its key heads the same way."""
+    """One token's cos/sin, and its query heads [first_q_head, first_q_head + num_q_heads) rotated
+    in place. Returns (offs, mask_d, cos, sin) for rotating key heads the same way."""
     offs = tl.arange(0, BLOCK_HALF)
     mask_d = offs < half
     cos, sin = _rope_cos_sin(positions, inv_freq, token, offs, mask_d, q.dtype.element_ty)
-    q_heads = tl.arange(0, BLOCK_QH)
-    q_mask = (q_heads < num_q_heads)[:, None] & mask_d[None, :]
+    q_heads = first_q_head + tl.arange(0, BLOCK_QH)
+    q_mask = (q_heads < first_q_head + num_q_heads)[:, None] & mask_d[None, :]
     _rotate_store(q + token * stride_qt + q_heads[:, None] * stride_qh + offs[None, :], cos, sin, half, q_mask)
     return offs, mask_d, cos, sin
 
