@@ -58,8 +58,9 @@ def quantize_per_token(x: torch.Tensor, min_amax: float) -> tuple[torch.Tensor, 
     # NOTE: the whole row sits in registers (one pass over x): 8 warps keep a 16k-wide row
     # (Llama-8B's down_proj input, 14336) at 64 values a thread.
     _quantize_rows[(rows,)](
-        x, q, scale, cols, x.stride(0), min_amax, 448.0, BLOCK=block, PDL=pdl(), num_warps=8 if block >= 4096 else 4
-    )
+        x, q, scale, cols, x.stride(0), min_amax, 448.0, BLOCK=block, PDL=pdl(x.device),
+        num_warps=8 if block >= 4096 else 4,
+    )  # fmt: skip
     return q, scale
 
 
@@ -145,22 +146,10 @@ def _fp8_gemm_swapped(
 
 
 @triton.jit
-def _prefetch_rows_to_l2(w_ptr, first_row, rows, row_stride, BLOCK_N: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for LINES 128-byte lines at the start of each weight row [first_row, first_row + BLOCK_N)
-    (rows past the last are clamped to it): no registers, no wait."""
-    r = tl.minimum(first_row + tl.arange(0, BLOCK_N), rows - 1).to(tl.int64)
-    ptrs = w_ptr + r[:, None] * row_stride + (tl.arange(0, LINES) * 128)[None, :]
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
 def _fp8_gemm_tma(
-    w_desc, x_desc, w_ptr, w_row_stride, sw_ptr, sx_ptr, bias_ptr, out_ptr, partial_ptr, M, N, out_row_stride,
+    w_desc, x_desc, sw_ptr, sx_ptr, bias_ptr, out_ptr, partial_ptr, M, N, out_row_stride,
     K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
 ):  # fmt: skip
     """_fp8_gemm_swapped's tiles, read by the tensor-memory accelerator (Hopper's TMA: one
     instruction a tile, no address arithmetic in the threads; rows and columns past the tensor's
@@ -171,10 +160,7 @@ def _fp8_gemm_tma(
     pid_k = tl.program_id(2)
     k_first = pid_k * (K // SPLIT_K)
     if PDL:
-        # Launched while the kernel before still runs (programmatic dependent launch): start the
-        # weight's bytes towards L2, then wait for that kernel's x before touching it.
-        _prefetch_rows_to_l2(w_ptr + k_first, pid_n * BLOCK_N, N, w_row_stride, BLOCK_N, PREFETCH_LINES)
-        gdc_wait()
+        gdc_wait()  # launched before the kernel that wrote x had finished (fp8_kernels.PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K // SPLIT_K, BLOCK_K):
         w = w_desc.load([pid_n * BLOCK_N, k_first + k0])
@@ -228,24 +214,19 @@ def gemm_config(m: int, n: int, k: int, tma: bool = True) -> dict:
             "num_warps": 4}  # fmt: skip
 
 
-# Programmatic dependent launch (Hopper): the decode-size GEMMs launch before the kernel that makes
-# their input has finished, start their weight's bytes towards L2, then wait for it (gdc_wait); the
-# kernels that make FP8 layer inputs let them launch as soon as all their programs run
-# (gdc_launch_dependents). Off under the interpreter.
-PDL = False
-# Bytes a program prefetches per weight row before it waits: at most this (a power of two of lines).
-PREFETCH_ROW_BYTES = 4096
+# Programmatic dependent launch (Hopper): the decode-size FP8 GEMMs are launched so that they may
+# start before the kernel that writes their input has finished, and wait for it (gdc_wait) before
+# reading anything; the kernels that write FP8 layer inputs (rmsnorm_fp8, quantize_per_token, the
+# fused gate_up's quantization) let them launch as soon as all their own programs run
+# (gdc_launch_dependents). A GEMM's ramp (its first tiles' latency, ~1-2 us) then overlaps the tail
+# of the kernel before it: Llama-8B decode step, batch 64, H100, 4.524 against 4.599 ms (docs/benchmarks.md,
+# "FP8 decode step, third pass"; prefetching the weight to L2 before the wait made it slower, 5.03).
+PDL = True
 
 
-def pdl() -> bool:
-    return PDL and not _INTERPRETED
-
-
-def _prefetch_lines(row_bytes: int) -> int:
-    lines = 1
-    while 2 * lines * 128 <= min(row_bytes, PREFETCH_ROW_BYTES):
-        lines *= 2
-    return lines
+def pdl(device: torch.device) -> bool:
+    """PDL on for launches on this device: Hopper and later, never under the interpreter."""
+    return PDL and not _INTERPRETED and _has_tma(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -300,9 +281,8 @@ def fp8_gemm(
         w_desc = TensorDescriptor.from_tensor(weight, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
         x_desc = TensorDescriptor.from_tensor(xq, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         _fp8_gemm_tma[grid](
-            w_desc, x_desc, weight, weight.stride(0), weight_scale, x_scale, bias_or_any, out, partial, m, n,
-            out.stride(0), K=k, SPLIT_K=split, HAS_BIAS=bias is not None, PDL=pdl(),
-            PREFETCH_LINES=_prefetch_lines(k // split), launch_pdl=pdl(), **cfg,
+            w_desc, x_desc, weight_scale, x_scale, bias_or_any, out, partial, m, n, out.stride(0), K=k,
+            SPLIT_K=split, HAS_BIAS=bias is not None, PDL=pdl(xq.device), launch_pdl=pdl(xq.device), **cfg,
         )  # fmt: skip
     else:
         _fp8_gemm_swapped[grid](
@@ -373,7 +353,7 @@ def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
         # H200 a few values came out one float8 step apart (tests/gpu/test_fp8_cuda.py bounds it).
         _rmsnorm_fp8[(rows,)](
             x, r, q, scale, weight, x.stride(0), r.stride(0), n, eps, min_amax, HAS_RESIDUAL=residual is not None,
-            BLOCK=block, PDL=pdl(), num_warps=min(max(block // 256, 1), 8),
+            BLOCK=block, PDL=pdl(x.device), num_warps=min(max(block // 256, 1), 8),
         )  # fmt: skip
     return q, scale
 
@@ -418,9 +398,8 @@ def silu_mul_fp8(gate_up: torch.Tensor, min_amax: float):
 
 @triton.jit
 def _gate_up_silu_tma(
-    w_desc, x_desc, w_ptr, w_row_stride, sw_ptr, sx_ptr, y_ptr, amax_ptr, M, INTER, K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
+    w_desc, x_desc, sw_ptr, sx_ptr, y_ptr, amax_ptr, M, INTER, K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -428,10 +407,8 @@ def _gate_up_silu_tma(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = offs_n < INTER
     m_ok = offs_m < M
-    if PDL:  # as _fp8_gemm_tma
-        _prefetch_rows_to_l2(w_ptr, pid_n * BLOCK_N, 2 * INTER, w_row_stride, BLOCK_N, PREFETCH_LINES)
-        _prefetch_rows_to_l2(w_ptr, INTER + pid_n * BLOCK_N, 2 * INTER, w_row_stride, BLOCK_N, PREFETCH_LINES)
-        gdc_wait()
+    if PDL:
+        gdc_wait()  # as _fp8_gemm_tma
     acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -490,13 +467,12 @@ def gate_up_silu_fp8(xq, x_scale, weight, weight_scale, dtype, min_amax: float, 
     # Tiles: the best of an H100 sweep at Llama-8B's gate_up, 64 and 128 tokens (64-row gate and up
     # tiles, K 128 at a time, 3 in flight: 50.2 and 55.2 us with the quantization, against 53.1 and 58.9).
     _gate_up_silu_tma[(tiles, triton.cdiv(m, block_m))](
-        w_desc, x_desc, weight, weight.stride(0), weight_scale, x_scale, y, amax, m, i, K=k, BLOCK_N=block_n,
-        BLOCK_M=block_m, BLOCK_K=block_k, PDL=pdl(), PREFETCH_LINES=_prefetch_lines(k), launch_pdl=pdl(),
-        num_stages=3, num_warps=4,
+        w_desc, x_desc, weight_scale, x_scale, y, amax, m, i, K=k, BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k,
+        PDL=pdl(xq.device), launch_pdl=pdl(xq.device), num_stages=3, num_warps=4,
     )  # fmt: skip
     block = 1024
     _quantize_rows_by_amax[(m, triton.cdiv(i, block))](
         y, amax, q, scale, m, i, tiles, min_amax, 448.0, BLOCK=block, BLOCK_T=triton.next_power_of_2(tiles),
-        PDL=pdl(), num_warps=4,
+        PDL=pdl(xq.device), num_warps=4,
     )  # fmt: skip
     return q, scale
