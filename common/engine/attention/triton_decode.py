@@ -321,11 +321,12 @@ def _split_config(block_d: int, group_size: int, programs: int, num_sms: int, fl
     and below 64 keys win, 23.4 vs 28.1 us at 80, 14.5 vs 21.7 at 32).
 
     A float8 pool at head_dim 128 (Llama-8B's heads; bench/tune_kernels.py --fp8-attention, H100):
-    128 keys x 3 stages, half the bytes a key so twice the keys an iteration: batch 64 x 1024
-    keys 62.4 us a layer against 89.6 at bf16's settings (bf16's own: 95.4), batch 256 225.3 against
-    267.3 (370.8)."""
+    64 keys, 2 warps, 3 stages. Against 128 keys x 4 warps x 3 stages (the previous choice, best at
+    1024 keys) and bf16's settings, us a layer: batch 64 x 160 keys 15.3 / 19.0 / 19.9, batch 128 x
+    160 29.1 / 35.1 / 31.2, batch 256 x 160 51.6 / 65.1 / 55.0, batch 64 x 1024 63.3 / 62.2 / 89.1,
+    batch 256 x 1024 224.3 / 225.6 / 265.8, batch 256 x 1280 276.4 / 277.0 / 330.3 (one call)."""
     if float8 and block_d > 64:
-        return dict(BLOCK_N=128, num_warps=4, num_stages=3)
+        return dict(BLOCK_N=64, num_warps=2, num_stages=3)
     if block_d > 64:
         return dict(BLOCK_N=64, num_warps=4, num_stages=2)
     if group_size == 1 and programs > 8 * num_sms:

@@ -30,8 +30,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 def _quantize_rows(
     x_ptr, q_ptr, scale_ptr, cols, x_row_stride, min_amax, fp8_max, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):  # fmt: skip
-    if PDL:
-        gdc_launch_dependents()  # (the FP8 GEMM after it may launch now: see fp8_kernels.PDL)
+    if PDL:  # (see fp8_kernels.PDL)
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < cols
@@ -59,7 +60,7 @@ def quantize_per_token(x: torch.Tensor, min_amax: float) -> tuple[torch.Tensor, 
     # (Llama-8B's down_proj input, 14336) at 64 values a thread.
     _quantize_rows[(rows,)](
         x, q, scale, cols, x.stride(0), min_amax, 448.0, BLOCK=block, PDL=pdl(x.device),
-        num_warps=8 if block >= 4096 else 4,
+        launch_pdl=pdl(x.device), num_warps=8 if block >= 4096 else 4,
     )  # fmt: skip
     return q, scale
 
@@ -160,6 +161,7 @@ def _fp8_gemm_tma(
     pid_k = tl.program_id(2)
     k_first = pid_k * (K // SPLIT_K)
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()  # launched before the kernel that wrote x had finished (fp8_kernels.PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K // SPLIT_K, BLOCK_K):
@@ -173,8 +175,11 @@ def _fp8_gemm_tma(
 @triton.jit
 def _sum_partials(
     partial_ptr, sx_ptr, sw_ptr, bias_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -214,13 +219,14 @@ def gemm_config(m: int, n: int, k: int, tma: bool = True) -> dict:
             "num_warps": 4}  # fmt: skip
 
 
-# Programmatic dependent launch (Hopper): the decode-size FP8 GEMMs are launched so that they may
-# start before the kernel that writes their input has finished, and wait for it (gdc_wait) before
-# reading anything; the kernels that write FP8 layer inputs (rmsnorm_fp8, quantize_per_token, the
-# fused gate_up's quantization) let them launch as soon as all their own programs run
-# (gdc_launch_dependents). A GEMM's ramp (its first tiles' latency, ~1-2 us) then overlaps the tail
-# of the kernel before it: Llama-8B decode step, batch 64, H100, 4.524 against 4.599 ms (docs/benchmarks.md,
-# "FP8 decode step, third pass"; prefetching the weight to L2 before the wait made it slower, 5.03).
+# Programmatic dependent launch (Hopper): the FP8 decode path's own kernels (the GEMMs above, the K
+# split's sum, rmsnorm_fp8, quantize_per_token, the fused gate_up and its quantization) are launched
+# so that they may start before the kernel before them has finished: each lets the next launch as
+# soon as all its programs run (gdc_launch_dependents), then waits for the one before (gdc_wait)
+# before reading or writing anything. A kernel's ramp (its first loads' latency, ~1-2 us) then
+# overlaps the tail of the one before: docs/benchmarks.md, "FP8 decode step, third pass" (prefetching
+# the weight to L2 before the wait made the step slower). A kernel launched so after one that never
+# signals (cuBLAS, the attention) starts when that one's programs have all exited.
 PDL = True
 
 
@@ -293,7 +299,7 @@ def fp8_gemm(
         block = min(1024, triton.next_power_of_2(n))
         _sum_partials[(m, triton.cdiv(n, block))](
             partial, x_scale, weight_scale, bias_or_any, out, m, n, SPLIT_K=split, HAS_BIAS=bias is not None,
-            BLOCK=block,
+            BLOCK=block, PDL=pdl(xq.device), launch_pdl=pdl(xq.device),
         )  # fmt: skip
     return out
 
@@ -323,6 +329,7 @@ def _rmsnorm_fp8(
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -353,7 +360,7 @@ def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
         # H200 a few values came out one float8 step apart (tests/gpu/test_fp8_cuda.py bounds it).
         _rmsnorm_fp8[(rows,)](
             x, r, q, scale, weight, x.stride(0), r.stride(0), n, eps, min_amax, HAS_RESIDUAL=residual is not None,
-            BLOCK=block, PDL=pdl(x.device), num_warps=min(max(block // 256, 1), 8),
+            BLOCK=block, PDL=pdl(x.device), launch_pdl=pdl(x.device), num_warps=min(max(block // 256, 1), 8),
         )  # fmt: skip
     return q, scale
 
@@ -407,8 +414,9 @@ def _gate_up_silu_tma(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = offs_n < INTER
     m_ok = offs_m < M
-    if PDL:
-        gdc_wait()  # as _fp8_gemm_tma
+    if PDL:  # as _fp8_gemm_tma
+        gdc_launch_dependents()
+        gdc_wait()
     acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -435,6 +443,7 @@ def _quantize_rows_by_amax(
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     t = tl.arange(0, BLOCK_T)
@@ -473,6 +482,6 @@ def gate_up_silu_fp8(xq, x_scale, weight, weight_scale, dtype, min_amax: float, 
     block = 1024
     _quantize_rows_by_amax[(m, triton.cdiv(i, block))](
         y, amax, q, scale, m, i, tiles, min_amax, 448.0, BLOCK=block, BLOCK_T=triton.next_power_of_2(tiles),
-        PDL=pdl(xq.device), num_warps=4,
+        PDL=pdl(xq.device), launch_pdl=pdl(xq.device), num_warps=4,
     )  # fmt: skip
     return q, scale
