@@ -233,12 +233,13 @@ def fp8_attention(layers: int = 8) -> None:
             del bufs
         triton_extend.FP8_WIDEN_TO_F16 = True
         print(f"  extend batch {bs} prefix {prefix:4d} + {new:4d} new: " + " | ".join(row))
-    for bs, ctx in ((64, 1024), (256, 1024)):  # the float8 pool's decode under other tile settings
+    # The float8 pool's decode under other tile settings, short and long contexts.
+    for bs, ctx in ((64, 160), (128, 160), (64, 1024), (256, 1024)):
         slots, r2t, rows, seq_lens, q, out = decode_case(bs, ctx, heads, d)
         ws = td.DecodeWorkspace(bs, heads, d, 16, "cuda")
         bufs = [torch.randn(slots, kv_heads, d, device="cuda").to(torch.float8_e4m3fn) for _ in range(2 * layers)]
         original, timed = td._split_config, []
-        for block_n, warps, stages, splits in itertools.product((64, 128), (4, 8), (2, 3, 4), (1, 2)):
+        for block_n, warps, stages, splits in itertools.product((32, 64, 128), (2, 4), (2, 3), (1, 2)):
             td._split_config = lambda *args, c=dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages): c
 
             def run(splits=splits, bufs=bufs):
@@ -251,6 +252,10 @@ def fp8_attention(layers: int = 8) -> None:
             except Exception as e:  # a config that does not compile (shared memory, registers)
                 print(f"  BLOCK_N {block_n} warps {warps} stages {stages}: {type(e).__name__}")
         td._split_config = original
+        print(
+            f"  fp8 decode batch {bs} context {ctx}: {original(d, heads // kv_heads, 0, 0, True)} (the default) "
+            + ", ".join(f"{t[0]:.1f} us" for t in timed if t[1:4] == tuple(original(d, 4, 0, 0, True).values()))
+        )
         for us, block_n, warps, stages, splits in sorted(timed)[:4]:
             print(f"  fp8 decode batch {bs} context {ctx}: {us:6.1f} us BLOCK_N {block_n} warps {warps} "
                   f"stages {stages} splits {splits}")  # fmt: skip
