@@ -1,8 +1,15 @@
-"""FP8 linear layers' small kernels, for CUDA (imported on first use, as triton_ops is):
+"""FP8 linear layers' kernels, for CUDA (imported on first use, as triton_ops is):
 
     quantize_per_token(x, min_amax)        fp8.quantize_per_token as one launch
     scale_output(acc, sx, sw, bias, dtype) acc * sx[m] * sw[n] + bias[n], rounded once to dtype: the
                                            epilogue of fp8.py's tensor-wise GEMM path
+    fp8_gemm(xq, sx, w, sw, bias, dtype)   the decode-size FP8 GEMM (TMA or pointer tiles)
+    rmsnorm_fp8, silu_mul_fp8              the ops before an FP8 layer, writing its float8 input
+    gate_up_silu_fp8(xq, sx, w, sw, ...)   gate_up GEMM + silu-and-multiply + quantization, 2 launches
+
+Why this file is long: these kernels form one chain with shared contracts (the float8 input and its
+per-token scale, the GEMM epilogue's rounding order, programmatic dependent launch: PDL below), and
+the fused ones are tested bitwise against the unfused ones kept beside them.
 
 quantize_per_token:
 
