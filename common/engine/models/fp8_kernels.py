@@ -161,7 +161,7 @@ def _fp8_gemm_tma(
 ):  # fmt: skip
     """_fp8_gemm_swapped's tiles, read by the tensor-memory accelerator (Hopper's TMA: one
     instruction a tile, no address arithmetic in the threads; rows and columns past the tensor's
-    edge come back as zeros). At Llama-8B's projections, 64 tokens, weights past L2, H100: 3-14%
+    edge come back as zeros). At Llama-8B's projections, 64 tokens, weights past L2, H100: 1-14%
     faster than the pointer kernel (docs/benchmarks.md, "FP8 decode step, third pass")."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
