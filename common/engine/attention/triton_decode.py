@@ -30,7 +30,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from pdserve.common.engine import pdl
 from pdserve.common.engine.attention.triton_store import kv_scales, to_pool
 
 LOG2E = 1.4426950408889634
@@ -141,7 +143,11 @@ def _decode_split_kernel(
     INTERPRETED: tl.constexpr,
     KV_SCALED: tl.constexpr,
     WIDEN_TO_F16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # (common/engine/pdl.py: launched while rope_store_kv may still run)
+        gdc_launch_dependents()
+        gdc_wait()
     req = tl.program_id(0)
     req_64 = req.to(tl.int64)
     split = tl.program_id(2)
@@ -282,7 +288,11 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -457,6 +467,8 @@ def decode_attention(
         INTERPRETED=INTERPRETED,
         KV_SCALED=kv_scaled,
         WIDEN_TO_F16=kv_scaled and q.dtype == torch.bfloat16 and FP8_WIDEN_TO_F16,
+        PDL=pdl.enabled(q.device),
+        launch_pdl=pdl.enabled(q.device),
         **_split_config(block_d, group_size, grid[0] * grid[1] * grid[2], _num_sms(q.device), kv_scaled),
     )
     if num_kv_splits == 1:
@@ -476,5 +488,7 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_S=triton.next_power_of_2(num_kv_splits),
         BLOCK_D=block_d,
+        PDL=pdl.enabled(q.device),
+        launch_pdl=pdl.enabled(q.device),
         num_warps=1 if block_d <= 64 else 2,
     )

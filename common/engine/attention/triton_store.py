@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from pdserve.common.engine import pdl
 from pdserve.common.engine.models.triton_ops import _rope_token_q, _rotate_store
 
 # A program copies BLOCK_H heads x BLOCK_D dims of one token's K and V; about 4k elements is a
@@ -168,9 +170,13 @@ def _rope_store_kv_kernel(
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
     QUANTIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program per token and head group (grid axis 1: a group's query heads and the KV heads
     # they read): rope_'s math (the same helpers), then store_kv's writes.
+    if PDL:  # (common/engine/pdl.py: launched while the qkv GEMM may still run)
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     offs, mask_d, cos, sin = _rope_token_q(
@@ -243,5 +249,7 @@ def rope_store_kv(q, k, v, positions, inv_freq, k_buf, v_buf, loc, k_scale=None,
         BLOCK_QH=triton.next_power_of_2(q_per_group),
         BLOCK_KH=triton.next_power_of_2(kv_per_group),
         QUANTIZE=quantize,
+        PDL=pdl.enabled(q.device),
+        launch_pdl=pdl.enabled(q.device),
         num_warps=4 if groups == 1 else 1,
     )

@@ -1,0 +1,45 @@
+"""Programmatic dependent launch (PDL, Hopper): a kernel launched with `launch_pdl=enabled(device)`
+may start before the kernel before it has finished.
+
+The contract, for every kernel launched so: it calls `gdc_launch_dependents()` (the next may
+launch once all of this one's programs run) and then `gdc_wait()` (wait for the one before to
+finish and its writes to be visible) before it reads or writes anything (`if PDL:` at the top of
+the kernel, PDL its constexpr). A kernel's ramp (its launch and its first loads' latency, ~1-2 us)
+then overlaps the tail of the one before. A kernel launched so after one that never signals (cuBLAS)
+starts when that one's programs have all exited, as without PDL.
+
+Launched so: the FP8 decode path's kernels (fp8_kernels.py: the GEMMs, the K split's sum,
+rmsnorm_fp8, quantize_per_token, the fused gate_up and its quantization), rope_store_kv and the
+decode attention (attention/triton_store.py, attention/triton_decode.py). Measured in
+docs/benchmarks.md, "FP8 decode step, third pass" and "fourth pass" (prefetching the weight to L2
+before the wait made the step slower).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+# Off: every kernel launches and runs as without PDL (the benchmarks' comparison).
+ENABLED = True
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+# True when TRITON_INTERPRET was set as the kernels were defined (the CPU tests): no PDL there.
+_INTERPRETED = not isinstance(_probe, triton.runtime.JITFunction)
+
+
+def enabled(device: torch.device) -> bool:
+    """PDL on for launches on this device: Hopper and later, never under the interpreter."""
+    return ENABLED and not _INTERPRETED and _hopper(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
