@@ -1,6 +1,6 @@
 """Tuning sweep for the decode-step kernels at batch 128 (~300-token contexts), on a GPU.
 
-    python -m pdserve.bench.tune_kernels [--layout | --attention | --fp8-attention]
+    python -m pdserve.bench.tune_kernels [--layout | --attention | --fp8-attention | --decode-tiles]
 
 Times, with CUDA graphs of many launches (median of repeats), the split-K decode attention for the
 two benchmark shapes (Llama-1B: 32 heads / 8 KV heads; GPT-2: 12 heads MHA; head_dim 64) under
@@ -233,31 +233,45 @@ def fp8_attention(layers: int = 8) -> None:
             del bufs
         triton_extend.FP8_WIDEN_TO_F16 = True
         print(f"  extend batch {bs} prefix {prefix:4d} + {new:4d} new: " + " | ".join(row))
-    # The float8 pool's decode under other tile settings, short and long contexts.
+    decode_tile_sweep(torch.float8_e4m3fn, layers)
+    decode_tile_sweep(torch.bfloat16, layers)
+
+
+def decode_tile_sweep(dtype: torch.dtype, layers: int = 8) -> None:
+    """The decode attention over a `dtype` pool at Llama-8B's heads under other tile settings, short
+    and long contexts: the default's time, then the fastest four."""
+    from pdserve.common.engine.attention import triton_decode as td
+
+    heads, kv_heads, d = 32, 8, 128
+    float8 = dtype == torch.float8_e4m3fn
+    scale = torch.tensor([0.02], device="cuda")
+    kw = dict(k_scale=scale, v_scale=scale) if float8 else {}
+    name = "fp8" if float8 else "bf16"
     for bs, ctx in ((64, 160), (128, 160), (64, 1024), (256, 1024)):
         slots, r2t, rows, seq_lens, q, out = decode_case(bs, ctx, heads, d)
         ws = td.DecodeWorkspace(bs, heads, d, 16, "cuda")
-        bufs = [torch.randn(slots, kv_heads, d, device="cuda").to(torch.float8_e4m3fn) for _ in range(2 * layers)]
+        bufs = [torch.randn(slots, kv_heads, d, device="cuda").to(dtype) for _ in range(2 * layers)]
         original, timed = td._split_config, []
+        default = original(d, heads // kv_heads, 0, 0, float8)
         for block_n, warps, stages, splits in itertools.product((32, 64, 128), (2, 4), (2, 3), (1, 2)):
             td._split_config = lambda *args, c=dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages): c
 
             def run(splits=splits, bufs=bufs):
                 for k, v in zip(bufs[::2], bufs[1::2]):
-                    td.decode_attention(q, k, v, out, r2t, rows, seq_lens, 0.088, None, splits, ws, k_scale=scale,
-                                        v_scale=scale)  # fmt: skip
+                    td.decode_attention(q, k, v, out, r2t, rows, seq_lens, 0.088, None, splits, ws, **kw)
 
             try:
                 timed.append((time_us(run, calls=2) / layers, block_n, warps, stages, splits))
             except Exception as e:  # a config that does not compile (shared memory, registers)
                 print(f"  BLOCK_N {block_n} warps {warps} stages {stages}: {type(e).__name__}")
         td._split_config = original
+        default_splits = td.num_kv_splits_for(bs, heads, kv_heads, 16)
         print(
-            f"  fp8 decode batch {bs} context {ctx}: {original(d, heads // kv_heads, 0, 0, True)} (the default) "
-            + ", ".join(f"{t[0]:.1f} us" for t in timed if t[1:4] == tuple(original(d, 4, 0, 0, True).values()))
+            f"  {name} decode batch {bs} context {ctx}: {default} (the default, {default_splits} splits) "
+            + ", ".join(f"{t[0]:.1f} us" for t in timed if t[1:] == (*default.values(), default_splits))
         )
         for us, block_n, warps, stages, splits in sorted(timed)[:4]:
-            print(f"  fp8 decode batch {bs} context {ctx}: {us:6.1f} us BLOCK_N {block_n} warps {warps} "
+            print(f"  {name} decode batch {bs} context {ctx}: {us:6.1f} us BLOCK_N {block_n} warps {warps} "
                   f"stages {stages} splits {splits}")  # fmt: skip
         del bufs
 
@@ -268,6 +282,10 @@ def main() -> None:
     print(torch.cuda.get_device_name())
     if sys.argv[1:] == ["--fp8-attention"]:
         fp8_attention()
+        return
+    if sys.argv[1:] == ["--decode-tiles"]:
+        decode_tile_sweep(torch.float8_e4m3fn)
+        decode_tile_sweep(torch.bfloat16)
         return
     if sys.argv[1:] == ["--layout"]:
         layout_sweep()

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pdserve.common.engine.models import fp8
-from pdserve.common.engine.models.layers import RMSNorm, merge_linears
+from pdserve.common.engine.models.layers import merge_linears
 
 # float8_e4m3fn has 3 mantissa bits: rounding to nearest is off by at most 2^-4 of the value in its
 # normal range; below 2^-6 (subnormals, steps of 2^-9) by at most 2^-10, in units of the scale.
@@ -142,50 +142,6 @@ def test_the_triton_gemm_split_over_k_sums_its_parts_in_order(split, tma):
     torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-5)
     assert torch.equal(got, fp8_kernels.fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias,
                                                  torch.bfloat16, tiles, tma=tma))  # fmt: skip
-
-
-@pytest.mark.parametrize("split", [1, 2, 4])
-@pytest.mark.parametrize("tma", [True, False])
-def test_the_gemm_sums_handed_on_are_the_gemms_numbers(split, tma):
-    """fp8_gemm_sums (what an FP8 layer with sums_out hands the norm after it): its parts, added in
-    order and scaled by sum_partials, are fp8_gemm's output bit for bit at the same split."""
-    from pdserve.common.engine.models import fp8_kernels
-
-    layer = fp8.Fp8Linear.quantize(make_layer(80, 256, True, 6).to(torch.bfloat16))
-    xq, x_scale = fp8.quantize_per_token(torch.randn(9, 256).to(torch.bfloat16))
-    tiles = {"BLOCK_N": 32, "BLOCK_M": 16, "BLOCK_K": 32, "SPLIT_K": split}
-    parts = fp8_kernels.fp8_gemm_sums(xq, x_scale, layer.weight, layer.weight_scale, tiles, tma=tma)
-    assert parts.shape == (split, 9, 80) and parts.dtype == torch.float32
-    want = fp8_kernels.fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.bias, torch.bfloat16, tiles,
-                                tma=tma)  # fmt: skip
-    got = fp8_kernels.sum_partials(parts, x_scale, layer.weight_scale, layer.bias, torch.bfloat16)
-    assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("bias", [True, False])
-def test_the_norm_adds_the_sums_handed_to_it(bias):
-    """rmsnorm_fp8 given a layer's K-split sums (layers.RMSNorm with an fp8.Fp8Sums): the float8 row,
-    its scale and the residual stream of the norm run on the layer's output, bit for bit; the sums
-    must be added in full (a dropped part, an unscaled sum or a missing bias change them)."""
-    from pdserve.common.engine.models import fp8_kernels
-
-    layer = fp8.Fp8Linear.quantize(make_layer(96, 128, bias, 7).to(torch.bfloat16))
-    xq, x_scale = fp8.quantize_per_token(torch.randn(5, 128).to(torch.bfloat16))
-    tiles = {"BLOCK_N": 32, "BLOCK_M": 16, "BLOCK_K": 32, "SPLIT_K": 2}
-    sums = fp8.Fp8Sums(fp8_kernels.fp8_gemm_sums(xq, x_scale, layer.weight, layer.weight_scale, tiles, tma=False),
-                       x_scale, layer.weight_scale, layer.bias, torch.bfloat16)  # fmt: skip
-    norm = RMSNorm(96, 1e-5)
-    norm.weight.data = torch.rand(96, generator=torch.Generator().manual_seed(1)) + 0.5
-    norm.fused = norm.fp8_out = True
-    residual = torch.randn(5, 96).to(torch.bfloat16)
-    want_residual, got_residual = residual.clone(), residual.clone()
-    want = fp8_kernels.rmsnorm_fp8(sums.materialize(), norm.weight, 1e-5, want_residual, fp8.MIN_AMAX)
-    got, got_out = norm(sums, got_residual)
-    assert got_out is got_residual and torch.equal(got_residual, want_residual)
-    assert torch.equal(got.scale, want[1]) and torch.equal(got.q.view(torch.uint8), want[0].view(torch.uint8))
-    assert not torch.equal(want_residual, residual)
-    plain = RMSNorm(96, 1e-5)  # a norm that does not write float8 reads the layer's output
-    assert torch.equal(plain(sums, residual.clone())[1], residual + sums.materialize())
 
 
 @pytest.mark.parametrize("m,inter", [(1, 64), (7, 80), (20, 200)])

@@ -125,29 +125,6 @@ def test_the_fused_gate_up_is_bitwise_the_gemm_then_silu_and_multiply(batch):
     assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
 
 
-@pytest.mark.parametrize("batch", [1, 64, 128])
-@pytest.mark.parametrize("layer", ["o", "down"])
-def test_the_norm_given_the_sums_is_bitwise_the_norm_of_the_output(layer, batch):
-    """o_proj's and down_proj's K-split sums handed to rmsnorm_fp8 (fp8.Fp8Sums) at Llama-8B's
-    shapes: the float8 rows, scales and residual of the norm run on the layer's own output."""
-    from pdserve.common.engine.models import fp8_kernels
-
-    n, k = LLAMA_8B[layer]
-    g = torch.Generator(device="cuda").manual_seed(5)
-    q, scale = fp8.quantize_per_channel(torch.randn(n, k, device="cuda", generator=g).bfloat16() * 0.02)
-    xq, x_scale = fp8.quantize_per_token(torch.randn(batch, k, device="cuda", generator=g).bfloat16())
-    parts = fp8_kernels.fp8_gemm_sums(xq, x_scale, q, scale)
-    assert parts.shape == (2, batch, n)  # gemm_config(sums_out=True) splits both
-    out = fp8_kernels.sum_partials(parts, x_scale, scale, None, torch.bfloat16)
-    weight = torch.rand(n, device="cuda", generator=g).bfloat16() + 0.5
-    residual = torch.randn(batch, n, device="cuda", generator=g).bfloat16()
-    want_res, got_res = residual.clone(), residual.clone()
-    want = fp8_kernels.rmsnorm_fp8(out, weight, 1e-5, want_res, fp8.MIN_AMAX)
-    got = fp8_kernels.rmsnorm_fp8(parts, weight, 1e-5, got_res, fp8.MIN_AMAX, (x_scale, scale, None))
-    assert torch.equal(got_res, want_res) and torch.equal(got[1], want[1])
-    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
-
-
 def test_unaligned_or_non_bf16_layers_fall_back_to_the_emulated_path():
     x = torch.randn(4, 40, device="cuda").bfloat16()
     q, _ = fp8.quantize_per_channel(torch.randn(24, 40, device="cuda"))
@@ -215,10 +192,9 @@ def test_the_fused_fp8_inputs_are_the_op_then_the_quantization(width):
 
 
 def test_the_fused_fp8_inputs_change_no_token(tiny_models):
-    """A Llama served FP8 with its norms and silu-and-multiply writing float8, and o_proj and
-    down_proj handing their sums to the norm after them, against the same engine with the layers
-    writing bf16 (quantized by each layer): the same tokens and logprobs (this tiny model's rows are
-    64 wide: its norms reduce in the same order either way, and no layer's K splits)."""
+    """A Llama served FP8 with its norms and silu-and-multiply writing float8 against the same engine
+    with them writing bf16 (quantized by each layer): the same tokens and logprobs (this tiny model's
+    rows are 64 wide: its norms reduce in the same order either way)."""
     rng = random.Random(4)
     cases = [[0] + [rng.randrange(5, 512) for _ in range(rng.randrange(1, 90))] for _ in range(16)]
     params = SamplingParams(max_new_tokens=12, temperature=0, logprobs=0)
@@ -227,12 +203,8 @@ def test_the_fused_fp8_inputs_change_no_token(tiny_models):
     fused, unfused = Engine(**kw), Engine(**kw)
     layers = unfused.runner.model.model.layers
     assert all(la.input_layernorm.fp8_out and la.post_attention_layernorm.fp8_out and la.mlp.fp8_down for la in layers)
-    assert all(la.self_attn.o_proj.sums_out for la in layers) and [la.mlp.down_proj.sums_out for la in layers] == [
-        True
-    ] * (len(layers) - 1) + [False]  # the final norm writes the model dtype
     for layer in layers:
         layer.input_layernorm.fp8_out = layer.post_attention_layernorm.fp8_out = layer.mlp.fp8_down = False
-        layer.self_attn.o_proj.sums_out = layer.mlp.down_proj.sums_out = False
     got, want = fused.generate(cases, params), unfused.generate(cases, params)
     assert [c.output_ids for c in got] == [c.output_ids for c in want]
     assert [[lp.logprob for lp in c.logprobs] for c in got] == [[lp.logprob for lp in c.logprobs] for c in want]

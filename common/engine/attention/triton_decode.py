@@ -334,11 +334,17 @@ def _split_config(block_d: int, group_size: int, programs: int, num_sms: int, fl
     64 keys, 2 warps, 3 stages. Against 128 keys x 4 warps x 3 stages (the previous choice, best at
     1024 keys) and bf16's settings, us a layer: batch 64 x 160 keys 15.3 / 19.0 / 19.9, batch 128 x
     160 29.1 / 35.1 / 31.2, batch 256 x 160 51.6 / 65.1 / 55.0, batch 64 x 1024 63.3 / 62.2 / 89.1,
-    batch 256 x 1024 224.3 / 225.6 / 265.8, batch 256 x 1280 276.4 / 277.0 / 330.3 (one call)."""
+    batch 256 x 1024 224.3 / 225.6 / 265.8, batch 256 x 1280 276.4 / 277.0 / 330.3 (one call).
+
+    A bf16 pool at head_dim 128 (bench/tune_kernels.py --decode-tiles, H100): 64 keys, 2 warps, 2
+    stages. Against 64 x 4 warps x 2 stages (the previous choice), us a layer: batch 64 x 160 keys
+    19.0 / 20.6, batch 128 x 160 35.2 / 35.5, batch 64 x 1024 93.6 / 94.1, batch 256 x 1024 360.7 /
+    367.7 (one call; 32 keys x 4 warps x 3 stages won the short contexts, 18.5 and 33.9, and lost the
+    long ones)."""
     if float8 and block_d > 64:
         return dict(BLOCK_N=64, num_warps=2, num_stages=3)
     if block_d > 64:
-        return dict(BLOCK_N=64, num_warps=4, num_stages=2)
+        return dict(BLOCK_N=64, num_warps=2, num_stages=2)
     if group_size == 1 and programs > 8 * num_sms:
         return dict(BLOCK_N=32, num_warps=2, num_stages=2)
     return dict(BLOCK_N=64, num_warps=2, num_stages=2)

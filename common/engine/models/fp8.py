@@ -25,9 +25,6 @@ Where the GEMM runs (`fp8_linear`):
     emulated  dequantize xq and Wq to fp32, matmul in fp32, add the bias, round to the model dtype
 On CUDA the per-token quantization is one Triton kernel (fp8_kernels.py), bitwise the torch ops', or
 done by the op before the layer (an Fp8Input: the fused Llama path's norms and silu-and-multiply).
-A layer whose output only a fused norm reads (the Llama path's o_proj and down_proj: `sums_out`)
-hands it the GEMM's K-split sums instead (an Fp8Sums): the norm adds, scales and rounds them, so
-the split costs no launch and the layer's output is never written in the model dtype.
 
 NOTE: cuBLASLt's row-wise scaled kernels are not its fastest at decode shapes. On an H200, replayed
 from a CUDA graph at Llama-8B's shapes and 64 tokens (quantization included): down_proj 45 us
@@ -155,32 +152,10 @@ class Fp8Input(NamedTuple):
         return self.q.device
 
 
-class Fp8Sums(NamedTuple):
-    """An FP8 layer's output left as its GEMM's unscaled fp32 sums, one [M, N] slice per part of
-    the K split (fp8_kernels.fp8_gemm_sums), for a fused norm to add in order, scale and round
-    (layers.RMSNorm); `materialize()` gives the layer's output for any other reader, the same bits."""
-
-    parts: torch.Tensor
-    x_scale: torch.Tensor
-    weight_scale: torch.Tensor
-    bias: torch.Tensor | None
-    dtype: torch.dtype
-
-    def materialize(self) -> torch.Tensor:
-        from pdserve.common.engine.models import fp8_kernels
-
-        return fp8_kernels.sum_partials(self.parts, self.x_scale, self.weight_scale, self.bias, self.dtype)
-
-
 def fp8_linear(
-    x: "torch.Tensor | Fp8Input",
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    sums_out: bool = False,
-) -> "torch.Tensor | Fp8Sums":
-    """x @ dequant(weight)^T + bias in x's dtype, x quantized per token (module docstring); with
-    `sums_out`, where the Triton GEMM runs a 2-D input, its K-split sums (Fp8Sums) instead."""
+    x: "torch.Tensor | Fp8Input", weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ dequant(weight)^T + bias in x's dtype, x quantized per token (module docstring)."""
     if isinstance(x, Fp8Input):
         (xq, x_scale), rows = (x.q, x.scale), x.q
     else:
@@ -199,9 +174,6 @@ def fp8_linear(
     elif rows.is_cuda and rows.shape[0] <= TRITON_MAX_TOKENS:
         from pdserve.common.engine.models import fp8_kernels
 
-        if sums_out and len(x.shape) == 2:
-            return Fp8Sums(fp8_kernels.fp8_gemm_sums(xq, x_scale, weight, weight_scale), x_scale, weight_scale, bias,
-                           x.dtype)  # fmt: skip
         out = fp8_kernels.fp8_gemm(xq, x_scale, weight, weight_scale, bias, x.dtype)
     elif rows.is_cuda and rows.shape[0] <= TENSORWISE_MAX_TOKENS:
         out = tensorwise_fp8_mm(xq, x_scale, weight, weight_scale, bias, x.dtype)
@@ -267,8 +239,6 @@ class Fp8Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        # Set by a model whose only reader of this layer is a fused norm: return Fp8Sums (fp8_linear).
-        self.sums_out = False
 
     @classmethod
     def quantize(cls, linear: nn.Linear) -> "Fp8Linear":
@@ -292,8 +262,8 @@ class Fp8Linear(nn.Module):
         bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
         return cls(torch.cat([m.weight for m in linears]), torch.cat([m.weight_scale for m in linears]), bias)
 
-    def forward(self, x: torch.Tensor) -> "torch.Tensor | Fp8Sums":
-        return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.sums_out)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -4,7 +4,6 @@
     scale_output(acc, sx, sw, bias, dtype) acc * sx[m] * sw[n] + bias[n], rounded once to dtype: the
                                            epilogue of fp8.py's tensor-wise GEMM path
     fp8_gemm(xq, sx, w, sw, bias, dtype)   the decode-size FP8 GEMM (TMA or pointer tiles)
-    fp8_gemm_sums, sum_partials            the same GEMM's K-split sums, handed to the norm after it
     rmsnorm_fp8, silu_mul_fp8              the ops before an FP8 layer, writing its float8 input
     gate_up_silu_fp8(xq, sx, w, sw, ...)   gate_up GEMM + silu-and-multiply + quantization, 2 launches
 
@@ -100,16 +99,16 @@ def scale_output(
 @triton.jit
 def _gemm_epilogue(
     acc, pid_n, pid_m, pid_k, sw_ptr, sx_ptr, bias_ptr, out_ptr, partial_ptr, M, N, out_row_stride,
-    SUMS_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """A [BLOCK_N, BLOCK_M] tile of the output's transpose: scaled, biased and rounded into out
-    [M, N], or (SUMS_OUT: a K split, or sums handed on) its unscaled fp32 sums into partial [S, M, N]."""
+    [M, N], or (K split) its unscaled fp32 sums into partial [SPLIT_K, M, N]."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
     m_ok = offs_m < M
     ok = n_ok[:, None] & m_ok[None, :]
-    if SUMS_OUT:  # unscaled partial sums [S, M, N]; _sum_partials or _rmsnorm_fp8 adds them and scales
+    if SPLIT_K > 1:  # unscaled partial sums [SPLIT_K, M, N]; _sum_partials adds them and scales
         tl.store(partial_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=ok)
     else:
         sx = tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)
@@ -123,7 +122,7 @@ def _gemm_epilogue(
 @triton.jit
 def _fp8_gemm_swapped(
     w_ptr, x_ptr, sw_ptr, sx_ptr, bias_ptr, out_ptr, partial_ptr, M, N, w_row_stride, x_row_stride, out_row_stride,
-    K: tl.constexpr, SPLIT_K: tl.constexpr, SUMS_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """fp8_gemm's kernel where the tensor-memory accelerator is not used (before Hopper, or an
@@ -149,13 +148,13 @@ def _fp8_gemm_swapped(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     _gemm_epilogue(acc, pid_n, pid_m, pid_k, sw_ptr, sx_ptr, bias_ptr, out_ptr, partial_ptr, M, N, out_row_stride,
-                   SUMS_OUT, HAS_BIAS, BLOCK_N, BLOCK_M)  # fmt: skip
+                   SPLIT_K, HAS_BIAS, BLOCK_N, BLOCK_M)  # fmt: skip
 
 
 @triton.jit
 def _fp8_gemm_tma(
     w_desc, x_desc, sw_ptr, sx_ptr, bias_ptr, out_ptr, partial_ptr, M, N, out_row_stride,
-    K: tl.constexpr, SPLIT_K: tl.constexpr, SUMS_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """_fp8_gemm_swapped's tiles, read by the tensor-memory accelerator (Hopper's TMA: one
@@ -175,7 +174,7 @@ def _fp8_gemm_tma(
         x = x_desc.load([pid_m * BLOCK_M, k_first + k0])  # [BLOCK_M, BLOCK_K]: K-major, as FP8 MMAs need
         acc = tl.dot(w, x.T, acc)
     _gemm_epilogue(acc, pid_n, pid_m, pid_k, sw_ptr, sx_ptr, bias_ptr, out_ptr, partial_ptr, M, N, out_row_stride,
-                   SUMS_OUT, HAS_BIAS, BLOCK_N, BLOCK_M)  # fmt: skip
+                   SPLIT_K, HAS_BIAS, BLOCK_N, BLOCK_M)  # fmt: skip
 
 
 @triton.jit
@@ -198,7 +197,7 @@ def _sum_partials(
     tl.store(out_ptr + row * N + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def gemm_config(m: int, n: int, k: int, tma: bool = True, sums_out: bool = False) -> dict:
+def gemm_config(m: int, n: int, k: int, tma: bool = True) -> dict:
     """Tile sizes, pipeline depth and K split of fp8_gemm for an [m, k] x [n, k]^T product.
 
     64 weight rows a program; K in steps of 256 (gate_up beyond 64 tokens: 128, programs enough);
@@ -208,15 +207,11 @@ def gemm_config(m: int, n: int, k: int, tma: bool = True, sums_out: bool = False
     third pass"): 6 tiles in flight for o_proj (few programs), 3-4 elsewhere, as shared memory
     allows at 128 tokens. The pointer kernel's are from the H200 sweep of "FP8 weights at decode".
 
-    With `sums_out` (fp8_gemm_sums: the kernel after adds the parts, so a split costs no launch),
-    the weights of few rows split in two whatever their K (o_proj: 128 programs, not 64).
-
-    NOTE the split depends on the weight's shape and sums_out only, never on m: a CUDA graph's
-    padded batch and the eager batch then sum in the same order (the graph-vs-eager token tests
-    rely on it)."""
+    NOTE the split depends on the weight's shape only, never on m: a CUDA graph's padded batch and
+    the eager batch then sum in the same order (the graph-vs-eager token tests rely on it)."""
     many_rows = n > 8192
     block_m = max(16, min(128, triton.next_power_of_2(m)))
-    split = 2 if (k >= 8192 or sums_out) and not many_rows else 1
+    split = 2 if k >= 8192 and not many_rows else 1
     if not tma:
         stages, warps = (3, 8) if many_rows and m <= 64 else (4, 4)
         return {"BLOCK_N": 64, "BLOCK_M": block_m, "BLOCK_K": 128 if many_rows else 256, "SPLIT_K": split,
@@ -268,61 +263,18 @@ def fp8_gemm(
     BLOCK_M tokens (once in all up to 128). Why split K: a weight of few rows (o_proj, down_proj:
     N = hidden) gives too few programs to keep every SM streaming, and each program also reads
     all of x's K columns; a split gives each program a K slice of both."""
-    m, n = xq.shape[0], weight.shape[0]
-    out = torch.empty(m, n, dtype=dtype, device=xq.device)
-    if m == 0:
-        return out
-    partial = _launch_gemm(xq, x_scale, weight, weight_scale, bias, out, config, tma, sums_out=False)
-    if partial is not None:
-        _launch_sum(partial, x_scale, weight_scale, bias, out)
-    return out
-
-
-def fp8_gemm_sums(
-    xq: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    config: dict | None = None,
-    tma: bool | None = None,
-) -> torch.Tensor:
-    """fp8_gemm's unscaled fp32 sums [S, M, N], one slice per part of its K split (S = 1 unsplit),
-    for the kernel after it to add in order and scale as sum_partials does: one launch, whatever the
-    split (gemm_config(sums_out=True) splits more)."""
-    (m, k), n = xq.shape, weight.shape[0]
-    if tma is None:
-        tma = tma_describable(xq, weight)
-    if m == 0:
-        return torch.empty(1, 0, n, dtype=torch.float32, device=xq.device)
-    return _launch_gemm(xq, x_scale, weight, weight_scale, None, None, config or gemm_config(m, n, k, tma, True), tma,
-                        sums_out=True)  # fmt: skip
-
-
-def sum_partials(
-    partial: torch.Tensor, x_scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, dtype
-) -> torch.Tensor:
-    """fp8_gemm's output from fp8_gemm_sums' parts: their sum in order, scaled, biased, rounded once."""
-    out = torch.empty(partial.shape[1:], dtype=dtype, device=partial.device)
-    if out.numel():
-        _launch_sum(partial, x_scale, weight_scale, bias, out)
-    return out
-
-
-def _launch_gemm(xq, x_scale, weight, weight_scale, bias, out, config, tma, sums_out: bool) -> torch.Tensor | None:
-    """Launch fp8_gemm's kernel into `out`, or into partial sums [S, M, N] that it returns (a K
-    split, or sums_out); None when it wrote `out`."""
     m, k = xq.shape
     n = weight.shape[0]
+    if m == 0:
+        return torch.empty(0, n, dtype=dtype, device=xq.device)
     if tma is None:
         tma = tma_describable(xq, weight)
     cfg = dict(config or gemm_config(m, n, k, tma))
     split = cfg.pop("SPLIT_K", 1)
     if k % (split * cfg["BLOCK_K"]):
         split = 1
-    sums_out = sums_out or split > 1
-    partial = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if sums_out else out
-    if out is None:
-        out = partial
+    out = torch.empty(m, n, dtype=dtype, device=xq.device)
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     bias_or_any = bias if bias is not None else weight_scale
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
     if tma:
@@ -330,24 +282,20 @@ def _launch_gemm(xq, x_scale, weight, weight_scale, bias, out, config, tma, sums
         x_desc = TensorDescriptor.from_tensor(xq, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         _fp8_gemm_tma[grid](
             w_desc, x_desc, weight_scale, x_scale, bias_or_any, out, partial, m, n, out.stride(0), K=k,
-            SPLIT_K=split, SUMS_OUT=sums_out, HAS_BIAS=bias is not None, PDL=pdl(xq.device),
-            launch_pdl=pdl(xq.device), **cfg,
+            SPLIT_K=split, HAS_BIAS=bias is not None, PDL=pdl(xq.device), launch_pdl=pdl(xq.device), **cfg,
         )  # fmt: skip
     else:
         _fp8_gemm_swapped[grid](
             weight, xq, weight_scale, x_scale, bias_or_any, out, partial, m, n, weight.stride(0), xq.stride(0),
-            out.stride(0), K=k, SPLIT_K=split, SUMS_OUT=sums_out, HAS_BIAS=bias is not None, **cfg,
+            out.stride(0), K=k, SPLIT_K=split, HAS_BIAS=bias is not None, **cfg,
         )  # fmt: skip
-    return partial if sums_out else None
-
-
-def _launch_sum(partial, x_scale, weight_scale, bias, out) -> None:
-    split, m, n = partial.shape
-    block = min(1024, triton.next_power_of_2(n))
-    _sum_partials[(m, triton.cdiv(n, block))](
-        partial, x_scale, weight_scale, bias if bias is not None else weight_scale, out, m, n, SPLIT_K=split,
-        HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl(partial.device), launch_pdl=pdl(partial.device),
-    )  # fmt: skip
+    if split > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _sum_partials[(m, triton.cdiv(n, block))](
+            partial, x_scale, weight_scale, bias_or_any, out, m, n, SPLIT_K=split, HAS_BIAS=bias is not None,
+            BLOCK=block, PDL=pdl(xq.device), launch_pdl=pdl(xq.device),
+        )  # fmt: skip
+    return out
 
 
 # The FP8 layers' inputs made by the op before them, quantized as they are written: one launch where
@@ -370,8 +318,8 @@ def _quantize_row_into(y, q_row, scale_ptr, row, offs, mask, min_amax, fp8_max):
 
 @triton.jit
 def _rmsnorm_fp8(
-    x, residual, q, scale, weight, sx, sw, bias, stride_x, stride_r, stride_sums, n, eps, min_amax,
-    HAS_RESIDUAL: tl.constexpr, SUMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    x, residual, q, scale, weight, stride_x, stride_r, n, eps, min_amax,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_launch_dependents()
@@ -379,16 +327,7 @@ def _rmsnorm_fp8(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
-    if SUMS > 0:  # x: fp8_gemm_sums' parts [SUMS, rows, n]; the row _sum_partials would write
-        acc = tl.zeros([BLOCK], tl.float32)
-        for s in range(SUMS):  # in order, as _sum_partials
-            acc += tl.load(x + s * stride_sums + row * stride_x + cols, mask=mask, other=0.0)
-        y = acc * tl.load(sx + row) * tl.load(sw + cols, mask=mask, other=0.0)
-        if HAS_BIAS:
-            y += tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
-        h = y.to(residual.dtype.element_ty)
-    else:
-        h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
+    h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
         h = (h.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # the add rounds, as in torch
@@ -400,39 +339,22 @@ def _rmsnorm_fp8(
     _quantize_row_into(y, q + row * n, scale, row, cols, mask, min_amax, 448.0)
 
 
-def rmsnorm_fp8(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None,
-    min_amax: float,
-    sums_scales: tuple | None = None,
-):
+def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, min_amax: float):
     """triton_ops.rmsnorm's output (with `residual`: residual += x in place first) as (float8 [T, N],
-    fp32 scales [T, 1]): quantize_per_token of the row rmsnorm would write.
-
-    With `sums_scales` = (x_scale [T, 1], weight_scale [N], bias or None) and a residual, x is an FP8
-    GEMM's parts [S, T, N] (fp8_gemm_sums): its rows are sum_partials' in residual's dtype, and the
-    GEMM's K split costs no launch of its own."""
-    rows, n = x.shape[-2:]
+    fp32 scales [T, 1]): quantize_per_token of the row rmsnorm would write."""
+    rows, n = x.shape
     q = torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
-        assert x.stride(-1) == 1 and (residual is None or residual.stride(1) == 1)
-        sums = x.shape[0] if sums_scales is not None else 0
-        assert residual is None or residual.dtype == x.dtype or sums
-        assert not sums or (residual is not None and x.dim() == 3 and x.dtype == torch.float32)
-        sx, sw, bias = sums_scales if sums else (x, x, None)
+        assert x.stride(1) == 1 and (residual is None or (residual.stride(1) == 1 and residual.dtype == x.dtype))
         r = residual if residual is not None else x
         block = triton.next_power_of_2(n)
         # NOTE triton_ops.rmsnorm's warps. Still, the sum of squares may be reduced in another order
         # than its kernel's (the layout Triton picks depends on the whole kernel): at width 4096 on an
         # H200 a few values came out one float8 step apart (tests/gpu/test_fp8_cuda.py bounds it).
         _rmsnorm_fp8[(rows,)](
-            x, r, q, scale, weight, sx, sw, bias if bias is not None else sw, x.stride(-2), r.stride(0),
-            x.stride(0) if sums else 0, n, eps, min_amax, HAS_RESIDUAL=residual is not None, SUMS=sums,
-            HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl(x.device), launch_pdl=pdl(x.device),
-            num_warps=min(max(block // 256, 1), 8),
+            x, r, q, scale, weight, x.stride(0), r.stride(0), n, eps, min_amax, HAS_RESIDUAL=residual is not None,
+            BLOCK=block, PDL=pdl(x.device), launch_pdl=pdl(x.device), num_warps=min(max(block // 256, 1), 8),
         )  # fmt: skip
     return q, scale
 

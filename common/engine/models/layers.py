@@ -13,7 +13,7 @@ from torch import nn
 
 from pdserve.common.engine.attention.base import AttentionBackend
 from pdserve.common.engine.batch import ForwardBatch
-from pdserve.common.engine.models.fp8 import Fp8Linear, Fp8Sums
+from pdserve.common.engine.models.fp8 import Fp8Linear
 
 
 def triton_ops():
@@ -35,18 +35,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, also the residual stream: (norm(x + residual), x + residual).
 
-        The fused kernel updates `residual` in place; the eager path returns a new tensor. x may be an
-        FP8 layer's K-split sums (fp8.Fp8Sums): the float8 path adds them in its own launch.
+        The fused kernel updates `residual` in place; the eager path returns a new tensor.
         """
-        if isinstance(x, Fp8Sums):
-            if self.fp8_out and residual is not None:
-                from pdserve.common.engine.models import fp8, fp8_kernels
-
-                q, scale = fp8_kernels.rmsnorm_fp8(
-                    x.parts, self.weight, self.eps, residual, fp8.MIN_AMAX, (x.x_scale, x.weight_scale, x.bias)
-                )
-                return fp8.Fp8Input(q, scale, x.dtype), residual
-            x = x.materialize()
         if self.fp8_out and x.dim() == 2:
             from pdserve.common.engine.models import fp8, fp8_kernels
 

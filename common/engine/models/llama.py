@@ -201,8 +201,7 @@ class LlamaForCausalLM(nn.Module):
 
         Called after the weights are loaded; the eager HF-arithmetic path stays the reference.
         """
-        layers = self.model.layers
-        for layer in layers:
+        for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
@@ -211,14 +210,6 @@ class LlamaForCausalLM(nn.Module):
             layer.input_layernorm.fp8_out = isinstance(layer.self_attn.qkv_proj, fp8.Fp8Linear)
             layer.post_attention_layernorm.fp8_out = isinstance(layer.mlp.gate_up_proj, fp8.Fp8Linear)
         self.model.norm.fused = True
-        # o_proj's and down_proj's outputs are read by the next norm alone: one writing float8 takes
-        # an FP8 layer's K-split sums and adds them itself (fp8.Fp8Sums). The last norm does not.
-        for i, layer in enumerate(layers):
-            o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
-            if isinstance(o_proj, fp8.Fp8Linear):
-                o_proj.sums_out = layer.post_attention_layernorm.fp8_out
-            if isinstance(down_proj, fp8.Fp8Linear):
-                down_proj.sums_out = i + 1 < len(layers) and layers[i + 1].input_layernorm.fp8_out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab] in the model's dtype (on every rank); sampling upcasts them only when it needs to."""
