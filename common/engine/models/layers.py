@@ -78,13 +78,17 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
-    """Inverse frequencies for RoPE types default, linear and llama3 (and a GGUF's freq_factors)."""
+    """Inverse frequencies for RoPE types default, linear and llama3 (and a GGUF's freq_factors), on the CPU.
+
+    NOTE: the CPU named even inside `with torch.device("meta")` (the loader builds models there): meta
+    arithmetic runs through torch's Python references, whose first use imports torch._dynamo and sympy,
+    1.5 s of every server's start-up."""
     base = float(rope.get("rope_theta", 10000.0))
     dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     if "freq_factors" in rope:
         # A GGUF's `rope_freqs` (how llama.cpp stores Llama 3's scaling): a divisor per frequency.
-        inv_freq = inv_freq / torch.tensor(rope["freq_factors"], dtype=torch.float32)
+        inv_freq = inv_freq / torch.tensor(rope["freq_factors"], dtype=torch.float32, device="cpu")
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return inv_freq
