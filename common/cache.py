@@ -2,6 +2,7 @@
 
 random-weights/   the benchmarks' random-weight checkpoints (bench/random_weights.py)
 tokenizers/       GGUF tokenizers converted once (common/gguf_checkpoint.py)
+gguf-info/        GGUF files' metadata, parsed once (common/gguf_checkpoint.py)
 """
 
 from __future__ import annotations

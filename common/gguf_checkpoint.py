@@ -8,14 +8,17 @@ rest of pdserve asks a checkpoint three things, answered here from the file's me
     eos_token_ids(path, tok)     the ids llama.cpp stops at
 
 The weights (dequantized, under the Hugging Face names and layouts): engine/models/gguf_weights.py.
-Metadata and tokenizer are read once per path and process: the router and the engine ask often.
+Metadata and tokenizer are read once per path and process (the router and the engine ask often), and
+parsed or converted once per host: both are kept in the cache (common/cache.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import hashlib
+import json
 import logging
 import os
 import pathlib
@@ -69,7 +72,26 @@ class GGUFInfo:
 
 @functools.lru_cache(maxsize=8)
 def read_info(path: str) -> GGUFInfo:
-    """GGUF file `path`'s metadata and tensor directory, read once per process."""
+    """GGUF file `path`'s metadata and tensor directory, read once per process, and parsed once per host.
+
+    NOTE why a host cache: gguf's reader parses the tokenizer's arrays string by string, 2.3 s for
+    SmolLM2's 49k vocabulary, in each process that asks (a server's front end and its scheduler, the
+    router). Its JSON form in the cache (common/cache.py: gguf-info/) loads in milliseconds; it is keyed
+    like the converted tokenizer (path, size, modification time, gguf's version) and written whole or
+    not at all (a temporary file renamed into place)."""
+    saved = _saved_info_file(path)
+    try:
+        return _info_from_json(path, json.loads(saved.read_text()))
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged entry: read the file again
+        log.warning("cannot load the saved GGUF metadata %s (%s): reading %s again", saved, e, path)
+    info = _parse_info(path)
+    _save_info(info, saved)
+    return info
+
+
+def _parse_info(path: str) -> GGUFInfo:
     import numpy as np
     from gguf import GGUFReader, GGUFValueType
     from gguf.quants import dequantize
@@ -92,6 +114,44 @@ def read_info(path: str) -> GGUFInfo:
         if t.name == "rope_freqs.weight":  # a vector of head_dim / 2, F32
             rope_freqs = tuple(dequantize(t.data, t.tensor_type).reshape(-1).tolist())
     return GGUFInfo(path, metadata, tensors, rope_freqs)
+
+
+def _saved_info_file(path: str) -> pathlib.Path:
+    from importlib.metadata import version
+
+    st = os.stat(path)
+    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|gguf {version('gguf')}|info 1"
+    return cache_root() / "gguf-info" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def _info_from_json(path: str, saved: dict) -> GGUFInfo:
+    tensors = {name: (tuple(shape), kind) for name, (shape, kind) in saved["tensors"].items()}
+    rope_freqs = saved["rope_freqs"]
+    return GGUFInfo(path, saved["metadata"], tensors, tuple(rope_freqs) if rope_freqs is not None else None)
+
+
+def _save_info(info: GGUFInfo, saved: pathlib.Path) -> None:
+    """Best effort, as _save_converted: without it the next process parses the file again."""
+    try:
+        # (JSON keeps str, int, float (repr: exact), bool and lists; metadata of any other kind is not saved)
+        text = json.dumps({"metadata": info.metadata, "tensors": info.tensors, "rope_freqs": info.rope_freqs})
+    except (TypeError, ValueError) as e:
+        log.warning("not caching %s's metadata: %s", info.path, e)
+        return
+    tmp = None
+    try:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=saved.parent, prefix=".writing-")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, saved)  # atomic: a reader sees the old entry, none, or this one whole
+        tmp = None
+    except OSError as e:
+        log.warning("cannot cache %s's metadata in %s: %s", info.path, saved.parent, e)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 @functools.cache

@@ -293,3 +293,38 @@ def test_a_ggufs_tokenizer_is_converted_once_and_loads_the_same_from_the_cache(t
     assert cached.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
         converted.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     )
+
+
+def test_a_ggufs_metadata_is_parsed_once_and_a_changed_or_damaged_entry_is_read_again(
+    tiny_models, tmp_path, monkeypatch
+):
+    """read_info's host cache (gguf-info/): what it returns from the cache is what parsing the file gives,
+    floats, lists and Llama 3's rope_freqs included; a rewritten file or a damaged entry is parsed again."""
+    import os
+
+    from pdserve.common import gguf_checkpoint
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    path = str(write_gguf(tiny_models("llama"), tmp_path / "llama3.gguf"))
+    parses = []
+    parse = gguf_checkpoint._parse_info
+    monkeypatch.setattr(gguf_checkpoint, "_parse_info", lambda p: parses.append(p) or parse(p))
+
+    def read() -> gguf_checkpoint.GGUFInfo:
+        gguf_checkpoint.read_info.cache_clear()  # (the per-process cache above the host's)
+        return gguf_checkpoint.read_info(path)
+
+    try:
+        parsed = read()
+        [saved] = (tmp_path / "cache" / "gguf-info").iterdir()
+        cached = read()
+        assert parses == [path] and cached == parsed and cached.rope_freqs is not None
+        assert {type(v) for v in cached.metadata.values()} >= {str, int, float}
+        saved.write_text(saved.read_text()[:-20])  # damaged: parsed again and saved whole
+        assert read() == parsed and len(parses) == 2 and read() == parsed and len(parses) == 2
+        stat = os.stat(path)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the file changed: a new entry
+        assert read() == parsed and len(parses) == 3
+        assert len(list((tmp_path / "cache" / "gguf-info").iterdir())) == 2, "no temporary file left"
+    finally:
+        gguf_checkpoint.read_info.cache_clear()
