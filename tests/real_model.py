@@ -4,16 +4,24 @@ llama.cpp). llama architecture, 30 layers, 9 heads / 3 KV heads, vocab 49152, Ch
 
     smollm2_gguf_path()   the .gguf file
     smollm2 (fixture)     (path, transformers' model on that file in float32, its tokenizer), once per session
+    transformers_model()  that model, converted from the file once per host
 
 Registered as a plugin by tests/conftest.py, so any test module can ask for the fixture.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import os
 import pathlib
+import shutil
+import tempfile
 
 import pytest
 
+from pdserve.common.cache import cache_root
 from pdserve.common.default_model import default_model_path
 
 
@@ -30,11 +38,43 @@ def smollm2():
     (its legacy path for llama dequantizes everything; no GgufConfig needed). The tokenizer is
     pdserve's load_tokenizer: transformers' AutoTokenizer on the file, built once per process (7 s),
     so an Engine made in the test process reuses it."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from pdserve.common.tokenizer import load_tokenizer
 
-    path = pathlib.Path(smollm2_gguf_path())
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    return str(path), model, load_tokenizer(str(path))
+    path = smollm2_gguf_path()
+    return path, transformers_model(path), load_tokenizer(path)
+
+
+def transformers_model(path: str):
+    """transformers' float32 model from GGUF file `path`, converted once per host.
+
+    NOTE why: transformers' GGUF loader takes 15 s for SmolLM2 (it parses the file twice and builds
+    gguf's tensor-name map once per tensor), in each test worker. What it returns is saved as a plain
+    checkpoint in the cache (test-references/), keyed by the file and transformers' version, and loads
+    in a second. A lock makes one worker convert while the other waits for the saved copy."""
+    import torch
+    import transformers
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    st = os.stat(path)
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|{torch.__version__}"
+    saved = cache_root() / "test-references" / hashlib.sha256(key.encode()).hexdigest()[:32]
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    with open(saved.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes, or the process dies)
+        if not saved.is_dir():
+            file = pathlib.Path(path)
+            model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+            tmp = tempfile.mkdtemp(dir=saved.parent, prefix=".converting-")
+            try:
+                # (save_pretrained refuses a model transformers marks as GGUF-quantized: its weights and
+                # its config without the quantization, as a plain checkpoint)
+                config = model.config.to_dict()
+                config.pop("quantization_config", None)
+                (pathlib.Path(tmp) / "config.json").write_text(json.dumps(config))
+                save_model(model, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+                os.rename(tmp, saved)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            return model.eval()
+    return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
