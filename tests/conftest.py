@@ -20,10 +20,18 @@ pytest_plugins = ("tests.real_model",)
 
 @pytest.fixture(autouse=True, scope="session")
 def private_cache(tmp_path_factory):
-    """pdserve's cache (common/cache.py: converted tokenizers, random weights) in a folder of the test
-    session's own, for the processes the tests start too: nothing of a test's lands in ~/.cache."""
+    """pdserve's cache (common/cache.py: converted tokenizers, parsed GGUF metadata, random weights, the
+    real model's transformers reference) in a folder of this test run's own, for the processes the tests
+    start too: nothing of a test's lands in ~/.cache.
+
+    NOTE: one folder for all of a run's xdist workers (beside their own temporary folders), so what one
+    worker converts the other reuses: each entry is written aside and renamed into place (or, for the
+    reference, under a lock), so workers filling it at once never see half of one."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent / "pdserve-cache" if os.environ.get("PYTEST_XDIST_WORKER") else base / "pdserve-cache"
+    root.mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PDSERVE_CACHE", str(tmp_path_factory.mktemp("pdserve-cache")))
+        mp.setenv("PDSERVE_CACHE", str(root))
         yield
 
 

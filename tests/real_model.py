@@ -38,9 +38,11 @@ def smollm2():
     (its legacy path for llama dequantizes everything; no GgufConfig needed). The tokenizer is
     pdserve's load_tokenizer: transformers' AutoTokenizer on the file, built once per process (7 s),
     so an Engine made in the test process reuses it."""
+    from pdserve.common import gguf_checkpoint
     from pdserve.common.tokenizer import load_tokenizer
 
     path = smollm2_gguf_path()
+    gguf_checkpoint.read_info(path)  # (parsed into the cache before the servers a test starts look for it)
     return path, transformers_model(path), load_tokenizer(path)
 
 
