@@ -62,12 +62,15 @@ def gguf_file(model_path: str) -> str | None:
 
 @dataclass(frozen=True)
 class GGUFInfo:
-    """A GGUF file's metadata and tensor directory (no tensor data but RoPE's frequency factors)."""
+    """A GGUF file's metadata and tensor directory (no tensor data but RoPE's frequency factors): all the
+    server needs of the file but the weights' bytes, which it maps itself."""
 
     path: str
     metadata: dict[str, Any]  # key -> value; the tokenizer's arrays as their lengths
     tensors: dict[str, tuple[tuple[int, ...], str]]  # name -> (shape in torch's order, ggml type name)
     rope_freqs: tuple[float, ...] | None  # llama.cpp's `rope_freqs` (Llama 3 RoPE scaling), if any
+    offsets: dict[str, int]  # name -> where its data starts in the file (engine/models/gguf_weights.py)
+    byte_order: str  # gguf's: "I" the host's, "S" swapped
 
 
 @functools.lru_cache(maxsize=8)
@@ -75,8 +78,8 @@ def read_info(path: str) -> GGUFInfo:
     """GGUF file `path`'s metadata and tensor directory, read once per process, and parsed once per host.
 
     NOTE why a host cache: gguf's reader parses the tokenizer's arrays string by string, 2.3 s for
-    SmolLM2's 49k vocabulary, in each process that asks (a server's front end and its scheduler, the
-    router). Its JSON form in the cache (common/cache.py: gguf-info/) loads in milliseconds; it is keyed
+    SmolLM2's 49k vocabulary, in each process that asks (a server's front end, its scheduler and its
+    weights, the router). Its JSON form in the cache (common/cache.py: gguf-info/) loads in milliseconds; it is keyed
     like the converted tokenizer (path, size, modification time, gguf's version) and written whole or
     not at all (a temporary file renamed into place)."""
     saved = _saved_info_file(path)
@@ -113,28 +116,31 @@ def _parse_info(path: str) -> GGUFInfo:
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # a vector of head_dim / 2, F32
             rope_freqs = tuple(dequantize(t.data, t.tensor_type).reshape(-1).tolist())
-    return GGUFInfo(path, metadata, tensors, rope_freqs)
+    offsets = {t.name: int(t.data_offset) for t in reader.tensors}
+    return GGUFInfo(path, metadata, tensors, rope_freqs, offsets, reader.byte_order)
 
 
 def _saved_info_file(path: str) -> pathlib.Path:
     from importlib.metadata import version
 
     st = os.stat(path)
-    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|gguf {version('gguf')}|info 1"
+    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|gguf {version('gguf')}|info 2"
     return cache_root() / "gguf-info" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
 def _info_from_json(path: str, saved: dict) -> GGUFInfo:
     tensors = {name: (tuple(shape), kind) for name, (shape, kind) in saved["tensors"].items()}
     rope_freqs = saved["rope_freqs"]
-    return GGUFInfo(path, saved["metadata"], tensors, tuple(rope_freqs) if rope_freqs is not None else None)
+    rope_freqs = tuple(rope_freqs) if rope_freqs is not None else None
+    return GGUFInfo(path, saved["metadata"], tensors, rope_freqs, saved["offsets"], saved["byte_order"])
 
 
 def _save_info(info: GGUFInfo, saved: pathlib.Path) -> None:
     """Best effort, as _save_converted: without it the next process parses the file again."""
     try:
         # (JSON keeps str, int, float (repr: exact), bool and lists; metadata of any other kind is not saved)
-        text = json.dumps({"metadata": info.metadata, "tensors": info.tensors, "rope_freqs": info.rope_freqs})
+        fields = ("metadata", "tensors", "rope_freqs", "offsets", "byte_order")
+        text = json.dumps({name: getattr(info, name) for name in fields})
     except (TypeError, ValueError) as e:
         log.warning("not caching %s's metadata: %s", info.path, e)
         return

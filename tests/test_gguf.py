@@ -7,9 +7,11 @@ SmolLM2-135M-Instruct Q4_1 file (tests/real_model.py) is checked the same way on
 <|im_end|>, through `pdserve run-batch`, and what the router reads from it.
 """
 
+import dataclasses
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -328,3 +330,34 @@ def test_a_ggufs_metadata_is_parsed_once_and_a_changed_or_damaged_entry_is_read_
         assert len(list((tmp_path / "cache" / "gguf-info").iterdir())) == 2, "no temporary file left"
     finally:
         gguf_checkpoint.read_info.cache_clear()
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_1"])
+def test_the_weights_map_the_same_bytes_gguf_s_reader_reads(tiny_models, tmp_path, monkeypatch, qtype):
+    """file_tensors (offsets from the host-cached metadata, the file mapped here) against gguf's own
+    reader: every tensor's type, shape, dtype and values; and a file in the other byte order goes
+    through the reader."""
+    from pdserve.common import gguf_checkpoint
+    from pdserve.common.engine.models import gguf_weights
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    path = str(write_gguf(tiny_models("llama"), tmp_path / f"llama3.{qtype}.gguf", gguf.GGMLQuantizationType[qtype]))
+    read_info = gguf_checkpoint.read_info
+    read_info.cache_clear()
+    try:
+        read_info(path)  # parsed and saved; the next process reads the cache
+        read_info.cache_clear()
+        ours = {name: (kind, shape, data) for name, kind, shape, data in gguf_weights.file_tensors(path)}
+        theirs = gguf.GGUFReader(path).tensors
+        assert list(ours) == [t.name for t in theirs] and any(t.tensor_type.name == qtype for t in theirs)
+        for t in theirs:
+            kind, shape, data = ours[t.name]
+            assert kind == t.tensor_type and shape == tuple(int(n) for n in reversed(t.shape))
+            assert data.dtype == t.data.dtype and data.shape == t.data.shape and np.array_equal(data, t.data)
+        swapped = dataclasses.replace(read_info(path), byte_order="S")
+        monkeypatch.setattr(gguf_checkpoint, "read_info", lambda p: swapped)
+        read = []
+        monkeypatch.setattr(gguf, "GGUFReader", lambda p: read.append(p) or SimpleNamespace(tensors=theirs))
+        assert [name for name, *_ in gguf_weights.file_tensors(path)] == list(ours) and read == [path]
+    finally:
+        read_info.cache_clear()

@@ -78,7 +78,8 @@ def hf_name(gguf_name: str, gpt2: bool) -> str:
 
 @dataclass(frozen=True)
 class _Entry:
-    tensor: object  # gguf's ReaderTensor: data is the file's bytes (quantized) or values, rows first
+    data: np.ndarray  # the mapped file: its bytes (quantized, a row of blocks per row) or values, rows first
+    ggml_type: object  # gguf's GGMLQuantizationType
     shape: tuple[int, ...]  # Hugging Face's shape
     rope_heads: int  # > 0: rows permuted by llama.cpp, this many heads of them
     conv1d: bool  # shown transposed: HF's [in, out] of the file's [out, in]
@@ -93,24 +94,22 @@ class GGUFWeights:
     """The tensors of GGUF file `path` under Hugging Face names; `cfg` is its hf_config."""
 
     def __init__(self, path: str, cfg: dict):
-        from gguf import GGUFReader
-
         gpt2 = cfg["architectures"][0] == "GPT2LMHeadModel"
         # NOTE: only llama-arch files are permuted: Mistral converts as llama, Qwen2/3 do not.
         permuted = cfg.get("model_type") in ("llama", "mistral")
         heads = cfg.get("num_attention_heads")
         rope_heads = {"attn_q": heads, "attn_k": cfg.get("num_key_value_heads") or heads}
         self.entries: dict[str, _Entry] = {}
-        for tensor in GGUFReader(path).tensors:
-            if tensor.name in NOT_WEIGHTS:
+        for name_in_file, ggml_type, file_shape, data in file_tensors(path):
+            if name_in_file in NOT_WEIGHTS:
                 continue
-            name = hf_name(tensor.name, gpt2)
-            shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the innermost dimension first
-            leaf = tensor.name.split(".")[-2]
+            name = hf_name(name_in_file, gpt2)
+            leaf = name_in_file.split(".")[-2]
             conv1d = gpt2 and name.endswith(TRANSPOSED)
             self.entries[name] = _Entry(
-                tensor,
-                shape[::-1] if conv1d else shape,
+                data,
+                ggml_type,
+                file_shape[::-1] if conv1d else file_shape,
                 rope_heads[leaf] if permuted and leaf in rope_heads else 0,
                 conv1d,
             )
@@ -130,13 +129,13 @@ class GGUFWeights:
         """Rows [start, stop) of the file's tensor (output features), dequantized, permutation undone."""
         from gguf.quants import dequantize
 
-        data = entry.tensor.data
+        data = entry.data
         if entry.rope_heads:
             head_dim = entry.num_rows // entry.rope_heads
             if start % head_dim or stop % head_dim:  # not whole heads: unpermute all, then cut
                 return self.rows(entry, 0, entry.num_rows)[start:stop]
         packed_1d = data.ndim == 1 and data.dtype == np.uint8  # a quantized vector's data is bytes, not rows
-        values = dequantize(data if packed_1d else data[start:stop], entry.tensor.tensor_type)
+        values = dequantize(data if packed_1d else data[start:stop], entry.ggml_type)
         if not values.flags.writeable:  # an F32 tensor's values are the read-only mapped file
             values = values.copy()
         values = torch.from_numpy(values.astype(np.float32, copy=False))
@@ -145,6 +144,44 @@ class GGUFWeights:
         if entry.rope_heads:
             values = unpermute_rope_rows(values, (stop - start) // head_dim)
         return values
+
+
+# ggml types gguf's reader shows as values (the rest as bytes: blocks of quantized values, a row per row)
+VALUE_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16}
+VALUE_TYPES |= {"I32": np.int32, "I64": np.int64}
+
+
+def file_tensors(path: str):
+    """(name, ggml type, shape in torch's order, data) for each tensor of GGUF file `path`: its data the
+    mapped file's bytes, laid out as gguf's GGUFReader lays out a tensor's `data` (its _build_tensors).
+
+    NOTE why not GGUFReader: it parses the whole metadata again (2.3 s for SmolLM2's vocabulary); the
+    tensor directory and offsets come from read_info, parsed once per host. A file in the other byte
+    order (rare: big-endian) goes through the reader, which swaps."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    from pdserve.common.gguf_checkpoint import read_info
+
+    info = read_info(path)
+    if info.byte_order != "I":
+        from gguf import GGUFReader
+
+        for t in GGUFReader(path).tensors:
+            yield t.name, t.tensor_type, tuple(int(n) for n in reversed(t.shape)), t.data
+        return
+    file = np.memmap(path, mode="r")
+    for name, (shape, kind) in info.tensors.items():
+        ggml_type, start, count = GGMLQuantizationType[kind], info.offsets[name], int(np.prod(shape))
+        if kind in VALUE_TYPES:
+            dtype = np.dtype(VALUE_TYPES[kind])
+            data = file[start : start + count * dtype.itemsize].view(dtype).reshape(shape)
+        else:
+            block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+            data = file[start : start + count * type_size // block_size].reshape(
+                quant_shape_to_byte_shape(shape, ggml_type)
+            )
+        yield name, ggml_type, shape, data
 
 
 class _Slice:
