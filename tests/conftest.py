@@ -77,35 +77,3 @@ def make_engine(tiny_models):
 
 
 ALL_ARCHS = ARCHS
-
-
-# The longest test files (seconds of a 2-core run, `--durations=0` summed per file), heaviest first.
-# NOTE: `--dist loadfile` hands files to the two workers in collection order, so a long file collected
-# last (test_triton_backend.py: 75 s) would run while the other worker sits idle. Collected first, the
-# run ends on short files instead. A file missing here only runs in its alphabetical place.
-HEAVY_FIRST = (
-    "test_servers.py",  # 111 s
-    "test_triton_backend.py",  # 75
-    "test_router_hostile.py",  # 54
-    "test_router_workers.py",  # 52
-    "test_grammar.py",  # 50
-    "test_parity.py",  # 48
-    "test_bench.py",  # 45
-    "test_tp_disagg.py",  # 44
-    "test_tp.py",  # 41
-    "test_real_model_stack.py",  # 41
-    "test_structured_outputs.py",  # 39
-    "test_gguf.py",  # 39
-    "test_speculative_engine.py",  # 38
-    "test_router_reliability.py",  # 36
-    "test_router_overload.py",  # 36
-    "test_api_fuzz.py",  # 32
-    "test_generate_many.py",  # 31
-    "test_fp8_kv_cache.py",  # 30
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    """Heavy files first (HEAVY_FIRST); each file's tests stay together and in their order."""
-    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: the rest keep their order)
