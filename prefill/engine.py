@@ -38,15 +38,20 @@ class PrefillEngine(EngineCore):
         agent_name: str,
         kv_transfer_timeout: float = 30.0,
         startup: StartupClock | None = None,
+        kv_transfer_path: str = "auto",
     ):
         startup = startup or StartupClock()
         self.kv: ServerKV | None = None  # the KV agents this engine owns (every rank's)
         # A prefill server never runs a decode step: one decode graph (batch 1) only gives the prefill
         # graphs their memory pool; capturing every batch size cost 1.3-1.7 s of its start on an H200.
         config = dataclasses.replace(config, cuda_graph_max_bs=1)
-        super().__init__(config, startup, kv_side=KVSide.SENDER, kv_agent_name=agent_name)
+        super().__init__(
+            config, startup, kv_side=KVSide.SENDER, kv_agent_name=agent_name, kv_transfer_path=kv_transfer_path
+        )
         with self.closed_on_error():
-            self.kv = ServerKV.open(agent_name, self.runner.kv_pool, self.tp_workers)  # the ranks' agents meet
+            self.kv = ServerKV.open(
+                agent_name, self.runner.kv_pool, self.tp_workers, kv_transfer_path
+            )  # the ranks' agents meet
             self.agent = self.kv.agent  # rank 0's
             self.sender = KVSender(self.kv, self.tp_workers)
             scheduler = PrefillScheduler(

@@ -64,6 +64,7 @@ class PrefillResult:
     cached_tokens: int
     transfer_bytes: int = 0
     transfer_s: float = 0.0  # from the WRITE's start to its completion
+    transfer_ops: int = 0  # what rank 0's WRITEs posted: NIXL descriptors, or device-copy launches
     error: str | None = None  # None: the KV and the first token are at the decode server
     error_code: ErrorCode | None = None  # set with `error`
     queue_s: float = 0.0  # from its arrival to its first prefill batch
@@ -268,7 +269,9 @@ class PrefillScheduler:
             # can reuse the pages); only then are the pages freed or cached, in _finish.
             self.sender.release(t.handle)
             if state is TransferState.DONE:
-                self._finish(t.req, transfer_bytes=t.handle.num_bytes, transfer_s=now - t.started)
+                self._finish(
+                    t.req, transfer_bytes=t.handle.num_bytes, transfer_s=now - t.started, transfer_ops=t.handle.ops
+                )
             elif state is TransferState.FAILED:
                 self.sender.remove_peer(t.handle.peer)  # its cached metadata may be stale (a restarted server)
                 self._finish(t.req, error=self.sender.failure(t.handle), error_code=ErrorCode.KV_TRANSFER_FAILED)
@@ -304,6 +307,7 @@ class PrefillScheduler:
         error: str | None = None,
         transfer_s: float = 0.0,
         error_code: ErrorCode | None = None,
+        transfer_ops: int = 0,
     ) -> None:
         """Cache (on success) or free the request's KV and record its result (an aborted request
         was answered when it was aborted)."""
@@ -328,6 +332,7 @@ class PrefillScheduler:
                 cached_tokens=req.cached_tokens,
                 transfer_bytes=transfer_bytes,
                 transfer_s=transfer_s,
+                transfer_ops=transfer_ops,
                 error=error,
                 error_code=error_code,
                 queue_s=max(req.admitted - req.arrived, 0.0) if req.admitted else 0.0,

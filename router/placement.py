@@ -167,3 +167,36 @@ def describe(plan: list[ServerPlacement], tp_of: dict[str, int], visible: list[s
             where += f", --mem-fraction-static {server.mem_fraction}"
         lines.append(f"  {server.role} {server.index}: tp {tp_of[server.role]}, {where}")
     return lines
+
+
+def describe_kv_paths(plan: list[ServerPlacement], path: str) -> list[str]:
+    """How each prefill server's KV reaches each decode server (its --kv-transfer-path, `path`, applied
+    to where the two sit): one line per pair. The prefill server logs what it actually used when it
+    first meets a decode server (common/kv_transfer/direct.py)."""
+    lines = []
+    for p in (s for s in plan if s.role == "prefill"):
+        for d in (s for s in plan if s.role == "decode"):
+            if not p.gpus or not d.gpus:
+                how = "NIXL (UCX, DRAM)"
+            elif path == "nixl":
+                how = "NIXL (UCX, VRAM; --kv-transfer-path nixl)"
+            else:
+                shared = set(p.gpus) & set(d.gpus)
+                where = "on the GPU they share" if shared == set(p.gpus) == set(d.gpus) else "GPU to GPU, peer access"
+                how = f"device copy through CUDA IPC, one kernel a request ({where})"
+                if path == "auto":
+                    how += "; NIXL where the pool cannot be mapped"
+            lines.append(f"  KV prefill {p.index} -> decode {d.index}: {how}")
+    return lines
+
+
+def kv_transfer_path(server_flags: Sequence[str]) -> str:
+    """The --kv-transfer-path the servers are given in `server_flags` (the last one wins, as argparse
+    takes it); "auto" when none is."""
+    path = "auto"
+    for i, flag in enumerate(server_flags):
+        if flag == "--kv-transfer-path" and i + 1 < len(server_flags):
+            path = server_flags[i + 1]
+        elif flag.startswith("--kv-transfer-path="):
+            path = flag.split("=", 1)[1]
+    return path

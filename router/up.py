@@ -37,6 +37,8 @@ from pdserve.router.placement import (
     ROLES_IN_START_ORDER,
     ServerPlacement,
     describe,
+    describe_kv_paths,
+    kv_transfer_path,
     plan_placement,
     rank_threads,
     resolve_gpus,
@@ -239,6 +241,7 @@ def up(
             f"placement ({len(placed_on)} GPUs: {','.join(map(str, placed_on))}):" if placed_on else "placement (CPU):"
         )
         print("\n".join(describe(plan, tp_of, visible)))
+        print("\n".join(describe_kv_paths(plan, kv_transfer_path(passthrough.servers))))
         print(
             f"layout: {layout.num_prefill} prefill, {num_decode} decode, --disagg-policy {layout.disagg_policy} "
             f"({layout.why})"

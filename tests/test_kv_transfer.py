@@ -14,9 +14,9 @@ import torch
 
 from pdserve.common.engine.kv_pool import PagedKVPool
 from pdserve.common.kv_transfer import KVLayout, decode_notif, encode_notif, new_room
+from pdserve.common.kv_transfer.direct import copy_pages, page_view
 from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, run_descriptors
 from pdserve.common.kv_transfer.pool_metadata import PoolMetadata, decode_pool_metadata, encode_pool_metadata
-from pdserve.common.kv_transfer.same_gpu import copy_pages, page_view
 
 # Every wait that crosses a process gives up after this long.
 TIMEOUT_S = 30.0

@@ -364,3 +364,23 @@ def test_gpus_are_counted_by_the_driver_without_torch(monkeypatch):
 
     monkeypatch.setattr(ctypes, "CDLL", no_driver)
     assert config.driver_device_count() is None
+
+
+def test_the_kv_path_of_each_pair_follows_the_placement_and_the_flag():
+    from pdserve.router.placement import describe_kv_paths, kv_transfer_path
+
+    assert kv_transfer_path(["--dtype", "bfloat16"]) == "auto"
+    assert kv_transfer_path(["--kv-transfer-path", "nixl", "--kv-transfer-path=direct"]) == "direct"
+    two = plan_placement([0, 1], 1, 1, 1, 1)  # decode on GPU 0, prefill on GPU 1
+    assert describe_kv_paths(two, "auto") == [
+        "  KV prefill 0 -> decode 0: device copy through CUDA IPC, one kernel a request (GPU to GPU, peer "
+        "access); NIXL where the pool cannot be mapped"
+    ]
+    assert describe_kv_paths(two, "nixl") == ["  KV prefill 0 -> decode 0: NIXL (UCX, VRAM; --kv-transfer-path nixl)"]
+    one = plan_placement([0], 1, 1, 1, 1)
+    assert "on the GPU they share" in describe_kv_paths(one, "direct")[0]
+    assert describe_kv_paths(plan_placement([], 1, 1, 2, 1), "auto") == [
+        "  KV prefill 0 -> decode 0: NIXL (UCX, DRAM)",
+        "  KV prefill 0 -> decode 1: NIXL (UCX, DRAM)",
+    ]
+    assert describe_kv_paths(plan_placement([0, 1], 0, 1, 2, 1), "auto") == []  # no prefill server

@@ -83,10 +83,12 @@ class EngineCore:
         prefill_graphs: bool = True,
         kv_side: KVSide | None = None,
         kv_agent_name: str = "",
+        kv_transfer_path: str = "auto",
     ):
         """`startup`: marks the start-up phases as they end (a server prints them; common/startup.py).
         `kv_side`: a prefill (SENDER) or decode (RECEIVER) server's engine; with TP, every rank then
-        runs a KV transfer agent named after `kv_agent_name` (common/kv_transfer/rank_duty.py)."""
+        runs a KV transfer agent named after `kv_agent_name` (common/kv_transfer/rank_duty.py), a sender's
+        reaching peers by `kv_transfer_path` (common/kv_transfer/direct.py TransferPath)."""
         self.config = config.resolve()
         self.tokenizer = load_tokenizer(self.config.model_path)
         self.eos_token_ids = eos_token_ids(self.config.model_path, self.tokenizer)
@@ -96,7 +98,7 @@ class EngineCore:
         if self.config.tp_size > 1:
             from pdserve.common.engine.tp_worker import KVRanks, TPWorkers  # pyzmq and msgspec: only with TP
 
-            kv = KVRanks(kv_side, kv_agent_name) if kv_side is not None else None
+            kv = KVRanks(kv_side, kv_agent_name, kv_transfer_path) if kv_side is not None else None
             self.tp_workers = TPWorkers.start(self.config, prefill_graphs, kv)
             # Stops them with the engine (garbage-collected, or at exit) unless close() came first.
             weakref.finalize(self, self.tp_workers.close)

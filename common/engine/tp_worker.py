@@ -70,6 +70,7 @@ class KVRanks:
 
     duty: KVSide
     agent_name: str
+    path: str = "auto"  # a sender's --kv-transfer-path
 
 
 class TPWorkers:
@@ -326,7 +327,7 @@ def _kv_duty(kv: dict, rank: int, runner, ctx, reports_endpoint: str):
     # NOTE: linger, so the last reports leave before the socket closes (a closing PUSH drops them).
     out.setsockopt(zmq.LINGER, 2000)
     out.connect(reports_endpoint)
-    agent = NixlKVAgent(f"{kv['agent_name']}.tp{rank}", runner.kv_pool)
+    agent = NixlKVAgent(f"{kv['agent_name']}.tp{rank}", runner.kv_pool, path=kv.get("path", "auto"))
 
     def report(msg) -> None:
         out.send(_encoder.encode(msg))

@@ -122,10 +122,11 @@ class KVLayout:
 class TransferHandle:
     """One posted WRITE. Opaque beyond these fields; poll it, then release it."""
 
-    def __init__(self, peer: str, num_pages: int, num_bytes: int):
+    def __init__(self, peer: str, num_pages: int, num_bytes: int, ops: int = 0):
         self.peer = peer
         self.num_pages = num_pages
         self.num_bytes = num_bytes
+        self.ops = ops  # what it posted: NIXL descriptors, or kernel launches for a device copy
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(peer={self.peer!r}, num_pages={self.num_pages}, num_bytes={self.num_bytes})"

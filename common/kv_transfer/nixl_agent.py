@@ -2,7 +2,9 @@
 
 The whole pool (every layer's K and V storage, head-major) is registered once, at construction, as
 DRAM for CPU tensors or VRAM for CUDA tensors. Each `write_pages` builds its descriptor lists from
-the heads and page runs and posts them as one NIXL transfer carrying the notification.
+the heads and page runs and posts them as one NIXL transfer carrying the notification — unless the
+peer's pool is on this host's GPUs and could be mapped (direct.py): then a WRITE is one device copy,
+and only its notification goes through NIXL.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
 from pdserve.common.engine.kv_pool import PagedKVPool
 from pdserve.common.kv_transfer.base import KVLayout, KVTransferAgent, KVTransferError, TransferHandle, TransferState
+from pdserve.common.kv_transfer.direct import DirectHandle, DirectPeers, TransferPath, gpu_uuid, host_id, share_buffers
 from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, run_descriptors
 from pdserve.common.kv_transfer.pool_metadata import PoolMetadata
-from pdserve.common.kv_transfer.same_gpu import SameGpuHandle, SameGpuPeers, gpu_uuid, share_buffers
 
 logger = logging.getLogger(__name__)
 
@@ -32,22 +34,30 @@ _XFER_STATES = {"DONE": TransferState.DONE, "PROC": TransferState.IN_PROGRESS}
 
 
 class NixlTransferHandle(TransferHandle):
-    def __init__(self, peer: str, num_pages: int, num_bytes: int, xfer: nixl_xfer_handle):
-        super().__init__(peer, num_pages, num_bytes)
+    def __init__(self, peer: str, num_pages: int, num_bytes: int, xfer: nixl_xfer_handle, ops: int):
+        super().__init__(peer, num_pages, num_bytes, ops)
         self.xfer = xfer
         self.released = False
 
 
 class NixlKVAgent(KVTransferAgent):
-    """A NIXL agent named `name` (unique among the agents that will talk) over `kv_pool`."""
+    """A NIXL agent named `name` (unique among the agents that will talk) over `kv_pool`; `path`
+    says whether peers this host's GPUs can reach get device copies (direct.py TransferPath)."""
 
-    def __init__(self, name: str, kv_pool: PagedKVPool, backend: str = "UCX"):
+    def __init__(
+        self, name: str, kv_pool: PagedKVPool, backend: str = "UCX", path: TransferPath | str = TransferPath.AUTO
+    ):
         buffers = [*kv_pool.k_storage, *kv_pool.v_storage]
         device = buffers[0].device
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"NIXL transfers need a CPU or CUDA KV pool, this one is on {device}")
         if any(b.device != device or not b.is_contiguous() for b in buffers):
             raise ValueError("every K/V buffer of the pool must be contiguous and on one device")
+        path = TransferPath(path)
+        if path is TransferPath.DIRECT and device.type != "cuda":
+            raise ValueError(
+                "--kv-transfer-path direct needs a CUDA KV pool (a device copy); on the CPU use auto or nixl"
+            )
         self.name = name
         self.layout = KVLayout.of_pool(kv_pool)
         # Holding the pool keeps the registered tensors alive for as long as peers may write to them.
@@ -70,8 +80,8 @@ class NixlKVAgent(KVTransferAgent):
             raise KVTransferError(
                 f"NIXL has no {backend} backend on this machine (plugins: {self._agent.get_plugin_list()})"
             )
-        # Peers on this GPU get their pages by a device copy through CUDA IPC (common/kv_transfer/same_gpu.py).
-        self._same_gpu = SameGpuPeers(device, buffers, self.layout) if device.type == "cuda" else None
+        # Peers on this host's GPUs get their pages by a device copy through CUDA IPC (common/kv_transfer/direct.py).
+        self._direct = DirectPeers(device, buffers, self.layout, path) if device.type == "cuda" else None
         regions = [(b.data_ptr(), b.nbytes, self._device_id, "") for b in buffers]
         self._registered = self._agent.register_memory(regions, self._mem_type)
         # Taken after registration: the agent metadata carries the registered regions' remote keys.
@@ -85,8 +95,10 @@ class NixlKVAgent(KVTransferAgent):
             transport_metadata=self._agent.get_agent_metadata(),
             gpu_uuid=gpu_uuid(device) if device.type == "cuda" else "",
             ipc_buffers=share_buffers(buffers) if device.type == "cuda" else (),
+            host_id=host_id() if device.type == "cuda" else "",
         )
         self._peers: dict[str, PoolMetadata] = {}
+        self._routes: dict[str, str] = {}  # peer -> how its WRITEs travel (route())
         self._live: set[NixlTransferHandle] = set()
 
     def metadata(self) -> PoolMetadata:
@@ -115,14 +127,26 @@ class NixlKVAgent(KVTransferAgent):
             if loaded_name not in self._peers:
                 agent.remove_remote_agent(loaded_name)
             raise ValueError(f"peer metadata names {peer.name!r} but its NIXL agent is {loaded_name!r}")
+        route = None
+        if self._direct is not None:
+            try:
+                route = self._direct.add(peer)
+            except ValueError:
+                agent.remove_remote_agent(peer.name)
+                raise
         self._peers[peer.name] = peer
-        if self._same_gpu is not None and peer.mem_type == "VRAM":
-            self._same_gpu.add(peer.name, peer.gpu_uuid, peer.ipc_buffers, peer.layout)
+        self._routes[peer.name] = f"device copy ({route})" if route else "NIXL"
         return peer.name
 
+    def route(self, peer: str) -> str:
+        """How WRITEs to a known peer travel: "device copy (this GPU)", "device copy (peer GPU <uuid>)"
+        or "NIXL"."""
+        return self._routes[peer]
+
     def remove_peer(self, name: str) -> None:
-        if self._same_gpu is not None:
-            self._same_gpu.remove(name)
+        if self._direct is not None:
+            self._direct.remove(name)
+        self._routes.pop(name, None)
         if self._peers.pop(name, None) is None:
             return
         try:
@@ -142,8 +166,8 @@ class NixlKVAgent(KVTransferAgent):
             )
         if not src_pages and not dst_pages:
             # A WRITE of no pages (the peer holds the whole prompt in its prefix cache): only the
-            # notification goes, the way a same-GPU copy's does once its (here empty) copy ran.
-            handle = SameGpuHandle(peer, 0, 0, _NOTHING_TO_COPY, notif)
+            # notification goes, the way a device copy's does once its (here empty) copy ran.
+            handle = DirectHandle(peer, 0, 0, _NOTHING_TO_COPY, notif, ops=0)
             self._live.add(handle)
             return handle
         check_pages(src_pages, dst_pages, self.layout.num_pages, target.layout.num_pages)
@@ -154,8 +178,8 @@ class NixlKVAgent(KVTransferAgent):
                     f"KV heads [{heads.start}, {heads.stop}) are not all in {side} pool "
                     f"(it holds [{layout.heads.start}, {layout.heads.stop}))"
                 )
-        if self._same_gpu is not None and peer in self._same_gpu.peers:
-            handle = self._same_gpu.write(
+        if self._direct is not None and peer in self._direct.peers:
+            handle = self._direct.write(
                 peer,
                 src_pages,
                 dst_pages,
@@ -197,7 +221,7 @@ class NixlKVAgent(KVTransferAgent):
         except _NIXL_ERRORS as error:
             raise KVTransferError(f"NIXL refused a WRITE of {len(src_pages)} pages to {peer!r}: {error!r}") from error
         num_bytes = self.layout.transfer_bytes(len(src_pages), len(heads))
-        handle = NixlTransferHandle(peer, len(src_pages), num_bytes, xfer)
+        handle = NixlTransferHandle(peer, len(src_pages), num_bytes, xfer, len(local))
         self._live.add(handle)
         try:
             posted = agent.transfer(xfer)
@@ -212,7 +236,7 @@ class NixlKVAgent(KVTransferAgent):
         handle = self._own(handle)
         if handle.released:
             raise KVTransferError(f"{handle} was already released")
-        if isinstance(handle, SameGpuHandle):
+        if isinstance(handle, DirectHandle):
             return self._poll_copy(handle)
         try:
             state = self._open_agent().check_xfer_state(handle.xfer)
@@ -225,7 +249,7 @@ class NixlKVAgent(KVTransferAgent):
         handle = self._own(handle)
         if handle.released:
             return
-        if isinstance(handle, SameGpuHandle):
+        if isinstance(handle, DirectHandle):
             # NOTE: a copy cannot be cancelled: wait for it (microseconds), so that pages freed
             # after this call are not read or written by it any more.
             handle.event.synchronize()
@@ -239,8 +263,8 @@ class NixlKVAgent(KVTransferAgent):
         handle.released = True
         self._live.discard(handle)
 
-    def _poll_copy(self, handle: SameGpuHandle) -> TransferState:
-        """A same-GPU copy: DONE once it ran on the device and the peer was told (the notification
+    def _poll_copy(self, handle: DirectHandle) -> TransferState:
+        """A device copy: DONE once it ran on the device and the peer was told (the notification
         a NIXL WRITE would have carried)."""
         if not handle.notified:
             if not handle.event.query():
@@ -267,8 +291,9 @@ class NixlKVAgent(KVTransferAgent):
         except _NIXL_ERRORS as error:
             logger.warning("NIXL could not deregister the KV pool of %r: %r", self.name, error)
         self._peers.clear()
-        if self._same_gpu is not None:
-            self._same_gpu.peers.clear()
+        self._routes.clear()
+        if self._direct is not None:
+            self._direct.peers.clear()
         self._agent = None
 
     def _open_agent(self) -> nixl_agent:
@@ -276,8 +301,8 @@ class NixlKVAgent(KVTransferAgent):
             raise KVTransferError(f"KV transfer agent {self.name!r} is closed")
         return self._agent
 
-    def _own(self, handle: TransferHandle) -> NixlTransferHandle | SameGpuHandle:
-        if not isinstance(handle, (NixlTransferHandle, SameGpuHandle)):
+    def _own(self, handle: TransferHandle) -> NixlTransferHandle | DirectHandle:
+        if not isinstance(handle, (NixlTransferHandle, DirectHandle)):
             raise TypeError(f"{handle!r} is not a handle from a NixlKVAgent")
         return handle
 

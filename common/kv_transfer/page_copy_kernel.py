@@ -1,6 +1,6 @@
-"""One kernel launch for a whole same-GPU KV WRITE: every layer's K and V, every head, every page.
+"""One kernel launch for a whole KV WRITE by device copy (this GPU, or a peer GPU of this host).
 
-Why (docs/benchmarks.md, "The default pair's burst"): `copy_pages` (same_gpu.py) is a gather and a
+Why (docs/benchmarks.md, "The default pair's burst"): `copy_pages` (direct.py) is a gather and a
 scatter per buffer — 48 launches for one GPT-2-small prompt, ~1 ms of the prefill scheduler's time
 per request under MPS, half of its loop in a 1,024-prompt burst. Here the buffers' base addresses
 sit in device tables built once per peer, and one program copies one head's bytes of one page of
@@ -12,7 +12,7 @@ The layout is the pool's head-major one (common/engine/kv_pool.py): a buffer is 
 head page bytes], so a head's page is `head_page_bytes` contiguous bytes at
 `head * num_pages * head_page_bytes + page * head_page_bytes`.
 
-NOTE: import lazily (same_gpu.py does, on the first copy): Triton reads TRITON_INTERPRET when a
+NOTE: import lazily (direct.py does, on the first copy): Triton reads TRITON_INTERPRET when a
 kernel is defined, and the CPU tests set it first.
 """
 

@@ -4,7 +4,7 @@ rank (each rank has its own agent and pool, holding its own KV heads).
 Wire format (version 2), no pickle:
     struct "!4sHI": magic b"PDKV", version, length J of the JSON part
     J bytes of JSON: {"ranks": [{name, layout, mem_type, device_id, k_addrs, v_addrs, transport_len,
-                                 gpu_uuid, ipc_buffers}, ...]}   (the last two optional: "" and [])
+                                 gpu_uuid, ipc_buffers, host_id}, ...]}   (the last three optional)
     the rest: the ranks' transport metadata (opaque bytes), one after another, transport_len each
 
 Version 1 (one pool, token-major pages) is refused: its pages mean other bytes. Roll prefill and
@@ -37,10 +37,11 @@ class PoolMetadata:
     k_addrs: tuple[int, ...]
     v_addrs: tuple[int, ...]
     transport_metadata: bytes
-    # A CUDA pool's GPU (its UUID) and its buffers' CUDA IPC handles (common/kv_transfer/same_gpu.py),
-    # so that a peer on the same GPU copies pages itself; empty for DRAM pools.
+    # A CUDA pool's GPU (its UUID), its buffers' CUDA IPC handles and its host (common/kv_transfer/direct.py),
+    # so that a peer on the same host copies pages itself; empty for DRAM pools.
     gpu_uuid: str = ""
     ipc_buffers: tuple = ()
+    host_id: str = ""
 
 
 def encode_pool_metadata(ranks: Sequence[PoolMetadata]) -> bytes:
@@ -56,6 +57,7 @@ def encode_pool_metadata(ranks: Sequence[PoolMetadata]) -> bytes:
             "transport_len": len(meta.transport_metadata),
             "gpu_uuid": meta.gpu_uuid,
             "ipc_buffers": list(meta.ipc_buffers),
+            "host_id": meta.host_id,
         }
         for meta in ranks
     ]
@@ -95,6 +97,7 @@ def decode_pool_metadata(data: bytes) -> list[PoolMetadata]:
                     transport_metadata=bytes(data[offset:end]),
                     gpu_uuid=str(fields.get("gpu_uuid", "")),
                     ipc_buffers=tuple(tuple(b) for b in fields.get("ipc_buffers", ())),
+                    host_id=str(fields.get("host_id", "")),
                 )
             )
             offset = end

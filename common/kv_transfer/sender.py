@@ -42,6 +42,7 @@ class WriteGroup:
     peer: str
     num_pages: int
     num_bytes: int  # all ranks' together
+    ops: int = 0  # rank 0's WRITEs' NIXL descriptors or device-copy launches (TransferHandle.ops)
     local: list[TransferHandle] = field(default_factory=list)
     remote: dict[int, int] = field(default_factory=dict)
     failure: str | None = None  # a rank's WRITE failed: why
@@ -128,7 +129,9 @@ class KVSender:
                 notif = encode_notif(room, first_token, logprobs, n, nbytes, w.heads)
                 group.num_bytes += nbytes
                 if w.src_rank == 0:
-                    group.local.append(self.server.agent.write_pages(pool.name, src_pages, dst_pages, notif, w.heads))
+                    handle = self.server.agent.write_pages(pool.name, src_pages, dst_pages, notif, w.heads)
+                    group.local.append(handle)
+                    group.ops += handle.ops
                 else:
                     orders.append(
                         (

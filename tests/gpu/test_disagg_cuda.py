@@ -1,5 +1,5 @@
-"""Disaggregation on one GPU: a prefill process and a decode process, KV moved VRAM -> VRAM, by a
-device copy through CUDA IPC (common/kv_transfer/same_gpu.py, the default on one GPU) or by NIXL.
+"""Disaggregation on one GPU and across two: a prefill process and a decode process, KV moved VRAM -> VRAM,
+by a device copy through CUDA IPC (common/kv_transfer/direct.py, the default on one host) or by NIXL.
 
 The two engines run in their own spawned processes (each with its own CUDA context and NIXL
 agent); the test relays requests, KV destinations and results between them over pipes, as the
@@ -21,11 +21,15 @@ from tests.test_disagg_engines import hf_greedy
 TIMEOUT_S = 300
 
 
-def worker(role: str, model: str, dtype: str, path: str, conn, kv_cache_dtype: str = "auto") -> None:
-    from pdserve.common.config import EngineConfig
-    from pdserve.common.kv_transfer.same_gpu import ENV
+def fragment(kv_pool, seed: int) -> None:
+    """Hand out the pool's free pages in a shuffled order, so a request's pages are not contiguous runs."""
+    pages = kv_pool.alloc_pages(kv_pool.num_free_pages())
+    random.Random(seed).shuffle(pages)
+    kv_pool.free_pages(pages)
 
-    os.environ[ENV] = path
+
+def worker(role: str, model: str, dtype: str, path: str, conn, kv_cache_dtype: str = "auto", shuffle=True) -> None:
+    from pdserve.common.config import EngineConfig
 
     config = EngineConfig(
         model_path=model,
@@ -42,15 +46,17 @@ def worker(role: str, model: str, dtype: str, path: str, conn, kv_cache_dtype: s
     else:
         from pdserve.prefill.engine import PrefillEngine
 
-        engine = PrefillEngine(config, "prefill-gpu")
+        engine = PrefillEngine(config, "prefill-gpu", kv_transfer_path=path)
+    if shuffle:  # (the parity runs; the latency test measures pages handed out in order)
+        fragment(engine.runner.kv_pool, seed=0 if role == "decode" else 1)
     loop = engine.event_loop()
     conn.send(("ready", engine.agent.metadata()))
     while True:
         if conn.poll(0 if engine.busy() else 0.005):
             msg = conn.recv()
             if msg[0] == "stop":
-                same_gpu = engine.agent._same_gpu
-                conn.send(("idle", engine.is_idle(), len(same_gpu.peers) if same_gpu is not None else 0))
+                direct = engine.agent._direct
+                conn.send(("idle", engine.is_idle(), len(direct.peers) if direct is not None else 0))
                 return
             if role == "decode":
                 _, rid, prompt, params, room = msg
@@ -70,13 +76,24 @@ def worker(role: str, model: str, dtype: str, path: str, conn, kv_cache_dtype: s
                 conn.send(("pre", r.rid, r.first_token, r.transfer_bytes, r.transfer_s, r.error))
 
 
-def run_disaggregated(model, dtype, prompts, params, path="ipc", kv_cache_dtype="auto"):
+def run_disaggregated(model, dtype, prompts, params, path="direct", kv_cache_dtype="auto", gpus=None, shuffle=True):
+    """`gpus`: (decode's, prefill's) GPU, each process seeing only its own (as pdserve up starts them);
+    default: both on the first visible GPU."""
     ctx = mp.get_context("spawn")
     links = {}
-    for role in ("decode", "prefill"):
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    for i, role in enumerate(("decode", "prefill")):
         mine, theirs = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(role, model, dtype, path, theirs, kv_cache_dtype), daemon=True)
-        proc.start()
+        proc = ctx.Process(target=worker, args=(role, model, dtype, path, theirs, kv_cache_dtype, shuffle), daemon=True)
+        if gpus is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(gpus[i])  # (a spawned child takes the environment at start)
+        try:
+            proc.start()
+        finally:
+            if visible is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible
         links[role] = (mine, proc)
     dconn, pconn = links["decode"][0], links["prefill"][0]
     for conn in (dconn, pconn):
@@ -110,14 +127,14 @@ def run_disaggregated(model, dtype, prompts, params, path="ipc", kv_cache_dtype=
         idle.append(is_idle)
         mapped.append(peers)
     # The prefill side mapped the decode pool (IPC) or did not (NIXL); the decode side never maps one.
-    assert mapped == [0, 1 if path == "ipc" else 0]
+    assert mapped == [0, 1 if path == "direct" else 0]
     for _, proc in links.values():
         proc.join(30)
     assert all(idle), "KV not back to idle on both sides"
     return [outputs[f"r{i}"] for i in range(len(prompts))], [transfers[f"r{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("path", ["ipc", "nixl"])
+@pytest.mark.parametrize("path", ["direct", "nixl"])
 def test_disaggregated_greedy_on_gpu_matches_transformers(path, tiny_models):
     model = tiny_models("qwen3")
     rng = random.Random(1)
@@ -127,7 +144,7 @@ def test_disaggregated_greedy_on_gpu_matches_transformers(path, tiny_models):
     assert got == expected
 
 
-@pytest.mark.parametrize("path", ["ipc", "nixl"])
+@pytest.mark.parametrize("path", ["direct", "nixl"])
 def test_disaggregated_fp8_kv_moves_one_byte_per_element_and_matches_the_colocated_engine(path, tiny_models):
     from pdserve.common.engine.engine import Engine
 
@@ -147,7 +164,7 @@ def test_disaggregated_fp8_kv_moves_one_byte_per_element_and_matches_the_colocat
     assert [b for b, _ in transfers] == [-(-len(p) // 16) * 16 * per_token for p in prompts]
 
 
-@pytest.mark.parametrize("path", ["ipc", "nixl"])
+@pytest.mark.parametrize("path", ["direct", "nixl"])
 def test_kv_transfer_latency_and_bandwidth_on_gpu(path, tmp_path):
     from pdserve.common.tiny_model import make_tiny_model
 
@@ -157,7 +174,7 @@ def test_kv_transfer_latency_and_bandwidth_on_gpu(path, tmp_path):
     for length in (512, 2048):
         prompts = [[rng.randrange(5, 50000) for _ in range(length)] for _ in range(8)]
         _, transfers = run_disaggregated(
-            model, "bfloat16", prompts, SamplingParams(max_new_tokens=2, temperature=0), path
+            model, "bfloat16", prompts, SamplingParams(max_new_tokens=2, temperature=0), path, shuffle=False
         )
         sizes = [b for b, _ in transfers]
         secs = [s for _, s in transfers]
@@ -170,3 +187,24 @@ def test_kv_transfer_latency_and_bandwidth_on_gpu(path, tmp_path):
             f"bandwidth median {statistics.median(gbps):.1f} GB/s over {len(sizes)} requests"
         )
         assert all(b == 2 * 12 * 12 * 64 * 2 * ((length + 15) // 16 * 16) for b in sizes)
+
+
+two_gpus = pytest.mark.skipif(
+    not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2, reason="needs two GPUs"
+)
+
+
+@two_gpus
+@pytest.mark.parametrize("path", ["direct", "nixl"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gpt2"])
+def test_disaggregated_across_two_gpus_matches_transformers(arch, path, tiny_models):
+    """Prefill on GPU 1, decode on GPU 0, each seeing only its own GPU (as pdserve up starts them): the
+    device copy writes the other GPU's pool through CUDA IPC, or NIXL does; greedy tokens are
+    transformers'."""
+    model = tiny_models(arch)
+    rng = random.Random(4)
+    prompts = [[0] + [rng.randrange(5, 512) for _ in range(rng.randrange(1, 90))] for _ in range(12)]
+    expected = hf_greedy(model, prompts, 10, device="cuda")
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    got, _ = run_disaggregated(model, "float32", prompts, params, path, gpus=(0, 1))
+    assert got == expected

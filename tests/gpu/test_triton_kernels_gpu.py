@@ -141,8 +141,8 @@ def test_the_one_launch_page_copy_matches_the_per_buffer_copy(heads):
     """The same-GPU WRITE's kernel (common/kv_transfer/page_copy_kernel.py) on a GPT-2-small-shaped
     bf16 pool (24 buffers, page 16, head dim 64) against copy_pages, pages in and out of order."""
     from pdserve.common.kv_transfer import KVLayout
+    from pdserve.common.kv_transfer.direct import copy_pages, page_view
     from pdserve.common.kv_transfer.page_copy_kernel import address_table, copy_pages_fused
-    from pdserve.common.kv_transfer.same_gpu import copy_pages, page_view
 
     src_heads, dst_heads = heads
     src_layout = KVLayout(page_size=16, num_layers=12, kv_heads=12, head_dim=64, dtype="bfloat16", num_pages=700)

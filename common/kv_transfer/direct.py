@@ -1,17 +1,27 @@
-"""KV pages between two processes on one GPU: a device copy through CUDA IPC, no NIXL data path.
+"""KV pages between two processes on one host by a device copy through CUDA IPC: no NIXL data path.
 
-Why (docs/benchmarks.md, "One GPU, both roles"): a NIXL WRITE posts one UCX copy per descriptor,
-and a head-major pool needs one descriptor per (layer, K or V, head, page run) — 288 for one
-GPT-2-small prompt. On an H200 with a prefill and a decode server under MPS, posting them took
-the prefill scheduler ~4 ms per request (85% of its time): the pair served ~200 prompts/s. Here
-the decode server's pool is mapped into the prefill process once (CUDA IPC handles, published
-with the pool's metadata), and a WRITE is one kernel launch on a stream of its own (every layer's K
-and V, every head and page: page_copy_kernel.py; `copy_pages`, two launches per buffer, is the
-reference it is tested against). The notification still goes through NIXL (`send_notif`), after the
-copy's event has completed, so the decode side cannot tell the two paths apart.
+Where it applies: the decode pool lives on this process's GPU, or on another GPU of this host that
+this one can reach (NVLink or PCIe peer access). CUDA IPC maps the peer's allocation into this
+process even where `CUDA_VISIBLE_DEVICES` hides the peer's GPU from it (measured on two H200s: a
+device copy into the mapped pool of the other GPU ran at ~360 GiB/s), so `pdserve up`'s one GPU per
+server is no obstacle. Peers on other hosts, or whose pool cannot be mapped, go through NIXL.
+
+Why (docs/benchmarks.md, "One GPU, both roles" and "Two GPUs"): a NIXL WRITE posts one UCX copy per
+descriptor, and a head-major pool needs one descriptor per (layer, K or V, head, page run) — 288 for
+one GPT-2-small prompt, ~3-4 ms of the prefill scheduler's time per request. Here the decode
+server's pool is mapped into the prefill process once (CUDA IPC handles, published with the pool's
+metadata), and a WRITE is one kernel launch on a stream of its own (every layer's K and V, every
+head and page: page_copy_kernel.py; `copy_pages`, two launches per buffer, is the reference it is
+tested against). On another GPU the kernel's stores travel over the link. The notification still
+goes through NIXL (`send_notif`), after the copy's event has completed, so the decode side cannot
+tell the two paths apart.
+
+NOTE (visibility): a peer GPU's stores are visible to its owner once the copy kernel has completed
+(the event): the notification leaves only then, and the decode side reads the pages in later work.
 
 Same checks as a NIXL WRITE: the pages and heads are checked against both layouts before anything
-is queued (NixlKVAgent.write_pages). `PDSERVE_KV_SAME_GPU=nixl` keeps NIXL's data path (to compare).
+is queued (NixlKVAgent.write_pages). `--kv-transfer-path nixl` keeps NIXL's data path (to compare,
+or to measure the path between hosts on one host); `direct` refuses a peer it cannot map.
 
 NOTE: like a NIXL WRITE (which reads the source when posted), a copy is queued only for pages whose
 forward has completed on the device: the prefill scheduler starts a transfer after
@@ -20,8 +30,9 @@ forward has completed on the device: the prefill scheduler starts a transfer aft
 
 from __future__ import annotations
 
+import enum
 import logging
-import os
+import socket
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,10 +40,27 @@ import torch
 
 from pdserve.common.engine.overlap import h2d_array
 from pdserve.common.kv_transfer.base import KVLayout, TransferHandle
+from pdserve.common.kv_transfer.pool_metadata import PoolMetadata
 
 logger = logging.getLogger(__name__)
 
-ENV = "PDSERVE_KV_SAME_GPU"  # "nixl": send same-GPU pages through NIXL as to another GPU
+
+class TransferPath(str, enum.Enum):
+    """How a sender moves KV into a peer's pool (`--kv-transfer-path`)."""
+
+    AUTO = "auto"  # a device copy wherever the peer's pool can be mapped (this host), else NIXL
+    DIRECT = "direct"  # a device copy, or the peer is refused (add_peer raises)
+    NIXL = "nixl"  # always NIXL's data path, as between hosts
+
+
+def host_id() -> str:
+    """This host's identity for CUDA IPC: its boot id (a container shares its host's), else its name.
+    Only pools with the same id are ever mapped: an IPC handle means nothing on another host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 def gpu_uuid(device: torch.device) -> str:
@@ -108,11 +136,11 @@ def copy_pages(
         target[dst_heads.start : dst_heads.stop].index_copy_(1, dst_index, rows)
 
 
-class SameGpuHandle(TransferHandle):
+class DirectHandle(TransferHandle):
     """A queued copy: done once `event` has completed and the notification has gone out."""
 
-    def __init__(self, peer: str, num_pages: int, num_bytes: int, event, notif: bytes):
-        super().__init__(peer, num_pages, num_bytes)
+    def __init__(self, peer: str, num_pages: int, num_bytes: int, event, notif: bytes, ops: int = 1):
+        super().__init__(peer, num_pages, num_bytes, ops)
         self.event, self.notif = event, notif
         self.notified = False
         self.released = False
@@ -128,38 +156,51 @@ class _Mapped:
     num_pages: int
 
 
-class SameGpuPeers:
-    """The pools of peers on this process's GPU, mapped once each, and the stream copies run on."""
+class DirectPeers:
+    """The pools of peers on this host mapped into this process (once each), and the stream copies
+    run on."""
 
-    def __init__(self, device: torch.device, own: list[torch.Tensor], layout: KVLayout):
+    def __init__(self, device: torch.device, own: list[torch.Tensor], layout: KVLayout, path: TransferPath):
         from pdserve.common.kv_transfer.page_copy_kernel import address_table
 
         self.device = device
+        self.path = TransferPath(path)
         self.uuid = gpu_uuid(device)
+        self.host = host_id()
         self.layout = layout
         self.own = [page_view(b, layout) for b in own]
         self.own_table = address_table(self.own)
         self.stream = torch.cuda.Stream(device)
         self.peers: dict[str, _Mapped] = {}
 
-    @staticmethod
-    def enabled() -> bool:
-        return os.environ.get(ENV, "ipc") != "nixl"
+    def add(self, peer: PoolMetadata) -> str | None:
+        """Map `peer`'s pool if a device copy can reach it; say how ("this GPU", "peer GPU <uuid>"),
+        or None when NIXL carries its pages. With TransferPath.DIRECT a pool that cannot be mapped
+        raises ValueError instead."""
+        if self.path is TransferPath.NIXL:
+            return None
+        why_not = None
+        if not peer.ipc_buffers:
+            why_not = "its pool is not on a GPU" if peer.mem_type != "VRAM" else "it published no CUDA IPC handles"
+        elif peer.host_id != self.host:
+            why_not = "it is on another host"
+        if why_not is None:
+            from pdserve.common.kv_transfer.page_copy_kernel import address_table
 
-    def add(self, name: str, uuid: str, shared: tuple[tuple, ...], layout: KVLayout) -> bool:
-        """Map peer `name`'s pool if it lives on this GPU; False (NIXL carries its pages) otherwise."""
-        if not shared or uuid != self.uuid or not self.enabled():
-            return False
-        from pdserve.common.kv_transfer.page_copy_kernel import address_table
-
-        try:
-            views = open_buffers(shared, layout, self.device)
-            self.peers[name] = _Mapped(views, address_table(views), layout.num_pages)
-        except RuntimeError as error:  # (e.g. a driver without IPC between these two processes)
-            logger.warning("cannot map the KV pool of %r on this GPU (%s): its pages go through NIXL", name, error)
-            return False
-        logger.info("KV pages to %r are copied on this GPU through CUDA IPC", name)
-        return True
+            try:
+                views = open_buffers(peer.ipc_buffers, peer.layout, self.device)
+                self.peers[peer.name] = _Mapped(views, address_table(views), peer.layout.num_pages)
+            except RuntimeError as error:  # (no peer access between the GPUs, a driver without IPC, ...)
+                why_not = f"its pool cannot be mapped here ({error})"
+        if why_not is not None:
+            if self.path is TransferPath.DIRECT:
+                raise ValueError(f"--kv-transfer-path direct, but no device copy can reach {peer.name!r}: {why_not}")
+            if peer.mem_type == "VRAM":
+                logger.info("KV pages to %r go through NIXL: %s", peer.name, why_not)
+            return None
+        route = "this GPU" if peer.gpu_uuid == self.uuid else f"peer GPU {peer.gpu_uuid}"
+        logger.info("KV pages to %r are copied through CUDA IPC (%s)", peer.name, route)
+        return route
 
     def remove(self, name: str) -> None:
         self.peers.pop(name, None)
@@ -173,7 +214,7 @@ class SameGpuPeers:
         dst_heads: range,
         num_bytes: int,
         notif: bytes,
-    ) -> SameGpuHandle:
+    ) -> DirectHandle:
         from pdserve.common.kv_transfer.page_copy_kernel import copy_pages_fused
 
         target = self.peers[peer]
@@ -192,4 +233,4 @@ class SameGpuPeers:
             )
             event = torch.cuda.Event()
             event.record(self.stream)
-        return SameGpuHandle(peer, len(src_pages), num_bytes, event, notif)
+        return DirectHandle(peer, len(src_pages), num_bytes, event, notif)
