@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.bench.transfer_cli import add_transfer_parser
 from pdserve.bench.workload import LENGTH_DISTS
 from pdserve.common.config import EngineConfig, add_cli_args
 
@@ -60,12 +61,6 @@ prefill and decode server with the engine flags given here, and stops it before 
 Prints a table and a JSON line (with per-item records); exit 1 when a request failed."""
 
 
-TRANSFER_DOC = """KV transfer micro-benchmark: N requests x L tokens of KV written from a pool in one
-process into a pool in another (bench/transfer.py), through each path (direct: a device copy through CUDA
-IPC; nixl: NIXL WRITEs). Per request: the sending thread's host time, the operations posted, the latency
-to the receiver's notification; GB/s over the run. Every destination page is checked against its source."""
-
-
 def add_bench_parser(sub) -> None:
     """`bench` and its sub-commands, on the `pdserve` parser's sub-parsers."""
     bench = sub.add_parser(
@@ -94,25 +89,7 @@ def add_bench_parser(sub) -> None:
     add_cli_args(offline, EngineConfig)
     offline.set_defaults(func=_offline)
 
-    transfer = kinds.add_parser(
-        "transfer",
-        help="KV transfer between two pools in two processes: per-request host time, descriptors, latency, GB/s.",
-        description=TRANSFER_DOC,
-    )
-    transfer.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: DRAM pools; cuda: VRAM.")
-    transfer.add_argument("--shape", default="gpt2/small", help="The model shape whose KV moves (bench/shapes.py).")
-    transfer.add_argument("--dtype", default="", help="KV dtype; default: bfloat16 on CUDA, float32 on the CPU.")
-    transfer.add_argument("--requests", type=int, default=32, help="Requests (the burst phase posts them all at once).")
-    transfer.add_argument("--tokens", type=int, default=256, help="Tokens of KV per request.")
-    transfer.add_argument("--page-size", type=int, default=16)
-    transfer.add_argument("--fragment", action="store_true", help="Hand pages out shuffled: short page runs.")
-    transfer.add_argument(
-        "--paths", nargs="+", choices=("auto", "direct", "nixl"), help="Default: direct and nixl on CUDA, nixl on CPU."
-    )
-    transfer.add_argument("--sender-gpu", type=int, default=0, help="CUDA: the sending pool's GPU.")
-    transfer.add_argument("--receiver-gpu", type=int, default=0, help="CUDA: the receiving pool's GPU.")
-    transfer.add_argument("--output-json", default="", help="Write the results here too.")
-    transfer.set_defaults(func=_transfer)
+    add_transfer_parser(kinds).set_defaults(func=_transfer)
 
     serve = kinds.add_parser(
         "serve", help="Online serving latency and throughput over HTTP (or transformers).", description=SERVE_DOC

@@ -353,16 +353,12 @@ class ServerConfig(TrustConfig):
     transfer_backend: str = option("nixl", "KV transfer backend: nixl (UCX; DRAM on CPU, VRAM on CUDA).")
     kv_transfer_path: str = option(
         "auto",
-        "How a prefill server moves KV into a decode pool: auto: a device copy (CUDA IPC, one kernel launch a "
-        "request) where the decode pool is on this host's GPUs and can be mapped (the same GPU, or another with "
-        "peer access), else NIXL; direct: the device copy, and a decode server it cannot map is refused; nixl: "
-        "always NIXL's WRITEs, as between hosts (to measure that path on one host). Decode servers ignore it.",
+        "Prefill -> decode KV: auto: a device copy (CUDA IPC, one kernel a request) into decode pools this host's "
+        "GPUs can map, else NIXL; direct: the copy or refuse the decode server; nixl: NIXL always (as between hosts).",
         choices=("auto", "direct", "nixl"),
     )
     kv_transfer_timeout: float = option(
-        30.0,
-        "Seconds a KV transfer may take: decode aborts a request whose KV has not arrived, "
-        "prefill fails one whose WRITE has not finished.",
+        30.0, "Seconds a KV transfer may take: decode aborts a request whose KV has not arrived, prefill fails it."
     )
     torch_threads: int = option(
         0,

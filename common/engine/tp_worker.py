@@ -95,8 +95,7 @@ class TPWorkers:
         size, timeout = config.tp_size, config.dist_timeout
         port = free_port()
         store = TPGroup.serve_store(size, port, timeout)  # listening before anyone connects
-        run_dir = tempfile.mkdtemp(prefix="pdserve-tp-")
-        ctx = zmq.Context()
+        run_dir, ctx = tempfile.mkdtemp(prefix="pdserve-tp-"), zmq.Context()
         procs, sockets = [], []
         workers = cls(config, procs, sockets, ctx, run_dir, None)
         try:
