@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pdserve.common.list_flag import ListFlag
+
 SYMM_MEM_OPS = ("one_shot_all_reduce", "two_shot_all_reduce_", "multimem_all_reduce_")
 
 
@@ -93,7 +95,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--batch-size", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--batch-size", type=int, nargs="+", action=ListFlag, default=[64, 128])
     ap.add_argument("--calls", type=int, default=64, help="All-reduces per captured graph (a step has ~2 per layer).")
     ap.add_argument("--port", type=int, default=29533)
     args = ap.parse_args()

@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from pdserve.common.list_flag import ListFlag
+
 
 def copy_rate_bytes_per_s(device, size_bytes: int = 2 << 30, repeats: int = 20) -> float:
     """Median rate of a device-to-device copy, counting bytes read plus bytes written."""
@@ -113,6 +115,7 @@ def main() -> None:
         "--batch-size",
         type=int,
         nargs="+",
+        action=ListFlag,
         default=[128],
         help="One engine, measured at each size in turn (--json then holds a list).",
     )

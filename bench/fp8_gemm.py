@@ -26,6 +26,7 @@ import json
 import torch
 
 from pdserve.bench.shapes import resolve_shape
+from pdserve.common.list_flag import ListFlag
 
 REPLAYS = 50
 # fp8_gemm's configurations tried by --sweep-tokens: (BLOCK_N, BLOCK_K, SPLIT_K, num_stages, num_warps).
@@ -168,8 +169,8 @@ def crossover(rows: list[dict], tokens: list[int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama/8b")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 2048])
-    parser.add_argument("--sweep-tokens", type=int, nargs="*", default=[])
+    parser.add_argument("--tokens", type=int, nargs="+", action=ListFlag, default=[1, 16, 64, 128, 256, 512, 2048])
+    parser.add_argument("--sweep-tokens", type=int, nargs="*", action=ListFlag, default=[])
     parser.add_argument("--output-json", default="")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pdserve.bench.grammar_step import SCHEMAS
+from pdserve.common.list_flag import ListFlag
 
 
 def main() -> None:
@@ -36,8 +37,8 @@ def main() -> None:
     add_model_args(ap)
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--steps", type=int, default=128)
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--schema", choices=sorted(SCHEMAS), nargs="+", default=sorted(SCHEMAS))
+    ap.add_argument("--threads", type=int, nargs="+", action=ListFlag, default=[1, 2, 4, 8])
+    ap.add_argument("--schema", choices=sorted(SCHEMAS), nargs="+", action=ListFlag, default=sorted(SCHEMAS))
     ap.add_argument("--json", help="Also write the result here.")
     args = ap.parse_args()
 

@@ -22,6 +22,7 @@ import torch
 from pdserve.bench.shapes import resolve_shape
 from pdserve.common.engine.host_kv_pool import HostKVPool
 from pdserve.common.engine.kv_pool import PagedKVPool
+from pdserve.common.list_flag import ListFlag
 
 
 def timed(fn, repeats: int) -> float:
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama/1b")
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--pages", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
+    parser.add_argument("--pages", type=int, nargs="+", action=ListFlag, default=[1, 16, 64, 256, 1024])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)

@@ -17,6 +17,8 @@ import random
 import statistics
 import time
 
+from pdserve.common.list_flag import ListFlag
+
 # --arch keeps its meaning: the full-size shape of that architecture (bench/shapes.py).
 ARCH_SHAPES = {"gpt2": "gpt2/small", "llama": "llama/1b"}
 
@@ -87,7 +89,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--arch", default="gpt2", choices=sorted(ARCH_SHAPES))
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", action=ListFlag, default=[1, 8, 32, 64])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)

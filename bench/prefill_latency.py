@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from pdserve.common.list_flag import ListFlag
+
 
 def main(argv: list[str] | None = None) -> int:
     from pdserve.bench.random_weights import add_model_args, model_path_from_args
@@ -35,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_args(parser, model_path_flag=False)
-    parser.add_argument("--input-lens", type=int, nargs="+", default=[32, 256, 1000], help="Prompt lengths.")
+    parser.add_argument(
+        "--input-lens", type=int, nargs="+", action=ListFlag, default=[32, 256, 1000], help="Prompt lengths."
+    )
     parser.add_argument("--requests", type=int, default=15, help="Measured prompts per length.")
     parser.add_argument("--warmup", type=int, default=3, help="Unmeasured prompts first, per length.")
     add_cli_args(parser, EngineConfig)

@@ -33,6 +33,7 @@ import statistics
 import time
 
 from pdserve.bench.metrics import percentile
+from pdserve.common.list_flag import ListFlag
 
 SPEC_COUNTERS = (
     "spec_verify_steps",
@@ -54,7 +55,9 @@ def add_parser(kinds) -> None:
         description=__doc__.split("\n\n")[0],
     )
     add_model_args(parser, model_path_flag=False)  # --model-path comes with the engine flags
-    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 16], help="Requests per wave (each B).")
+    parser.add_argument(
+        "--batch-size", type=int, nargs="+", action=ListFlag, default=[1, 16], help="Requests per wave (each B)."
+    )
     parser.add_argument("--num-prompts", type=int, default=32, help="Measured requests per engine.")
     parser.add_argument("--output-len", type=int, default=128, help="Most tokens of each answer (greedy).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the copy prompts.")

@@ -27,6 +27,7 @@ import random
 import time
 
 from pdserve.bench.spec_itl import SPEC_COUNTERS, check_exact, release_engine_memory
+from pdserve.common.list_flag import ListFlag
 from pdserve.common.scheduling.proposer import Proposer
 
 MODES = ("off", "on", "auto")
@@ -65,11 +66,18 @@ def add_parser(kinds) -> None:
         description=__doc__.split("\n\n")[0],
     )
     add_model_args(parser, model_path_flag=False)
-    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8], help="Requests at once (each B).")
+    parser.add_argument(
+        "--batch-size", type=int, nargs="+", action=ListFlag, default=[1, 8], help="Requests at once (each B)."
+    )
     parser.add_argument("--prompt-len", type=int, default=200, help="Tokens of each random prompt.")
     parser.add_argument("--output-len", type=int, default=256, help="Tokens of each answer (ignore_eos).")
     parser.add_argument(
-        "--wrong-every", type=int, nargs="+", default=[0, 3], help="Every N-th draft wrong (0: all right)."
+        "--wrong-every",
+        type=int,
+        nargs="+",
+        action=ListFlag,
+        default=[0, 3],
+        help="Every N-th draft wrong (0: all right).",
     )
     parser.add_argument("--seed", type=int, default=0, help="Seed of the random prompts.")
     parser.add_argument("--output-json", default=None, metavar="FILE", help="Also write the JSON report here.")

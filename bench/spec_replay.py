@@ -23,6 +23,7 @@ import json
 import statistics
 
 from pdserve.common.engine.speculative.ngram import NgramIndex
+from pdserve.common.list_flag import ListFlag
 
 
 def replay(prompt: list[int], answer: list[int], k: int, min_n: int = 1, max_n: int = 4) -> tuple[int, int, int]:
@@ -58,7 +59,7 @@ def add_parser(kinds) -> None:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=256, help="--workload random: prompt tokens.")
     parser.add_argument("--output-len", type=int, default=128, help="Most tokens of each answer (greedy).")
-    parser.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--num-speculative-tokens", type=int, nargs="+", action=ListFlag, default=[1, 2, 4, 8])
     parser.add_argument("--min-n", type=int, default=1)
     parser.add_argument("--max-n", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)

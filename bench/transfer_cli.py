@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pdserve.common.list_flag import ListFlag
+
 TRANSFER_DOC = """KV transfer micro-benchmark: N requests x L tokens of KV written from a pool in one
 process into a pool in another (bench/transfer.py), through each path (direct: a device copy through CUDA
 IPC; nixl: NIXL WRITEs). Per request: the sending thread's host time, the operations posted, the latency
@@ -23,7 +25,11 @@ def add_transfer_parser(kinds):
     transfer.add_argument("--page-size", type=int, default=16)
     transfer.add_argument("--fragment", action="store_true", help="Hand pages out shuffled: short page runs.")
     transfer.add_argument(
-        "--paths", nargs="+", choices=("auto", "direct", "nixl"), help="Default: direct and nixl on CUDA, nixl on CPU."
+        "--paths",
+        nargs="+",
+        action=ListFlag,
+        choices=("auto", "direct", "nixl"),
+        help="Default: direct and nixl on CUDA, nixl on CPU.",
     )
     transfer.add_argument("--sender-gpu", type=int, default=0, help="CUDA: the sending pool's GPU.")
     transfer.add_argument("--receiver-gpu", type=int, default=0, help="CUDA: the receiving pool's GPU.")

@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from pdserve.common.list_flag import ListFlag
 from pdserve.common.scheduling.proposer import Proposer
 
 
@@ -174,7 +175,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(ap)
-    ap.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--batch-size", type=int, nargs="+", action=ListFlag, default=[1, 8, 32, 128])
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)

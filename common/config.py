@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.common import gguf_checkpoint
+from pdserve.common.list_flag import ListFlag
 from pdserve.common.model_checks import check_model_path, check_tp, resolve_kv_cache_dtype, resolve_quantization
 from pdserve.common.speculation import SPECULATIVE_MAX_BATCH, check_speculative
 
@@ -289,15 +290,14 @@ def add_cli_args(parser: argparse.ArgumentParser, cls: type = EngineConfig) -> N
     """One `--flag` per dataclass field, typed and documented from the field itself, in the order
     of the constructor (keyword-only fields, such as an inherited TrustConfig's, last).
 
-    A tuple field takes one or more strings; metadata beyond `help` (nargs, metavar, required)
-    goes to argparse as is."""
+    A tuple field takes strings, adding up when repeated (ListFlag); other metadata goes to argparse."""
     for f in sorted(dataclasses.fields(cls), key=lambda f: f.kw_only):
         flag = "--" + f.name.replace("_", "-")
         kw = {k: v for k, v in f.metadata.items() if k != "help"}
         if isinstance(f.default, bool):
             parser.add_argument(flag, dest=f.name, action="store_true", help=f.metadata["help"], **kw)
         elif isinstance(f.default, tuple):
-            kw.setdefault("nargs", "+")
+            kw = {"nargs": "+", "action": ListFlag} | kw
             parser.add_argument(flag, dest=f.name, type=str, default=f.default, help=f.metadata["help"], **kw)
         else:
             parser.add_argument(

@@ -277,3 +277,26 @@ def test_a_router_process_drains_for_at_most_the_drain_timeout_and_logs_http_acc
     assert (server.config.timeout_graceful_shutdown, server.config.access_log) == (120.0, False)
     server = serve.build(dataclasses.replace(config, drain_timeout=5.0, log_level="debug"), None)
     assert (server.config.timeout_graceful_shutdown, server.config.access_log) == (5.0, True)
+
+
+def test_repeated_worker_flags_add_workers_and_a_duplicate_is_refused(capsys):
+    """`--decode A --decode B` is two decode servers (argparse alone keeps only B, silently), as is
+    `--decode A B`; a server named twice is an error that names it. The bench's list flags add up too."""
+    from pdserve.bench.cli import add_bench_parser
+    from pdserve.router.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["--model-path", "m", "--decode", "a:1", "--decode", "b:2", "c:3", "--prefill", "p:4"])
+    assert (args.decode, args.prefill, args.prefill_dns) == (["a:1", "b:2", "c:3"], ["p:4"], ())
+    assert parser.parse_args(["--model-path", "m", "--decode", "a:1", "b:2"]).decode == ["a:1", "b:2"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model-path", "m", "--decode", "a:1", "--decode", "a:1"])
+    assert "argument --decode: a:1 is given twice" in capsys.readouterr().err
+
+    import argparse
+
+    top = argparse.ArgumentParser()
+    add_bench_parser(top.add_subparsers())
+    serve = top.parse_args(["bench", "serve", "--max-concurrency", "0", "--max-concurrency", "256"])
+    assert serve.max_concurrency == [0, 256]
+    assert top.parse_args(["bench", "serve"]).max_concurrency == [0]  # the default, untouched
