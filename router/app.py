@@ -84,7 +84,11 @@ class Router:
         self.off_loop = ThreadPoolExecutor(1, thread_name_prefix="router-off-loop")
         self.body_parser = BodyParser()  # bodies of 128 KiB and more: parsed in a process (router/body_parser.py)
         self.registry = WorkerRegistry(
-            config, resolve=resolve or resolve_dns, on_removed=self._removed, loop_lag=self.loop_lag
+            config,
+            resolve=resolve or resolve_dns,
+            on_removed=self._removed,
+            loop_lag=self.loop_lag,
+            on_unresponsive=self._unresponsive,
         )
         self.decode_streams: dict[str, DecodeStreams] = {}  # decode url -> its shared GenerateMany call
         self._closing: set[asyncio.Task] = set()
@@ -117,6 +121,24 @@ class Router:
             task = asyncio.ensure_future(streams.close())
             self._closing.add(task)  # (a task nothing references may be collected mid-run)
             task.add_done_callback(self._closing.discard)
+
+    def _unresponsive(self, role: str, url: str) -> None:
+        """A worker failing its health checks: a decode server whose shared call has been silent as long
+        is hung or gone, and its streams end now with an error rather than at their deadline."""
+        streams = self.decode_streams.get(url)
+        if role != "decode" or streams is None or not streams.streams:
+            return
+        # Silent for as long as the failed checks took to add up (at least): a server that is only slow
+        # to answer checks but still streams tokens keeps its streams.
+        silent = time.monotonic() - streams.last_heard
+        if silent < self.config.circuit_failures * self.config.health_check_interval:
+            return
+        why = (
+            f"decode server {url} stopped answering: {self.registry.workers[url].failures} health checks failed "
+            f"in a row and its streams were silent for {silent:.1f}s"
+        )
+        failed = streams.abandon(why)
+        log.warning("%s: %d streams ended", why, failed)
 
     def decode_target(self, url: str):
         """What paired_generate opens a decode stream on: the server's shared call, or its channel."""

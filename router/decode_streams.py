@@ -10,13 +10,16 @@ like the Generate call it replaces, so the pairing protocol (router/pairing.py) 
 A server without GenerateMany (older than it) answers UNIMPLEMENTED: the requests waiting on that
 call move to Generate calls of their own, and so does every later request to that server.
 If the shared call breaks, every request on it fails as its own Generate call would have (the same
-AioRpcError); the next request opens a new call.
+AioRpcError); the next request opens a new call. A server that stops answering without breaking the
+call (a hung process: SIGSTOP, a stuck host) is `abandon`ed by the router once its health checks fail
+and the call has heard nothing since (router/app.py): every request on it fails UNAVAILABLE, saying why.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 
 import grpc
@@ -42,6 +45,7 @@ class DecodeStreams:
         self._aborts: list[str] = []
         self._wake = asyncio.Event()
         self._runner: asyncio.Task | None = None
+        self.last_heard = 0.0  # time.monotonic() of the call's last message (or its opening)
 
     def open(self, request: pb.GenerateRequest, timeout: float):
         """A call-like stream of `request`'s GenerateResponses (read(), cancel()), ending after
@@ -69,13 +73,28 @@ class DecodeStreams:
             except asyncio.CancelledError:
                 pass
 
+    def abandon(self, why: str) -> int:
+        """Fail every request on the call with UNAVAILABLE (`why`) and drop the call (the server hears
+        of it as a cancellation, whenever it answers again); how many requests it failed."""
+        streams, self.streams = self.streams, {}
+        self._requests, self._aborts = [], []
+        failure = rpc_error(grpc.StatusCode.UNAVAILABLE, why)
+        for stream in streams.values():
+            stream.call_ended(failure)
+        if self._runner is not None:
+            self._runner.cancel()  # (its teardown finds no request left)
+            self._runner = None
+        return len(streams)
+
     async def _run(self) -> None:
         call = self.stub.GenerateMany()
         writer = asyncio.create_task(self._write(call))
         failure: grpc.aio.AioRpcError | None = None
+        self.last_heard = time.monotonic()
         try:
             while True:
                 response = await call.read()
+                self.last_heard = time.monotonic()
                 if response is grpc.aio.EOF:
                     break
                 self._dispatch(response)

@@ -67,7 +67,16 @@ def resolve_dns(name: str, port: int) -> set[str]:
 
 
 class WorkerRegistry:
-    def __init__(self, config: RouterConfig, resolve=resolve_dns, on_removed=None, loop_lag: LoopLag | None = None):
+    def __init__(
+        self,
+        config: RouterConfig,
+        resolve=resolve_dns,
+        on_removed=None,
+        loop_lag: LoopLag | None = None,
+        on_unresponsive=None,
+    ):
+        """`on_unresponsive(role, url)`: after each failed check once a worker's checks have failed
+        `circuit_failures` times in a row (a hung or dead server)."""
         self.config = config
         self.loop_lag = loop_lag  # this process's event loop's lateness: a probe it delayed is no evidence
         self.urls = {"prefill": config.prefill, "decode": config.decode}
@@ -77,6 +86,7 @@ class WorkerRegistry:
         }
         self.resolve = resolve
         self.on_removed = on_removed or (lambda role, url: None)
+        self.on_unresponsive = on_unresponsive or (lambda role, url: None)
         self.trust = load_trust(config)  # every channel carries the cluster secret (and TLS) from it
         self.workers: dict[str, Worker] = {}
         self._tasks: list[asyncio.Task] = []
@@ -178,6 +188,8 @@ class WorkerRegistry:
             w.serving = False
             if w.seen:  # (a server still starting, e.g. under `pdserve up`, which starts the router first)
                 self.record(w.url, ok=False)
+                if w.failures >= self.config.circuit_failures:
+                    self.on_unresponsive(w.role, w.url)
             return
         w.seen = True
         w.serving = reply.status == health_pb2.HealthCheckResponse.SERVING
