@@ -16,16 +16,9 @@ import time
 import pytest
 
 from pdserve.common.types import SamplingParams
-from tests.test_disagg_engines import hf_greedy
+from tests.test_disagg_engines import fragment, hf_greedy
 
 TIMEOUT_S = 300
-
-
-def fragment(kv_pool, seed: int) -> None:
-    """Hand out the pool's free pages in a shuffled order, so a request's pages are not contiguous runs."""
-    pages = kv_pool.alloc_pages(kv_pool.num_free_pages())
-    random.Random(seed).shuffle(pages)
-    kv_pool.free_pages(pages)
 
 
 def worker(role: str, model: str, dtype: str, path: str, conn, kv_cache_dtype: str = "auto", shuffle=True) -> None:
