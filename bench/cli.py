@@ -27,7 +27,7 @@ import sys
 from pdserve.bench.transfer_cli import add_transfer_parser
 from pdserve.bench.workload import LENGTH_DISTS
 from pdserve.common.config import EngineConfig, add_cli_args
-from pdserve.common.list_flag import ListFlag
+from pdserve.common.list_flag import LIST_NARGS
 
 OFFLINE_DOC = """Offline throughput: N prompts of random token ids, input-len -> output-len tokens each
 (ignore_eos, greedy unless --temperature), through the engine's Python API (Engine.generate), and/or
@@ -138,8 +138,7 @@ def add_bench_parser(sub) -> None:
     )
     serve.add_argument(
         "--stacks",
-        nargs="+",
-        action=ListFlag,
+        **LIST_NARGS,
         default=[],
         metavar="NAME=PREFILL:DECODE:POLICY[:P/D]",
         help="Several local stacks, one after another, each running every --request-rate on the same "
@@ -193,24 +192,21 @@ def add_bench_parser(sub) -> None:
     serve.add_argument(
         "--request-rate",
         type=float,
-        nargs="+",
-        action=ListFlag,
+        **LIST_NARGS,
         default=[float("inf")],
         help="Requests per second, Poisson arrivals (inf: all at once). Several: one run each.",
     )
     serve.add_argument(
         "--max-concurrency",
         type=int,
-        nargs="+",
-        action=ListFlag,
+        **LIST_NARGS,
         default=[0],
         help="Most requests in flight (0: no limit); with --client-workers, split among the processes. "
         "Several: one run each (with every rate).",
     )
     serve.add_argument(
         "--goodput",
-        nargs="+",
-        action=ListFlag,
+        **LIST_NARGS,
         default=[],
         metavar="KEY:MS",
         help="SLOs for goodput, keys ttft, tpot, e2el in milliseconds (vllm bench serve's meaning).",

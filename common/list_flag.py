@@ -18,3 +18,6 @@ class ListFlag(argparse.Action):
                 raise argparse.ArgumentError(self, f"{value} is given twice")
             items.append(value)
         setattr(namespace, self.dest, items)
+
+
+LIST_NARGS = {"nargs": "+", "action": ListFlag}  # add_argument(..., **LIST_NARGS): one or more, adding up
