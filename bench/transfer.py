@@ -69,6 +69,11 @@ class Plan:
         return -(-self.tokens // self.page_size)
 
     @property
+    def phases(self) -> tuple[tuple[str, int], ...]:
+        """(phase, requests): a few unmeasured, then one at a time, then all at once."""
+        return (("warmup", min(8, self.requests)), ("serial", min(64, self.requests)), ("burst", self.requests))
+
+    @property
     def pool_pages(self) -> int:
         return self.requests * self.pages_per_request + 1  # (page 0 is reserved)
 
@@ -187,12 +192,8 @@ def sender(plan: Plan, path: str, metadata: bytes, conn) -> None:
             open_ = still
         return spent
 
-    conn.send(("route", agent.route(peer)))
-    for phase, count in (
-        ("warmup", min(8, plan.requests)),
-        ("serial", min(64, plan.requests)),
-        ("burst", plan.requests),
-    ):
+    conn.send(("route", agent.route(peer), nbytes))
+    for phase, count in plan.phases:
         conn.recv()  # the receiver is listening
         posts, host = [], 0.0
         started = time.monotonic()
@@ -240,12 +241,8 @@ def run_path(plan: Plan, path: str) -> tuple[list[PhaseResult], int]:
     send.start()
     results: list[PhaseResult] = []
     try:
-        _, route = _recv(s_conn, send)
-        for phase, count in (
-            ("warmup", min(8, plan.requests)),
-            ("serial", min(64, plan.requests)),
-            ("burst", plan.requests),
-        ):
+        _, route, nbytes = _recv(s_conn, send)
+        for phase, count in plan.phases:
             r_conn.send(("expect", count))
             s_conn.send("go")
             _, _, started, posts, host, ops = _recv(s_conn, send)
@@ -256,8 +253,6 @@ def run_path(plan: Plan, path: str) -> tuple[list[PhaseResult], int]:
                 continue
             lat = sorted(arrived[room] - stamp for room, _, stamp in posts)
             post_us = sorted(t * 1e6 for _, t, _ in posts)
-            nbytes = 2 * plan.shape.num_layers * plan.shape.kv_heads * plan.shape.head_dim * plan.page_size
-            nbytes *= plan.pages_per_request * _itemsize(plan.dtype)
             span = max(arrived.values()) - started
             results.append(
                 PhaseResult(
@@ -296,10 +291,6 @@ def _recv(conn, proc):
         if time.monotonic() > deadline:
             raise TimeoutError(f"no answer from the {proc.name} process in {WAIT_S}s")
     return conn.recv()
-
-
-def _itemsize(dtype: str) -> int:
-    return {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}[dtype]
 
 
 def run_transfer(args) -> int:

@@ -49,9 +49,8 @@ class PrefillEngine(EngineCore):
             config, startup, kv_side=KVSide.SENDER, kv_agent_name=agent_name, kv_transfer_path=kv_transfer_path
         )
         with self.closed_on_error():
-            self.kv = ServerKV.open(
-                agent_name, self.runner.kv_pool, self.tp_workers, kv_transfer_path
-            )  # the ranks' agents meet
+            # (the ranks' agents meet here)
+            self.kv = ServerKV.open(agent_name, self.runner.kv_pool, self.tp_workers, kv_transfer_path)
             self.agent = self.kv.agent  # rank 0's
             self.sender = KVSender(self.kv, self.tp_workers)
             scheduler = PrefillScheduler(

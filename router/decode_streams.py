@@ -12,7 +12,7 @@ call move to Generate calls of their own, and so does every later request to tha
 If the shared call breaks, every request on it fails as its own Generate call would have (the same
 AioRpcError); the next request opens a new call. A server that stops answering without breaking the
 call (a hung process: SIGSTOP, a stuck host) is `abandon`ed by the router once its health checks fail
-and the call has heard nothing since (router/app.py): every request on it fails UNAVAILABLE, saying why.
+and the call has been silent as long (router/app.py): every request on it fails UNAVAILABLE, saying why.
 """
 
 from __future__ import annotations
