@@ -67,6 +67,7 @@ class DecodeScheduler(Scheduler):
         super().__init__(config, req_to_token_pool, kv_pool, eos_token_ids, proposer=proposer)
         self.kv_transfer_timeout = kv_transfer_timeout
         self.prealloc: deque[Req] = deque()
+        self._prealloc_rooms: set[int] = set()  # (a burst queues thousands: no scan per request)
         self.transferring: dict[int, Req] = {}  # room -> request
         # room -> the stores its pages wait for: transferring, its destination not yet published.
         self.held: dict[int, list] = {}
@@ -104,9 +105,10 @@ class DecodeScheduler(Scheduler):
 
     def add_request(self, req: Req) -> None:
         self.check_request(req.prompt_ids, req.params)
-        if req.room in self.transferring or any(r.room == req.room for r in self.prealloc):
+        if req.room in self.transferring or req.room in self._prealloc_rooms:
             raise ValueError(f"room {req.room} is already in use")
         self.prealloc.append(req)
+        self._prealloc_rooms.add(req.room)
 
     def has_work(self) -> bool:
         return bool(self.prealloc or self.transferring or self.landed or self.ready) or super().has_work()
@@ -121,9 +123,10 @@ class DecodeScheduler(Scheduler):
         if not self.prealloc:  # the common case, every loop iteration: no O(running) scan
             return []
         admitted = []
+        num_holders = len(self.running) + len(self.transferring) + len(self.landed) + len(self.ready)
+        if num_holders + 1 > self.max_granted or self.kv.rows_available() == 0:
+            return []  # full, as it is every iteration of a burst: none would be admitted, nothing scanned
         holders = self.running + list(self.transferring.values()) + self.landed + list(self.ready)
-        if len(holders) + 1 > self.max_granted or self.kv.rows_available() == 0:
-            return []  # full: none would be admitted (PrefillManager.schedule says what the scan cost)
         available = self.kv.available_pages() - self.kv.reserved_pages(holders)
         match = not self.config.disable_prefix_aware_transfers
         while self.prealloc:
@@ -139,7 +142,7 @@ class DecodeScheduler(Scheduler):
             if need > available:
                 self.kv.unlock(node, req)  # (waits for a copy just started into it: rare)
                 break
-            self.prealloc.popleft()
+            self._prealloc_rooms.discard(self.prealloc.popleft().room)
             # Its KV comes from the prefill server: the pages after the prefix this server holds.
             self.kv.admit_for_transfer(req, len(req.prompt_ids), prefix_pages, node)
             self.transfer_stats["prefix_hit_tokens"] += len(prefix_pages) * self.kv.page_size
@@ -248,6 +251,7 @@ class DecodeScheduler(Scheduler):
         for req in self.prealloc:
             if req.rid == rid:
                 self.prealloc.remove(req)
+                self._prealloc_rooms.discard(req.room)
                 req.finish_reason = FinishReason.ABORT
                 return finalize(req)
         for req in self.transferring.values():

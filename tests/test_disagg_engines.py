@@ -397,6 +397,31 @@ def test_admission_with_nothing_queued_scans_no_running_request(tiny_models, mon
     decode.scheduler.expire_transfers(time.monotonic() + 3600)  # their pages leave quarantine
 
 
+def test_a_room_is_refused_while_queued_or_transferring_and_free_again_after(tiny_models, monkeypatch):
+    """A burst queues thousands of requests; their rooms are checked in a set (a scan of the queue
+    per request cost a decode server half its loop, measured). The check still refuses a room in
+    use, queued or granted, and a queued request's abort frees its room; a full server admits
+    none and scans nothing."""
+    _, decode = engines(tiny_models("llama"), decode_kw=dict(max_running_requests=1))
+    params = SamplingParams(max_new_tokens=4)
+    for i in range(3):  # 2 x max_running are granted, the third waits queued
+        decode.add_decode_request([0, 5, 6, 7], params, room=200 + i, rid=f"q{i}")
+    assert [r.room for r in decode.scheduler.pop_preallocated(time.monotonic())] == [200, 201]
+
+    monkeypatch.setattr(decode.scheduler.kv, "reserved_pages", lambda reqs: pytest.fail("scanned when full"))
+    assert decode.scheduler.pop_preallocated(time.monotonic()) == []
+    monkeypatch.undo()
+    for room in (200, 202):  # granted; queued
+        with pytest.raises(ValueError, match=f"room {room} is already in use"):
+            decode.add_decode_request([0, 5], params, room=room, rid="again")
+    assert decode.abort("q2").finish_reason is FinishReason.ABORT
+    decode.add_decode_request([0, 5], params, room=202, rid="q2-again")  # its room is free again
+    for rid in ("q0", "q1", "q2-again"):
+        decode.abort(rid)
+    decode.scheduler.expire_transfers(time.monotonic() + 3600)  # their pages leave quarantine
+    assert decode.is_idle()
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_kv_is_granted_to_twice_the_running_requests_and_waits_ready(tiny_models, overlap):
     """A decode server grants pages to up to 2 x --max-running-requests (its rows), so the next
