@@ -16,6 +16,7 @@ agents receive, and a room completes once every rank's heads have landed (decode
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -229,9 +230,14 @@ class DecodeEngine(EngineCore):
         while self.destinations:
             d = self.destinations.popleft()
             send(ipc.Destination(d.rid, d.room, d.page_ids, d.expires_unix_s, d.prefix_len))
-        chunks, interval = [], self.config.stream_interval
-        for rid, entry in self.streaming.items():
-            req, sent = entry
+        chunks, interval, s = [], self.config.stream_interval, self.scheduler
+        # NOTE: only these can hold unsent tokens (waiting: retracted ones); a burst queues thousands
+        # more for their KV, which a walk of self.streaming visited every step: 11% of the loop.
+        for req in itertools.chain(s.running, s.ready, s.landed, s.waiting):
+            entry = self.streaming.get(req.rid)
+            if entry is None:
+                continue
+            rid, sent = req.rid, entry[1]
             new = len(req.output_ids) - sent
             if new > 0 and (new >= interval or sent == 0):  # the first token at once; the rest on finish
                 lps = [(lp.token_id, lp.logprob, lp.top) for lp in req.output_logprobs[sent:]]
