@@ -1,10 +1,11 @@
 """KVTransferAgent over NIXL: one-sided WRITEs from this pool into a peer's pool.
 
 The whole pool (every layer's K and V storage, head-major) is registered once, at construction, as
-DRAM for CPU tensors or VRAM for CUDA tensors. Each `write_pages` builds its descriptor lists from
-the heads and page runs and posts them as one NIXL transfer carrying the notification — unless the
-peer's pool is on this host's GPUs and could be mapped (direct.py): then a WRITE is one device copy,
-and only its notification goes through NIXL.
+DRAM for CPU tensors or VRAM for CUDA tensors, and prepared as one NIXL descriptor list; each peer's
+pool is prepared when it is added (prepped.py). A `write_pages` is then index arithmetic in numpy
+and one `make_prepped_xfer` + post carrying the notification — unless the peer's pool is on this
+host's GPUs and could be mapped (direct.py): then a WRITE is one device copy, and only its
+notification goes through NIXL.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pdserve.common.kv_transfer.base import KVLayout, KVTransferAgent, KVTransfe
 from pdserve.common.kv_transfer.direct import DirectHandle, DirectPeers, TransferPath, gpu_uuid, host_id, share_buffers
 from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, run_descriptors
 from pdserve.common.kv_transfer.pool_metadata import PoolMetadata
+from pdserve.common.kv_transfer.prepped import page_indices, preparable, strided_rows
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,10 @@ class NixlKVAgent(KVTransferAgent):
         self._direct = DirectPeers(device, buffers, self.layout, path) if device.type == "cuda" else None
         regions = [(b.data_ptr(), b.nbytes, self._device_id, "") for b in buffers]
         self._registered = self._agent.register_memory(regions, self._mem_type)
+        self._prepped = None  # this pool as a prepared list (None: too many descriptors to index)
+        if preparable(self.layout):
+            rows = strided_rows(self._k_addrs, self._v_addrs, self.layout, self._device_id)
+            self._prepped = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem_type)
         # Taken after registration: the agent metadata carries the registered regions' remote keys.
         self._metadata = PoolMetadata(
             name=name,
@@ -99,6 +105,7 @@ class NixlKVAgent(KVTransferAgent):
         )
         self._peers: dict[str, PoolMetadata] = {}
         self._routes: dict[str, str] = {}  # peer -> how its WRITEs travel (route())
+        self._peer_prepped: dict[str, object] = {}  # peer -> its pool as a prepared list
         self._live: set[NixlTransferHandle] = set()
 
     def metadata(self) -> PoolMetadata:
@@ -134,6 +141,15 @@ class NixlKVAgent(KVTransferAgent):
             except ValueError:
                 agent.remove_remote_agent(peer.name)
                 raise
+        if route is None and self._prepped is not None and preparable(peer.layout):
+            rows = strided_rows(peer.k_addrs, peer.v_addrs, peer.layout, peer.device_id)
+            try:
+                self._peer_prepped[peer.name] = agent.prep_xfer_dlist(peer.name, rows, peer.mem_type)
+            except _NIXL_ERRORS as error:
+                if self._direct is not None:
+                    self._direct.remove(peer.name)
+                agent.remove_remote_agent(peer.name)
+                raise ValueError(f"NIXL could not prepare the pool of peer {peer.name!r}: {error!r}") from error
         self._peers[peer.name] = peer
         self._routes[peer.name] = f"device copy ({route})" if route else "NIXL"
         return peer.name
@@ -147,6 +163,9 @@ class NixlKVAgent(KVTransferAgent):
         if self._direct is not None:
             self._direct.remove(name)
         self._routes.pop(name, None)
+        prepped = self._peer_prepped.pop(name, None)
+        if prepped is not None:
+            prepped.release()
         if self._peers.pop(name, None) is None:
             return
         try:
@@ -191,6 +210,36 @@ class NixlKVAgent(KVTransferAgent):
             self._live.add(handle)
             return handle
         runs = coalesce_runs(src_pages, dst_pages)
+        num_bytes = self.layout.transfer_bytes(len(src_pages), len(heads))
+        try:
+            prepped = self._peer_prepped.get(peer)
+            if prepped is not None:  # (NIXL merges each run, contiguous on both sides, into one descriptor)
+                xfer = agent.make_prepped_xfer(
+                    "WRITE",
+                    self._prepped,
+                    page_indices(self.layout, _local(heads, self.layout), src_pages),
+                    prepped,
+                    page_indices(target.layout, _local(heads, target.layout), dst_pages),
+                    notif,
+                )
+                ops = 2 * self.layout.num_layers * len(heads) * len(runs)
+            else:
+                xfer, ops = self._xfer_from_addresses(agent, target, heads, runs, notif)
+        except _NIXL_ERRORS as error:
+            raise KVTransferError(f"NIXL refused a WRITE of {len(src_pages)} pages to {peer!r}: {error!r}") from error
+        handle = NixlTransferHandle(peer, len(src_pages), num_bytes, xfer, ops)
+        self._live.add(handle)
+        try:
+            posted = agent.transfer(xfer)
+        except _NIXL_ERRORS as error:
+            posted = f"ERR ({error!r})"
+        if posted.startswith("ERR"):
+            self._release_quietly(handle)
+            raise KVTransferError(f"NIXL could not post a WRITE of {len(src_pages)} pages to {peer!r}: {posted}")
+        return handle
+
+    def _xfer_from_addresses(self, agent, target: PoolMetadata, heads: range, runs, notif: bytes):
+        """A WRITE built from descriptor lists (pools too large for prepared lists' 32-bit indices)."""
         hpb = self.layout.head_page_bytes
         local = run_descriptors(
             self._k_addrs,
@@ -210,27 +259,11 @@ class NixlKVAgent(KVTransferAgent):
             _local(heads, target.layout),
             [(dst, n) for _, dst, n in runs],
         )
-        try:
-            xfer = agent.initialize_xfer(
-                "WRITE",
-                agent.get_xfer_descs(local, self._mem_type),
-                agent.get_xfer_descs(remote, target.mem_type),
-                peer,
-                notif,
-            )
-        except _NIXL_ERRORS as error:
-            raise KVTransferError(f"NIXL refused a WRITE of {len(src_pages)} pages to {peer!r}: {error!r}") from error
-        num_bytes = self.layout.transfer_bytes(len(src_pages), len(heads))
-        handle = NixlTransferHandle(peer, len(src_pages), num_bytes, xfer, len(local))
-        self._live.add(handle)
-        try:
-            posted = agent.transfer(xfer)
-        except _NIXL_ERRORS as error:
-            posted = f"ERR ({error!r})"
-        if posted.startswith("ERR"):
-            self._release_quietly(handle)
-            raise KVTransferError(f"NIXL could not post a WRITE of {len(src_pages)} pages to {peer!r}: {posted}")
-        return handle
+        local_descs, remote_descs = (
+            agent.get_xfer_descs(local, self._mem_type),
+            agent.get_xfer_descs(remote, target.mem_type),
+        )
+        return agent.initialize_xfer("WRITE", local_descs, remote_descs, target.name, notif), len(local)
 
     def poll(self, handle: TransferHandle) -> TransferState:
         handle = self._own(handle)
@@ -286,6 +319,10 @@ class NixlKVAgent(KVTransferAgent):
             return
         for handle in list(self._live):
             self._release_quietly(handle)
+        for prepped in [*self._peer_prepped.values(), self._prepped]:
+            if prepped is not None:
+                prepped.release()
+        self._peer_prepped.clear()
         try:
             self._agent.deregister_memory(self._registered)
         except _NIXL_ERRORS as error:
