@@ -59,8 +59,8 @@ def run(args) -> list[dict]:
         host.load_async(pool, slots, target).synchronize()  # (its slots are free again once it is done)
         assert host.num_free() == most
         for b in [*pool.k_storage, *pool.v_storage]:
-            view = b.view(kv_heads, device_pages, args.page_size, head_dim)
-            assert torch.equal(view[:, source], view[:, target]), "pages changed on the round trip"
+            view = b.view(device_pages, args.page_size, kv_heads, head_dim)
+            assert torch.equal(view[source], view[target]), "pages changed on the round trip"
         slots = host.alloc(n)
         size = n * host.page_bytes
 

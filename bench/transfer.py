@@ -143,11 +143,11 @@ def _check(plan: Plan, pool, pairs: list[tuple[list[int], list[int]]]) -> int:
     bad = 0
     for src_buf, dst_buf in zip([*source.k_storage, *source.v_storage], [*pool.k_storage, *pool.v_storage]):
         # (as bytes: random bits make NaNs, which never equal themselves)
-        s = src_buf.view(torch.uint8).view(plan.shape.kv_heads, plan.pool_pages, -1)
-        d = dst_buf.view(torch.uint8).view(plan.shape.kv_heads, plan.pool_pages, -1)
+        s = src_buf.view(torch.uint8).view(plan.pool_pages, -1)
+        d = dst_buf.view(torch.uint8).view(plan.pool_pages, -1)
         for src, dst in pairs:
             i, j = torch.tensor(src, device=s.device), torch.tensor(dst, device=d.device)
-            bad += int((s.index_select(1, i) != d.index_select(1, j)).any(dim=(0, 2)).sum())
+            bad += int((s.index_select(0, i) != d.index_select(0, j)).any(dim=1).sum())
     return bad
 
 

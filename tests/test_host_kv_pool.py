@@ -17,9 +17,9 @@ def device_pool(num_pages=16, layers=3, heads=2, page=4, dim=8, dtype=torch.floa
 
 
 def page_of(pool: PagedKVPool, page: int) -> torch.Tensor:
-    """Every layer's K and V of one page: [layers, 2, heads, page, dim]."""
+    """Every layer's K and V of one page: [layers, 2, page, heads, dim]."""
     views = [
-        torch.stack([b.view(pool.kv_heads, pool.num_pages, pool.page_size, pool.head_dim)[:, page] for b in (k, v)])
+        torch.stack([b.view(pool.num_pages, pool.page_size, pool.kv_heads, pool.head_dim)[page] for b in (k, v)])
         for k, v in zip(pool.k_storage, pool.v_storage)
     ]
     return torch.stack(views)
@@ -36,7 +36,7 @@ def test_pages_round_trip_through_host_memory_into_other_pages(dtype):
     assert host.store(pool, source, slots) is None  # the CPU: done on return
     for p in source:  # the device pages go to other requests
         for b in [*pool.k_storage, *pool.v_storage]:
-            b.view(pool.kv_heads, pool.num_pages, pool.page_size, pool.head_dim)[:, p] = 0
+            b.view(pool.num_pages, pool.page_size, pool.kv_heads, pool.head_dim)[p] = 0
     untouched = page_of(pool, 9).clone()
     target = [11, 12, 4, 13]
     assert host.load(pool, slots, target) is None

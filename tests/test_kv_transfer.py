@@ -9,14 +9,16 @@ import multiprocessing as mp
 import time
 import traceback
 
+import numpy as np
 import pytest
 import torch
 
 from pdserve.common.engine.kv_pool import PagedKVPool
 from pdserve.common.kv_transfer import KVLayout, decode_notif, encode_notif, new_room
 from pdserve.common.kv_transfer.direct import copy_pages, page_view
-from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, run_descriptors
+from pdserve.common.kv_transfer.pages import Rows, check_pages, coalesce_runs, page_rows, run_descriptors
 from pdserve.common.kv_transfer.pool_metadata import PoolMetadata, decode_pool_metadata, encode_pool_metadata
+from pdserve.common.kv_transfer.prepped import page_indices, strided_rows
 
 # Every wait that crosses a process gives up after this long.
 TIMEOUT_S = 30.0
@@ -36,21 +38,41 @@ def test_runs_coalesce_only_when_contiguous_on_both_sides():
     assert coalesce_runs([8], [2]) == [(8, 2, 1)]
 
 
-def test_descriptors_go_layer_then_k_v_then_head_then_run():
-    hpb, num_pages = 100, 50  # one head of one layer: 5000 bytes
+def test_whole_pages_are_one_descriptor_a_run_and_head_slices_a_row_a_token():
+    layout = KVLayout(page_size=2, num_layers=2, kv_heads=2, head_dim=25, dtype="float32", num_pages=50)
+    whole, same = page_rows(layout, range(0, 2), layout, range(0, 2))
+    assert whole == same == Rows(1, 400, 0, 400, 400) and whole.whole_pages  # a page: 2 tokens x 2 heads x 100 B
     k_addrs, v_addrs = [10_000, 20_000], [30_000, 40_000]
-    descs = run_descriptors(k_addrs, v_addrs, hpb, num_pages, device_id=0, heads=range(0, 1), runs=[(3, 2), (7, 1)])
+    descs = run_descriptors(k_addrs, v_addrs, whole, device_id=0, runs=[(3, 2), (7, 1)])
     assert descs == [
-        (10_300, 200, 0), (10_700, 100, 0),  # layer 0 K
-        (30_300, 200, 0), (30_700, 100, 0),  # layer 0 V
-        (20_300, 200, 0), (20_700, 100, 0),  # layer 1 K
-        (40_300, 200, 0), (40_700, 100, 0),  # layer 1 V
+        (11_200, 800, 0), (12_800, 400, 0),  # layer 0 K
+        (31_200, 800, 0), (32_800, 400, 0),  # layer 0 V
+        (21_200, 800, 0), (22_800, 400, 0),  # layer 1 K
+        (41_200, 800, 0), (42_800, 400, 0),  # layer 1 V
     ]  # fmt: skip
-    one_run = run_descriptors(k_addrs, v_addrs, hpb, num_pages, device_id=3, heads=range(0, 1), runs=[(10, 3)])
-    assert one_run == [(11_000, 300, 3), (31_000, 300, 3), (21_000, 300, 3), (41_000, 300, 3)]
-    # Heads 1 and 2 of a pool: each its own contiguous range, 5000 bytes apart.
-    sliced = run_descriptors(k_addrs[:1], v_addrs[:1], hpb, num_pages, device_id=0, heads=range(1, 3), runs=[(10, 3)])
-    assert sliced == [(16_000, 300, 0), (21_000, 300, 0), (36_000, 300, 0), (41_000, 300, 0)]
+    # Head 1 of this pool into a pool holding only that head: a row a token on this side.
+    half = KVLayout(page_size=2, num_layers=2, kv_heads=1, head_dim=25, dtype="float32", num_pages=9, head_start=1,
+                    model_kv_heads=2)  # fmt: skip
+    sliced, into = page_rows(layout, range(1, 2), half, range(0, 1))
+    assert sliced == Rows(2, 100, 100, 200, 400) and into == Rows(2, 100, 0, 100, 200)
+    assert run_descriptors(k_addrs[:1], v_addrs[:1], sliced, device_id=0, runs=[(3, 2)]) == [
+        (11_300, 100, 0), (11_500, 100, 0), (11_700, 100, 0), (11_900, 100, 0),  # K: page 3 tokens 0, 1; page 4
+        (31_300, 100, 0), (31_500, 100, 0), (31_700, 100, 0), (31_900, 100, 0),  # V
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="not as many"):
+        page_rows(layout, range(0, 2), half, range(0, 1))
+
+
+def test_prepared_indices_pair_the_same_pages_as_descriptors():
+    """A request's prepared-list indices (prepped.py) name, in order, the pages run_descriptors lists."""
+    layout = KVLayout(page_size=2, num_layers=3, kv_heads=2, head_dim=4, dtype="float32", num_pages=10)
+    rows = strided_rows([1000, 2000, 3000], [5000, 6000, 7000], layout, device_id=0)
+    assert rows.shape == (6, 5) and rows[1].tolist() == [5000, 64, 0, 64, 10]  # layer 0 V: 10 pages of 64 B
+    indices = page_indices(layout, [4, 5, 9])
+    addresses = [int(rows[i // 10][0] + (i % 10) * 64) for i in indices]
+    whole, _ = page_rows(layout, range(0, 2), layout, range(0, 2))
+    expected = run_descriptors([1000, 2000, 3000], [5000, 6000, 7000], whole, 0, [(4, 1), (5, 1), (9, 1)])
+    assert addresses == [a for a, _, _ in expected] and indices.dtype == np.int32
 
 
 @pytest.mark.parametrize("src_heads,dst_heads", [(range(0, 2), range(0, 2)), (range(1, 2), range(0, 1))])
@@ -69,8 +91,8 @@ def test_a_same_gpu_copy_writes_the_bytes_a_nixl_write_would(src_heads, dst_head
         model_kv_heads=2,
     )
     gen = torch.Generator().manual_seed(0)
-    src = [torch.rand(2, 12 * 4, 8, generator=gen) for _ in range(6)]  # K of 3 layers, then V
-    copied = [torch.zeros(dst_layout.kv_heads, 9 * 4, 8) for _ in range(6)]
+    src = [torch.rand(12 * 4, 2, 8, generator=gen) for _ in range(6)]  # K of 3 layers, then V
+    copied = [torch.zeros(9 * 4, dst_layout.kv_heads, 8) for _ in range(6)]
     by_descriptor = [b.clone() for b in copied]
     src_pages, dst_pages = [3, 4, 5, 9, 1], [2, 3, 7, 8, 1]
     copy_pages(
@@ -82,14 +104,12 @@ def test_a_same_gpu_copy_writes_the_bytes_a_nixl_write_would(src_heads, dst_head
         range(0, len(dst_heads)),
     )
     runs = coalesce_runs(src_pages, dst_pages)
-    hpb = src_layout.head_page_bytes
+    rows = page_rows(src_layout, src_heads, dst_layout, range(0, len(dst_heads)))
     src_bytes = [b.view(torch.uint8).flatten() for b in src]
     dst_bytes = [b.view(torch.uint8).flatten() for b in by_descriptor]
     address = lambda buffers: [1_000_000 * i for i in range(len(buffers))]  # noqa: E731 - buffer i at i MB
-    local = run_descriptors(address(src)[:3], address(src)[3:], hpb, 12, 0, src_heads, [(s, n) for s, _, n in runs])
-    remote = run_descriptors(
-        address(copied)[:3], address(copied)[3:], hpb, 9, 0, range(0, len(dst_heads)), [(d, n) for _, d, n in runs]
-    )
+    local = run_descriptors(address(src)[:3], address(src)[3:], rows[0], 0, [(s, n) for s, _, n in runs])
+    remote = run_descriptors(address(copied)[:3], address(copied)[3:], rows[1], 0, [(d, n) for _, d, n in runs])
     for (s_addr, size, _), (d_addr, d_size, _) in zip(local, remote, strict=True):
         assert size == d_size
         s_buf, s_off = divmod(s_addr, 1_000_000)
@@ -108,8 +128,8 @@ def test_the_one_launch_copy_writes_what_the_per_buffer_copy_does(src_heads, dst
     src_layout = KVLayout(page_size=4, num_layers=3, kv_heads=2, head_dim=8, dtype="float32", num_pages=12)
     dst_layout = KVLayout(page_size=4, num_layers=3, kv_heads=len(dst_heads), head_dim=8, dtype="float32", num_pages=9)
     gen = torch.Generator().manual_seed(1)
-    src = [page_view(torch.rand(2, 12 * 4, 8, generator=gen), src_layout) for _ in range(6)]
-    by_torch = [page_view(torch.rand(len(dst_heads), 9 * 4, 8, generator=gen), dst_layout) for _ in range(6)]
+    src = [page_view(torch.rand(12 * 4, 2, 8, generator=gen), src_layout) for _ in range(6)]
+    by_torch = [page_view(torch.rand(9 * 4, len(dst_heads), 8, generator=gen), dst_layout) for _ in range(6)]
     fused = [b.clone() for b in by_torch]
     src_pages, dst_pages = [3, 4, 5, 9, 1, 11], [2, 3, 7, 8, 0, 5]
     copy_pages(src, by_torch, src_pages, dst_pages, src_heads, dst_heads)
@@ -118,29 +138,23 @@ def test_the_one_launch_copy_writes_what_the_per_buffer_copy_does(src_heads, dst
         address_table(fused),
         torch.tensor(src_pages),
         torch.tensor(dst_pages),
-        src_heads,
-        dst_heads,
-        12,
-        9,
-        src_layout.head_page_bytes,
+        *page_rows(src_layout, src_heads, dst_layout, dst_heads),
     )
     assert all(torch.equal(a, b) for a, b in zip(fused, by_torch, strict=True))  # (the pages not written too)
 
 
-def test_the_pool_is_head_major_so_a_heads_pages_are_contiguous():
+def test_the_pool_is_token_major_so_a_page_of_every_head_is_contiguous():
     pool = PagedKVPool(
         4, 2, num_layers=1, kv_heads=3, head_dim=2, dtype=torch.float32, device="cpu", head_start=3, model_kv_heads=6
     )
     pool.k_buffers[0][5] = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])  # slot 5: page 2, offset 1
     storage = pool.k_storage[0]
-    assert storage.is_contiguous() and storage.shape == (3, 8, 2)
+    assert storage.is_contiguous() and storage.shape == (8, 3, 2)
     flat = storage.flatten()
-    # head h, slot s at (h * 8 + s) * 2
-    assert flat[(0 * 8 + 5) * 2 : (0 * 8 + 5) * 2 + 2].tolist() == [1.0, 2.0]
-    assert flat[(2 * 8 + 5) * 2 : (2 * 8 + 5) * 2 + 2].tolist() == [5.0, 6.0]
-    assert KVLayout.of_pool(pool).heads == range(3, 6)
-    with pytest.raises(ValueError, match="not heads of a model with 6"):
-        PagedKVPool(4, 2, 1, 3, 2, torch.float32, "cpu", head_start=4, model_kv_heads=6)
+    # slot s, head h at (s * 3 + h) * 2; page p is flat[p * 12 : (p + 1) * 12]
+    assert flat[(5 * 3 + 0) * 2 : (5 * 3 + 0) * 2 + 2].tolist() == [1.0, 2.0]
+    assert flat[(5 * 3 + 2) * 2 : (5 * 3 + 2) * 2 + 2].tolist() == [5.0, 6.0]
+    assert flat[2 * 12 : 3 * 12].tolist()[6:] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
 
 
 def test_page_bytes_follow_the_layout():
@@ -244,15 +258,16 @@ def test_bad_notifs_are_rejected():
         b'{"v": 1}',
         f'{{"v": 1, {fields}}}'.encode(),  # version 1: no counts
         f'{{"v": 2, {fields}, {counts}}}'.encode(),  # version 2: no heads
-        f'{{"v": 4, {fields}, {counts}, "heads": null}}'.encode(),
-        f'{{"v": 3, {fields}, "pages": -1, "bytes": 8, "heads": null}}'.encode(),
-        f'{{"v": 3, {fields}, "pages": 1.5, "bytes": 8, "heads": null}}'.encode(),
-        f'{{"v": 3, {fields}, "pages": true, "bytes": 8, "heads": null}}'.encode(),
-        f'{{"v": 3, {fields}, {counts}, "heads": [1, 1]}}'.encode(),
-        f'{{"v": 3, {fields}, {counts}, "heads": [-1, 1]}}'.encode(),
-        f'{{"v": 3, {fields}, {counts}, "heads": [0]}}'.encode(),
-        b'{"v": 3, "room": 1, "first_token": "1", "logprobs": null, "pages": 1, "bytes": 8, "heads": null}',
-        b'{"v": 3, "room": 1, "first_token": 1, "logprobs": [1], "pages": 1, "bytes": 8, "heads": null}',
+        f'{{"v": 3, {fields}, {counts}, "heads": null}}'.encode(),  # version 3: the head-major pool
+        f'{{"v": 5, {fields}, {counts}, "heads": null}}'.encode(),
+        f'{{"v": 4, {fields}, "pages": -1, "bytes": 8, "heads": null}}'.encode(),
+        f'{{"v": 4, {fields}, "pages": 1.5, "bytes": 8, "heads": null}}'.encode(),
+        f'{{"v": 4, {fields}, "pages": true, "bytes": 8, "heads": null}}'.encode(),
+        f'{{"v": 4, {fields}, {counts}, "heads": [1, 1]}}'.encode(),
+        f'{{"v": 4, {fields}, {counts}, "heads": [-1, 1]}}'.encode(),
+        f'{{"v": 4, {fields}, {counts}, "heads": [0]}}'.encode(),
+        b'{"v": 4, "room": 1, "first_token": "1", "logprobs": null, "pages": 1, "bytes": 8, "heads": null}',
+        b'{"v": 4, "room": 1, "first_token": 1, "logprobs": [1], "pages": 1, "bytes": 8, "heads": null}',
     ):
         with pytest.raises(ValueError, match="notification"):
             decode_notif(data)
@@ -303,8 +318,8 @@ def test_bad_pool_metadata_is_rejected():
     data = encode_pool_metadata([make_pool_metadata()])
     with pytest.raises(ValueError, match="magic"):
         decode_pool_metadata(b"XXXX" + data[4:])
-    with pytest.raises(ValueError, match="version 1, this side speaks version 2"):
-        decode_pool_metadata(data[:4] + (1).to_bytes(2, "big") + data[6:])
+    with pytest.raises(ValueError, match="version 2, this side speaks version 3"):
+        decode_pool_metadata(data[:4] + (2).to_bytes(2, "big") + data[6:])
     with pytest.raises(ValueError, match="too short"):
         decode_pool_metadata(data[:5])
     with pytest.raises(ValueError, match="truncated"):

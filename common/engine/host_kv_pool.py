@@ -12,9 +12,9 @@ what to store and load, and when: common/scheduling/radix_cache.py; `--host-kv-w
                                                            # (unless keep_slots: they stay a backup)
 
 Layout: one host page is every layer's K and V of one device page, contiguous
-([layers, 2, kv_heads, page_size, head_dim]), so moving n pages is one copy of n pages' bytes
-between the device and the host, not one small copy per page per layer (the device pool keeps each
-layer's K and V head-major: a page is kv_heads strided runs there). On a GPU one Triton launch moves
+([layers, 2, page_size, kv_heads, head_dim]: each buffer's page as the device pool lays it out), so
+moving n pages is one copy of n pages' bytes between the device and the host, not one small copy
+per page per layer. On a GPU one Triton launch moves
 any number of pages, every layer, K and V, and head, reading or writing the pinned host pages
 directly (mapped memory: common/kv_transfer/page_copy_kernel.py `copy_host_pages`); it was a gather
 or scatter per layer and per K/V plus a bulk copy (32 launches for a Llama-1B load whatever its size:
@@ -56,7 +56,7 @@ class HostKVPool:
         # write_through: pages are backed up as they are cached; write_back: copied when evicted.
         self.write_through = write_policy == "write_through"
         self.num_pages = num_pages
-        self.page_shape = (like.num_layers, 2, like.kv_heads, like.page_size, like.head_dim)
+        self.page_shape = (like.num_layers, 2, like.page_size, like.kv_heads, like.head_dim)
         self.dtype = like.dtype
         pin = like.k_storage[0].is_cuda if pin is None else pin
         self.pages = torch.zeros((num_pages, *self.page_shape), dtype=like.dtype, pin_memory=pin)
@@ -207,48 +207,47 @@ class HostKVPool:
 
     def _direct(self, device: PagedKVPool) -> bool:
         """One kernel moves the pages (pinned host pages, a GPU pool, whole 32-bit words a head's page)."""
-        head_page_bytes = device.page_size * device.head_dim * self.pages.element_size()
-        return self.stream is not None and self.pages.is_pinned() and head_page_bytes % 4 == 0
+        return self.stream is not None and self.pages.is_pinned() and self._device_page_bytes(device) % 4 == 0
+
+    def _device_page_bytes(self, device: PagedKVPool) -> int:
+        """Bytes of one page of one of the device pool's buffers (contiguous there, and here)."""
+        return device.page_size * device.kv_heads * device.head_dim * self.pages.element_size()
 
     def _copy_direct(self, device: PagedKVPool, slots: list[int], device_pages: list[int], to_host: bool) -> None:
         from pdserve.common.kv_transfer.page_copy_kernel import address_table, copy_host_pages
 
         if self._tables is None or self._tables[0] is not device:
             buffers = [b for pair in zip(device.k_storage, device.v_storage) for b in pair]  # layer 0 K, V, ...
-            head_page_bytes = device.page_size * device.head_dim * self.pages.element_size()
+            page_bytes = self._device_page_bytes(device)
             base = self.pages.data_ptr()
-            host = [base + b * device.kv_heads * head_page_bytes for b in range(len(buffers))]
+            host = [base + b * page_bytes for b in range(len(buffers))]
             host_table = torch.tensor(host, dtype=torch.int64, device=buffers[0].device)
-            self._tables = (device, host_table, address_table(buffers), head_page_bytes)
-        _, host_table, pool_table, head_page_bytes = self._tables
+            self._tables = (device, host_table, address_table(buffers), page_bytes)
+        _, host_table, pool_table, page_bytes = self._tables
         index = h2d_array(np.array([slots, device_pages], dtype=np.int64), pool_table.device)
-        copy_host_pages(
-            host_table, pool_table, index[0], index[1], device.kv_heads, device.num_pages, head_page_bytes, to_host
-        )
+        copy_host_pages(host_table, pool_table, index[0], index[1], page_bytes, to_host)
 
     def _gather(self, device: PagedKVPool, pages: list[int]) -> torch.Tensor:
-        """[n, layers, 2, heads, page, dim]: the pages, in this pool's layout, on the device."""
+        """[n, layers, 2, page, heads, dim]: the pages, in this pool's layout, on the device."""
         index = h2d_array(np.array(pages, dtype=np.int64), device.k_storage[0].device)  # (no pageable copy)
         layers = []
         for k, v in zip(device.k_storage, device.v_storage):
-            per_page = [
-                _raw(b).view(device.kv_heads, device.num_pages, device.page_size, device.head_dim) for b in (k, v)
-            ]
-            layers.append(torch.stack([b.index_select(1, index) for b in per_page]))  # [2, heads, n, page, dim]
-        return torch.stack(layers).permute(3, 0, 1, 2, 4, 5).contiguous().view(device.dtype)
+            per_page = [_raw(b).view(device.num_pages, *self.page_shape[2:]) for b in (k, v)]
+            layers.append(torch.stack([b.index_select(0, index) for b in per_page]))  # [2, n, page, heads, dim]
+        return torch.stack(layers).permute(2, 0, 1, 3, 4, 5).contiguous().view(device.dtype)
 
     def _scatter(self, device: PagedKVPool, staged: torch.Tensor, pages: list[int]) -> None:
         index = h2d_array(np.array(pages, dtype=np.int64), staged.device)
-        by_layer = staged.permute(1, 2, 3, 0, 4, 5)  # [layers, 2, heads, n, page, dim]
+        by_layer = staged.permute(1, 2, 0, 3, 4, 5)  # [layers, 2, n, page, heads, dim]
         for layer, (k, v) in enumerate(zip(device.k_storage, device.v_storage)):
             for i, b in enumerate((k, v)):
-                view = b.view(device.kv_heads, device.num_pages, device.page_size, device.head_dim)
-                _raw(view).index_copy_(1, index, _raw(by_layer[layer, i]))
+                view = b.view(device.num_pages, *self.page_shape[2:])
+                _raw(view).index_copy_(0, index, _raw(by_layer[layer, i]))
 
     def _check(self, device: PagedKVPool, device_pages: list[int], slots: list[int]) -> None:
         if len(device_pages) != len(slots) or not slots:
             raise ValueError(f"{len(device_pages)} device pages but {len(slots)} host pages")
-        shape = (device.num_layers, 2, device.kv_heads, device.page_size, device.head_dim)
+        shape = (device.num_layers, 2, device.page_size, device.kv_heads, device.head_dim)
         if shape != self.page_shape or device.dtype != self.dtype:
             raise ValueError(f"a device pool of pages {shape} {device.dtype}; this one holds {self.page_shape}")
         if any(not 0 < p < device.num_pages for p in device_pages):

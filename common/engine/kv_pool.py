@@ -4,11 +4,11 @@
         row r, column p  = the KV slot holding position p of the request that owns row r
     PagedKVPool.k_buffers[l], v_buffers[l]  [num_pages * page_size, kv_heads, head_dim]
         slot s lives in page s // page_size; pages are the unit of allocation, of prefix caching
-        and of NIXL transfer. In memory each layer is head-major (k_storage[l]: [kv_heads, slots,
-        head_dim], contiguous; k_buffers[l] is its transposed view), so a run of pages of one head
-        is one contiguous range: a KV transfer between servers of different TP sizes moves head
-        slices of pages as one descriptor per (layer, K/V, head, run of pages). The kernels and
-        the torch reference address the pool through its strides and never notice.
+        and of KV transfer. Each layer's K (and V) is token-major and contiguous (k_storage[l] is
+        k_buffers[l]), so a page of every head is one contiguous range, and a run of pages one
+        range too: a KV transfer moves a request as one descriptor per (layer, K/V, page run).
+        (Servers of different TP sizes move head slices: a row of head_dim x heads per token.)
+        The kernels and the torch reference address the pool through its strides.
 
 With an FP8 KV cache (`--kv-cache-dtype fp8_e4m3`) the buffers are float8_e4m3fn and each layer has
 one fp32 scale for K and one for V (`k_scales[l]`, `v_scales[l]`): stored = value / scale, rounded to
@@ -99,13 +99,13 @@ class PagedKVPool:
             raise ValueError(
                 f"KV heads [{head_start}, {head_start + kv_heads}) are not heads of a model with {self.model_kv_heads}"
             )
-        shape = (kv_heads, num_pages * page_size, head_dim)
-        # NOTE: the storages are what a transfer agent registers (contiguous); everything else
-        # uses the [slots, kv_heads, head_dim] views.
+        shape = (num_pages * page_size, kv_heads, head_dim)
+        # NOTE: the storages are what a transfer agent registers (contiguous); the kernels use the
+        # same tensors as k_buffers / v_buffers.
         self.k_storage = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_storage = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.k_buffers = [b.transpose(0, 1) for b in self.k_storage]
-        self.v_buffers = [b.transpose(0, 1) for b in self.v_storage]
+        self.k_buffers = self.k_storage
+        self.v_buffers = self.v_storage
         # One scale per layer for K and for V; 1.0 (and never read) unless the pool is float8.
         self.k_scales = torch.ones(num_layers, dtype=torch.float32, device=device)
         self.v_scales = torch.ones(num_layers, dtype=torch.float32, device=device)

@@ -52,8 +52,9 @@ class KVLayout:
 
     `dtype` is the torch dtype name without the "torch." prefix ("float32", "bfloat16"). The pool
     holds the model's KV heads [head_start, head_start + kv_heads) of `model_kv_heads` (0: the
-    pool holds them all). Memory is head-major per layer (common/engine/kv_pool.py): head h's
-    page p starts (h - head_start) * num_pages + p pages of one head into the layer's buffer.
+    pool holds them all). Memory is token-major per layer (common/engine/kv_pool.py): page p is
+    page_bytes contiguous bytes at p * page_bytes, its token t's head h (local) head_dim elements
+    at (t * kv_heads + h) * head_dim of them (pages.page_rows).
     """
 
     page_size: int
@@ -89,12 +90,12 @@ class KVLayout:
 
     @property
     def head_page_bytes(self) -> int:
-        """Bytes of one page of one head of one layer's K (or V) buffer: contiguous in memory."""
+        """Bytes of one page of one head of one layer's K (or V) buffer (page_size rows of head_dim)."""
         return self.page_size * self.head_dim * getattr(torch, self.dtype).itemsize
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page of one layer's K (or V) buffer, every head of the pool."""
+        """Bytes of one page of one layer's K (or V) buffer, every head of the pool: contiguous."""
         return self.kv_heads * self.head_page_bytes
 
     def transfer_bytes(self, num_pages: int, num_heads: int | None = None) -> int:

@@ -7,11 +7,11 @@ device copy into the mapped pool of the other GPU ran at ~360 GiB/s), so `pdserv
 server is no obstacle. Peers on other hosts, or whose pool cannot be mapped, go through NIXL.
 
 Why (docs/benchmarks.md, "One GPU, both roles" and "Two GPUs"): a NIXL WRITE posts one UCX copy per
-descriptor, and a head-major pool needs one descriptor per (layer, K or V, head, page run) — 288 for
-one GPT-2-small prompt, ~3-4 ms of the prefill scheduler's time per request. Here the decode
+descriptor (at least one per layer, K or V, and page run: 24 for one GPT-2-small prompt; 288 when
+the pools were head-major, ~3-4 ms of the prefill scheduler's time per request). Here the decode
 server's pool is mapped into the prefill process once (CUDA IPC handles, published with the pool's
 metadata), and a WRITE is one kernel launch on a stream of its own (every layer's K and V, every
-head and page: page_copy_kernel.py; `copy_pages`, two launches per buffer, is the reference it is
+page: page_copy_kernel.py; `copy_pages`, two launches per buffer, is the reference it is
 tested against). On another GPU the kernel's stores travel over the link. The notification still
 goes through NIXL (`send_notif`), after the copy's event has completed, so the decode side cannot
 tell the two paths apart.
@@ -40,6 +40,7 @@ import torch
 
 from pdserve.common.engine.overlap import h2d_array
 from pdserve.common.kv_transfer.base import KVLayout, TransferHandle
+from pdserve.common.kv_transfer.pages import page_rows
 from pdserve.common.kv_transfer.pool_metadata import PoolMetadata
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def share_buffers(buffers: list[torch.Tensor]) -> tuple[tuple, ...]:
 
 
 def open_buffers(shared: tuple[tuple, ...], layout: KVLayout, device: torch.device) -> list[torch.Tensor]:
-    """The peer's buffers mapped into this process, as [heads, pages, head page bytes] uint8 views."""
+    """The peer's buffers mapped into this process, as page views (page_view)."""
     views = []
     itemsize = getattr(torch, layout.dtype).itemsize
     for handle, size, offset, ref_handle, ref_offset, event_handle, event_sync, storage_offset in shared:
@@ -110,12 +111,13 @@ def open_buffers(shared: tuple[tuple, ...], layout: KVLayout, device: torch.devi
 
 
 def page_view(buffer: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """A layer's K or V buffer as [heads, pages, head page bytes] bytes."""
-    return buffer.view(torch.uint8).view(layout.kv_heads, layout.num_pages, layout.head_page_bytes)
+    """A layer's K or V buffer as [pages, page_size, heads, head bytes] bytes."""
+    head_bytes = layout.head_page_bytes // layout.page_size
+    return buffer.view(torch.uint8).view(layout.num_pages, layout.page_size, layout.kv_heads, head_bytes)
 
 
 def _buffer_bytes(layout: KVLayout) -> int:
-    return layout.kv_heads * layout.num_pages * layout.head_page_bytes
+    return layout.num_pages * layout.page_bytes
 
 
 def copy_pages(
@@ -126,14 +128,14 @@ def copy_pages(
     src_heads: range,
     dst_heads: range,
 ) -> None:
-    """dst[b][dst_heads, dst_pages] = src[b][src_heads, src_pages] for every buffer b (page views),
-    on the current stream: one gather and one scatter per buffer."""
+    """dst[b][dst_pages, :, dst_heads] = src[b][src_pages, :, src_heads] for every buffer b (page
+    views), on the current stream: one gather and one scatter per buffer."""
     device = dst[0].device
     index = h2d_array(np.array([src_pages, dst_pages], dtype=np.int64), device)
     src_index, dst_index = index[0], index[1]
     for source, target in zip(src, dst, strict=True):
-        rows = source[src_heads.start : src_heads.stop].index_select(1, src_index)
-        target[dst_heads.start : dst_heads.stop].index_copy_(1, dst_index, rows)
+        rows = source[:, :, src_heads.start : src_heads.stop].index_select(0, src_index)
+        target[:, :, dst_heads.start : dst_heads.stop].index_copy_(0, dst_index, rows)
 
 
 class DirectHandle(TransferHandle):
@@ -153,7 +155,7 @@ class _Mapped:
 
     views: list[torch.Tensor]
     table: torch.Tensor
-    num_pages: int
+    layout: KVLayout
 
 
 class DirectPeers:
@@ -189,7 +191,7 @@ class DirectPeers:
 
             try:
                 views = open_buffers(peer.ipc_buffers, peer.layout, self.device)
-                self.peers[peer.name] = _Mapped(views, address_table(views), peer.layout.num_pages)
+                self.peers[peer.name] = _Mapped(views, address_table(views), peer.layout)
             except RuntimeError as error:  # (no peer access between the GPUs, a driver without IPC, ...)
                 why_not = f"its pool cannot be mapped here ({error})"
         if why_not is not None:
@@ -218,19 +220,10 @@ class DirectPeers:
         from pdserve.common.kv_transfer.page_copy_kernel import copy_pages_fused
 
         target = self.peers[peer]
+        src_rows, dst_rows = page_rows(self.layout, src_heads, target.layout, dst_heads)
         with torch.cuda.stream(self.stream):
             index = h2d_array(np.array([src_pages, dst_pages], dtype=np.int64), self.device)
-            copy_pages_fused(
-                self.own_table,
-                target.table,
-                index[0],
-                index[1],
-                src_heads,
-                dst_heads,
-                self.layout.num_pages,
-                target.num_pages,
-                self.layout.head_page_bytes,
-            )
+            copy_pages_fused(self.own_table, target.table, index[0], index[1], src_rows, dst_rows)
             event = torch.cuda.Event()
             event.record(self.stream)
         return DirectHandle(peer, len(src_pages), num_bytes, event, notif)

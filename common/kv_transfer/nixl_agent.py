@@ -1,9 +1,10 @@
 """KVTransferAgent over NIXL: one-sided WRITEs from this pool into a peer's pool.
 
-The whole pool (every layer's K and V storage, head-major) is registered once, at construction, as
+The whole pool (every layer's K and V storage, token-major) is registered once, at construction, as
 DRAM for CPU tensors or VRAM for CUDA tensors, and prepared as one NIXL descriptor list; each peer's
 pool is prepared when it is added (prepped.py). A `write_pages` is then index arithmetic in numpy
-and one `make_prepped_xfer` + post carrying the notification — unless the peer's pool is on this
+and one `make_prepped_xfer` + post carrying the notification (2 x layers descriptors a request
+whose pages are one run on both sides) — unless the peer's pool is on this
 host's GPUs and could be mapped (direct.py): then a WRITE is one device copy, and only its
 notification goes through NIXL.
 """
@@ -18,7 +19,7 @@ from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 from pdserve.common.engine.kv_pool import PagedKVPool
 from pdserve.common.kv_transfer.base import KVLayout, KVTransferAgent, KVTransferError, TransferHandle, TransferState
 from pdserve.common.kv_transfer.direct import DirectHandle, DirectPeers, TransferPath, gpu_uuid, host_id, share_buffers
-from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, run_descriptors
+from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, page_rows, run_descriptors
 from pdserve.common.kv_transfer.pool_metadata import PoolMetadata
 from pdserve.common.kv_transfer.prepped import page_indices, preparable, strided_rows
 
@@ -211,20 +212,15 @@ class NixlKVAgent(KVTransferAgent):
             return handle
         runs = coalesce_runs(src_pages, dst_pages)
         num_bytes = self.layout.transfer_bytes(len(src_pages), len(heads))
+        rows = page_rows(self.layout, _local(heads, self.layout), target.layout, _local(heads, target.layout))
         try:
             prepped = self._peer_prepped.get(peer)
-            if prepped is not None:  # (NIXL merges each run, contiguous on both sides, into one descriptor)
-                xfer = agent.make_prepped_xfer(
-                    "WRITE",
-                    self._prepped,
-                    page_indices(self.layout, _local(heads, self.layout), src_pages),
-                    prepped,
-                    page_indices(target.layout, _local(heads, target.layout), dst_pages),
-                    notif,
-                )
-                ops = 2 * self.layout.num_layers * len(heads) * len(runs)
+            if prepped is not None and rows[0].whole_pages:  # (NIXL merges each run into one descriptor)
+                local, remote = page_indices(self.layout, src_pages), page_indices(target.layout, dst_pages)
+                xfer = agent.make_prepped_xfer("WRITE", self._prepped, local, prepped, remote, notif)
+                ops = 2 * self.layout.num_layers * len(runs)
             else:
-                xfer, ops = self._xfer_from_addresses(agent, target, heads, runs, notif)
+                xfer, ops = self._xfer_from_addresses(agent, target, rows, runs, notif)
         except _NIXL_ERRORS as error:
             raise KVTransferError(f"NIXL refused a WRITE of {len(src_pages)} pages to {peer!r}: {error!r}") from error
         handle = NixlTransferHandle(peer, len(src_pages), num_bytes, xfer, ops)
@@ -238,26 +234,12 @@ class NixlKVAgent(KVTransferAgent):
             raise KVTransferError(f"NIXL could not post a WRITE of {len(src_pages)} pages to {peer!r}: {posted}")
         return handle
 
-    def _xfer_from_addresses(self, agent, target: PoolMetadata, heads: range, runs, notif: bytes):
-        """A WRITE built from descriptor lists (pools too large for prepared lists' 32-bit indices)."""
-        hpb = self.layout.head_page_bytes
-        local = run_descriptors(
-            self._k_addrs,
-            self._v_addrs,
-            hpb,
-            self.layout.num_pages,
-            self._device_id,
-            _local(heads, self.layout),
-            [(src, n) for src, _, n in runs],
-        )
+    def _xfer_from_addresses(self, agent, target: PoolMetadata, rows, runs, notif: bytes):
+        """A WRITE built from descriptor lists: head slices (servers of different TP sizes), or
+        pools too large for prepared lists' 32-bit indices."""
+        local = run_descriptors(self._k_addrs, self._v_addrs, rows[0], self._device_id, [(s, n) for s, _, n in runs])
         remote = run_descriptors(
-            target.k_addrs,
-            target.v_addrs,
-            hpb,
-            target.layout.num_pages,
-            target.device_id,
-            _local(heads, target.layout),
-            [(dst, n) for _, dst, n in runs],
+            target.k_addrs, target.v_addrs, rows[1], target.device_id, [(d, n) for _, d, n in runs]
         )
         local_descs, remote_descs = (
             agent.get_xfer_descs(local, self._mem_type),

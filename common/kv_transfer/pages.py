@@ -1,13 +1,54 @@
 """Page lists -> byte-range descriptors: the pure arithmetic under `write_pages`, no transport here.
 
-A descriptor is (address, length, device_id). Pools are head-major (common/engine/kv_pool.py): for
-layer l with K base address b, in a pool of P pages, a run of n pages starting at page p of the
-pool's local head h is [b + (h*P + p)*hpb, b + (h*P + p + n)*hpb), hpb being one head's page bytes.
+A descriptor is (address, length, device_id). Pools are token-major (common/engine/kv_pool.py): in
+a layer's K (or V) buffer of H local heads, page p is one contiguous range of page_bytes bytes at
+p * page_bytes, and within it token t's heads [h0, h1) are one row of (h1 - h0) * head_dim elements
+at (t * H + h0) * head_dim. A WRITE of every head of the pool into a pool holding the same heads
+moves whole pages (a run of pages is one range); one between servers of different TP sizes moves
+head slices: page_size rows a page (`page_rows`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from pdserve.common.kv_transfer.base import KVLayout
+
 Descriptor = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where a WRITE's bytes of one page lie in one side's buffer: `count` rows of `nbytes`, the
+    first `offset` bytes into the page, `stride` bytes apart; pages are `page_stride` bytes apart."""
+
+    count: int
+    nbytes: int
+    offset: int
+    stride: int
+    page_stride: int
+
+    @property
+    def whole_pages(self) -> bool:
+        """One row covering the page: a run of pages is one contiguous range."""
+        return self.count == 1 and self.nbytes == self.page_stride
+
+
+def page_rows(src: KVLayout, src_heads: range, dst: KVLayout, dst_heads: range) -> tuple[Rows, Rows]:
+    """The rows of a WRITE of local heads `src_heads` of pool `src` into `dst_heads` of pool `dst`,
+    for each side: whole pages where both move every head they hold, else a row per token."""
+    if len(src_heads) != len(dst_heads):
+        raise ValueError(f"heads {src_heads} -> {dst_heads}: not as many on both sides")
+    whole = len(src_heads) == src.kv_heads == dst.kv_heads
+    return _rows(src, src_heads, whole), _rows(dst, dst_heads, whole)
+
+
+def _rows(layout: KVLayout, heads: range, whole: bool) -> Rows:
+    if whole:
+        return Rows(1, layout.page_bytes, 0, layout.page_bytes, layout.page_bytes)
+    head_bytes = layout.head_page_bytes // layout.page_size  # one head's head_dim elements
+    token_bytes = layout.kv_heads * head_bytes
+    return Rows(layout.page_size, len(heads) * head_bytes, heads.start * head_bytes, token_bytes, layout.page_bytes)
 
 
 def check_pages(src_pages: list[int], dst_pages: list[int], src_num_pages: int, dst_num_pages: int) -> None:
@@ -49,24 +90,21 @@ def coalesce_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int,
 
 
 def run_descriptors(
-    k_addrs: list[int],
-    v_addrs: list[int],
-    head_page_bytes: int,
-    num_pages: int,
-    device_id: int,
-    heads: range,
-    runs: list[tuple[int, int]],
+    k_addrs: list[int], v_addrs: list[int], rows: Rows, device_id: int, runs: list[tuple[int, int]]
 ) -> list[Descriptor]:
-    """One descriptor per (layer, K then V, head, run) in that nesting order, for runs of
-    (start_page, num_pages) of the local heads `heads` (0 = the pool's first) of a head-major
-    pool of `num_pages` pages. Both sides of a transfer list their descriptors in this same
-    order, so descriptor i of the source pairs with descriptor i of the destination."""
-    head_bytes = num_pages * head_page_bytes  # one head of one layer: every page, contiguous
+    """Descriptors for runs of (start_page, num_pages) of one side, in (layer, K then V, page run)
+    order for whole pages, (layer, K then V, page, row) for head slices. Both sides of a transfer
+    list theirs in this same order from the same runs, so descriptor i of the source pairs with
+    descriptor i of the destination."""
     descriptors: list[Descriptor] = []
     for k_base, v_base in zip(k_addrs, v_addrs, strict=True):
         for base in (k_base, v_base):
-            for head in heads:
-                head_base = base + head * head_bytes
-                for start, n in runs:
-                    descriptors.append((head_base + start * head_page_bytes, n * head_page_bytes, device_id))
+            for start, n in runs:
+                if rows.whole_pages:
+                    descriptors.append((base + start * rows.page_stride, n * rows.page_stride, device_id))
+                    continue
+                for page in range(start, start + n):
+                    first = base + page * rows.page_stride + rows.offset
+                    for row in range(rows.count):
+                        descriptors.append((first + row * rows.stride, rows.nbytes, device_id))
     return descriptors

@@ -1,14 +1,15 @@
 """What a server publishes about its KV pools so that a peer can WRITE into them: one entry per TP
 rank (each rank has its own agent and pool, holding its own KV heads).
 
-Wire format (version 2), no pickle:
+Wire format (version 3), no pickle:
     struct "!4sHI": magic b"PDKV", version, length J of the JSON part
     J bytes of JSON: {"ranks": [{name, layout, mem_type, device_id, k_addrs, v_addrs, transport_len,
                                  gpu_uuid, ipc_buffers, host_id}, ...]}   (the last three optional)
     the rest: the ranks' transport metadata (opaque bytes), one after another, transport_len each
 
-Version 1 (one pool, token-major pages) is refused: its pages mean other bytes. Roll prefill and
-decode servers together across the change (docs/operations.md).
+Versions 1 and 2 are refused: their pages mean other bytes (version 2's pools were head-major,
+version 3's are token-major). Roll prefill and decode servers together across a change
+(docs/operations.md).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Sequence
 from pdserve.common.kv_transfer.base import KVLayout
 
 MAGIC = b"PDKV"
-VERSION = 2
+VERSION = 3
 _HEADER = struct.Struct("!4sHI")
 
 

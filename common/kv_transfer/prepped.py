@@ -5,12 +5,13 @@ into it (`make_prepped_xfer`), in C++ with the GIL released, merging indices con
 sides into one descriptor: no per-request descriptor lists built in Python, no per-request checks
 of them against the registered memory (vLLM's and SGLang's NIXL connectors do the same).
 
-Descriptor (layer l, K=0/V=1 kv, local head h, page p) of a head-major pool (common/engine/kv_pool.py)
-of H heads and P pages is index ((l * 2 + kv) * H + h) * P + p. Each (l, kv, h) is one strided row
-of the prepared list (NIXL's Nx5 form: P blocks of a head's page bytes, back to back), so the list
-is 2 x layers x heads rows, whatever the pool's size. A request's pages, listed in the same
-(l, kv, h, page) order on both sides, pair index i of the source with index i of the destination;
-a run of pages contiguous on both sides becomes one descriptor (pages.coalesce_runs counts them).
+Descriptor (layer l, K=0/V=1 kv, page p) of a token-major pool (common/engine/kv_pool.py) of P
+pages is index (l * 2 + kv) * P + p: a whole page, every head the pool holds. Each (l, kv) is one
+strided row of the prepared list (NIXL's Nx5 form: P pages back to back), so the list is
+2 x layers rows whatever the pool's size. A request's pages, listed in the same (l, kv, page)
+order on both sides, pair index i of the source with index i of the destination; a run of pages
+contiguous on both sides becomes one descriptor: 2 x layers x runs per request. (WRITEs of head
+slices, between servers of different TP sizes, are built from address lists: pages.run_descriptors.)
 """
 
 from __future__ import annotations
@@ -19,32 +20,29 @@ import numpy as np
 
 from pdserve.common.kv_transfer.base import KVLayout
 
-# make_prepped_xfer takes 32-bit indices: a pool with more descriptors than this is not prepared
-# (its WRITEs are built from address lists, as before prepared lists).
+# make_prepped_xfer takes 32-bit indices: a pool with more pages than this allows is not prepared
+# (its WRITEs are built from address lists).
 MAX_INDEX = 2**31 - 1
 
 
 def preparable(layout: KVLayout) -> bool:
-    """Whether every (layer, K/V, head, page) of the pool has an index make_prepped_xfer takes."""
-    return 2 * layout.num_layers * layout.kv_heads * layout.num_pages - 1 <= MAX_INDEX
+    """Whether every (layer, K/V, page) of the pool has an index make_prepped_xfer takes."""
+    return 2 * layout.num_layers * layout.num_pages - 1 <= MAX_INDEX
 
 
 def strided_rows(k_addrs, v_addrs, layout: KVLayout, device_id: int) -> np.ndarray:
     """The Nx5 rows (address, length, device id, stride, count) of a pool's prepared list: one per
-    (layer, K then V, local head), each the head's every page."""
-    hpb, pages = layout.head_page_bytes, layout.num_pages
+    (layer, K then V), each the buffer's every page."""
+    size = layout.page_bytes
     rows = []
     for k_base, v_base in zip(k_addrs, v_addrs, strict=True):
         for base in (k_base, v_base):
-            for head in range(layout.kv_heads):
-                rows.append((base + head * pages * hpb, hpb, device_id, hpb, pages))
+            rows.append((base, size, device_id, size, layout.num_pages))
     return np.array(rows, dtype=np.uint64)
 
 
-def page_indices(layout: KVLayout, heads: range, pages: list[int]) -> np.ndarray:
-    """The prepared-list indices of `pages` of the local heads `heads` (0 = the pool's first), in
-    (layer, K/V, head, page) order: equal-length lists of the two sides pair up index for index."""
-    regions = np.arange(2 * layout.num_layers, dtype=np.int64)[:, None] * layout.kv_heads
-    regions = (regions + np.arange(heads.start, heads.stop, dtype=np.int64)[None, :]).reshape(-1)
-    indices = regions[:, None] * layout.num_pages + np.asarray(pages, dtype=np.int64)[None, :]
-    return indices.reshape(-1).astype(np.int32)
+def page_indices(layout: KVLayout, pages: list[int]) -> np.ndarray:
+    """The prepared-list indices of `pages` in (layer, K/V, page) order: equal-length lists of the
+    two sides pair up index for index."""
+    buffers = np.arange(2 * layout.num_layers, dtype=np.int64)[:, None] * layout.num_pages
+    return (buffers + np.asarray(pages, dtype=np.int64)[None, :]).reshape(-1).astype(np.int32)

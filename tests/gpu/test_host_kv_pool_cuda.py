@@ -16,20 +16,20 @@ def test_pages_round_trip_on_a_side_stream(dtype):
     host = HostKVPool(32, pool)
     assert host.pages.is_pinned() and host._direct(pool)  # one kernel on the mapped host pages
     source, slots = [5, 6, 7, 40, 2], [10, 11, 12, 3, 30]
-    views = [b.view(torch.uint8).view(8, 64, 16, 64 * b.element_size()) for b in [*pool.k_storage, *pool.v_storage]]
-    before = [v[:, source].clone() for v in views]
+    views = [b.view(torch.uint8).view(64, 16, 8, 64 * b.element_size()) for b in [*pool.k_storage, *pool.v_storage]]
+    before = [v[source].clone() for v in views]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())  # the pages were written on the current stream
     stored = host.store(pool, source, slots, stream=side)
     stored.synchronize()
     for v in views:
-        v[:, source] = 0
+        v[source] = 0
     target = [50, 51, 52, 53, 54]
     side.wait_stream(torch.cuda.current_stream())
     loaded = host.load(pool, slots, target, stream=side)
     torch.cuda.current_stream().wait_event(loaded)
     for v, b in zip(views, before):
-        assert torch.equal(v[:, target], b)
+        assert torch.equal(v[target], b)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
@@ -42,12 +42,12 @@ def test_write_through_pages_come_back_bitwise_after_evictions_without_a_copy(dt
     pool = PagedKVPool(64, 16, 4, 8, 64, dtype, "cuda")
     host = HostKVPool(32, pool)  # write-through
     tree = RadixCache(pool, host)
-    views = [b.view(torch.uint8).view(8, 64, 16, 64 * b.element_size()) for b in [*pool.k_storage, *pool.v_storage]]
+    views = [b.view(torch.uint8).view(64, 16, 8, 64 * b.element_size()) for b in [*pool.k_storage, *pool.v_storage]]
     tokens = list(range(1000, 1000 + 5 * 16))
     pages = pool.alloc_pages(5)
     for b in [*pool.k_storage, *pool.v_storage]:  # the "forward" writing the KV, on the current stream
         b.copy_(torch.randn(b.shape, device="cuda").to(dtype))
-    cached = [v[:, pages].clone() for v in views]
+    cached = [v[pages].clone() for v in views]
     with torch.cuda.stream(host.store_stream):
         torch.cuda._sleep(1_000_000_000)  # (the store starts ~0.5 s late)
     tree.insert(tokens, pages)
@@ -55,13 +55,13 @@ def test_write_through_pages_come_back_bitwise_after_evictions_without_a_copy(dt
     for _ in range(2):  # evicted, loaded back, evicted again: the one store serves both
         assert tree.evict(5) == 5 and tree.stats["host_stored_pages"] == 5
         for v in views:  # the next owner writes the freed pages at once
-            v[:, pages] = 0
+            v[pages] = 0
         _, node = tree.match_prefix(tokens)
         tree.inc_lock_ref(node)
         pages, node = tree.load_continuation(tokens, node, max_pages=8)
         host.wait_for(tree.pending_load(node))  # (None if already complete)
         for v, b in zip(views, cached):
-            assert torch.equal(v[:, pages], b)
+            assert torch.equal(v[pages], b)
         tree.dec_lock_ref(node)
     assert tree.stats["host_evicted_without_copy_pages"] == 10
     tree.reset()

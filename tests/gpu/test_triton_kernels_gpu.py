@@ -143,12 +143,13 @@ def test_the_one_launch_page_copy_matches_the_per_buffer_copy(heads):
     from pdserve.common.kv_transfer import KVLayout
     from pdserve.common.kv_transfer.direct import copy_pages, page_view
     from pdserve.common.kv_transfer.page_copy_kernel import address_table, copy_pages_fused
+    from pdserve.common.kv_transfer.pages import page_rows
 
     src_heads, dst_heads = heads
     src_layout = KVLayout(page_size=16, num_layers=12, kv_heads=12, head_dim=64, dtype="bfloat16", num_pages=700)
     dst_layout = dataclasses.replace(src_layout, kv_heads=len(dst_heads), num_pages=500)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    make = lambda n, pages: torch.randn(n, pages * 16, 64, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    make = lambda n, pages: torch.randn(pages * 16, n, 64, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
     src = [page_view(make(12, 700), src_layout) for _ in range(24)]
     by_torch = [page_view(make(len(dst_heads), 500), dst_layout) for _ in range(24)]
     fused = [b.clone() for b in by_torch]
@@ -161,11 +162,7 @@ def test_the_one_launch_page_copy_matches_the_per_buffer_copy(heads):
         address_table(fused),
         pages(src_pages),
         pages(dst_pages),
-        src_heads,
-        dst_heads,
-        700,
-        500,
-        src_layout.head_page_bytes,
+        *page_rows(src_layout, src_heads, dst_layout, dst_heads),
     )
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(fused, by_torch, strict=True))

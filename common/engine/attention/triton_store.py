@@ -91,7 +91,7 @@ def _store_kv_kernel(
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h < num_kv_heads)[:, None] & (offs_d < head_dim)[None, :]
-    # int64 heads too: the pool is head-major, a head's stride is the whole pool's slots.
+    # int64 heads too (a pool's strides are its to choose).
     dst = slot * stride_buf_s + offs_h[:, None].to(tl.int64) * stride_buf_h + offs_d[None, :]
 
     k_row = tl.load(k + token.to(tl.int64) * stride_k_t + offs_h[:, None] * stride_k_h + offs_d[None, :], mask=mask)
