@@ -774,7 +774,7 @@ def test_multi_turn_conversations_resend_their_history_and_hit_the_prefix_cache(
 
 def test_bench_transfer_moves_every_page_and_reports_per_request_costs(tmp_path, capsys):
     """The transfer micro-benchmark on DRAM pools in two processes, pages shuffled: every destination
-    page equals its source, and each request's WRITE is one descriptor per (layer, K/V, head, run)."""
+    page equals its source, and each request's WRITE is one descriptor per (layer, K/V, page run)."""
     out = tmp_path / "transfer.json"
     argv = ["bench", "transfer", "--shape", "llama/1b", "--requests", "4", "--tokens", "40", "--page-size", "8"]
     assert main([*argv, "--fragment", "--output-json", str(out)]) == 0
@@ -787,7 +787,7 @@ def test_bench_transfer_moves_every_page_and_reports_per_request_costs(tmp_path,
     layers, heads, pages = 16, 8, 5
     for r in report["results"]:
         # Shuffled pages: most of a request's 5 pages are runs of their own on both sides.
-        assert 2 * layers * heads < r["ops_per_request"] <= 2 * layers * heads * pages
+        assert 2 * layers < r["ops_per_request"] <= 2 * layers * pages
         assert r["route"] == "NIXL" and r["gb_per_s"] > 0 and r["notif_ms_p50"] > 0
         assert r["mib_per_request"] == 2 * layers * heads * 64 * 40 * 4 / 2**20
     assert "ops/req" in capsys.readouterr().out
