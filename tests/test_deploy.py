@@ -5,6 +5,7 @@ locally as processes with the manifests' own command/args/env, answering a chat 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -151,6 +152,23 @@ def test_overlay_guards_the_servers(overlay):
     for d in (d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] != "pdserve-router"):
         names = {p["name"] for p in d["spec"]["template"]["spec"]["containers"][0]["ports"]}
         assert {"grpc", "metrics"} <= names  # the policy's named ports
+
+
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
+def test_the_router_runs_as_many_workers_as_its_cpu_request_and_says_so(overlay):
+    """--workers 0 counts the node's cores, not the pod's CPU request (a 1-CPU router pod started up to
+    8 workers and a spare): each overlay's router names its workers, at most its CPU request (one for
+    less than a core), and
+    with cache_aware exactly one (more would turn it into prefix_hash)."""
+    docs = render(overlay)
+    [config] = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("pdserve-config")]
+    [router] = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "pdserve-router"]
+    [c] = router["spec"]["template"]["spec"]["containers"]
+    value = c["args"][c["args"].index("--workers") + 1]
+    workers = int(re.sub(r"\$\((\w+)\)", lambda m: config["data"][m.group(1)], value))
+    assert 1 <= workers <= max(1, math.ceil(_quantity(c["resources"]["requests"]["cpu"])))
+    if config["data"]["PREFILL_POLICY"] == "cache_aware":
+        assert workers == 1
 
 
 GI = 2**30
