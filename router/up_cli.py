@@ -5,16 +5,30 @@ model card's sampling defaults.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import sys
 
+from pdserve.common.config import EngineConfig
 from pdserve.common.default_model import GGUF_NAME, INSTALL, MAX_TOKENS, SAMPLING, default_model_path
 from pdserve.common.openai.defaults import FLAG_HELP
 from pdserve.router.disagg import POLICIES
 from pdserve.router.gpu_sharing import DEFAULT_SM_SHARES, MODES, MPSUnavailable
 from pdserve.router.policies import POLICY_NAMES
 from pdserve.router.up import LOG_LEVELS, Passthrough, ProcessExited, up
+
+# Server flags `pdserve up` takes itself (the rest: --server-args).
+SERVER_FLAGS = (
+    "max_running_requests",
+    "chunked_prefill_size",
+    "kv_cache_dtype",
+    "quantization",
+    "speculative",
+    "num_speculative_tokens",
+    "draft_model_path",
+)
+ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
 
 
 def add_parser(sub) -> None:
@@ -102,6 +116,15 @@ def add_parser(sub) -> None:
     passed.add_argument("--context-length", type=int, default=0, help="Longest sequence; 0: the model's.")
     for flag, default in (("generation_config", "auto"), ("override_generation_config", ""), ("default_max_tokens", 0)):
         passed.add_argument("--" + flag.replace("_", "-"), type=type(default), default=default, help=FLAG_HELP[flag])
+    servers = local.add_argument_group(
+        "passed to the prefill and decode servers",
+        "Their flags users reach for most, as prefill-server and decode-server take them (defaults: theirs); "
+        "any other through --server-args.",
+    )
+    for name in SERVER_FLAGS:
+        f = ENGINE_FIELDS[name]
+        # (None: not given, so the servers' own default holds)
+        servers.add_argument("--" + name.replace("_", "-"), type=type(f.default), default=None, help=f.metadata["help"])
     passed.add_argument(
         "--router-args", default="", metavar="'FLAGS'", help="More pdserve-router flags, as one string."
     )
@@ -136,6 +159,8 @@ def passthrough_of(args) -> tuple[str | None, Passthrough]:
     both = ["--context-length", str(args.context_length)]
     both += ["--served-model-name", args.served_model_name] if args.served_model_name else []
     router += ["--api-key", args.api_key] if args.api_key else []
+    given = [(name, getattr(args, name)) for name in SERVER_FLAGS if getattr(args, name) is not None]
+    both_servers = [item for name, value in given for item in ("--" + name.replace("_", "-"), str(value))]
     try:
         extra_router, extra_servers = shlex.split(args.router_args), shlex.split(args.server_args)
     except ValueError as e:
@@ -143,7 +168,7 @@ def passthrough_of(args) -> tuple[str | None, Passthrough]:
     return model_path, Passthrough(
         log_level=args.log_level,
         router=(*router, *both, *extra_router),
-        servers=("--dtype", args.dtype, *both, *extra_servers),
+        servers=("--dtype", args.dtype, *both, *both_servers, *extra_servers),
         served_model_name=args.served_model_name,
         api_key=args.api_key,
     )

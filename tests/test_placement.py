@@ -384,3 +384,23 @@ def test_the_kv_path_of_each_pair_follows_the_placement_and_the_flag():
         "  KV prefill 0 -> decode 1: NIXL (UCX, DRAM)",
     ]
     assert describe_kv_paths(plan_placement([0, 1], 0, 1, 2, 1), "auto") == []  # no prefill server
+
+
+def test_pdserve_up_passes_the_common_server_flags_it_was_given_and_no_others():
+    """`pdserve up --speculative ngram --max-running-requests 64 ...` reaches both servers as their own
+    flags (beside --server-args, which comes last so it can still override); flags not given are not
+    passed, so the servers' defaults hold."""
+    from pdserve.common.cli import build_parser
+    from pdserve.router.up_cli import passthrough_of
+
+    argv = ["up", "--tiny-model", "--speculative", "ngram", "--max-running-requests", "64"]
+    args = build_parser().parse_args([*argv, "--kv-cache-dtype", "fp8_e4m3", "--server-args", "--page-size 8"])
+    _, passed = passthrough_of(args)
+    servers = list(passed.servers)
+    for flag, value in (("--speculative", "ngram"), ("--max-running-requests", "64"), ("--kv-cache-dtype", "fp8_e4m3")):
+        assert servers[servers.index(flag) + 1] == value
+    assert servers[-2:] == ["--page-size", "8"] and "--speculative" not in passed.router
+    _, plain = passthrough_of(build_parser().parse_args(["up", "--tiny-model"]))
+    assert not {"--speculative", "--max-running-requests", "--quantization", "--chunked-prefill-size"} & set(
+        plain.servers
+    )
