@@ -17,6 +17,7 @@ import nixl._bindings as nixl_bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
 from pdserve.common.engine.kv_pool import PagedKVPool
+from pdserve.common.kv_transfer import faults
 from pdserve.common.kv_transfer.base import KVLayout, KVTransferAgent, KVTransferError, TransferHandle, TransferState
 from pdserve.common.kv_transfer.direct import DirectHandle, DirectPeers, TransferPath, gpu_uuid, host_id, share_buffers
 from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, page_rows, run_descriptors
@@ -107,6 +108,7 @@ class NixlKVAgent(KVTransferAgent):
         self._peers: dict[str, PoolMetadata] = {}
         self._routes: dict[str, str] = {}  # peer -> how its WRITEs travel (route())
         self._peer_prepped: dict[str, object] = {}  # peer -> its pool as a prepared list
+        self._faults = faults.from_env()  # (tests only: faults.py)
         self._live: set[NixlTransferHandle] = set()
 
     def metadata(self) -> PoolMetadata:
@@ -184,6 +186,12 @@ class NixlKVAgent(KVTransferAgent):
                 f"unknown peer {peer!r} (known: {sorted(self._peers)}): add_peer() its metadata first; "
                 "remove_peer() forgets a peer after a failure"
             )
+        if self._faults is not None:
+            fault = self._faults.next_write()
+            if fault == "fail_write":
+                raise KVTransferError(f"injected fault ({faults.ENV}): WRITE to {peer!r} refused")
+            if fault == "drop_notif":
+                notif = b""  # (no notification: NIXL sends none for an empty message, nor does _poll_copy)
         if not src_pages and not dst_pages:
             # A WRITE of no pages (the peer holds the whole prompt in its prefix cache): only the
             # notification goes, the way a device copy's does once its (here empty) copy ran.
@@ -285,7 +293,8 @@ class NixlKVAgent(KVTransferAgent):
             if not handle.event.query():
                 return TransferState.IN_PROGRESS
             try:
-                self._open_agent().send_notif(handle.peer, handle.notif)
+                if handle.notif:
+                    self._open_agent().send_notif(handle.peer, handle.notif)
             except _NIXL_ERRORS as error:
                 logger.warning("the notification of a copy to %r failed: %r", handle.peer, error)
                 return TransferState.FAILED
