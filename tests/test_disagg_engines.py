@@ -137,11 +137,9 @@ def test_disaggregated_greedy_matches_transformers_on_fragmented_pools(tiny_mode
     params = [SamplingParams(max_new_tokens=8, temperature=0)] * len(prompts)
     completions, results = drive(prefill, decode, prompts, params)
     assert [completions[f"r{i}"].output_ids for i in range(len(prompts))] == expected
-    # The pages really were scattered: some request's WRITE needed more than one run.
-    assert any(
-        r.transfer_ops > 2 * prefill.runner.kv_pool.num_layers * prefill.runner.kv_pool.kv_heads
-        for r in results.values()
-    )
+    # The pages really were scattered: some request's WRITE needed more than one run (a descriptor per
+    # layer, K/V and run).
+    assert any(r.transfer_ops > 2 * prefill.runner.kv_pool.num_layers for r in results.values())
     assert prefill.is_idle() and decode.is_idle()
 
 
