@@ -48,6 +48,7 @@ from pdserve.router.pairing import (
     prompt_logprobs_of,
 )
 from pdserve.router.policies import make_policy
+from pdserve.router.prefill_attempts import abandon as abandon_prefills
 from pdserve.router.workers import WorkerRegistry, resolve_dns
 
 log = logging.getLogger(__name__)
@@ -123,20 +124,24 @@ class Router:
             task.add_done_callback(self._closing.discard)
 
     def _unresponsive(self, role: str, url: str) -> None:
-        """A worker failing its health checks: a decode server whose shared call has been silent as long
-        is hung or gone, and its streams end now with an error rather than at their deadline."""
+        """A worker failing its health checks is hung or gone: what it holds ends now rather than at its
+        deadline, a decode server's streams with an error, a prefill server's attempts retried elsewhere
+        (they have produced no token). Only what has waited for as long as the failed checks took to add
+        up (at least): a decode server only slow to answer checks but still streaming keeps its streams."""
+        enough = self.config.circuit_failures * self.config.health_check_interval
+        checks = f"{self.registry.workers[url].failures} health checks failed in a row"
+        if role == "prefill":
+            why = f"prefill server {url} stopped answering: {checks}"
+            if ended := abandon_prefills(url, enough, why):
+                log.warning("%s: %d prefill attempts ended", why, ended)
+            return
         streams = self.decode_streams.get(url)
-        if role != "decode" or streams is None or not streams.streams:
+        if streams is None or not streams.streams:
             return
-        # Silent for as long as the failed checks took to add up (at least): a server that is only slow
-        # to answer checks but still streams tokens keeps its streams.
         silent = time.monotonic() - streams.last_heard
-        if silent < self.config.circuit_failures * self.config.health_check_interval:
+        if silent < enough:
             return
-        why = (
-            f"decode server {url} stopped answering: {self.registry.workers[url].failures} health checks failed "
-            f"in a row and its streams were silent for {silent:.1f}s"
-        )
+        why = f"decode server {url} stopped answering: {checks} and its streams were silent for {silent:.1f}s"
         failed = streams.abandon(why)
         log.warning("%s: %d streams ended", why, failed)
 

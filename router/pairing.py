@@ -25,6 +25,7 @@ from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.config import RouterConfig
 from pdserve.router.decode_streams import DecodeStreams
+from pdserve.router.prefill_attempts import Abandoned, answer_of, watched, write_quietly
 from pdserve.router.statuses import in_band_fault, in_band_status, rpc_status, server_fault
 
 PROMPT_LOGPROBS_AT_ONCE = 256  # converted between two turns of the loop: ~2 ms (8k with 20 top each: ~80 ms)
@@ -192,7 +193,7 @@ async def paired_generate(
             url, channel = target
             timeout = rpc_timeout(config.prefill_timeout, deadline)
             early = (url, channel, pb_grpc.PrefillServiceStub(channel).PrefillStreamed(timeout=timeout))
-            await _write_quietly(early[2], pb.PrefillRequest(request=req))
+            await write_quietly(early[2], pb.PrefillRequest(request=req))
         first = await call.read()
         if first is grpc.aio.EOF or first.WhichOneof("response") != "destination":
             raise _error(first)
@@ -308,24 +309,6 @@ async def _prefill_while_decode_waits(decode_read: asyncio.Future, attempts) -> 
         prefill.cancel()  # a no-op once it answered
 
 
-async def _write_quietly(call, message: pb.PrefillRequest) -> None:
-    """Send on a PrefillStreamed call; a call that already ended is reported when its answer is read."""
-    try:
-        await call.write(message)
-    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-        pass
-
-
-async def _answer_of(call, destination: pb.KVDestination) -> pb.PrefillResponse:
-    """Send the destination on an early PrefillStreamed call and read its answer."""
-    await _write_quietly(call, pb.PrefillRequest(destination=destination))
-    try:
-        await call.done_writing()
-    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-        pass
-    return await call
-
-
 async def _prefill_with_retries(
     pick_prefill, report, request: pb.PrefillRequest, config: RouterConfig, early=None
 ) -> pb.PrefillResponse:
@@ -333,6 +316,8 @@ async def _prefill_with_retries(
     `config.prefill_timeout` and the request's deadline.
 
     `early`: (url, channel, PrefillStreamed call) of a first attempt already running, or None.
+    An attempt on a server that stopped answering ends once its health checks say so
+    (router/prefill_attempts.py), and is retried as a failed one.
     A failed attempt is reported (blamed) only when it was the server's fault; the error raised
     at the end has the HTTP status of the last failure (429 when the servers were full)."""
     tried: list[str] = []
@@ -363,13 +348,16 @@ async def _prefill_with_retries(
             (url, channel), streamed = target, None
         tried.append(url)
         attempts += 1
+        abandoned = False
         try:
             if streamed is not None:
-                response = await _answer_of(streamed, request.destination)
+                answer = answer_of(streamed, request.destination)
             else:
-                response = await pb_grpc.PrefillServiceStub(channel).Prefill(request, timeout=timeout)
+                answer = pb_grpc.PrefillServiceStub(channel).Prefill(request, timeout=timeout)
+            response = await watched(url, answer)
         except grpc.aio.AioRpcError as e:
             failure, fault, status = f"{e.code().name}: {e.details()}", server_fault(e.code()), rpc_status(e.code())
+            abandoned = isinstance(e, Abandoned)
         else:
             if not response.HasField("error"):
                 report(url, True)
@@ -379,10 +367,11 @@ async def _prefill_with_retries(
             failure, fault = response.error.message, in_band_fault(response.error.code)
             status = in_band_status(response.error.code, after_retries=True)
         last = f"prefill {url}: {failure}"
-        if streamed is not None:
+        if streamed is not None and not abandoned:
             # The early attempt may fail for reasons that are not the prefill server's: no
             # PrefillStreamed (an older server), or a decode server slower to reserve pages than
             # the prefill's wait for them. Ask the same server again the plain way; that counts.
+            # (Not one the router abandoned: that server stopped answering.)
             tried.pop()
             retry_here = (url, channel, None)
             continue

@@ -2,14 +2,16 @@
 
 import asyncio
 import os
+import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 
 from tests.router_stack import RouterProcess
-from tests.test_servers import Server, wait_idle
+from tests.test_servers import KV_TIMEOUT, Server, wait_idle
 
 HEALTH = ("--health-check-interval", "0.5", "--health-check-timeout", "0.5")  # 3 failures: ~3 s
 
@@ -52,3 +54,55 @@ def test_a_hung_decode_server_ends_its_streams_with_an_error_in_seconds(tiny_mod
             router.stop()
         decode.stop()
         prefill.stop()
+
+
+def test_a_hung_prefill_server_is_abandoned_in_seconds(tiny_models):
+    """SIGSTOP of a prefill server: the requests it holds are retried on the other prefill server, and
+    once none is left a request fails with a 503 naming the server, within a few health-check
+    intervals (before, each waited for the decode server's KV reservation to expire, and got a 502)."""
+    model = tiny_models("llama")
+    decode, prefills = Server("decode", model), [Server("prefill", model), Server("prefill", model)]
+    router, stopped = None, []
+    try:
+        for server in (decode, *prefills):
+            server.wait_ready()
+        router = RouterProcess(model, prefills, [decode], *HEALTH)
+        router.wait_ready()
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", timeout=120, max_retries=0)
+        prompts = [f"the hung prefill server {i}" for i in range(4)]
+
+        def complete(prompt: str) -> str:
+            return client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+
+        expected = [complete(p) for p in prompts]
+        # The requests follow each SIGSTOP at once, before a health check fails: round robin gives
+        # the hung server some.
+        os.kill(prefills[0].proc.pid, signal.SIGSTOP)
+        stopped, at = [prefills[0]], time.monotonic()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(complete, prompts)) == expected
+        waited = time.monotonic() - at
+        assert waited < 8, f"the clients waited {waited:.1f}s (the KV reservations expire at {KV_TIMEOUT:g}s)"
+        retried = re.search(r"^pdserve_router_prefill_retries_total (\S+)", router.metrics(), re.M)
+        assert retried and float(retried[1]) > 0, "no request was sent to the hung server"
+
+        os.kill(prefills[1].proc.pid, signal.SIGSTOP)
+        stopped, at = prefills, time.monotonic()
+        with pytest.raises(openai.APIStatusError) as failure:
+            complete(prompts[0])
+        waited = time.monotonic() - at
+        assert failure.value.status_code == 503
+        assert "stopped answering" in str(failure.value) and prefills[1].address in str(failure.value)
+        assert waited < 8, f"the client waited {waited:.1f}s"
+
+        for server in stopped:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        stopped = []
+        asyncio.run(wait_idle(decode, *prefills))
+    finally:
+        for server in stopped:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        if router is not None:
+            router.stop()
+        for server in (decode, *prefills):
+            server.stop()
