@@ -231,9 +231,11 @@ class DecodeEngine(EngineCore):
             d = self.destinations.popleft()
             send(ipc.Destination(d.rid, d.room, d.page_ids, d.expires_unix_s, d.prefix_len))
         chunks, interval, s = [], self.config.stream_interval, self.scheduler
-        # NOTE: only these can hold unsent tokens (waiting: retracted ones); a burst queues thousands
-        # more for their KV, which a walk of self.streaming visited every step: 11% of the loop.
-        for req in itertools.chain(s.running, s.ready, s.landed, s.waiting):
+        # NOTE: only these can hold unsent tokens (waiting: retracted ones; the finished, whose last
+        # tokens go with their logprobs here, before their Finished); a burst queues thousands more
+        # for their KV, which a walk of self.streaming visited every step: 11% of the loop.
+        ended = [self.streaming[c.rid][0] for c in done if c.rid in self.streaming]
+        for req in itertools.chain(s.running, s.ready, s.landed, s.waiting, ended):
             entry = self.streaming.get(req.rid)
             if entry is None:
                 continue

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import time
@@ -52,6 +53,8 @@ from pdserve.router.prefill_attempts import abandon as abandon_prefills
 from pdserve.router.workers import WorkerRegistry, resolve_dns
 
 log = logging.getLogger(__name__)
+
+OUTAGE_LOG_S = 10.0  # at most one line this often while no prefill server is healthy
 
 
 class Router:
@@ -99,9 +102,11 @@ class Router:
             "prefill": make_policy(config.prefill_policy, "prefill"),
             "decode": make_policy(config.decode_policy, "decode"),
         }
+        c = config
         self.disagg = Disaggregation(
-            config.disagg_policy, config.local_prefill_max_tokens, config.prefill_queue_threshold
+            c.disagg_policy, c.local_prefill_max_tokens, c.prefill_queue_threshold, c.prefill_fallback
         )
+        self._outage_logged = -math.inf  # when the last "no healthy prefill server" line was logged
 
     async def start(self) -> None:
         self.loop_lag.start()
@@ -178,8 +183,25 @@ class Router:
 
     def serving(self) -> bool:
         """A healthy decode server, and a healthy prefill server unless decode servers may prefill."""
+        ready, c = self.ready(), self.config
+        may_prefill = c.disagg_policy != "always" or c.prefill_fallback == "local"  # decode servers may
+        return bool(ready["decode"] and (ready["prefill"] or may_prefill))
+
+    def unserved(self) -> str:
+        """A request refused for want of servers: why (a 503's message), counted, and logged once per
+        OUTAGE_LOG_S while it lasts."""
         ready = self.ready()
-        return bool(ready["decode"] and (ready["prefill"] or self.config.disagg_policy != "always"))
+        if ready["decode"]:
+            self.metrics.prefill_decisions.labels("failed", "no_prefill_server").inc()
+            self._log_outage("requests fail (--prefill-fallback fail)")
+            return "no healthy prefill server (--prefill-fallback local would have decode servers prefill)"
+        return "no healthy decode server" if ready["prefill"] else "no healthy prefill or decode server"
+
+    def _log_outage(self, what: str) -> None:
+        now = time.monotonic()
+        if now - self._outage_logged >= OUTAGE_LOG_S:
+            self._outage_logged = now
+            log.warning("no healthy prefill server: %s", what)
 
     async def choice(self, prompt_ids: list[int], params, on_text=None, on_prompt=None) -> Completion:
         """Run one choice through a prefill/decode pair; `on_text(delta, logprobs)` sees text as it
@@ -207,6 +229,8 @@ class Router:
             decode, prompt_ids, params.prompt_logprobs is not None, lambda: self.registry.views("prefill")
         )
         self.metrics.prefill_decisions.labels(where.value, why).inc()
+        if why == "no_prefill_server":
+            self._log_outage("decode servers prefill requests themselves (--prefill-fallback local)")
         stream = (
             local_generate(self.decode_target(decode), prompt_ids, params, c)
             if where is Where.LOCAL

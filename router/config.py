@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from pdserve.common.config import TrustConfig, option
 from pdserve.common.openai.defaults import FLAG_HELP
-from pdserve.router.disagg import POLICIES
+from pdserve.router.disagg import FALLBACKS, POLICIES
 from pdserve.router.policies import make_policy
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # what both logging and uvicorn take
@@ -128,6 +128,13 @@ class RouterConfig(TrustConfig):
         "needed); auto: locally when the prompt is at most --local-prefill-max-tokens or the prefill "
         "servers are all loaded past --prefill-queue-threshold, remotely otherwise (router/disagg.py).",
     )
+    prefill_fallback: str = option(
+        "fail",
+        "With --disagg-policy always, when no prefill server is healthy: fail (requests get a 503 saying so) or "
+        "local (decode servers prefill them, as replicas would). Either way it is counted "
+        "(pdserve_router_prefill_decisions_total, reason no_prefill_server) and logged once per outage. "
+        "(auto always falls back to local; never needs no prefill server.)",
+    )
     local_prefill_max_tokens: int = option(
         256,
         "With --disagg-policy auto: prompts of at most this many uncached tokens are prefilled by the decode "
@@ -172,6 +179,8 @@ class RouterConfig(TrustConfig):
             raise ValueError("--model-path is required")
         if self.disagg_policy not in POLICIES:
             raise ValueError(f"--disagg-policy must be always, never or auto, got {self.disagg_policy!r}")
+        if self.prefill_fallback not in FALLBACKS:
+            raise ValueError(f"--prefill-fallback must be fail or local, got {self.prefill_fallback!r}")
         if not (self.decode or self.decode_dns):
             raise ValueError("give decode servers (--decode or --decode-dns)")
         if not (self.prefill or self.prefill_dns) and self.disagg_policy != "never":

@@ -1,7 +1,8 @@
 """Whether a request is disaggregated: prefilled on a prefill server and its KV sent to the decode
 server (remote), or prefilled by the decode server itself (local, GenerateRequest.local_prefill).
 
-    --disagg-policy always   every request remote (a prefill server is required)
+    --disagg-policy always   every request remote (a prefill server is required: with none healthy,
+                             requests fail, or with --prefill-fallback local are local)
     --disagg-policy never    every request local: plain replicas behind the router (no prefill
                              server needed)
     --disagg-policy auto     local when the prompt's uncached tokens on the decode server are at
@@ -22,6 +23,7 @@ from typing import Callable
 from pdserve.router.policies import ApproxRadixTree, WorkerView
 
 POLICIES = ("always", "never", "auto")
+FALLBACKS = ("fail", "local")  # --prefill-fallback
 # Prompt tokens the router remembers per decode server, for auto's estimate of its prefix cache.
 DECODE_TREE_TOKENS = 1 << 20
 
@@ -39,8 +41,9 @@ class Disaggregation:
     server's prefix cache, whichever way it was prefilled). The estimate does not see evictions: a
     prompt it believes cached may be prefilled locally in full, which is correct, only slower."""
 
-    def __init__(self, policy: str, local_max_tokens: int, queue_threshold: int):
+    def __init__(self, policy: str, local_max_tokens: int, queue_threshold: int, fallback: str = "fail"):
         self.policy, self.local_max_tokens, self.queue_threshold = policy, local_max_tokens, queue_threshold
+        self.fallback = fallback
         self.decode_prefixes = ApproxRadixTree(DECODE_TREE_TOKENS) if policy == "auto" else None
 
     def decide(
@@ -64,6 +67,7 @@ class Disaggregation:
             prefill_servers,
             self.local_max_tokens,
             self.queue_threshold,
+            self.fallback,
         )
 
 
@@ -75,12 +79,15 @@ def decide(
     prefill_servers: Callable[[], list[WorkerView]],
     local_max_tokens: int,
     queue_threshold: int,
+    fallback: str = "fail",
 ) -> tuple[Where, str]:
     """(where, reason); `uncached`: the prompt's tokens the decode
     server is not believed to hold."""
     if prompt_logprobs:
         return Where.REMOTE, "prompt_logprobs"
     if policy == "always":
+        if fallback == "local" and not any(v.healthy for v in prefill_servers()):
+            return Where.LOCAL, "no_prefill_server"
         return Where.REMOTE, "always"
     if policy == "never":
         return Where.LOCAL, "never"

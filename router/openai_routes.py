@@ -94,7 +94,7 @@ async def answer(router, request: Request, parse):
         log.info("request refused: %d %s", e.status_code, e)
         return error_response(e)
     if not router.serving():
-        return error_response(OpenAIError("no healthy prefill or decode server", status_code=503))
+        return error_response(OpenAIError(router.unserved(), status_code=503))
     choices = [(ids, fix_seed(p)) for ids, p in parsed.engine_requests()]
     try:
         lanes = await admit(router, request, len(choices))

@@ -4,10 +4,12 @@ with `never`, decode servers alone serve (no prefill server at all). Greedy outp
 transformers' either way; every decision is counted on /metrics."""
 
 import re
+import time
 
 import openai
 import pytest
 
+from pdserve.common.ports import free_port
 from tests.router_stack import RouterProcess
 from tests.test_disagg_engines import hf_greedy
 from tests.test_servers import Server
@@ -24,10 +26,11 @@ def servers(tiny_models):
         prefill.wait_ready()
         decode.wait_ready()
 
-        def router(prefills, *flags):
+        def router(prefills, *flags, ready=True):
             r = RouterProcess(model, prefills, [decode], *flags)
             routers.append(r)
-            r.wait_ready()
+            if ready:
+                r.wait_ready()
             return r, openai.OpenAI(base_url=f"{r.url}/v1", api_key="unused", timeout=120, max_retries=0)
 
         yield model, prefill, router
@@ -120,6 +123,62 @@ def test_never_serves_with_decode_servers_alone(servers):
     )
     assert chat.choices[0].finish_reason in ("stop", "length")
     assert decisions(r) == {("local", "never"): 3.0}
+
+
+class _Nowhere:
+    """A prefill server that never answers: nothing listens on its port."""
+
+    address = f"127.0.0.1:{free_port()}"
+
+
+def test_with_no_healthy_prefill_server_requests_fail_or_go_local_as_configured(servers):
+    """--prefill-fallback: with every prefill server down, `fail` (the default) answers 503 saying so,
+    `local` has the decode server prefill (greedy output unchanged); each counted and logged."""
+    model, _, router = servers
+    r, client = router([_Nowhere], "--prefill-fallback", "local")
+    prompts = prompts_of([7, 40])
+    expected = hf_greedy(model, prompts, 6)
+    for ids, want in zip(prompts, expected):
+        out = client.completions.create(
+            model=model, prompt=ids, max_tokens=6, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        assert out.choices[0].model_extra["token_ids"] == want
+    assert decisions(r) == {("local", "no_prefill_server"): 2.0}
+    assert r.output().count("no healthy prefill server: decode servers prefill requests themselves") == 1
+
+    failing, client = router([_Nowhere], ready=False)  # (never ready: no prefill server, no fallback)
+    deadline = time.monotonic() + 30
+    refused = None
+    while refused is None or "no healthy prefill server (--prefill-fallback local" not in str(refused):
+        # (until it listens, and its decode server has passed a check; no prefill server ever does)
+        assert time.monotonic() < deadline, str(refused)
+        time.sleep(0.2)
+        try:
+            client.completions.create(model=model, prompt="hello", max_tokens=2)
+            pytest.fail("served without a prefill server")
+        except openai.APIConnectionError as e:
+            refused = e
+        except openai.APIStatusError as e:
+            refused = e
+    assert refused.status_code == 503
+    assert decisions(failing)[("failed", "no_prefill_server")] >= 1
+    assert "no healthy prefill server: requests fail (--prefill-fallback fail)" in failing.output()
+
+
+def test_the_prefill_fallback_decides_only_when_no_prefill_server_is_healthy():
+    from pdserve.router.disagg import Disaggregation
+    from pdserve.router.policies import WorkerView
+
+    up, down = [WorkerView("p:1", True, load=0, inflight=0)], [WorkerView("p:1", False, load=0, inflight=0)]
+    local = Disaggregation("always", local_max_tokens=4, queue_threshold=3, fallback="local")
+    assert local.decide("d:1", [1, 2], False, lambda: up) == ("remote", "always")
+    assert local.decide("d:1", [1, 2], False, lambda: down) == ("local", "no_prefill_server")
+    fail = Disaggregation("always", local_max_tokens=4, queue_threshold=3)
+    assert fail.decide("d:1", [1, 2], False, lambda: pytest.fail("asked for the prefill servers")) == (
+        "remote",
+        "always",
+    )
 
 
 def test_a_router_without_prefill_servers_needs_never(tiny_models):

@@ -51,6 +51,7 @@ FLAGS = [
     "--decode-timeout",
     "--max-prefill-attempts",
     "--disagg-policy",
+    "--prefill-fallback",
     "--local-prefill-max-tokens",
     "--prefill-queue-threshold",
     "--health-check-interval",
