@@ -230,7 +230,7 @@ class Router:
         )
         self.metrics.prefill_decisions.labels(where.value, why).inc()
         if why == "no_prefill_server":
-            self._log_outage("decode servers prefill requests themselves (--prefill-fallback local)")
+            self._log_outage(f"decode servers prefill requests themselves (--disagg-policy {c.disagg_policy})")
         stream = (
             local_generate(self.decode_target(decode), prompt_ids, params, c)
             if where is Where.LOCAL
