@@ -5,7 +5,7 @@
 # and KV-path lines, the servers' start-up).
 #
 # usage: bench/two_gpus.sh OUT [SHAPE [PROMPTS [INPUT_LEN [OUTPUT_LEN]]]]
-#   LAYOUTS="one-gpu two-gpu two-gpu-nixl"  (names below; replicas: two colocated servers)
+#   LAYOUTS="one-gpu two-gpu two-gpu-nixl"  (names below; replicas: two colocated servers; one-gpu-nixl)
 #   CONCURRENCY="0 256" CLIENT_WORKERS=8 OFFLINE=1 PORT=30000
 set -euo pipefail
 out=${1:?usage: $0 OUT [SHAPE [PROMPTS [INPUT_LEN [OUTPUT_LEN]]]]}
@@ -26,6 +26,7 @@ fi
 flags_of() {
   case $1 in
     one-gpu) echo "--gpus 0" ;;                                   # both roles on GPU 0 under MPS
+    one-gpu-nixl) echo "--gpus 0 --server-args=--kv-transfer-path=nixl" ;;
     two-gpu) echo "" ;;                                           # the default on two GPUs
     two-gpu-nixl) echo "--server-args=--kv-transfer-path=nixl" ;; # as between hosts
     replicas) echo "--num-prefill 0 --num-decode 2" ;;

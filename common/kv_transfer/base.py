@@ -128,6 +128,7 @@ class TransferHandle:
         self.num_pages = num_pages
         self.num_bytes = num_bytes
         self.ops = ops  # what it posted: NIXL descriptors, or kernel launches for a device copy
+        self.error: str | None = None  # why it failed, where the agent knows more than FAILED
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(peer={self.peer!r}, num_pages={self.num_pages}, num_bytes={self.num_bytes})"

@@ -265,7 +265,10 @@ class NixlKVAgent(KVTransferAgent):
             state = self._open_agent().check_xfer_state(handle.xfer)
         except _NIXL_ERRORS as error:
             logger.warning("WRITE to %r failed: %r", handle.peer, error)
+            handle.error = f"NIXL: {error!r}"
             return TransferState.FAILED
+        if state not in _XFER_STATES:
+            handle.error = f"NIXL reported the WRITE {state}"
         return _XFER_STATES.get(state, TransferState.FAILED)
 
     def release(self, handle: TransferHandle) -> None:
@@ -297,6 +300,7 @@ class NixlKVAgent(KVTransferAgent):
                     self._open_agent().send_notif(handle.peer, handle.notif)
             except _NIXL_ERRORS as error:
                 logger.warning("the notification of a copy to %r failed: %r", handle.peer, error)
+                handle.error = f"its notification could not be sent: {error!r}"
                 return TransferState.FAILED
             handle.notified = True
         return TransferState.DONE

@@ -42,11 +42,16 @@ class WriteGroup:
     peer: str
     num_pages: int
     num_bytes: int  # all ranks' together
-    ops: int = 0  # rank 0's WRITEs' NIXL descriptors or device-copy launches (TransferHandle.ops)
     local: list[TransferHandle] = field(default_factory=list)
     remote: dict[int, int] = field(default_factory=dict)
     failure: str | None = None  # a rank's WRITE failed: why
     released: bool = False
+
+    @property
+    def ops(self) -> int:
+        """Rank 0's WRITEs' NIXL descriptors or device-copy launches (TransferHandle.ops; a WRITE
+        queued on a transfer thread counts them once posted)."""
+        return sum(h.ops for h in self.local)
 
 
 class KVSender:
@@ -131,7 +136,6 @@ class KVSender:
                 if w.src_rank == 0:
                     handle = self.server.agent.write_pages(pool.name, src_pages, dst_pages, notif, w.heads)
                     group.local.append(handle)
-                    group.ops += handle.ops
                 else:
                     orders.append(
                         (
@@ -160,7 +164,10 @@ class KVSender:
         """DONE when every rank's WRITE is; FAILED as soon as one failed; never blocks."""
         self._take_reports()
         states = [self.server.agent.poll(h) for h in group.local]
-        if group.failure is not None or TransferState.FAILED in states:
+        if group.failure is None and TransferState.FAILED in states:
+            why = next(h.error for h, s in zip(group.local, states) if s is TransferState.FAILED)
+            group.failure = f"KV transfer to {group.peer} failed" + (f": {why}" if why else "")
+        if group.failure is not None:
             return TransferState.FAILED
         if TransferState.IN_PROGRESS in states or group.remote:
             return TransferState.IN_PROGRESS
