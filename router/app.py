@@ -29,6 +29,7 @@ from pdserve.common.openai.defaults import load_generation_defaults
 from pdserve.common.scheduling.output_processor import append_token, finalize
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
 from pdserve.common.types import Completion, FinishReason, Req
+from pdserve.router import migration
 from pdserve.router.admission import Admission
 from pdserve.router.body_parser import BodyParser
 from pdserve.router.config import RouterConfig
@@ -37,6 +38,7 @@ from pdserve.router.disagg import Disaggregation, Where
 from pdserve.router.http_answers import error_response
 from pdserve.router.loop_lag import LoopLag
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.migration import resumed
 from pdserve.router.native_routes import native_routes
 from pdserve.router.openai_routes import openai_routes
 from pdserve.router.operations_routes import operations_routes
@@ -224,57 +226,68 @@ class Router:
         decode = self.pick("decode", prompt_ids)
         if decode is None:
             raise UpstreamError("no healthy decode server", 503)
-        decode_worker, c = workers[decode], self.config
-        where, why = self.disagg.decide(
-            decode, prompt_ids, params.prompt_logprobs is not None, lambda: self.registry.views("prefill")
-        )
-        self.metrics.prefill_decisions.labels(where.value, why).inc()
-        if why == "no_prefill_server":
-            self._log_outage(f"decode servers prefill requests themselves (--disagg-policy {c.disagg_policy})")
-        stream = (
-            local_generate(self.decode_target(decode), prompt_ids, params, c)
-            if where is Where.LOCAL
-            else paired_generate(self.decode_target(decode), pick_prefill, self.registry.record, prompt_ids, params, c)
-        )
+        decode_worker = workers[decode]
+        where, stream = self._decode_stream(decode, prompt_ids, params, pick_prefill)
         decode_worker.inflight += 1
         started, last, reported, emitted = time.monotonic(), None, 0, 0
+        failed: list[str] = []  # decode servers this choice was moved away from (router/migration.py)
         # Text a stop string could still claim is held back until the stop is ruled out (vLLM's
         # stop buffer): a stop found later cuts req.text, and what a stream sent cannot be taken back.
         hold = max(map(len, params.stop), default=1) - 1
         try:
-            async for event in stream:
-                now = time.monotonic()
-                if event.token_ids:
-                    if last is None:
-                        self.metrics.ttft.observe(now - started)
-                    else:
-                        self.metrics.itl.observe((now - last) / len(event.token_ids))
-                    last = now
-                if (
-                    event.cached_tokens is not None
-                ):  # the first event (the prefill's answer), or a local prefill's finish
-                    req.cached_tokens = event.cached_tokens
-                    req.kv_transfer_bytes = event.kv_transfer_bytes
-                    req.prompt_logprobs = event.prompt_logprobs
-                    if on_prompt is not None and event.kind is EventKind.TOKENS:
-                        await on_prompt(req.prompt_logprobs)
-                logprobs = event.logprobs if params.logprobs is not None else []
-                for i, token in enumerate(event.token_ids):
-                    append_token(req, token, logprobs[i] if i < len(logprobs) else None, self.eos, self.context_len)
-                    if req.finished:
-                        break
-                # One delta per event: a chunk of several tokens (a stream that fell behind) is
-                # one SSE event, as in vLLM, not one per token.
-                final = len(req.text) if req.finished else len(req.text) - hold
-                if on_text is not None and final > emitted:
-                    await on_text(req.text[emitted:final], req.output_logprobs[reported:])
-                    emitted, reported = final, len(req.output_logprobs)
-                if event.kind is EventKind.FINISH or (req.finished and where is Where.REMOTE):
-                    break  # (local: its cached tokens come last)
-        except UpstreamError as e:
-            if e.decode_failed and decode in workers:
-                self.registry.record(decode, ok=False)
-            raise
+            while True:  # (once, plus once per migration)
+                try:
+                    async for event in stream:
+                        now = time.monotonic()
+                        if event.token_ids:
+                            if last is None:
+                                self.metrics.ttft.observe(now - started)
+                            else:
+                                self.metrics.itl.observe((now - last) / len(event.token_ids))
+                            last = now
+                        if (
+                            event.cached_tokens is not None and not failed
+                        ):  # the first event (the prefill's answer), or a local prefill's finish
+                            req.cached_tokens = event.cached_tokens
+                            req.kv_transfer_bytes = event.kv_transfer_bytes
+                            req.prompt_logprobs = event.prompt_logprobs
+                            if on_prompt is not None and event.kind is EventKind.TOKENS:
+                                await on_prompt(req.prompt_logprobs)
+                        logprobs = event.logprobs if params.logprobs is not None else []
+                        for i, token in enumerate(event.token_ids):
+                            append_token(
+                                req, token, logprobs[i] if i < len(logprobs) else None, self.eos, self.context_len
+                            )
+                            if req.finished:
+                                break
+                        # One delta per event: a chunk of several tokens (a stream that fell behind) is
+                        # one SSE event, as in vLLM, not one per token.
+                        final = len(req.text) if req.finished else len(req.text) - hold
+                        if on_text is not None and final > emitted:
+                            await on_text(req.text[emitted:final], req.output_logprobs[reported:])
+                            emitted, reported = final, len(req.output_logprobs)
+                        if event.kind is EventKind.FINISH or (req.finished and where is Where.REMOTE):
+                            break  # (local: its cached tokens come last)
+                    break
+                except UpstreamError as e:
+                    if e.decode_failed and decode in workers:
+                        self.registry.record(decode, ok=False)
+                    failed.append(decode)
+                    to = self._migration_target(e, req, failed)
+                    if to is None:
+                        raise
+                    await stream.aclose()
+                    decode_worker.inflight -= 1
+                    sent = len(req.output_ids)
+                    log.warning(
+                        "choice %s moved from decode server %s to %s after %d tokens: %s", req.rid, decode, to, sent, e
+                    )
+                    self.metrics.migrations.labels(e.reason or "decode_failed").inc()
+                    decode, decode_worker = to, workers[to]
+                    decode_worker.inflight += 1
+                    where, stream = self._decode_stream(
+                        decode, *resumed(prompt_ids, req.output_ids, params), pick_prefill
+                    )
         finally:
             await stream.aclose()  # cancels both RPCs if we stopped early (stop string, client gone)
             decode_worker.inflight -= 1  # (the worker may have left the registry meanwhile)
@@ -289,6 +302,34 @@ class Router:
         if on_text is not None and (len(completion.text) > emitted or len(req.output_logprobs) > reported):
             await on_text(completion.text[emitted:], req.output_logprobs[reported:])
         return completion
+
+    def _decode_stream(self, decode: str, prompt_ids: list[int], params, pick_prefill):
+        """(where, events) of a choice on the decode server `decode`: prefilled by a prefill server or
+        by `decode` itself, as router/disagg.py decides."""
+        c = self.config
+        where, why = self.disagg.decide(
+            decode, prompt_ids, params.prompt_logprobs is not None, lambda: self.registry.views("prefill")
+        )
+        self.metrics.prefill_decisions.labels(where.value, why).inc()
+        if why == "no_prefill_server":
+            self._log_outage(f"decode servers prefill requests themselves (--disagg-policy {c.disagg_policy})")
+        if where is Where.LOCAL:
+            return where, local_generate(self.decode_target(decode), prompt_ids, params, c)
+        return where, paired_generate(
+            self.decode_target(decode), pick_prefill, self.registry.record, prompt_ids, params, c
+        )
+
+    def _migration_target(self, error: UpstreamError, req: Req, failed: list[str]) -> str | None:
+        """The decode server a choice whose stream failed with `error` moves to (router/migration.py), or
+        None: it ends with the error (not the decode server's fault, --max-migrations used up, a request
+        that cannot move, or no other healthy decode server)."""
+        if not error.decode_failed or len(failed) > self.config.max_migrations or req.finished:
+            return None
+        why_not = migration.why_not(req.params)
+        if why_not is not None:
+            log.info("choice %s not moved to another decode server: %s", req.rid, why_not)
+            return None
+        return self.pick("decode", req.prompt_ids, exclude=failed)
 
     async def _prompt_only(self, req: Req, pick_prefill, on_prompt) -> Completion:
         """A choice of no new tokens (its prompt scored, say): a prefill alone, no decode server."""

@@ -121,6 +121,13 @@ class RouterConfig(TrustConfig):
     )
     decode_timeout: float = option(0.0, "Seconds the decode call may take; 0: the request's deadline (never past it).")
     max_prefill_attempts: int = option(3, "Prefill servers a request is tried on before it fails.")
+    max_migrations: int = option(
+        1,
+        "Times a choice is moved to another decode server when its own dies or hangs: the prompt and the "
+        "tokens already sent are prefilled again and the stream goes on (router/migration.py says which "
+        "requests cannot move: grammars, frequency/presence penalties, seeded sampling). 0: such a stream "
+        "ends with an error.",
+    )
     disagg_policy: str = option(
         "always",
         "always: every request is prefilled on a prefill server and its KV sent to the decode server; "
@@ -206,6 +213,8 @@ class RouterConfig(TrustConfig):
         for name in ("max_inflight", "max_prefill_attempts", "circuit_failures", "max_choices", "max_choices_at_once"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_migrations < 0:
+            raise ValueError(f"--max-migrations must be >= 0 (0: none), got {self.max_migrations}")
         if self.max_queued < 0:
             raise ValueError(f"--max-queued must be >= 0 (0: no queue), got {self.max_queued}")
         if self.context_length < 0 or self.default_max_tokens < 0:

@@ -26,6 +26,7 @@ import grpc
 
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.prefill_attempts import Abandoned
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class DecodeStreams:
         of it as a cancellation, whenever it answers again); how many requests it failed."""
         streams, self.streams = self.streams, {}
         self._requests, self._aborts = [], []
-        failure = rpc_error(grpc.StatusCode.UNAVAILABLE, why)
+        failure = Abandoned(why)  # (UNAVAILABLE; router/migration.py moves its requests elsewhere)
         for stream in streams.values():
             stream.call_ended(failure)
         if self._runner is not None:

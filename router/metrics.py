@@ -54,6 +54,13 @@ class RouterMetrics:
         self.retries = Counter(
             "pdserve_router_prefill_retries", "Prefill attempts retried on another server.", registry=r
         )
+        self.migrations = Counter(
+            "pdserve_router_migrations",
+            "Choices moved to another decode server after theirs failed (router/migration.py), by why it "
+            "failed: hung (it stopped answering), unavailable (its call broke: the process died), ...",
+            ["reason"],
+            registry=r,
+        )
         self.prefill_decisions = Counter(
             "pdserve_router_prefill_decisions",
             "Where choices were prefilled (router/disagg.py): local (the decode "

@@ -37,10 +37,11 @@ class UpstreamError(Exception):
     reported per attempt). Only server faults are blamed (`server_fault`, `in_band_fault`): a
     client's cancellation or deadline, an overloaded server and bad input are not the server's."""
 
-    def __init__(self, message: str, status: int = 502, decode_failed: bool = False):
+    def __init__(self, message: str, status: int = 502, decode_failed: bool = False, reason: str = ""):
         super().__init__(message)
         self.status = status
         self.decode_failed = decode_failed
+        self.reason = reason  # for counters: a decode call's status ("unavailable"), "hung" (abandoned), ...
 
 
 class EventKind(str, enum.Enum):
@@ -219,9 +220,7 @@ async def paired_generate(
         async for event in _decode_events(call, sent, pending=next_read):
             yield event
     except grpc.aio.AioRpcError as e:  # the decode call itself broke (prefill errors are caught per attempt)
-        raise UpstreamError(
-            f"decode server: {e.code().name}: {e.details()}", rpc_status(e.code()), decode_failed=server_fault(e.code())
-        ) from e
+        raise _decode_call_failed(e) from e
     finally:
         if next_read is not None:
             next_read.cancel()
@@ -251,9 +250,7 @@ async def local_generate(
         async for event in _decode_events(call, 0, local=True):
             yield event
     except grpc.aio.AioRpcError as e:
-        raise UpstreamError(
-            f"decode server: {e.code().name}: {e.details()}", rpc_status(e.code()), decode_failed=server_fault(e.code())
-        ) from e
+        raise _decode_call_failed(e) from e
     finally:
         call.cancel()
 
@@ -378,6 +375,15 @@ async def _prefill_with_retries(
         if fault:
             report(url, False)
     raise UpstreamError(f"prefill failed after {attempts} attempt(s): {last}", status)
+
+
+def _decode_call_failed(e: grpc.aio.AioRpcError) -> UpstreamError:
+    return UpstreamError(
+        f"decode server: {e.code().name}: {e.details()}",
+        rpc_status(e.code()),
+        decode_failed=server_fault(e.code()),
+        reason="hung" if isinstance(e, Abandoned) else e.code().name.lower(),
+    )
 
 
 def _error(msg) -> UpstreamError:

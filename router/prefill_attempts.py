@@ -26,7 +26,8 @@ _IN_FLIGHT: dict[str, dict[asyncio.Future, float]] = {}
 
 
 class Abandoned(grpc.aio.AioRpcError):
-    """An attempt the router gave up on: its prefill server stopped answering."""
+    """A call the router gave up on: its server stopped answering (a prefill attempt, or a decode
+    server's shared call: router/decode_streams.py `abandon`)."""
 
     def __init__(self, details: str):
         super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)

@@ -4,6 +4,7 @@ import asyncio
 import os
 import re
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,9 +18,9 @@ HEALTH = ("--health-check-interval", "0.5", "--health-check-timeout", "0.5")  # 
 
 
 def test_a_hung_decode_server_ends_its_streams_with_an_error_in_seconds(tiny_models):
-    """SIGSTOP of the decode server mid-stream: the stream ends with an error event naming the server
-    within a few health-check intervals (it stayed open until the request's deadline, 600 s, before);
-    once the server runs again it frees the request's KV."""
+    """SIGSTOP of the only decode server mid-stream: with no other to move it to, the stream ends with an
+    error event naming the server within a few health-check intervals (it stayed open until the
+    request's deadline, 600 s, before); once the server runs again it frees the request's KV."""
     model = tiny_models("llama")
     decode, prefill = Server("decode", model), Server("prefill", model)
     router, stopped = None, False
@@ -54,6 +55,69 @@ def test_a_hung_decode_server_ends_its_streams_with_an_error_in_seconds(tiny_mod
             router.stop()
         decode.stop()
         prefill.stop()
+
+
+@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
+def test_a_decode_server_that_hangs_or_dies_has_its_streams_moved(tiny_models, fault):
+    """Two greedy streams, one on each decode server; the server of one is stopped (a hang) or killed
+    mid-stream: its stream goes on on the other decode server (the prompt and the tokens already sent
+    prefilled again) and ends with exactly the text of an uninterrupted run, within a few health-check
+    intervals of the fault (before, a hung server's streams ended with an error after those intervals,
+    and a killed one's at once). The counter says one choice moved."""
+    model = tiny_models("llama")
+    decodes, prefill = [Server("decode", model), Server("decode", model)], Server("prefill", model)
+    router, stopped = None, None
+    try:
+        for server in (*decodes, prefill):
+            server.wait_ready()
+        router = RouterProcess(model, [prefill], decodes, *HEALTH, "--decode-policy", "round_robin")
+        router.wait_ready()
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", timeout=120, max_retries=0)
+        ask = dict(
+            model=model, prompt="the moving stream", max_tokens=300, temperature=0, extra_body={"ignore_eos": True}
+        )
+        expected = client.completions.create(**ask).choices[0].text  # (round robin: decode 0; the streams: 1, 0)
+        started = [threading.Event(), threading.Event()]
+
+        def stream(i: int, **extra):
+            text, finish = "", None
+            try:
+                for n, chunk in enumerate(client.completions.create(**ask, **extra, stream=True)):
+                    text += chunk.choices[0].text
+                    finish = chunk.choices[0].finish_reason or finish
+                    if n == 3:
+                        started[i].set()
+            except openai.APIError as e:
+                return text, f"error: {e}"
+            finally:
+                started[i].set()
+            return text, finish
+
+        with ThreadPoolExecutor(2) as pool:
+            on_1 = pool.submit(stream, 0)
+            on_0 = pool.submit(stream, 1)
+            assert all(e.wait(60) for e in started)
+            victim = decodes[1]
+            os.kill(victim.proc.pid, getattr(signal, fault))
+            stopped, at = (victim if fault == "SIGSTOP" else None), time.monotonic()
+            moved, stayed = on_1.result(), on_0.result()
+        assert moved == (expected, "length") and stayed == (expected, "length")
+        assert time.monotonic() - at < 30
+        moves = re.findall(r"^pdserve_router_migrations_total\{reason=\"(\w+)\"\} (\S+)$", router.metrics(), re.M)
+        assert moves == [("hung" if fault == "SIGSTOP" else "unavailable", "1.0")], moves
+        if stopped is not None:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
+            stopped = None
+            asyncio.run(wait_idle(*decodes, prefill))
+        else:
+            asyncio.run(wait_idle(decodes[0], prefill))
+    finally:
+        if stopped is not None:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
+        if router is not None:
+            router.stop()
+        for server in (*decodes, prefill):
+            server.stop()
 
 
 def test_a_hung_prefill_server_is_abandoned_in_seconds(tiny_models):
