@@ -38,7 +38,6 @@ from pdserve.router.disagg import Disaggregation, Where
 from pdserve.router.http_answers import error_response
 from pdserve.router.loop_lag import LoopLag
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.migration import resumed
 from pdserve.router.native_routes import native_routes
 from pdserve.router.openai_routes import openai_routes
 from pdserve.router.operations_routes import operations_routes
@@ -286,7 +285,7 @@ class Router:
                     decode, decode_worker = to, workers[to]
                     decode_worker.inflight += 1
                     where, stream = self._decode_stream(
-                        decode, *resumed(prompt_ids, req.output_ids, params), pick_prefill
+                        decode, *migration.resumed(prompt_ids, req.output_ids, params), pick_prefill
                     )
         finally:
             await stream.aclose()  # cancels both RPCs if we stopped early (stop string, client gone)

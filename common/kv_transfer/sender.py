@@ -42,16 +42,11 @@ class WriteGroup:
     peer: str
     num_pages: int
     num_bytes: int  # all ranks' together
+    ops: int = 0  # rank 0's WRITEs' NIXL descriptors or device-copy launches (TransferHandle.ops)
     local: list[TransferHandle] = field(default_factory=list)
     remote: dict[int, int] = field(default_factory=dict)
     failure: str | None = None  # a rank's WRITE failed: why
     released: bool = False
-
-    @property
-    def ops(self) -> int:
-        """Rank 0's WRITEs' NIXL descriptors or device-copy launches (TransferHandle.ops; a WRITE
-        queued on a transfer thread counts them once posted)."""
-        return sum(h.ops for h in self.local)
 
 
 class KVSender:
@@ -136,6 +131,7 @@ class KVSender:
                 if w.src_rank == 0:
                     handle = self.server.agent.write_pages(pool.name, src_pages, dst_pages, notif, w.heads)
                     group.local.append(handle)
+                    group.ops += handle.ops
                 else:
                     orders.append(
                         (
