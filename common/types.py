@@ -63,6 +63,10 @@ class SamplingParams:
     # text (a JSON schema, a regex, EBNF, an xgrammar structural tag as JSON; "" for json_object).
     # Compiled by the servers (common/engine/grammar.py); None: unconstrained.
     grammar: tuple[str, str] | None = None
+    # The prompt's last k tokens are output an earlier server already produced (a stream moved off
+    # a failed decode server: router/migration.py): the grammar starts past them, output-only
+    # penalties count them, the sampling step starts at k. max/min_new_tokens count what is left.
+    resumed_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -118,6 +122,8 @@ class SamplingParams:
             or not isinstance(self.grammar[1], str)
         ):
             bad(f"grammar must be (kind, spec) with kind one of {', '.join(GRAMMAR_KINDS)}, got {self.grammar!r}")
+        if not isinstance(self.resumed_output_tokens, int) or self.resumed_output_tokens < 0:
+            bad(f"resumed_output_tokens must be an integer >= 0, got {self.resumed_output_tokens!r}")
 
     @property
     def greedy(self) -> bool:

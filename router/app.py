@@ -320,13 +320,9 @@ class Router:
 
     def _migration_target(self, error: UpstreamError, req: Req, failed: list[str]) -> str | None:
         """The decode server a choice whose stream failed with `error` moves to (router/migration.py), or
-        None: it ends with the error (not the decode server's fault, --max-migrations used up, a request
-        that cannot move, or no other healthy decode server)."""
+        None: it ends with the error (not the decode server's fault, --max-migrations used up, or no
+        other healthy decode server)."""
         if not error.decode_failed or len(failed) > self.config.max_migrations or req.finished:
-            return None
-        why_not = migration.why_not(req.params)
-        if why_not is not None:
-            log.info("choice %s not moved to another decode server: %s", req.rid, why_not)
             return None
         return self.pick("decode", req.prompt_ids, exclude=failed)
 

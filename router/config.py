@@ -124,9 +124,8 @@ class RouterConfig(TrustConfig):
     max_migrations: int = option(
         1,
         "Times a choice is moved to another decode server when its own dies or hangs: the prompt and the "
-        "tokens already sent are prefilled again and the stream goes on (router/migration.py says which "
-        "requests cannot move: grammars, frequency/presence penalties, seeded sampling). 0: such a stream "
-        "ends with an error.",
+        "tokens already sent are prefilled again and the stream goes on as it would have "
+        "(router/migration.py). 0: such a stream ends with an error.",
     )
     disagg_policy: str = option(
         "always",

@@ -8,14 +8,28 @@ KV of that whole sequence (a prefix-cache hit where a server holds its beginning
 token; the client's stream goes on with no token missing or repeated (the router appended every
 token it received to the choice before the failure, and the new stream starts after them).
 
-Exact for what the router can carry over by itself: greedy choices continue with the tokens the
-uninterrupted run would have given (the same model on the same sequence), unseeded sampled ones with
-a valid sample (the router fixed their seed; no client can ask for it again). Not migrated, for now —
-they end with the error as before — requests whose next tokens depend on state the servers keep and
-a new server could not rebuild from the prompt: a grammar's (structured outputs, forced tool calls),
-OpenAI frequency/presence penalties (they count output tokens only; the repetition penalty counts
-prompt and output, so it carries over), and a client's own seed with temperature > 0 (its noise is
-keyed by the decode step, which restarts).
+The new request says how many of its prompt's last tokens are output already produced
+(SamplingParams.resumed_output_tokens), so the servers continue it exactly as the uninterrupted run
+would, whatever its parameters:
+- a grammar (structured outputs, forced tool calls): the matcher accepts those tokens before the
+  first sample (common/engine/grammar.py `Grammars.matcher`; one it refuses fails the request);
+- OpenAI frequency/presence penalties count them as output (common/engine/sampling.py
+  `penalized_output`); the repetition penalty counts prompt and output, which is the same set;
+- sampling: the step that keys a seed's noise starts at their count (`noise_step`), on the prefill
+  server that samples the first new token, the decode server that goes on, and in verify steps; the
+  router fixed every request's seed (pairing.fix_seed), so a client's own seed and the router's
+  continue alike;
+- min_tokens and max_tokens: the router sends what is left of them (the servers count their own
+  output only);
+- stop strings: matched by the router on the choice's whole text (router/app.py `Router.choice` keeps
+  one Req across the move), so a stop string that spans the move ends the choice where it would have;
+  the new server's own matching sees only its own output, and stops it no earlier than the router.
+Usage counts the client's prompt and every output token (the Req's, not the new request's prompt).
+
+"Exactly" as far as the model gives the same logits for a sequence prefilled at once as for one
+decoded token by token: the same computation, but its rounding may differ (as between two batch
+shapes), and a near tie between two tokens can then go the other way. Servers that predate
+resumed_output_tokens ignore it (proto3): upgrade the servers before the routers.
 """
 
 from __future__ import annotations
@@ -25,24 +39,15 @@ from dataclasses import replace
 from pdserve.common.types import SamplingParams
 
 
-def why_not(params: SamplingParams) -> str | None:
-    """Why a choice with `params` is not moved to another decode server, or None: it can be."""
-    if params.grammar is not None:
-        return "a structured-output request's grammar state is not rebuilt on another server"
-    if params.frequency_penalty or params.presence_penalty:
-        return "frequency and presence penalties count the output tokens, which another server would not"
-    if params.seed is not None and params.temperature > 0:
-        return "a seeded sampled request would not continue with its seed's tokens on another server"
-    return None
-
-
 def resumed(prompt_ids: list[int], sent: list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
     """The request that continues a choice after the tokens `sent`: the prompt and those tokens as its
-    prompt, what is left of its budget (max and min new tokens), no prompt logprobs (the client had them)."""
+    prompt, marked as output already produced (resumed_output_tokens), what is left of its budget (max
+    and min new tokens), no prompt logprobs (the client had them)."""
     n = len(sent)
     return [*prompt_ids, *sent], replace(
         params,
         max_new_tokens=params.max_new_tokens - n,
         min_new_tokens=max(params.min_new_tokens - n, 0),
         prompt_logprobs=None,
+        resumed_output_tokens=params.resumed_output_tokens + n,
     )

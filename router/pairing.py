@@ -86,6 +86,7 @@ def _proto_params(p: SamplingParams) -> pb.SamplingParams:
         ignore_eos=p.ignore_eos,
         include_stop_str_in_output=p.include_stop_str_in_output,
         skip_special_tokens=p.skip_special_tokens,
+        resumed_output_tokens=p.resumed_output_tokens,
     )
     if p.seed is not None:
         out.seed = p.seed % 2**64

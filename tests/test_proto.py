@@ -270,6 +270,7 @@ def test_sampling_params_all_fields():
         prompt_logprobs=2,
         logit_bias=[pb.LogitBias(token_id=7, bias=-100.0), pb.LogitBias(token_id=2**32 - 1, bias=2.5)],
         grammar=pb.Grammar(kind="json_schema", spec='{"type": "object"}'),
+        resumed_output_tokens=3,
     )
     back = _rt(params)
     assert (back.grammar.kind, back.grammar.spec) == ("json_schema", '{"type": "object"}')

@@ -183,6 +183,11 @@ class EngineCore:
             bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if params.resumed_output_tokens >= max(len(prompt_ids), 1):
+            raise ValueError(
+                f"resumed_output_tokens ({params.resumed_output_tokens}) must be less than the prompt's "
+                f"length ({len(prompt_ids)}): the prompt's tail is output already produced, after a prompt"
+            )
         self.scheduler.check_request(prompt_ids, params)
         if params.grammar is not None:
             self.grammars.check(params.grammar)  # parsed here; compiled off the loop (Grammars.compile)
@@ -220,7 +225,8 @@ class EngineCore:
         seed = params.seed % 2**64 if params.seed is not None else self._rng.getrandbits(64)
         req = Req(rid, prompt_ids, params, seed)  # Req copies the ids
         if params.grammar is not None:
-            req.grammar = self.grammars.matcher(params.grammar)
+            k = params.resumed_output_tokens  # (output an earlier server produced: the grammar starts past it)
+            req.grammar = self.grammars.matcher(params.grammar, req.prompt_ids[len(req.prompt_ids) - k :] if k else [])
         if detokenize:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, params.skip_special_tokens)
         return req

@@ -81,6 +81,7 @@ class Grammars:
         self._new: list[list[int]] = []  # [id, key]: matchers the worker makes with the next step
         self._freed: list[int] = []  # ids of dropped requests, whose matchers the worker drops
         self._queued: list[list[int]] = []  # [id, token] accepted outside a step (RequestGrammar.accept)
+        self._replayed: set[int] = set()  # ids whose replayed tokens (RequestGrammar.replay) the next step sends
 
     def check(self, grammar: tuple[str, str]) -> None:
         """ValueError, with the library's reason, for a grammar it refuses. Fast (the grammar is
@@ -109,12 +110,14 @@ class Grammars:
             self._worker.forget_grammar(self._compiled.popitem(last=False)[1][1])
         return entry
 
-    def matcher(self, grammar: tuple[str, str]) -> "RequestGrammar":
+    def matcher(self, grammar: tuple[str, str], replay: list[int] | None = None) -> "RequestGrammar":
         """A request's grammar state; its matcher is made in the worker when first used (by then
         its grammar is compiled: the compilation runs while the request queues and its prompt
-        is computed)."""
+        is computed). `replay`: output an earlier server produced (SamplingParams.resumed_output_tokens),
+        which the matcher accepts as it is made, before any token of this request's own."""
         compiled, key = self._compile(grammar)
         request = RequestGrammar(self, compiled, next(self._ids), key)
+        request.replay = list(replay or ())
         self._by_id[request.id] = request
         weakref.finalize(request, self._freed.append, request.id)
         return request
@@ -193,13 +196,20 @@ class Grammars:
         for grammar, token in zip(accepting, tokens):
             accepts.append([grammar.id, token])
         new, self._new = self._new, []
+        replayed, self._replayed = self._replayed, set()
         freed = self._freed.copy()  # (the same list: the finalizers hold its append)
         self._freed.clear()
-        return MaskFuture(self._worker.step(new, freed, accepts, fills, len(reqs)), self._by_id)
+        return MaskFuture(self._worker.step(new, freed, accepts, fills, len(reqs)), self._by_id, replayed)
 
     def _announce(self, grammar: "RequestGrammar") -> None:
         grammar.announced = True
         self._new.append([grammar.id, grammar.key])
+        if grammar.replay:
+            # NOTE queued before any token of the request's own (the callers queue theirs after this),
+            # and counted in no `accepted`: that counts this server's output tokens only.
+            self._queued += [[grammar.id, token] for token in grammar.replay]
+            self._replayed.add(grammar.id)
+            grammar.replay = []
 
     def queue_accept(self, grammar: "RequestGrammar", token: int) -> None:
         """A token accepted outside a step (a decode server's first, the serial loop's): the
@@ -212,15 +222,23 @@ class Grammars:
 class MaskFuture:
     """A step's masks: `result()` waits for the worker, marks what it refused, gives the mask."""
 
-    def __init__(self, step, by_id):
-        self._step, self._by_id = step, by_id
+    def __init__(self, step, by_id, replayed: set[int]):
+        self._step, self._by_id, self._replayed = step, by_id, replayed
 
     def result(self) -> torch.Tensor | None:
         mask, refused = self._step.result()
         for request_id, token, reason in refused:
             grammar = self._by_id.get(request_id)
-            if grammar is not None and grammar.refused is None:
-                grammar.refused, grammar.failure = token, reason or None
+            if grammar is None or grammar.refused is not None:
+                continue
+            grammar.refused, grammar.failure = token, reason or None
+            if request_id in self._replayed and not reason:  # the client's input, not a bug of ours
+                grammar.replay_refused = True
+                grammar.failure = (
+                    f"token {token}, output before the stream moved (resumed_output_tokens), is outside "
+                    "the request's grammar"
+                )
+            else:
                 logger.error("a grammar refused token %d: its request fails at its next token", token)
         return mask
 
@@ -240,6 +258,8 @@ class RequestGrammar:
         "refused",
         "failure",
         "terminated",
+        "replay",
+        "replay_refused",
         "__weakref__",
     )
 
@@ -256,6 +276,10 @@ class RequestGrammar:
         # The grammar is complete and its stop token was accepted: xgrammar accepts a stop token
         # only where the grammar may end (the mask allows it nowhere else), and then terminates.
         self.terminated = False
+        # Output an earlier server produced (Grammars.matcher), sent to the worker with the matcher;
+        # `replay_refused`: the grammar refused one of those (the request fails as INVALID_REQUEST).
+        self.replay: list[int] = []
+        self.replay_refused = False
 
     def accepted_one(self, token: int) -> None:
         self.accepted += 1

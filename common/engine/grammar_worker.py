@@ -304,7 +304,8 @@ def main(args: dict) -> None:
                 share_of = {i: j % k for j, (i, _) in enumerate(fills)}
                 parts = [([], fills[j::k]) for j in range(k)]
                 for j, accept in enumerate(accepts):
-                    parts[share_of.get(accept[0], j % k)][0].append(accept)
+                    # NOTE one matcher's tokens (a replay: several) stay in one share, in order.
+                    parts[share_of.setdefault(accept[0], j % k)][0].append(accept)
                 futures = [shares.submit(work, batches[j], *parts[j], mask, refused) for j in range(1, k)]
                 work(batches[0], *parts[0], mask, refused)
                 for future in futures:

@@ -53,6 +53,21 @@ def step_key(key, step):
     return _mix32(_mix32(key ^ (step & _MASK32)) ^ 0x85EBCA6B)
 
 
+def noise_step(req) -> int:
+    """The output step of `req`'s next sample as the uninterrupted run counts it: the output tokens an
+    earlier server produced (SamplingParams.resumed_output_tokens, the prompt's tail) come first, so
+    a moved stream draws its seed's noise of the same steps. (`req`: a Req, or a verify row, AtStep.)"""
+    return req.params.resumed_output_tokens + req.num_sampled
+
+
+def penalized_output(req) -> list[int]:
+    """The output tokens frequency and presence penalties count: an earlier server's (the prompt's last
+    SamplingParams.resumed_output_tokens), then this server's."""
+    k = req.params.resumed_output_tokens
+    # NOTE not prompt_ids[-k:]: with k == 0 that is the whole prompt.
+    return req.prompt_ids[len(req.prompt_ids) - k :] + req.output_ids if k else req.output_ids
+
+
 def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exp(1) noise [B, V] float32 from row keys [B, 1]: a hash of (key, token id)."""
     # Token ids are hashed before the key is mixed in: `mix(token ^ key)` would give two rows whose
@@ -98,7 +113,7 @@ class SamplingBatchInfo:
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], vocab_size: int, eos_token_ids: tuple[int, ...], device) -> "SamplingBatchInfo":
-        """Builds the batch's tensors. The sample step (noise) and min_new_tokens count pending
+        """Builds the batch's tensors. The sample step (noise: noise_step) and min_new_tokens count pending
         tokens too (req.num_sampled); penalties need the token values, so a batch with penalties
         must not have pending tokens (the overlap loop runs such batches serially)."""
         params = [req.params for req in reqs]
@@ -161,7 +176,7 @@ class SamplingBatchInfo:
             if p.repetition_penalty != 1.0:
                 seen += [base + t for t in set(req.prompt_ids) | set(req.output_ids)]
             if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-                counted += [base + t for t in req.output_ids]
+                counted += [base + t for t in penalized_output(req)]
             if req.num_sampled < p.min_new_tokens:
                 # EOS is masked even with ignore_eos; an out-of-vocab stop id can never be drawn.
                 banned += [base + t for t in set(eos_token_ids) | set(p.stop_token_ids) if t < vocab_size]
@@ -177,7 +192,7 @@ class SamplingBatchInfo:
             min_ps=column(any(m > 0.0 for m in min_ps), min_ps, torch.float32),
             noise_keys=None
             if all_greedy
-            else column(True, [row_key(r.seed, r.num_sampled) for r in reqs], torch.int64),
+            else column(True, [row_key(r.seed, noise_step(r)) for r in reqs], torch.int64),
             repetition_penalties=column(bool(seen), [p.repetition_penalty for p in params], torch.float32),
             seen_token_idx=upload(bool(seen), seen, torch.int64),
             frequency_penalties=column(bool(counted), [p.frequency_penalty for p in params], torch.float32),

@@ -52,7 +52,7 @@ def append_token(
         ):  # the mask allowed only what it accepts: a bug if reached
             req.finish_reason = FinishReason.ABORT
             req.error = req.grammar.failure or f"token {req.grammar.refused} is outside the request's grammar"
-            req.error_code = ErrorCode.INTERNAL
+            req.error_code = ErrorCode.INVALID_REQUEST if req.grammar.replay_refused else ErrorCode.INTERNAL
             return
         if req.grammar.terminated:  # complete, and its stop token (EOS) accepted: nothing may follow
             req.finish_reason, req.matched_stop = FinishReason.STOP, token

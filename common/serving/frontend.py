@@ -234,6 +234,7 @@ def params_from_proto(p: pb.SamplingParams) -> ipc.Params:
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         logit_bias=tuple((b.token_id, b.bias) for b in p.logit_bias),
         grammar=(p.grammar.kind, p.grammar.spec) if p.HasField("grammar") else None,
+        resumed_output_tokens=p.resumed_output_tokens,
     )
 
 

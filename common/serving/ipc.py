@@ -38,6 +38,7 @@ class Params(msgspec.Struct, frozen=True):
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: tuple[str, str] | None = None
+    resumed_output_tokens: int = 0
 
 
 def sampling_params(p: Params) -> SamplingParams:

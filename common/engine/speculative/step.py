@@ -14,7 +14,7 @@ import torch
 
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.overlap import h2d
-from pdserve.common.engine.sampling import SamplingBatchInfo, seed_key
+from pdserve.common.engine.sampling import SamplingBatchInfo, noise_step, seed_key
 from pdserve.common.engine.speculative.draft import DraftProposer
 from pdserve.common.engine.speculative.ngram import NgramProposer
 from pdserve.common.engine.speculative.verify import accepted_lengths, verify_rows
@@ -45,7 +45,7 @@ def sampling_info(batch: ScheduleBatch, vocab_size: int, eos_token_ids: tuple[in
     info = SamplingBatchInfo.from_reqs(rows, vocab_size, eos_token_ids, device)
     if batch.after is not None and info.noise_keys is not None:  # (its steps may move: overlap.py)
         info.seed_keys = h2d([[seed_key(r.seed)] for r in rows], torch.int64, device)
-        info.steps = h2d([[r.num_sampled] for r in rows], torch.int64, device)
+        info.steps = h2d([[noise_step(r)] for r in rows], torch.int64, device)
     return info
 
 
