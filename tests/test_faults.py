@@ -57,13 +57,23 @@ def test_a_hung_decode_server_ends_its_streams_with_an_error_in_seconds(tiny_mod
         prefill.stop()
 
 
-@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
-def test_a_decode_server_that_hangs_or_dies_has_its_streams_moved(tiny_models, fault):
-    """Two greedy streams, one on each decode server; the server of one is stopped (a hang) or killed
+# Greedy; and sampled with the client's seed and output-only penalties, which the new servers continue
+# from the output already sent (SamplingParams.resumed_output_tokens: tests/test_resumed_output.py).
+SAMPLED = dict(temperature=0.9, seed=11, frequency_penalty=0.8, presence_penalty=0.4)
+
+
+@pytest.mark.parametrize(
+    ("fault", "sampling"),
+    [("SIGSTOP", {"temperature": 0}), ("SIGKILL", SAMPLED)],
+    ids=["hung-greedy", "killed-sampled"],
+)
+def test_a_decode_server_that_hangs_or_dies_has_its_streams_moved(tiny_models, fault, sampling):
+    """Two streams, one on each decode server; the server of one is stopped (a hang) or killed
     mid-stream: its stream goes on on the other decode server (the prompt and the tokens already sent
     prefilled again) and ends with exactly the text of an uninterrupted run, within a few health-check
     intervals of the fault (before, a hung server's streams ended with an error after those intervals,
-    and a killed one's at once). The counter says one choice moved."""
+    and a killed one's at once), with its usage (the client's prompt, every output token). The counter
+    says one choice moved."""
     model = tiny_models("llama")
     decodes, prefill = [Server("decode", model), Server("decode", model)], Server("prefill", model)
     router, stopped = None, None
@@ -73,25 +83,28 @@ def test_a_decode_server_that_hangs_or_dies_has_its_streams_moved(tiny_models, f
         router = RouterProcess(model, [prefill], decodes, *HEALTH, "--decode-policy", "round_robin")
         router.wait_ready()
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", timeout=120, max_retries=0)
-        ask = dict(
-            model=model, prompt="the moving stream", max_tokens=300, temperature=0, extra_body={"ignore_eos": True}
-        )
-        expected = client.completions.create(**ask).choices[0].text  # (round robin: decode 0; the streams: 1, 0)
+        ask = dict(model=model, prompt="the moving stream", max_tokens=300, extra_body={"ignore_eos": True}, **sampling)
+        whole = client.completions.create(**ask)  # (round robin: decode 0; the streams: 1, 0)
+        expected = (whole.choices[0].text, "length", whole.usage.prompt_tokens, 300)
         started = [threading.Event(), threading.Event()]
 
-        def stream(i: int, **extra):
-            text, finish = "", None
+        def stream(i: int):
+            text, finish, usage = "", None, None
             try:
-                for n, chunk in enumerate(client.completions.create(**ask, **extra, stream=True)):
-                    text += chunk.choices[0].text
-                    finish = chunk.choices[0].finish_reason or finish
+                chunks = client.completions.create(**ask, stream=True, stream_options={"include_usage": True})
+                for n, chunk in enumerate(chunks):
+                    if chunk.usage is not None:
+                        usage = chunk.usage
+                    if chunk.choices:
+                        text += chunk.choices[0].text
+                        finish = chunk.choices[0].finish_reason or finish
                     if n == 3:
                         started[i].set()
             except openai.APIError as e:
                 return text, f"error: {e}"
             finally:
                 started[i].set()
-            return text, finish
+            return text, finish, usage.prompt_tokens, usage.completion_tokens
 
         with ThreadPoolExecutor(2) as pool:
             on_1 = pool.submit(stream, 0)
@@ -101,7 +114,7 @@ def test_a_decode_server_that_hangs_or_dies_has_its_streams_moved(tiny_models, f
             os.kill(victim.proc.pid, getattr(signal, fault))
             stopped, at = (victim if fault == "SIGSTOP" else None), time.monotonic()
             moved, stayed = on_1.result(), on_0.result()
-        assert moved == (expected, "length") and stayed == (expected, "length")
+        assert moved == expected and stayed == expected
         assert time.monotonic() - at < 30
         moves = re.findall(r"^pdserve_router_migrations_total\{reason=\"(\w+)\"\} (\S+)$", router.metrics(), re.M)
         assert moves == [("hung" if fault == "SIGSTOP" else "unavailable", "1.0")], moves
