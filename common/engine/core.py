@@ -183,11 +183,6 @@ class EngineCore:
             bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        if params.resumed_output_tokens >= max(len(prompt_ids), 1):
-            raise ValueError(
-                f"resumed_output_tokens ({params.resumed_output_tokens}) must be less than the prompt's "
-                f"length ({len(prompt_ids)}): the prompt's tail is output already produced, after a prompt"
-            )
         self.scheduler.check_request(prompt_ids, params)
         if params.grammar is not None:
             self.grammars.check(params.grammar)  # parsed here; compiled off the loop (Grammars.compile)

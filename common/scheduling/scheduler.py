@@ -37,6 +37,11 @@ def check_fits(config: EngineConfig, kv_pool: PagedKVPool, prompt_ids: Sequence[
     """Raise ValueError when a request could never run on this engine."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
+    if params.resumed_output_tokens >= len(prompt_ids):
+        raise ValueError(
+            f"resumed_output_tokens ({params.resumed_output_tokens}) must be less than the prompt's "
+            f"length ({len(prompt_ids)}): the prompt's tail is output already produced, after a prompt"
+        )
     total = len(prompt_ids) + params.max_new_tokens
     if total > config.context_length:
         raise ValueError(
