@@ -1,0 +1,231 @@
+"""A decode server SIGKILLed under a live stream: the stream moves, and ends as the uninterrupted run.
+
+    python -m pdserve.bench.migration --random-weights llama/1b --device cuda [--cases json ngram]
+
+For each case it starts a prefill server, two decode servers and `pdserve-router` (one worker,
+health checks every 0.5 s), asks the case's request once without streaming (the twin), then streams
+it, SIGKILLs the decode server running it (its running-requests gauge) once `--kill-after` chunks
+are in, and reads the stream to its end. It reports, per case: whether the
+streamed text equals the twin's, the finish reason, the longest gap between two chunks around the
+kill (what the client saw while the stream moved), and the router's migration counter.
+
+Cases: `json` (a chat completion with a json_schema response format: the grammar is replayed on
+the new server), `ngram` (decode servers with --speculative ngram: a completion copying its prompt),
+`greedy` (a plain completion). With `--device cuda` and two GPUs visible, decode server 0 and the
+prefill server share GPU 0 and decode server 1 has GPU 1; on one GPU all three share it.
+Prints one JSON line per case (and --json writes them all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+
+from pdserve.bench.worker_kill import wait_grpc, wait_ready
+from pdserve.common.ports import free_port
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"readings": {"type": "array", "items": {"type": "integer"}, "minItems": 60}},
+    "required": ["readings"],
+}
+COPY_PROMPT = "Repeat this list exactly: " + ", ".join(f"item {i} is {i * 7 % 13}" for i in range(40))
+
+
+def request_of(case: str, model: str, max_tokens: int) -> tuple[str, dict]:
+    """(API, request body) of a case: greedy, long enough to be cut."""
+    if case == "json":
+        body = {
+            "messages": [{"role": "user", "content": "Give sixty sensor readings as JSON."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "readings", "schema": SCHEMA}},
+        }
+        return "chat", {"model": model, "max_tokens": max_tokens, "temperature": 0, **body}
+    prompt = COPY_PROMPT if case == "ngram" else "the moving stream"
+    return "completions", {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+
+
+def server_flags(case: str) -> list[str]:
+    return ["--speculative", "ngram"] if case == "ngram" else []
+
+
+def gpus_for(device: str) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES of prefill, decode 0 and decode 1."""
+    if device != "cuda":
+        return [None, None, None]
+    import torch
+
+    return ["0", "0", "1"] if torch.cuda.device_count() >= 2 else ["0", "0", "0"]
+
+
+def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+
+
+def start_server(role: str, model: str, device: str, gpu: str | None, fraction: float, flags, log: Path):
+    port, metrics_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", f"pdserve.{role}.cli", "--model-path", model, "--device", device]
+    cmd += ["--port", str(port), "--metrics-port", str(metrics_port), *flags]
+    if device == "cuda":
+        cmd += ["--mem-fraction-static", str(fraction)]
+    env = os.environ | ({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {})
+    return start(cmd, log, env), port, metrics_port
+
+
+def text_of(api: str, response) -> tuple[str, str]:
+    choice = response.choices[0]
+    return (choice.message.content if api == "chat" else choice.text), choice.finish_reason
+
+
+def stream(client: openai.OpenAI, api: str, body: dict, kill) -> tuple[str, str | None, float, int]:
+    """The streamed text, its finish reason, the longest gap between chunks after the kill (s), and
+    how many chunks came; `kill()` runs once the `--kill-after`th chunk is in."""
+    create = client.chat.completions.create if api == "chat" else client.completions.create
+    text, finish, last, gap, n, killed_at = "", None, None, 0.0, 0, None
+    for chunk in create(**body, stream=True):
+        now = time.monotonic()
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        text += (choice.delta.content or "") if api == "chat" else choice.text
+        finish = choice.finish_reason or finish
+        if killed_at is not None:
+            gap = max(gap, now - max(last, killed_at))
+        last, n = now, n + 1
+        if killed_at is None and kill(n):
+            killed_at = time.monotonic()
+    return text, finish, gap, n
+
+
+def run_case(case: str, model: str, args, log_dir: Path) -> dict:
+    procs = []
+    try:
+        gpus = gpus_for(args.device)
+        shared = gpus[0] == gpus[2]
+        flags = server_flags(case)
+        prefill, p_port, _ = start_server("prefill", model, args.device, gpus[0], 0.4, flags, log_dir / f"{case}-p.log")
+        procs.append(prefill)
+        wait_grpc(p_port, args.ready_timeout)
+        decodes = []
+        for i in range(2):
+            # (device-wide: what the servers already on a GPU hold counts against a later one's)
+            fraction = {(0, True): 0.6, (1, True): 0.85, (0, False): 0.8, (1, False): 0.8}[(i, shared)]
+            proc, port, metrics_port = start_server(
+                "decode", model, args.device, gpus[i + 1], fraction, flags, log_dir / f"{case}-d{i}.log"
+            )
+            procs.append(proc)
+            wait_grpc(port, args.ready_timeout)
+            decodes.append((proc, port, metrics_port))
+        http = free_port()
+        router = start(
+            [sys.executable, "-m", "pdserve.router.cli", "--model-path", model, "--port", str(http), "--workers", "1"]
+            + ["--prefill", f"127.0.0.1:{p_port}", "--decode", *(f"127.0.0.1:{p}" for _, p, _ in decodes)]
+            + ["--decode-policy", "round_robin", "--health-check-interval", "0.5", "--health-check-timeout", "0.5"],
+            log_dir / f"{case}-router.log",
+        )
+        procs.append(router)
+        url = f"http://127.0.0.1:{http}"
+        wait_ready(url + "/readiness", router, args.ready_timeout)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
+        api, body = request_of(case, model, args.max_tokens)
+        create = client.chat.completions.create if api == "chat" else client.completions.create
+        twin_text, twin_finish = text_of(api, create(**body))
+
+        def kill(n: int) -> bool:
+            """SIGKILL the decode server running the stream (its running-requests gauge)."""
+            if n < args.kill_after:
+                return False
+            for proc, _, metrics_port in decodes:
+                running = re.search(
+                    r"^pdserve_running_requests\{[^}]*\} (\S+)$",
+                    urllib_get(f"http://127.0.0.1:{metrics_port}/metrics"),
+                    re.M,
+                )
+                if running and float(running.group(1)) > 0:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    return True
+            return False
+
+        try:
+            text, finish, gap, chunks = stream(client, api, body, kill)
+            error = None
+        except openai.APIError as e:
+            text, finish, gap, chunks, error = "", None, 0.0, 0, str(e)
+        metrics = urllib_get(f"{url}/metrics")
+        moves = re.findall(r'^pdserve_router_migrations_total\{reason="(\w+)"\} (\S+)$', metrics, re.M)
+        return {
+            "case": case,
+            "equal": text == twin_text and finish == twin_finish,
+            "finish": finish,
+            "twin_finish": twin_finish,
+            "chunks": chunks,
+            "max_gap_after_kill_ms": round(gap * 1e3, 1),
+            "migrations": {reason: float(n) for reason, n in moves},
+            "error": error,
+            "text_chars": len(text),
+            "twin_chars": len(twin_text),
+        }
+    finally:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def urllib_get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.migration", description=__doc__.split("\n")[0])
+    parser.add_argument("--model-path")
+    parser.add_argument("--random-weights", default="llama/tiny")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--cases", nargs="+", default=["json", "ngram"], choices=("json", "ngram", "greedy"))
+    parser.add_argument("--max-tokens", type=int, default=300)
+    parser.add_argument("--kill-after", type=int, default=40, help="chunks the stream receives before the SIGKILL")
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--log-dir", default="/tmp/pdserve-migration")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    if args.model_path:
+        model = args.model_path
+    else:
+        from pdserve.bench.random_weights import random_weight_checkpoint
+
+        model = str(random_weight_checkpoint(args.random_weights))
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for case in args.cases:
+        result = run_case(case, model, args, log_dir)
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0 if all(r["equal"] and r["migrations"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
