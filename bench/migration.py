@@ -26,9 +26,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
-
-import openai
 
 from pdserve.bench.worker_kill import wait_grpc, wait_ready
 from pdserve.common.ports import free_port
@@ -55,7 +54,7 @@ def request_of(case: str, model: str, max_tokens: int) -> tuple[str, dict]:
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
-        "extra_body": {"ignore_eos": True},
+        "ignore_eos": True,
     }
 
 
@@ -86,29 +85,44 @@ def start_server(role: str, model: str, device: str, gpu: str | None, fraction: 
     return start(cmd, log, env), port, metrics_port
 
 
-def text_of(api: str, response) -> tuple[str, str]:
-    choice = response.choices[0]
-    return (choice.message.content if api == "chat" else choice.text), choice.finish_reason
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as r:
+        return json.loads(r.read())
 
 
-def stream(client: openai.OpenAI, api: str, body: dict, kill) -> tuple[str, str | None, float, int]:
-    """The streamed text, its finish reason, the longest gap between chunks after the kill (s), and
-    how many chunks came; `kill()` runs once the `--kill-after`th chunk is in."""
-    create = client.chat.completions.create if api == "chat" else client.completions.create
-    text, finish, last, gap, n, killed_at = "", None, None, 0.0, 0, None
-    for chunk in create(**body, stream=True):
-        now = time.monotonic()
-        if not chunk.choices:
-            continue
-        choice = chunk.choices[0]
-        text += (choice.delta.content or "") if api == "chat" else choice.text
-        finish = choice.finish_reason or finish
-        if killed_at is not None:
-            gap = max(gap, now - max(last, killed_at))
-        last, n = now, n + 1
-        if killed_at is None and kill(n):
-            killed_at = time.monotonic()
-    return text, finish, gap, n
+def text_of(api: str, choice: dict) -> str:
+    return choice["message"]["content"] if api == "chat" else choice["text"]
+
+
+def stream(url: str, api: str, body: dict, kill) -> tuple[str, str | None, float, int, int | None]:
+    """The streamed text, its finish reason, the longest gap between chunks after the kill (s), how
+    many chunks came and how many characters had come before the kill; `kill(n)` is asked after each
+    chunk until it has killed. Server-sent events read line by line (no client library: the GPU
+    hosts' stack is minimal)."""
+    request = urllib.request.Request(
+        url, json.dumps(body | {"stream": True}).encode(), {"Content-Type": "application/json"}
+    )
+    text, finish, last, gap, n, killed_at, cut = "", None, None, 0.0, 0, None, None
+    with urllib.request.urlopen(request, timeout=300) as r:
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            now, chunk = time.monotonic(), json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"the stream ended with an error: {chunk['error']}")
+            if not chunk.get("choices"):
+                continue
+            choice = chunk["choices"][0]
+            text += (choice["delta"].get("content") or "") if api == "chat" else choice["text"]
+            finish = choice.get("finish_reason") or finish
+            if killed_at is not None:
+                gap = max(gap, now - max(last, killed_at))
+            last, n = now, n + 1
+            if killed_at is None and kill(n):
+                killed_at, cut = time.monotonic(), len(text)
+    return text, finish, gap, n, cut
 
 
 def run_case(case: str, model: str, args, log_dir: Path) -> dict:
@@ -140,10 +154,10 @@ def run_case(case: str, model: str, args, log_dir: Path) -> dict:
         procs.append(router)
         url = f"http://127.0.0.1:{http}"
         wait_ready(url + "/readiness", router, args.ready_timeout)
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
         api, body = request_of(case, model, args.max_tokens)
-        create = client.chat.completions.create if api == "chat" else client.completions.create
-        twin_text, twin_finish = text_of(api, create(**body))
+        endpoint = f"{url}/v1/chat/completions" if api == "chat" else f"{url}/v1/completions"
+        twin = post(endpoint, body)["choices"][0]
+        twin_text, twin_finish = text_of(api, twin), twin["finish_reason"]
 
         def kill(n: int) -> bool:
             """SIGKILL the decode server running the stream (its running-requests gauge)."""
@@ -161,10 +175,10 @@ def run_case(case: str, model: str, args, log_dir: Path) -> dict:
             return False
 
         try:
-            text, finish, gap, chunks = stream(client, api, body, kill)
+            text, finish, gap, chunks, cut = stream(endpoint, api, body, kill)
             error = None
-        except openai.APIError as e:
-            text, finish, gap, chunks, error = "", None, 0.0, 0, str(e)
+        except (OSError, RuntimeError) as e:
+            text, finish, gap, chunks, cut, error = "", None, 0.0, 0, None, str(e)
         metrics = urllib_get(f"{url}/metrics")
         moves = re.findall(r'^pdserve_router_migrations_total\{reason="(\w+)"\} (\S+)$', metrics, re.M)
         return {
@@ -177,6 +191,12 @@ def run_case(case: str, model: str, args, log_dir: Path) -> dict:
             "migrations": {reason: float(n) for reason, n in moves},
             "error": error,
             "text_chars": len(text),
+            "chars_before_kill": cut,
+            # where the texts part (None: equal): at the kill, or before it (then not the move's doing)
+            "first_difference": next(
+                (i for i, (a, b) in enumerate(zip(text, twin_text)) if a != b),
+                None if text == twin_text else min(len(text), len(twin_text)),
+            ),
             "twin_chars": len(twin_text),
         }
     finally:
@@ -191,8 +211,6 @@ def run_case(case: str, model: str, args, log_dir: Path) -> dict:
 
 
 def urllib_get(url: str) -> str:
-    import urllib.request
-
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read().decode()
 
