@@ -4,10 +4,10 @@ user's flags where given, else a default by where the servers run.
     choose_layout(num_gpus, --num-prefill or None, --disagg-policy or None) -> Layout
 
 On the CPU and on two or more GPUs the default is one prefill and one decode server, every request
-disaggregated. On one GPU both roles share it: the default is the layout that won the one-GPU
-study's mixed workload (ONE_GPU_DEFAULT: the pair, side by side under MPS), and a layout that shares
-a GPU falls back to one colocated server where MPS cannot be had (router/gpu_sharing.py): two
-servers time-slicing one GPU serve several times less.
+disaggregated (on two GPUs the layout that won the two-GPU study: TWO_GPU_WHY). On one GPU both roles
+share it: the default is the layout that won the one-GPU study's mixed workload (ONE_GPU_DEFAULT: the
+pair, side by side under MPS), and a layout that shares a GPU falls back to one colocated server where
+MPS cannot be had (router/gpu_sharing.py): two servers time-slicing one GPU serve several times less.
 """
 
 from __future__ import annotations
@@ -43,6 +43,18 @@ ONE_GPU_WHY = (
     "them at 64, docs/benchmarks.md); --num-prefill 0 runs one colocated server"
 )
 
+# The two-GPU study picks it (docs/benchmarks.md, "The disaggregation study on two GPUs"): on two H200s,
+# Llama-1B shape, a prefill server on one GPU and a decode server on the other sustained 2x the request
+# rate of two colocated replicas within the SLOs on the prefill-heavy (128 against 64 req/s), decode-heavy
+# (128 against 64) and mixed (128 against < 64) workloads, and kept 53% of a multi-turn load's turns within
+# them against 20%. `auto` (short prompts prefilled on the decode server) lost three of the four: its
+# decode GPU prefilled nearly every prompt while the prefill GPU idled.
+TWO_GPU_WHY = (
+    "two or more GPUs: a prefill server and decode servers on GPUs of their own (on the two-GPU study's "
+    "workloads the pair met the SLOs at 2x the rate two colocated replicas did, docs/benchmarks.md); "
+    "--num-prefill 0 --num-decode N runs N colocated replicas"
+)
+
 
 def choose_layout(num_gpus: int, num_prefill: int | None, disagg_policy: str | None) -> Layout:
     """The layout from the flags (None: not given). `num_gpus`: the GPUs the servers are placed on
@@ -59,6 +71,8 @@ def choose_layout(num_gpus: int, num_prefill: int | None, disagg_policy: str | N
     if num_gpus == 1 and disagg_policy is None:
         policy, prefill = ONE_GPU_DEFAULT
         return Layout(prefill, policy, ONE_GPU_WHY)
+    if num_gpus >= 2 and disagg_policy is None:
+        return Layout(1, "always", TWO_GPU_WHY)
     return Layout(1, disagg_policy or "always", "the default: one prefill server")
 
 

@@ -27,7 +27,7 @@ from pdserve.router.gpu_sharing import (
     parse_sm_shares,
     shared_gpus,
 )
-from pdserve.router.layout import ONE_GPU_DEFAULT, Layout, choose_layout, without_mps
+from pdserve.router.layout import ONE_GPU_DEFAULT, TWO_GPU_WHY, Layout, choose_layout, without_mps
 from pdserve.router.placement import plan_placement
 
 # A stand-in for nvidia-cuda-mps-control. `-f`: the daemon (BEHAVIOUR: ok, fail, mute, deaf);
@@ -100,6 +100,7 @@ def test_shared_gpus_are_those_holding_two_servers():
 def test_the_layout_from_the_flags_and_the_one_gpu_default():
     assert choose_layout(0, None, None) == Layout(1, "always", "the default: one prefill server")
     assert choose_layout(2, None, "auto")[:2] == (1, "auto")
+    assert choose_layout(2, None, None) == Layout(1, "always", TWO_GPU_WHY)  # the two-GPU study's winner
     one_gpu = choose_layout(1, None, None)
     assert (one_gpu.disagg_policy, one_gpu.num_prefill) == ONE_GPU_DEFAULT == ("always", 1) and not one_gpu.asked
     assert choose_layout(1, 1, None) == Layout(1, "always", "as asked", asked=True)
