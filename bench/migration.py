@@ -72,11 +72,15 @@ def gpus_for(device: str) -> list[str | None]:
 
 
 def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(cmd, stdout=open(log, "a"), stderr=subprocess.STDOUT, env=env)
 
 
-def start_server(role: str, model: str, device: str, gpu: str | None, fraction: float, flags, log: Path):
-    port, metrics_port = free_port(), free_port()
+def start_server(
+    role: str, model: str, device: str, gpu: str | None, fraction: float, flags, log: Path, ports=None
+) -> tuple[subprocess.Popen, int, int]:
+    """A prefill or decode server process, its gRPC and metrics ports (`ports`: those again, to
+    restart a server where the router looks for it; None: free ones)."""
+    port, metrics_port = ports or (free_port(), free_port())
     cmd = [sys.executable, "-m", f"pdserve.{role}.cli", "--model-path", model, "--device", device]
     cmd += ["--port", str(port), "--metrics-port", str(metrics_port), *flags]
     if device == "cuda":
@@ -85,9 +89,9 @@ def start_server(role: str, model: str, device: str, gpu: str | None, fraction: 
     return start(cmd, log, env), port, metrics_port
 
 
-def post(url: str, body: dict) -> dict:
+def post(url: str, body: dict, timeout: float = 300.0) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as r:
+    with urllib.request.urlopen(request, timeout=timeout) as r:
         return json.loads(r.read())
 
 
@@ -95,7 +99,9 @@ def text_of(api: str, choice: dict) -> str:
     return choice["message"]["content"] if api == "chat" else choice["text"]
 
 
-def stream(url: str, api: str, body: dict, kill) -> tuple[str, str | None, float, int, int | None]:
+def stream(
+    url: str, api: str, body: dict, kill, timeout: float = 300.0
+) -> tuple[str, str | None, float, int, int | None]:
     """The streamed text, its finish reason, the longest gap between chunks after the kill (s), how
     many chunks came and how many characters had come before the kill; `kill(n)` is asked after each
     chunk until it has killed. Server-sent events read line by line (no client library: the GPU
@@ -104,7 +110,7 @@ def stream(url: str, api: str, body: dict, kill) -> tuple[str, str | None, float
         url, json.dumps(body | {"stream": True}).encode(), {"Content-Type": "application/json"}
     )
     text, finish, last, gap, n, killed_at, cut = "", None, None, 0.0, 0, None, None
-    with urllib.request.urlopen(request, timeout=300) as r:
+    with urllib.request.urlopen(request, timeout=timeout) as r:
         for line in r:
             line = line.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
