@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
         type=int,
         default=None,
         help="Prefill servers to start (0: decode servers prefill every request); default: 1, but on one "
-        "GPU the layout that served the most there, printed at start (docs/operations.md).",
+        "GPU the layout that served the most there, printed at start (docs/disaggregation.md).",
     )
     local.add_argument("--num-decode", type=int, default=1, help="Decode servers to start.")
     local.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when a GPU is visible).")
@@ -95,7 +95,7 @@ def add_parser(sub) -> None:
         default="auto",
         metavar="PREFILL:DECODE",
         help="Under MPS, the percent of a shared GPU's SMs each role's servers may occupy "
-        f"(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); auto: {DEFAULT_SM_SHARES} (measured: docs/benchmarks.md).",
+        f"(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); auto: {DEFAULT_SM_SHARES} (measured: docs/disaggregation.md).",
     )
     local.add_argument(
         "--router-workers",
