@@ -132,7 +132,8 @@ def add_parser(sub) -> None:
         "--server-args",
         default="",
         metavar="'FLAGS'",
-        help="More prefill-server and decode-server flags, as one string.",
+        help="More prefill-server and decode-server flags, as one string (not those above: a flag given both ways "
+        "is an error).",
     )
     local.set_defaults(func=_up)
 
@@ -165,6 +166,9 @@ def passthrough_of(args) -> tuple[str | None, Passthrough]:
         extra_router, extra_servers = shlex.split(args.router_args), shlex.split(args.server_args)
     except ValueError as e:
         raise ValueError(f"--router-args / --server-args: {e}") from None
+    twice = [flag for flag in both_servers[::2] if flag in {arg.split("=", 1)[0] for arg in extra_servers}]
+    if twice:
+        raise ValueError(f"{', '.join(twice)} given both as pdserve up's own flag and in --server-args: give it once")
     return model_path, Passthrough(
         log_level=args.log_level,
         router=(*router, *both, *extra_router),
