@@ -5,7 +5,7 @@ torch's symmetric-memory kernels (torch.ops.symm_mem, built into torch: no exten
 
 For each batch size B: a [B * hidden] bf16 tensor all-reduced `--calls` times in one captured
 graph, the median over 5 replays divided by the calls (µs per all-reduce). Results checked against
-NCCL's before timing. Docs: docs/benchmarks.md, "Tensor parallelism on two GPUs".
+NCCL's before timing. Docs: docs/benchmarks/tensor-parallel.md, "Tensor parallelism on two GPUs".
 """
 
 from __future__ import annotations

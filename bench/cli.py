@@ -43,7 +43,7 @@ p50, p90, p99), throughput and goodput as `vllm bench serve` defines them. Witho
 starts a local router + prefill and decode servers (--num-prefill, --num-decode, placed on the GPUs
 as `pdserve up` places them: --gpus, --prefill-tp, --decode-tp) with the engine flags given here, and
 stops them at the end. --backend hf serves the same arrivals in-process with transformers generate
-(static batches: see docs/benchmarks.md). Several --request-rate / --max-concurrency values run
+(static batches: see docs/benchmarks/README.md). Several --request-rate / --max-concurrency values run
 one after another on the same server, each with fresh prompts. --client-workers N sends the
 measured requests from N processes (dealt round-robin, one common start, the same arrival times),
 so the client keeps up at high token rates; the report is the same. Each run reports the CPU

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU, both roles (docs/benchmarks.md, "One GPU"): the offline engine, then local stacks on the one
+# One GPU, both roles (docs/benchmarks/one-gpu.md, "One GPU"): the offline engine, then local stacks on the one
 # GPU measured by `pdserve bench serve` in the same call — one colocated server, and a prefill + a
 # decode server under the private MPS daemon at each SM split — all prompts at once and CONCURRENCY in
 # flight. Results: one JSON per measurement under OUT, and each stack's log (the servers' start-up

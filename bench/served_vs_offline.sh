@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Served against offline on one multi-GPU host (docs/benchmarks.md, "Serving at engine speed"):
+# Served against offline on one multi-GPU host (docs/benchmarks/router-and-host-cpu.md, "Serving at engine speed"):
 #   the offline engine on GPU 0 (`pdserve bench offline`), the decode step at batch 256
 #   (bench/decode_step.py), then a prefill server on GPU 0 and a decode server on GPU 1 behind a
 #   router in each ROUTERS configuration, each measured by `pdserve bench serve` with all prompts

@@ -10,7 +10,7 @@ verify step (a function of the tokens so far: common/engine/speculative/ngram.py
 them match are fixed by that answer. Replaying the answer step by step — propose k drafts, accept
 the longest prefix equal to the answer's next tokens, take one more token (the target's own) —
 gives the verify steps a speculative decode would run, without running one. It says which k pays
-on a workload before the device is asked (verify cost per k: docs/benchmarks.md).
+on a workload before the device is asked (verify cost per k: docs/benchmarks/README.md).
 
 `--workload copy` is bench/copy_workload.py's edit/rewrite/quote requests through the chat template;
 `random` is random token ids (speculation's floor).

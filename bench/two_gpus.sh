@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two GPUs, one host (docs/benchmarks.md, "Two GPUs"): the offline engine on one GPU, then `pdserve up`
+# Two GPUs, one host (docs/benchmarks/two-gpus.md, "Two GPUs"): the offline engine on one GPU, then `pdserve up`
 # in each LAYOUT measured by `pdserve bench serve --base-url` in the same call, all prompts at once and
 # CONCURRENCY in flight. Results: one JSON per measurement under OUT, and each stack's log (its placement
 # and KV-path lines, the servers' start-up).

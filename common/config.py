@@ -22,7 +22,7 @@ from pdserve.common.speculation import SPECULATIVE_MAX_BATCH, check_speculative
 DEFAULT_MEM_FRACTION_STATIC = 0.85
 # Tokens per streamed chunk on CUDA unless --stream-interval says: at a 2-3 ms decode step and
 # hundreds of streams, one chunk per token is more than the router and the clients can move (an H100
-# host, GPT-2 shape, 1024 streams: 0.61x the offline engine at 1, 0.80x at 4; docs/benchmarks.md).
+# host, GPT-2 shape, 1024 streams: 0.61x the offline engine at 1, 0.80x at 4; docs/benchmarks/README.md).
 # A 4-token chunk is ~10 ms of a stream there; on CPU a step is tens of ms, so there every token goes.
 DEFAULT_CUDA_STREAM_INTERVAL = 4
 
@@ -313,7 +313,7 @@ def from_cli_args(args: argparse.Namespace, cls: type = EngineConfig) -> Any:
 @dataclass(frozen=True, kw_only=True)
 class TrustConfig:
     """Who may call a server: the flags the router and both servers share (common/trust.py reads
-    them; docs/operations.md, "Trust"). Keyword-only, so a config inheriting them keeps its own
+    them; docs/deploy/security.md, "Trust"). Keyword-only, so a config inheriting them keeps its own
     fields' positions and lists these flags last."""
 
     cluster_secret_file: str = option(
@@ -362,8 +362,8 @@ class ServerConfig(TrustConfig):
     )
     torch_threads: int = option(
         0,
-        "CPU threads torch may use in the scheduler process; 0: torch's default, one per core. (Splitting a "
-        "2-core host between a prefill and a decode server cost a quarter of the throughput: docs/benchmarks.md.)",
+        "CPU threads torch may use in the scheduler process; 0: torch's default, one per core. (Splitting a 2-core "
+        "host between a prefill and a decode server cost a quarter of the throughput: docs/benchmarks/.)",
     )
     startup_timeout: float = option(
         300.0,

@@ -21,7 +21,7 @@ def tune_gc() -> None:
     10,000 not once (nearly everything serving allocates is freed by reference counting first).
     In the router, unfrozen, the collector took 42% of a worker's samples while it streamed
     (each stream's objects live long enough to reach the oldest generation, and every full
-    collection walked the whole start-up heap; docs/benchmarks.md).
+    collection walked the whole start-up heap; docs/benchmarks/README.md).
     """
     gc.collect()
     gc.freeze()

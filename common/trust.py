@@ -1,4 +1,4 @@
-"""Who may call a server: the cluster secret and mutual TLS (docs/operations.md, "Trust").
+"""Who may call a server: the cluster secret and mutual TLS (docs/deploy/security.md, "Trust").
 
 A server checks every RPC but grpc.health.v1's (probes need it) for the cluster secret — call
 metadata `pdserve-cluster-secret`, compared in constant time — and answers UNAUTHENTICATED
@@ -194,7 +194,8 @@ class ClusterSecretCheck(grpc.aio.ServerInterceptor):
                 )
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
-                f'{method} needs the cluster secret (call metadata {SECRET_METADATA_KEY}; docs/operations.md, "Trust")',
+                f"{method} needs the cluster secret (call metadata {SECRET_METADATA_KEY}; "
+                'docs/deploy/security.md, "Trust")',
             )
 
         streaming = (handler.request_streaming, handler.response_streaming) if handler is not None else (False, False)
@@ -241,7 +242,7 @@ def open_channel(address: str, trust: Trust, server_name: str = "") -> grpc.aio.
 # NOTE: gRPC waits before reconnecting to an address that refused it, doubling the wait up to two
 # minutes by default, and calls meanwhile fail at once: a server that came up (still starting when
 # the router or `pdserve up` first called, or restarted) went unseen for ~10 s on the H200 host
-# (docs/benchmarks.md, "One GPU"). Reconnect at least as often as the health checks run (1 s).
+# (docs/benchmarks/one-gpu.md, "One GPU"). Reconnect at least as often as the health checks run (1 s).
 RECONNECT_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -254,7 +255,7 @@ class SecretChannel(grpc.aio.Channel):
 
     NOTE: not a grpc.aio client interceptor: grpc wraps every intercepted call in an object of its
     own and routes a stream's reads and writes through it (~25 us per stream message on the 2-core
-    CPU box: bench/rpc_auth.py, docs/benchmarks.md), while this adds one tuple per call and nothing
+    CPU box: bench/rpc_auth.py, docs/benchmarks/README.md), while this adds one tuple per call and nothing
     per message. Stubs get their callables from unary_unary & co., so every stub on it is covered.
     """
 

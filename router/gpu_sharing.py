@@ -2,7 +2,7 @@
 
 Two CUDA processes on one GPU time-slice it: each runs alone for its slice, so a prefill server's
 kernels wait while the decode server holds the GPU (measured on an H200, GPT-2 shape, 1024 prompts
-at once: 12.2k output tok/s served against 66.1k under MPS; docs/benchmarks.md, "One GPU"). Under
+at once: 12.2k output tok/s served against 66.1k under MPS; docs/benchmarks/one-gpu.md, "One GPU"). Under
 MPS the processes are clients of one MPS server, and their kernels run on the GPU at the same time.
 
     sharing = GpuSharing.start(plan, run_dir, mode, shares)   # a daemon only if a GPU holds 2+ servers
@@ -19,7 +19,7 @@ directory alone.
 Each server on a shared GPU gets an SM share, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: the most of the
 GPU's SMs its kernels may occupy (100: no cap). Caps leave SMs free for the other role's kernels, but
 a fixed cap also starves a role whose load comes in bursts (prefill capped at 35% served a 1024-prompt
-burst at 43.4k tok/s against 66.1k uncapped on an H200): docs/benchmarks.md has the measured default.
+burst at 43.4k tok/s against 66.1k uncapped on an H200): docs/benchmarks/README.md has the measured default.
 
 NOTE the daemon remaps devices: its MPS server sees the GPUs this launcher sees, numbered from 0, so
 a client's CUDA_VISIBLE_DEVICES holds the launcher's own GPU numbers, not the names the launcher was
@@ -44,7 +44,9 @@ MODES = ("auto", "on", "off")
 START_TIMEOUT_S = 10.0  # for the daemon's control pipe to appear
 QUIT_TIMEOUT_S = 10.0  # for the daemon to exit once told to quit
 # What two servers on one GPU lose without MPS (the measurement in this module's docstring).
-TIME_SLICED_COST = "served 5.4x less than under MPS (12.2k vs 66.1k output tok/s, H200, GPT-2, docs/benchmarks.md)"
+TIME_SLICED_COST = (
+    "served 5.4x less than under MPS (12.2k vs 66.1k output tok/s, H200, GPT-2, docs/benchmarks/one-gpu.md)"
+)
 
 
 class SMShares(NamedTuple):
@@ -60,7 +62,7 @@ class SMShares(NamedTuple):
         return f"{self.prefill}:{self.decode}"
 
 
-# Measured on an H200 (docs/benchmarks.md, "The mixed and decode-heavy slices at SM splits"): prefill
+# Measured on an H200 (docs/benchmarks/one-gpu.md, "The mixed and decode-heavy slices at SM splits"): prefill
 # capped at 50% of the SMs doubled the pair's goodput on the mixed slice (>= 128 req/s against 64), took
 # the prefill-heavy one from < 40 to >= 56 req/s and cost the decode-heavy one nothing; uncapped, a
 # prefill's GEMMs take every SM while they run and decode steps wait behind them.

@@ -28,8 +28,8 @@ class Layout(NamedTuple):
 
 COLOCATED = ("never", 0)  # (--disagg-policy, --num-prefill)
 PAIR = ("always", 1)
-# The one-GPU study's mixed workload picks it (docs/benchmarks.md, "The study's third slice"): on one
-# H200, Llama-1B shape, lognormal lengths (medians 256 -> 256), TTFT 1 s / TPOT 2.8 ms SLOs, a prefill
+# The one-GPU study's mixed workload picks it (docs/benchmarks/host-tier-and-multi-turn.md, "The study's third
+# slice"): on one H200, Llama-1B shape, lognormal lengths (medians 256 -> 256), TTFT 1 s / TPOT 2.8 ms SLOs, a prefill
 # and a decode server under MPS kept TPOT p90 at 2.05 / 2.90 ms at 64 / 128 req/s where one colocated
 # server's prefills between decode steps pushed it to 3.10 / 6.38 ms: goodput 64 req/s against none,
 # and at 256 req/s 39.8k output tok/s against 36.8k. (The decode-heavy slice: 2x the goodput; the
@@ -40,10 +40,10 @@ ONE_GPU_DEFAULT = PAIR
 ONE_GPU_WHY = (
     "one GPU: a prefill + a decode server side by side under MPS, prefill on at most half the SMs (on the "
     "study's mixed workload they met TTFT 1 s / TPOT 2.8 ms at 128 req/s where one colocated server missed "
-    "them at 64, docs/benchmarks.md); --num-prefill 0 runs one colocated server"
+    "them at 64, docs/benchmarks/README.md); --num-prefill 0 runs one colocated server"
 )
 
-# The two-GPU study picks it (docs/benchmarks.md, "The disaggregation study on two GPUs"): on two H200s,
+# The two-GPU study picks it (docs/benchmarks/two-gpus.md, "The disaggregation study on two GPUs"): on two H200s,
 # Llama-1B shape, a prefill server on one GPU and a decode server on the other sustained 2x the request
 # rate of two colocated replicas within the SLOs on the prefill-heavy (128 against 64 req/s), decode-heavy
 # (128 against 64) and mixed (128 against < 64) workloads, and kept 53% of a multi-turn load's turns within
@@ -51,7 +51,7 @@ ONE_GPU_WHY = (
 # decode GPU prefilled nearly every prompt while the prefill GPU idled.
 TWO_GPU_WHY = (
     "two or more GPUs: a prefill server and decode servers on GPUs of their own (on the two-GPU study's "
-    "workloads the pair met the SLOs at 2x the rate two colocated replicas did, docs/benchmarks.md); "
+    "workloads the pair met the SLOs at 2x the rate two colocated replicas did, docs/benchmarks/README.md); "
     "--num-prefill 0 --num-decode N runs N colocated replicas"
 )
 

@@ -144,7 +144,7 @@ def rank_threads(local_ranks: int, cores: int) -> int:
     NOTE: a TP server's ranks meet in every forward's collectives, so one rank waiting for a core
     stalls them all: on 2 cores, 2 ranks with a thread per core ran ~30x slower than with 1 each
     (tests/test_tp_disagg.py). A TP 1 server keeps torch's default (splitting the cores cost it a
-    quarter of its throughput: docs/benchmarks.md)."""
+    quarter of its throughput: docs/benchmarks/README.md)."""
     return max(1, cores // local_ranks)
 
 

@@ -195,7 +195,7 @@ def up(
 
     py = sys.executable
     # The run's directory, only this user's: a fresh cluster secret (every server requires it, the
-    # router sends it: docs/operations.md, "Trust"), the MPS daemon's pipes, the start-up reports.
+    # router sends it: docs/deploy/security.md, "Trust"), the MPS daemon's pipes, the start-up reports.
     run_dir = tempfile.mkdtemp(prefix="pdserve-up-")
     secret = ["--cluster-secret-file", write_secret_file(run_dir)]
     procs: list[subprocess.Popen] = []

@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
         type=int,
         default=None,
         help="Prefill servers to start (0: decode servers prefill every request); default: 1, but on one "
-        "GPU the layout that served the most there, printed at start (docs/operations.md).",
+        "GPU the layout that served the most there, printed at start (docs/disaggregation.md).",
     )
     local.add_argument("--num-decode", type=int, default=1, help="Decode servers to start.")
     local.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when a GPU is visible).")
@@ -95,7 +95,7 @@ def add_parser(sub) -> None:
         default="auto",
         metavar="PREFILL:DECODE",
         help="Under MPS, the percent of a shared GPU's SMs each role's servers may occupy "
-        f"(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); auto: {DEFAULT_SM_SHARES} (measured: docs/benchmarks.md).",
+        f"(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); auto: {DEFAULT_SM_SHARES} (measured: docs/disaggregation.md).",
     )
     local.add_argument(
         "--router-workers",
@@ -132,7 +132,8 @@ def add_parser(sub) -> None:
         "--server-args",
         default="",
         metavar="'FLAGS'",
-        help="More prefill-server and decode-server flags, as one string.",
+        help="More prefill-server and decode-server flags, as one string (not those above: a flag given both ways "
+        "is an error).",
     )
     local.set_defaults(func=_up)
 
@@ -165,6 +166,9 @@ def passthrough_of(args) -> tuple[str | None, Passthrough]:
         extra_router, extra_servers = shlex.split(args.router_args), shlex.split(args.server_args)
     except ValueError as e:
         raise ValueError(f"--router-args / --server-args: {e}") from None
+    twice = [flag for flag in both_servers[::2] if flag in {arg.split("=", 1)[0] for arg in extra_servers}]
+    if twice:
+        raise ValueError(f"{', '.join(twice)} given both as pdserve up's own flag and in --server-args: give it once")
     return model_path, Passthrough(
         log_level=args.log_level,
         router=(*router, *both, *extra_router),

@@ -17,7 +17,7 @@ from pdserve.common.serving.server_cli import build_parser as server_parser
 from pdserve.router.cli import build_parser as router_parser
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 URL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+")
 FORBIDDEN = {
@@ -28,7 +28,7 @@ FORBIDDEN = {
     # a hex colour (#a1b2c3d) or a URL (URLs are removed before the search).
     "commit hash": re.compile(r"(?<![\w#-])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w-])"),
     # Paths of the machine the docs were written on, not of the repository. `../pdserve/...` is the
-    # repository seen from a directory beside its checkout (docs/operations.md's kustomize overlay).
+    # repository seen from a directory beside its checkout (docs/deploy/kubernetes.md's kustomize overlay).
     "path outside the repository": re.compile(
         r"(?<![\w.])\.\./(?!pdserve/)|(?<![\w.])/work/|\bshared/seeds\b|(?<![\w.])/(?:home|Users)/\w|(?<![\w.])/root/"
     ),
@@ -40,12 +40,23 @@ def matches(line: str) -> list[tuple[str, str]]:
     return [(what, m.group()) for what, pattern in FORBIDDEN.items() for m in pattern.finditer(text)]
 
 
+def _links_inside_removed(path: Path, line: str) -> str:
+    """The line without its Markdown link targets that stay inside the repository (`../features/fp8.md`
+    from docs/deploy/ is a page of this repository, not a path of the machine the docs were written on)."""
+
+    def inside(m: re.Match) -> str:
+        target = (path.parent / m.group(1).partition("#")[0]).resolve()
+        return "]()" if target.is_relative_to(ROOT) else m.group(0)
+
+    return re.sub(r"\]\(([^)\s]+)\)", inside, line)
+
+
 @pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
 def test_docs_have_no_issue_numbers_hashes_or_outside_paths(path):
     found = [
         f"{path.relative_to(ROOT)}:{number}: {what} {match!r}: {line.strip()}"
         for number, line in enumerate(path.read_text().splitlines(), 1)
-        for what, match in matches(line)
+        for what, match in matches(_links_inside_removed(path, line))
     ]
     assert found == []
 
@@ -123,3 +134,45 @@ def test_help_shows_every_default(command):
         if "(default: " not in formatter._expand_help(action) and "%(default)" not in (action.help or "")
     ]
     assert missing == [], f"`{command} --help` shows no default for {missing}"
+
+
+# A page under docs/ named, then a comma and a quoted title (the title may run onto the next line, after a
+# comment's `#`): a citation of a section, in code, manifests and docs alike. The title must begin a
+# heading of that page, or a paragraph's or a list item's bold lead (`- **The overlapped verify step**
+# (...)`).
+CITATION = re.compile(r'\b(docs/[\w/.-]+\.md), (?:#\s*)?"([^"]+?)(?:"|$)', re.MULTILINE)
+CITING = [
+    p
+    for pattern in ("*.py", "*.md", "*.yaml", "*.sh", "Dockerfile")
+    for p in ROOT.rglob(pattern)
+    if not {".venv", ".git", "build"} & set(p.relative_to(ROOT).parts)
+]
+
+
+def _headings(page: Path) -> list[str]:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.MULTILINE | re.DOTALL)
+    found = re.findall(r"^#+ (.+)$|^(?:- )?\*\*(.+?)\*\*", text, re.MULTILINE)
+    return [" ".join((heading or lead).replace("`", "").split()) for heading, lead in found]
+
+
+def test_every_cited_section_exists():
+    broken = []
+    for path in CITING:
+        for match in CITATION.finditer(path.read_text()):
+            page, title = ROOT / match.group(1), " ".join(match.group(2).replace("`", "").split())
+            title = title.rstrip(" ,.")
+            if not page.exists():
+                broken.append(f"{path.relative_to(ROOT)}: {match.group(1)} does not exist")
+            elif not any(h.startswith(title) for h in _headings(page)):
+                broken.append(f"{path.relative_to(ROOT)}: no heading {title!r} in {match.group(1)}")
+    assert broken == []
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    broken = []
+    for path in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            file = target.partition("#")[0]
+            if file and not re.match(r"[a-z]+:", file) and not (path.parent / file).exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+    assert broken == []

@@ -388,8 +388,8 @@ def test_the_kv_path_of_each_pair_follows_the_placement_and_the_flag():
 
 def test_pdserve_up_passes_the_common_server_flags_it_was_given_and_no_others():
     """`pdserve up --speculative ngram --max-running-requests 64 ...` reaches both servers as their own
-    flags (beside --server-args, which comes last so it can still override); flags not given are not
-    passed, so the servers' defaults hold."""
+    flags (beside --server-args, which comes last); flags not given are not passed, so the servers'
+    defaults hold."""
     from pdserve.common.cli import build_parser
     from pdserve.router.up_cli import passthrough_of
 
@@ -404,3 +404,18 @@ def test_pdserve_up_passes_the_common_server_flags_it_was_given_and_no_others():
     assert not {"--speculative", "--max-running-requests", "--quantization", "--chunked-prefill-size"} & set(
         plain.servers
     )
+
+
+@pytest.mark.parametrize("server_args", ["--speculative ngram", "--page-size 8 --max-running-requests=32"])
+def test_pdserve_up_refuses_a_server_flag_given_both_ways(server_args):
+    """`--speculative ngram --server-args '--speculative draft'` would leave which one wins to argparse's
+    order: an error names the flag instead."""
+    from pdserve.common.cli import build_parser
+    from pdserve.router.up_cli import passthrough_of
+
+    argv = ["up", "--tiny-model", "--speculative", "ngram", "--max-running-requests", "64"]
+    argv += ["--server-args", server_args]
+    twice = "--speculative" if "speculative" in server_args else "--max-running-requests"
+    with pytest.raises(ValueError, match=f"{twice} given both as pdserve up's own flag and in --server-args"):
+        passthrough_of(build_parser().parse_args(argv))
+    passthrough_of(build_parser().parse_args(["up", "--tiny-model", "--server-args", server_args]))  # one way: fine

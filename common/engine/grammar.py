@@ -92,7 +92,7 @@ class Grammars:
     def compile(self, grammar: tuple[str, str]) -> Future:
         """The CompiledGrammar of (kind, spec), as a Future: compiled once per spec (cached, the
         least recently used out past CACHE_ENTRIES) on a worker thread, since building the token
-        masks of a 128k vocabulary takes up to ~1 s (docs/benchmarks.md) and the event loop must
+        masks of a 128k vocabulary takes up to ~1 s (docs/benchmarks/README.md) and the event loop must
         not stop for it; the grammar worker compiles it alongside. It raises ValueError if the
         library refuses the grammar."""
         return self._compile(grammar)[0]

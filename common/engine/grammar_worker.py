@@ -37,7 +37,7 @@ import torch
 # this process may use, less two), from PARALLEL_ROWS grammar rows on. Each takes every k-th row
 # (the costly states spread out) through its own one-thread BatchGrammarMatcher (xgrammar's own
 # max_threads > 1 was slower than one thread): two xgrammar calls a step. Four (Llama-1B shape,
-# batch 128 on an H200, docs/benchmarks.md, measured with the threads in the server's process: the
+# batch 128 on an H200, docs/benchmarks/README.md, measured with the threads in the server's process: the
 # bounded-strings schema 2.5-2.8x the plain step with four, 2.9-3.4x with two, 4.3x with one).
 FILL_THREADS = 4
 PARALLEL_ROWS = 16

@@ -18,7 +18,7 @@ per page per layer. On a GPU one Triton launch moves
 any number of pages, every layer, K and V, and head, reading or writing the pinned host pages
 directly (mapped memory: common/kv_transfer/page_copy_kernel.py `copy_host_pages`); it was a gather
 or scatter per layer and per K/V plus a bulk copy (32 launches for a Llama-1B load whatever its size:
-14.5 GB/s for 16 pages, 1.2 for one, against the bus's 55: docs/benchmarks.md). On the CPU the
+14.5 GB/s for 16 pages, 1.2 for one, against the bus's 55: docs/benchmarks/README.md). On the CPU the
 copies are plain index copies.
 
 Streams: loads run on `stream`, write-through stores on `store_stream` (two side streams, so a

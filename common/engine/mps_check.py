@@ -3,7 +3,7 @@
 Why: on an H200 (driver 580.159.04, torch 2.11 + CUDA 13's cuBLAS), bf16 GEMMs at Llama-1B's projection
 shapes came out wrong under an MPS daemon at CUDA_MPS_ACTIVE_THREAD_PERCENTAGE 60, 70 and 80 — errors
 as large as the results, mostly different from one run to the next (15-41 of 60 GEMMs per share) — and
-right at 50, 90 and 100 (docs/benchmarks.md, "GEMMs under MPS SM shares"). Nothing fails loudly: the
+right at 50, 90 and 100 (docs/benchmarks/one-gpu.md, "GEMMs under MPS SM shares"). Nothing fails loudly: the
 server would serve wrong tokens. So a server given a share below 100% checks before it serves: each of
 its model's linear shapes at a few token counts, run twice (the same bits) and checked against an fp32
 reference on the CPU through a random projection (Freivalds: y @ v against x @ (W^T v), every row at

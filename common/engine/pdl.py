@@ -11,7 +11,7 @@ starts when that one's programs have all exited, as without PDL.
 Launched so: the FP8 decode path's kernels (fp8_kernels.py: the GEMMs, the K split's sum,
 rmsnorm_fp8, quantize_per_token, the fused gate_up and its quantization), rope_store_kv and the
 decode attention (attention/triton_store.py, attention/triton_decode.py). Measured in
-docs/benchmarks.md, "FP8 decode step, third pass" and "fourth pass": the FP8 path's kernels 2% of
+docs/benchmarks/fp8.md, "FP8 decode step, third pass" and "fourth pass": the FP8 path's kernels 2% of
 a Llama-8B step at batch 64, rope_store_kv and the attention 0.7% more (H100). Prefetching the
 weight to L2 before the wait made the step slower.
 

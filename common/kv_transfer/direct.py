@@ -6,15 +6,15 @@ process even where `CUDA_VISIBLE_DEVICES` hides the peer's GPU from it (measured
 device copy into the mapped pool of the other GPU ran at ~360 GiB/s), so `pdserve up`'s one GPU per
 server is no obstacle. Peers on other hosts, or whose pool cannot be mapped, go through NIXL.
 
-Why (docs/benchmarks.md, "One GPU, both roles" and "Two GPUs"): a NIXL WRITE posts one UCX copy per
-descriptor (at least one per layer, K or V, and page run: 24 for one GPT-2-small prompt; 288 when
-the pools were head-major, ~3-4 ms of the prefill scheduler's time per request). Here the decode
-server's pool is mapped into the prefill process once (CUDA IPC handles, published with the pool's
-metadata), and a WRITE is one kernel launch on a stream of its own (every layer's K and V, every
-page: page_copy_kernel.py; `copy_pages`, two launches per buffer, is the reference it is
-tested against). On another GPU the kernel's stores travel over the link. The notification still
-goes through NIXL (`send_notif`), after the copy's event has completed, so the decode side cannot
-tell the two paths apart.
+Why (docs/benchmarks/transfers.md, "One GPU, both roles: the same-GPU KV copy" and "Two GPUs: KV by
+device copy"): a NIXL WRITE posts one UCX copy per descriptor (at least one per layer, K or V, and page
+run: 24 for one GPT-2-small prompt; 288 when the pools were head-major, ~3-4 ms of the prefill
+scheduler's time per request). Here the decode server's pool is mapped into the prefill process once
+(CUDA IPC handles, published with the pool's metadata), and a WRITE is one kernel launch on a stream of
+its own (every layer's K and V, every page: page_copy_kernel.py; `copy_pages`, two launches per buffer,
+is the reference it is tested against). On another GPU the kernel's stores travel over the link. The
+notification still goes through NIXL (`send_notif`), after the copy's event has completed, so the decode
+side cannot tell the two paths apart.
 
 NOTE (visibility): a peer GPU's stores are visible to its owner once the copy kernel has completed
 (the event): the notification leaves only then, and the decode side reads the pages in later work.

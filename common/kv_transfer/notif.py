@@ -16,7 +16,7 @@ import secrets
 
 # 2: pages and bytes. 3: heads (and the head-major pool). 4: the token-major pool. Servers of different versions refuse
 # each other's notifications: roll prefill and decode servers together (as for a KV layout change,
-# docs/operations.md).
+# docs/deploy/troubleshoot.md).
 NOTIF_VERSION = 4
 _ROOM_LIMIT = 1 << 63
 

@@ -1,6 +1,6 @@
 """One kernel launch for a whole KV WRITE by device copy (this GPU, or a peer GPU of this host).
 
-Why (docs/benchmarks.md, "The default pair's burst"): `copy_pages` (direct.py) is a gather and a
+Why (docs/benchmarks/one-gpu.md, "The default pair's burst"): `copy_pages` (direct.py) is a gather and a
 scatter per buffer — 48 launches for one GPT-2-small prompt, ~1 ms of the prefill scheduler's time
 per request under MPS, half of its loop in a 1,024-prompt burst. Here the buffers' base addresses
 sit in device tables built once per peer, and one program copies one row (a chunk of a page, or one

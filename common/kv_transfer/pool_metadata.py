@@ -9,7 +9,7 @@ Wire format (version 3), no pickle:
 
 Versions 1 and 2 are refused: their pages mean other bytes (version 2's pools were head-major,
 version 3's are token-major). Roll prefill and decode servers together across a change
-(docs/operations.md).
+(docs/deploy/troubleshoot.md).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ ACCEPTANCE_WEIGHT = 0.5
 # Overlap while this share of the guesses overlapped steps ride on holds (an average over requests and steps,
 # each observation weighing HELD_WEIGHT). On an H200 (Llama-1B shape, drafts all right) overlapping made a
 # verify step 11% cheaper; with one draft in three wrong it made steps lose their drafts half the time
-# (docs/benchmarks.md, "The overlapped verify step"): it pays only when the guess nearly always holds.
+# (docs/benchmarks/speculative.md, "The overlapped verify step"): it pays only when the guess nearly always holds.
 OVERLAP_MIN_HELD = 0.8
 HELD_WEIGHT = 1 / 16
 

@@ -100,7 +100,7 @@ def run_scheduler(make_engine, server: ServerConfig, to_scheduler: str, to_front
         import torch
 
         # NOTE: two busy scheduler processes on one host, each with a thread per core, slow each
-        # other down (measured on 2 cores: docs/benchmarks.md): servers sharing a host split it.
+        # other down (measured on 2 cores: docs/benchmarks/README.md): servers sharing a host split it.
         torch.set_num_threads(server.torch_threads)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -116,7 +116,7 @@ def run_scheduler(make_engine, server: ServerConfig, to_scheduler: str, to_front
         engine.channel = channel
         startup.mark(READY)
         # NOTE printed, not logged: `pdserve up` runs servers at --log-level warning, and this line
-        # is how a user sees where a slow start went (docs/operations.md, "Start-up").
+        # is how a user sees where a slow start went (docs/deploy/observe.md, "Start-up").
         print(f"{type(engine).__name__} started: {startup.summary()}", file=sys.stderr, flush=True)
         channel.send(engine.ready())
         for _ in engine.event_loop():

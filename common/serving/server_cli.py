@@ -56,7 +56,7 @@ def main(launcher: RoleLauncher, argv: list[str] | None = None) -> int:
     if engine.device == "cpu":
         # NOTE: OpenMP threads that spin-wait between torch ops steal the cores of the other
         # servers on the host (a prefill and a decode server on 2 cores, 8 streams: TTFT p50
-        # 6.6 -> 5.0 s, output +8% with PASSIVE; docs/benchmarks.md). Read once, when the scheduler
+        # 6.6 -> 5.0 s, output +8% with PASSIVE; docs/benchmarks/README.md). Read once, when the scheduler
         # process loads torch, so it is set here, before that process is spawned.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     asyncio.run(_serve(launcher, engine, server, agent_name))

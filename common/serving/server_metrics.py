@@ -1,4 +1,4 @@
-"""The Prometheus series a server exposes on its --metrics-port (docs/operations.md lists them):
+"""The Prometheus series a server exposes on its --metrics-port (docs/deploy/observe.md lists them):
 load gauges from the scheduler's reports, and counters fed by the messages the frontend routes
 (common/serving/frontend.py SchedulerBridge)."""
 

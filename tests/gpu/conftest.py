@@ -1,4 +1,4 @@
-"""GPU tests: run on the lent GPU (see docs/benchmarks.md for how); skipped without CUDA."""
+"""GPU tests: run on the lent GPU (see docs/benchmarks/README.md for how); skipped without CUDA."""
 
 import pytest
 import torch

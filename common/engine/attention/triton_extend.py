@@ -194,7 +194,7 @@ def _extend_kernel(
             q_pool = tl.minimum(tl.maximum(q_tile.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         # NOTE: HAS_PREFIX False (no request of the batch has one) compiles the prefix's walk out: with
         # both walks the kernel held 248 registers instead of 168 and a prompt with no prefix took
-        # 1.2x bf16's time; without, 0.8x (H100, docs/benchmarks.md).
+        # 1.2x bf16's time; without, 0.8x (H100, docs/benchmarks/README.md).
         if HAS_PREFIX:
             end = tl.minimum(prefix_len, hi)
             p_lo = tl.minimum(lo, end)

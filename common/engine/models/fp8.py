@@ -29,7 +29,7 @@ done by the op before the layer (an Fp8Input: the fused Llama path's norms and s
 NOTE: cuBLASLt's row-wise scaled kernels are not its fastest at decode shapes. On an H200, replayed
 from a CUDA graph at Llama-8B's shapes and 64 tokens (quantization included): down_proj 45 us
 row-wise, 29 us tensor-wise (unit scales into fp32 sums + fp8_kernels.scale_output), 28 us with the
-Triton GEMM at its swept tiles, 37 us in bf16 (docs/benchmarks.md, "FP8 weights at decode"). The
+Triton GEMM at its swept tiles, 37 us in bf16 (docs/benchmarks/fp8.md, "FP8 weights at decode"). The
 tensor-wise path (TENSORWISE_MAX_TOKENS, 0: off) stays for bench/fp8_gemm.py's comparison.
 
 Nothing here syncs with the host (no .item(), no data-dependent shapes): it runs inside captured
@@ -108,13 +108,13 @@ def _log_emulated(reason: str) -> None:
 TENSORWISE_MAX_TOKENS = 0
 # Up to this many tokens the CUDA GEMM is fp8_kernels.fp8_gemm (one Triton launch, both scales and the
 # bias in its epilogue). On an H200 at Llama-8B's shapes it beat row-wise cuBLASLt at 1-128 tokens on
-# every projection, and lost on gate_up at 256 (docs/benchmarks.md, "FP8 weights at decode").
+# every projection, and lost on gate_up at 256 (docs/benchmarks/fp8.md, "FP8 weights at decode").
 TRITON_MAX_TOKENS = 128
 # Above it, torch._scaled_mm with use_fast_accum: Hopper's FP8 tensor cores keep their partial sums in
 # less than fp32 between promotions, and this lets them go longer (vLLM's CUTLASS FP8 GEMMs use the
 # same "FastAccum" schedules). On an H100 at Llama-8B's prefill shapes (2,048-16,384 tokens) the GEMMs
 # took 3-15% less time, and 256 x 1024 -> 256 offline with FP8 weights + FP8 KV 1.59x bf16's output
-# rate against 1.50x (docs/benchmarks.md); tests/gpu/test_fp8_cuda.py bounds its error at K = 14336.
+# rate against 1.50x (docs/benchmarks/README.md); tests/gpu/test_fp8_cuda.py bounds its error at K = 14336.
 FP8_FAST_ACCUM = True
 
 

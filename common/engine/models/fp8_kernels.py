@@ -160,7 +160,7 @@ def _fp8_gemm_tma(
     """_fp8_gemm_swapped's tiles, read by the tensor-memory accelerator (Hopper's TMA: one
     instruction a tile, no address arithmetic in the threads; rows and columns past the tensor's
     edge come back as zeros). At Llama-8B's projections, 64 tokens, weights past L2, H100: 1-14%
-    faster than the pointer kernel (docs/benchmarks.md, "FP8 decode step, third pass")."""
+    faster than the pointer kernel (docs/benchmarks/fp8.md, "FP8 decode step, third pass")."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -203,7 +203,7 @@ def gemm_config(m: int, n: int, k: int, tma: bool = True) -> dict:
     64 weight rows a program; K in steps of 256 (gate_up beyond 64 tokens: 128, programs enough);
     K split in two where it is long and the rows few (down_proj: 64 programs otherwise, each
     reading all of x's 14336 columns). The TMA kernel's pipeline depths are from a sweep at
-    Llama-8B's projections, 64 and 128 tokens, on an H100 (docs/benchmarks.md, "FP8 decode step,
+    Llama-8B's projections, 64 and 128 tokens, on an H100 (docs/benchmarks/fp8.md, "FP8 decode step,
     third pass"): 6 tiles in flight for o_proj (few programs), 3-4 elsewhere, as shared memory
     allows at 128 tokens. The pointer kernel's are from the H200 sweep of "FP8 weights at decode".
 
