@@ -13,7 +13,7 @@ SIGKILLed and started again on its ports. It checks, and prints as one JSON line
   - after the load, every server's KV back to idle (used tokens, running and waiting requests 0);
   - the RSS of every process that was not restarted (the router's, at least) within 10% of its
     size once the warm-up load had run.
-Exit status 0 when all hold. Not run in CI (bench/, minutes long): docs/benchmarks.md has its figures.
+Exit status 0 when all hold. Not run in CI (bench/, minutes long): docs/benchmarks/faults.md has its figures.
 """
 
 from __future__ import annotations
