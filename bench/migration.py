@@ -29,6 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdserve.bench.random_weights import model_path_from_args
 from pdserve.bench.worker_kill import wait_grpc, wait_ready
 from pdserve.common.ports import free_port
 
@@ -221,10 +222,20 @@ def urllib_get(url: str) -> str:
         return r.read().decode()
 
 
+def model_and_log_dir(args) -> tuple[str, Path]:
+    """The checkpoint (--model-path, else --random-weights' built once) and the log directory, made."""
+    if not args.model_path and not args.random_weights:
+        args.random_weights = "llama/tiny"
+    model = model_path_from_args(args)
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return model, log_dir
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdserve.bench.migration", description=__doc__.split("\n")[0])
     parser.add_argument("--model-path")
-    parser.add_argument("--random-weights", default="llama/tiny")
+    parser.add_argument("--random-weights", help="ARCH/SHAPE (default llama/tiny, without --model-path)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--cases", nargs="+", default=["json", "ngram"], choices=("json", "ngram", "greedy"))
     parser.add_argument("--max-tokens", type=int, default=300)
@@ -233,14 +244,7 @@ def main(argv=None) -> int:
     parser.add_argument("--log-dir", default="/tmp/pdserve-migration")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    if args.model_path:
-        model = args.model_path
-    else:
-        from pdserve.bench.random_weights import random_weight_checkpoint
-
-        model = str(random_weight_checkpoint(args.random_weights))
-    log_dir = Path(args.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
+    model, log_dir = model_and_log_dir(args)
     results = []
     for case in args.cases:
         result = run_case(case, model, args, log_dir)

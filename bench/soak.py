@@ -30,7 +30,7 @@ import time
 import urllib.error
 from pathlib import Path
 
-from pdserve.bench.migration import post, start, start_server, stream, urllib_get
+from pdserve.bench.migration import model_and_log_dir, post, start, start_server, stream, urllib_get
 from pdserve.bench.worker_kill import wait_grpc, wait_ready
 from pdserve.common.ports import free_port
 
@@ -166,7 +166,7 @@ def prompt_of(i: int) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdserve.bench.soak", description=__doc__.split("\n")[0])
     parser.add_argument("--model-path")
-    parser.add_argument("--random-weights", default="llama/tiny")
+    parser.add_argument("--random-weights", help="ARCH/SHAPE (default llama/tiny, without --model-path)")
     parser.add_argument("--duration", type=float, default=1200.0, help="seconds of load")
     parser.add_argument("--kill-every", type=float, default=120.0, help="seconds between two server kills")
     parser.add_argument("--concurrency", type=int, default=8)
@@ -183,14 +183,7 @@ def main(argv=None) -> int:
     parser.add_argument("--log-dir", default="/tmp/pdserve-soak")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    if args.model_path:
-        model = args.model_path
-    else:
-        from pdserve.bench.random_weights import random_weight_checkpoint
-
-        model = str(random_weight_checkpoint(args.random_weights))
-    log_dir = Path(args.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
+    model, log_dir = model_and_log_dir(args)
     stack = Stack(model, log_dir, args.ready_timeout, ["--prefill-fallback", args.prefill_fallback])
     try:
         return run(stack, model, args)
