@@ -32,6 +32,7 @@ from pathlib import Path
 from pdserve.bench.random_weights import model_path_from_args
 from pdserve.bench.worker_kill import wait_grpc, wait_ready
 from pdserve.common.ports import free_port
+from pdserve.router.up import stop_processes
 
 SCHEMA = {
     "type": "object",
@@ -207,14 +208,7 @@ def run_case(case: str, model: str, args, log_dir: Path) -> dict:
             "twin_chars": len(twin_text),
         }
     finally:
-        for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(list(reversed(procs)), grace_s=30)
 
 
 def urllib_get(url: str) -> str:

@@ -23,7 +23,6 @@ import json
 import random
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 from pdserve.bench.migration import model_and_log_dir, post, start, start_server, stream, urllib_get
 from pdserve.bench.worker_kill import wait_grpc, wait_ready
 from pdserve.common.ports import free_port
+from pdserve.router.up import stop_processes
 
 HEALTH = ["--health-check-interval", "0.5", "--health-check-timeout", "0.5"]
 
@@ -72,15 +72,7 @@ class Stack:
         return time.monotonic() - at
 
     def stop(self) -> None:
-        procs = [self.router, *(s["proc"] for s in self.servers)]
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes([self.router, *(s["proc"] for s in self.servers)], grace_s=30)
 
 
 def rss_mib(pid: int) -> float:

@@ -166,7 +166,8 @@ def passthrough_of(args) -> tuple[str | None, Passthrough]:
         extra_router, extra_servers = shlex.split(args.router_args), shlex.split(args.server_args)
     except ValueError as e:
         raise ValueError(f"--router-args / --server-args: {e}") from None
-    twice = [flag for flag in both_servers[::2] if flag in {arg.split("=", 1)[0] for arg in extra_servers}]
+    extra_flags = {arg.split("=", 1)[0] for arg in extra_servers}  # (--flag=value gives --flag too)
+    twice = ["--" + name.replace("_", "-") for name, _ in given if "--" + name.replace("_", "-") in extra_flags]
     if twice:
         raise ValueError(f"{', '.join(twice)} given both as pdserve up's own flag and in --server-args: give it once")
     return model_path, Passthrough(
