@@ -63,6 +63,7 @@ class Plan:
     sender_gpu: int
     receiver_gpu: int
     seed: int = 0
+    time_calls: bool = False  # timers on the calls inside write_pages (bench/call_timer.py)
 
     @property
     def pages_per_request(self) -> int:
@@ -159,6 +160,11 @@ def sender(plan: Plan, path: str, metadata: bytes, conn) -> None:
     from pdserve.common.kv_transfer.notif import encode_notif, new_room
     from pdserve.common.kv_transfer.pool_metadata import decode_pool_metadata
 
+    timer = None
+    if plan.time_calls:
+        from pdserve.bench.call_timer import time_write_calls
+
+        timer = time_write_calls()
     pool = _pool(plan, fill_seed=plan.seed + 1)
     agent = NixlKVAgent(SENDER, pool, path=path)
     peer = agent.add_peer(decode_pool_metadata(metadata)[0])
@@ -207,7 +213,7 @@ def sender(plan: Plan, path: str, metadata: bytes, conn) -> None:
                 host += p[2] + finish([p[1]])
         ops = [p[1].ops for p in posts]
         conn.send(("posted", phase, started, [(p[0], p[2], p[3]) for p in posts], host, ops))
-    conn.send(("pages", list(zip(src_pages, dst_pages))))
+    conn.send(("pages", list(zip(src_pages, dst_pages)), timer.summary() if timer else {}))
     conn.recv()
     agent.close()
 
@@ -228,7 +234,7 @@ class PhaseResult:
     mib_per_request: float
 
 
-def run_path(plan: Plan, path: str) -> tuple[list[PhaseResult], int]:
+def run_path(plan: Plan, path: str) -> tuple[list[PhaseResult], int, dict]:
     ctx = mp.get_context("spawn")
     r_conn, r_theirs = ctx.Pipe()
     s_conn, s_theirs = ctx.Pipe()
@@ -270,7 +276,7 @@ def run_path(plan: Plan, path: str) -> tuple[list[PhaseResult], int]:
                     mib_per_request=nbytes / 2**20,
                 )
             )
-        _, pairs = _recv(s_conn, send)
+        _, pairs, calls = _recv(s_conn, send)
         r_conn.send(("check", pairs))
         bad = _recv(r_conn, recv)
         s_conn.send("stop")
@@ -280,7 +286,7 @@ def run_path(plan: Plan, path: str) -> tuple[list[PhaseResult], int]:
             p.join(30)
             if p.is_alive():
                 p.kill()
-    return results, bad
+    return results, bad, calls
 
 
 def _recv(conn, proc):
@@ -304,6 +310,7 @@ def run_transfer(args) -> int:
         fragment=args.fragment,
         sender_gpu=args.sender_gpu,
         receiver_gpu=args.receiver_gpu,
+        time_calls=args.time_calls,
     )
     paths = args.paths or (["direct", "nixl"] if plan.device == "cuda" else ["nixl"])
     if plan.device != "cuda" and set(paths) - {"auto", "nixl"}:
@@ -321,9 +328,9 @@ def run_transfer(args) -> int:
         f"{'notif ms p50':>13}{'p99':>8}{'GB/s':>8}  route"
     )
     print(header)
-    rows, failed = [], 0
+    rows, failed, calls = [], 0, {}
     for path in paths:
-        results, bad = run_path(plan, path)
+        results, bad, calls[path] = run_path(plan, path)
         failed += bad
         for r in results:
             rows.append(asdict(r))
@@ -333,7 +340,9 @@ def run_transfer(args) -> int:
             )
         if bad:
             print(f"{path}: {bad} destination pages differ from their source")
+        for label, c in calls[path].items():
+            print(f"  {path} call {label:<44}{c['p50_us']:>9.1f} us p50{c['mean_us']:>9.1f} mean{c['calls']:>7} calls")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"plan": asdict(plan), "results": rows, "bad_pages": failed}, f, indent=1)
+            json.dump({"plan": asdict(plan), "results": rows, "bad_pages": failed, "calls": calls}, f, indent=1)
     return 1 if failed else 0

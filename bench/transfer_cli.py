@@ -33,5 +33,10 @@ def add_transfer_parser(kinds):
     )
     transfer.add_argument("--sender-gpu", type=int, default=0, help="CUDA: the sending pool's GPU.")
     transfer.add_argument("--receiver-gpu", type=int, default=0, help="CUDA: the receiving pool's GPU.")
+    transfer.add_argument(
+        "--time-calls",
+        action="store_true",
+        help="Time the calls inside each WRITE on the sending thread (checks, NIXL's calls, the copy's launch).",
+    )
     transfer.add_argument("--output-json", default="", help="Write the results here too.")
     return transfer

@@ -777,9 +777,13 @@ def test_bench_transfer_moves_every_page_and_reports_per_request_costs(tmp_path,
     page equals its source, and each request's WRITE is one descriptor per (layer, K/V, page run)."""
     out = tmp_path / "transfer.json"
     argv = ["bench", "transfer", "--shape", "llama/1b", "--requests", "4", "--tokens", "40", "--page-size", "8"]
-    assert main([*argv, "--fragment", "--output-json", str(out)]) == 0
+    assert main([*argv, "--fragment", "--time-calls", "--output-json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["bad_pages"] == 0
+    # --time-calls: every WRITE (4 warm-up, 4 serial, 4 burst) timed, and the NIXL post inside it
+    calls = report["calls"]["nixl"]
+    assert calls["write_pages (the whole WRITE)"]["calls"] == calls["nixl: transfer (the post)"]["calls"] == 12
+    assert calls["write_pages (the whole WRITE)"]["p50_us"] >= calls["nixl: transfer (the post)"]["p50_us"] > 0
     assert [(r["path"], r["phase"], r["requests"]) for r in report["results"]] == [
         ("nixl", "serial", 4),
         ("nixl", "burst", 4),

@@ -16,7 +16,7 @@ import torch
 from pdserve.common.engine.kv_pool import PagedKVPool
 from pdserve.common.kv_transfer import KVLayout, decode_notif, encode_notif, new_room
 from pdserve.common.kv_transfer.direct import copy_pages, page_view
-from pdserve.common.kv_transfer.pages import Rows, check_pages, coalesce_runs, page_rows, run_descriptors
+from pdserve.common.kv_transfer.pages import Rows, check_pages, coalesce_runs, one_run, page_rows, run_descriptors
 from pdserve.common.kv_transfer.pool_metadata import PoolMetadata, decode_pool_metadata, encode_pool_metadata
 from pdserve.common.kv_transfer.prepped import page_indices, strided_rows
 
@@ -141,6 +141,26 @@ def test_the_one_launch_copy_writes_what_the_per_buffer_copy_does(src_heads, dst
         *page_rows(src_layout, src_heads, dst_layout, dst_heads),
     )
     assert all(torch.equal(a, b) for a, b in zip(fused, by_torch, strict=True))  # (the pages not written too)
+
+
+@pytest.mark.parametrize("src_heads,dst_heads", [(range(0, 2), range(0, 2)), (range(1, 2), range(0, 1))])
+def test_a_run_of_pages_is_copied_without_a_page_index(src_heads, dst_heads):
+    """Both sides one run of consecutive pages: copy_pages_fused takes each side's first page (ints)
+    and writes what copy_pages does from the page lists, and no page outside the run."""
+    from pdserve.common.kv_transfer.page_copy_kernel import address_table, copy_pages_fused
+
+    src_layout = KVLayout(page_size=4, num_layers=2, kv_heads=2, head_dim=8, dtype="float32", num_pages=12)
+    dst_layout = KVLayout(page_size=4, num_layers=2, kv_heads=len(dst_heads), head_dim=8, dtype="float32", num_pages=9)
+    gen = torch.Generator().manual_seed(2)
+    src = [page_view(torch.rand(12 * 4, 2, 8, generator=gen), src_layout) for _ in range(4)]
+    by_torch = [page_view(torch.rand(9 * 4, len(dst_heads), 8, generator=gen), dst_layout) for _ in range(4)]
+    fused = [b.clone() for b in by_torch]
+    src_pages, dst_pages = [7, 8, 9, 10], [1, 2, 3, 4]
+    assert one_run(src_pages, dst_pages) and not one_run(src_pages, [1, 2, 3, 5])
+    copy_pages(src, by_torch, src_pages, dst_pages, src_heads, dst_heads)
+    rows = page_rows(src_layout, src_heads, dst_layout, dst_heads)
+    copy_pages_fused(address_table(src), address_table(fused), 7, 1, *rows, run=4)
+    assert all(torch.equal(a, b) for a, b in zip(fused, by_torch, strict=True))
 
 
 def test_the_pool_is_token_major_so_a_page_of_every_head_is_contiguous():

@@ -33,14 +33,14 @@ from __future__ import annotations
 import enum
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pdserve.common.engine.overlap import h2d_array
 from pdserve.common.kv_transfer.base import KVLayout, TransferHandle
-from pdserve.common.kv_transfer.pages import page_rows
+from pdserve.common.kv_transfer.pages import one_run, page_rows
 from pdserve.common.kv_transfer.pool_metadata import PoolMetadata
 
 logger = logging.getLogger(__name__)
@@ -156,6 +156,7 @@ class _Mapped:
     views: list[torch.Tensor]
     table: torch.Tensor
     layout: KVLayout
+    rows: dict = field(default_factory=dict)  # (own heads, its heads) -> page_rows' pair, worked out once
 
 
 class DirectPeers:
@@ -174,6 +175,7 @@ class DirectPeers:
         self.own_table = address_table(self.own)
         self.stream = torch.cuda.Stream(device)
         self.peers: dict[str, _Mapped] = {}
+        self.spare_events: list[torch.cuda.Event] = []  # of released copies: recorded again, not made again
 
     def add(self, peer: PoolMetadata) -> str | None:
         """Map `peer`'s pool if a device copy can reach it; say how ("this GPU", "peer GPU <uuid>"),
@@ -220,10 +222,20 @@ class DirectPeers:
         from pdserve.common.kv_transfer.page_copy_kernel import copy_pages_fused
 
         target = self.peers[peer]
-        src_rows, dst_rows = page_rows(self.layout, src_heads, target.layout, dst_heads)
+        rows = target.rows.get((src_heads, dst_heads))
+        if rows is None:
+            rows = target.rows[(src_heads, dst_heads)] = page_rows(self.layout, src_heads, target.layout, dst_heads)
+        event = self.spare_events.pop() if self.spare_events else torch.cuda.Event()
         with torch.cuda.stream(self.stream):
-            index = h2d_array(np.array([src_pages, dst_pages], dtype=np.int64), self.device)
-            copy_pages_fused(self.own_table, target.table, index[0], index[1], src_rows, dst_rows)
-            event = torch.cuda.Event()
+            if one_run(src_pages, dst_pages):  # (the common case: no page index to upload)
+                copy_pages_fused(self.own_table, target.table, src_pages[0], dst_pages[0], *rows, run=len(src_pages))
+            else:
+                index = h2d_array(np.array([src_pages, dst_pages], dtype=np.int64), self.device)
+                copy_pages_fused(self.own_table, target.table, index[0], index[1], *rows)
             event.record(self.stream)
         return DirectHandle(peer, len(src_pages), num_bytes, event, notif)
+
+    def recycle(self, handle: DirectHandle) -> None:
+        """A released copy's event (it has completed) for a later copy to record."""
+        if isinstance(handle.event, torch.cuda.Event):
+            self.spare_events.append(handle.event)

@@ -12,6 +12,7 @@ notification goes through NIXL.
 from __future__ import annotations
 
 import logging
+import os
 
 import nixl._bindings as nixl_bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
@@ -20,7 +21,7 @@ from pdserve.common.engine.kv_pool import PagedKVPool
 from pdserve.common.kv_transfer import faults
 from pdserve.common.kv_transfer.base import KVLayout, KVTransferAgent, KVTransferError, TransferHandle, TransferState
 from pdserve.common.kv_transfer.direct import DirectHandle, DirectPeers, TransferPath, gpu_uuid, host_id, share_buffers
-from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, page_rows, run_descriptors
+from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, one_run, page_rows, run_descriptors
 from pdserve.common.kv_transfer.pool_metadata import PoolMetadata
 from pdserve.common.kv_transfer.prepped import page_indices, preparable, strided_rows
 
@@ -33,6 +34,8 @@ _NIXL_ERRORS = tuple(
     for name, cls in vars(nixl_bindings).items()
     if name.startswith("nixl") and name.endswith("Error") and isinstance(cls, type) and issubclass(cls, Exception)
 )
+
+SGL_ENV = "NIXL_UCX_SGL_ENABLE"
 
 _XFER_STATES = {"DONE": TransferState.DONE, "PROC": TransferState.IN_PROGRESS}
 
@@ -78,6 +81,11 @@ class NixlKVAgent(KVTransferAgent):
         # transfer must poll both ends (the servers' loops do, every iteration, while any
         # transfer or reservation is open).
         config = nixl_agent_config(enable_prog_thread=device.type == "cuda", backends=[backend])
+        # UCX scatter-gather: a WRITE's descriptors go to UCX as one operation, not one each
+        # (docs/benchmarks/transfers.md, "UCX scatter-gather": posting a GPT-2 request's 24
+        # descriptors fell from 177 to 29 us on two H200s). NIXL reads the variable when it makes
+        # its UCX engine, below; an operator's own value (0 turns it off) wins.
+        os.environ.setdefault(SGL_ENV, "1")
         self._agent: nixl_agent | None = nixl_agent(name, config)
         if backend not in self._agent.backends:
             # nixl_agent only logs a warning for a missing plugin; registration would then fail obscurely.
@@ -108,6 +116,7 @@ class NixlKVAgent(KVTransferAgent):
         self._peers: dict[str, PoolMetadata] = {}
         self._routes: dict[str, str] = {}  # peer -> how its WRITEs travel (route())
         self._peer_prepped: dict[str, object] = {}  # peer -> its pool as a prepared list
+        self._rows: dict[tuple[str, range], tuple] = {}  # (peer, heads) -> page_rows of a WRITE to it
         self._faults = faults.from_env()  # (tests only: faults.py)
         self._live: set[NixlTransferHandle] = set()
 
@@ -166,6 +175,7 @@ class NixlKVAgent(KVTransferAgent):
         if self._direct is not None:
             self._direct.remove(name)
         self._routes.pop(name, None)
+        self._rows = {key: rows for key, rows in self._rows.items() if key[0] != name}
         prepped = self._peer_prepped.pop(name, None)
         if prepped is not None:
             prepped.release()
@@ -218,16 +228,20 @@ class NixlKVAgent(KVTransferAgent):
             )
             self._live.add(handle)
             return handle
-        runs = coalesce_runs(src_pages, dst_pages)
         num_bytes = self.layout.transfer_bytes(len(src_pages), len(heads))
-        rows = page_rows(self.layout, _local(heads, self.layout), target.layout, _local(heads, target.layout))
+        rows = self._rows.get((peer, heads))
+        if rows is None:  # (the same for every WRITE to the peer: worked out once)
+            local_heads, peer_heads = _local(heads, self.layout), _local(heads, target.layout)
+            rows = self._rows[(peer, heads)] = page_rows(self.layout, local_heads, target.layout, peer_heads)
         try:
             prepped = self._peer_prepped.get(peer)
             if prepped is not None and rows[0].whole_pages:  # (NIXL merges each run into one descriptor)
                 local, remote = page_indices(self.layout, src_pages), page_indices(target.layout, dst_pages)
                 xfer = agent.make_prepped_xfer("WRITE", self._prepped, local, prepped, remote, notif)
-                ops = 2 * self.layout.num_layers * len(runs)
+                runs = 1 if one_run(src_pages, dst_pages) else len(coalesce_runs(src_pages, dst_pages))
+                ops = 2 * self.layout.num_layers * runs
             else:
+                runs = coalesce_runs(src_pages, dst_pages)
                 xfer, ops = self._xfer_from_addresses(agent, target, rows, runs, notif)
         except _NIXL_ERRORS as error:
             raise KVTransferError(f"NIXL refused a WRITE of {len(src_pages)} pages to {peer!r}: {error!r}") from error
@@ -281,6 +295,8 @@ class NixlKVAgent(KVTransferAgent):
             handle.event.synchronize()
             handle.released = True
             self._live.discard(handle)
+            if self._direct is not None:
+                self._direct.recycle(handle)
             return
         try:
             handle.xfer.release()

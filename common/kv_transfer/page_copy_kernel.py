@@ -20,6 +20,8 @@ kernel is defined, and the CPU tests set it first.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -27,12 +29,14 @@ import triton.language as tl
 from pdserve.common.kv_transfer.pages import Rows
 
 
-@triton.jit
+# (do_not_specialize: a run's first page is an int that would otherwise compile a kernel of its own
+# when it is 1, mid-serving)
+@triton.jit(do_not_specialize=["src_pages", "dst_pages"])
 def _copy_pages_kernel(
     src_table,  # int64 [buffers]: each source buffer's address
     dst_table,  # int64 [buffers]: the matching destination buffer's address
-    src_pages,  # int64 [pages]
-    dst_pages,  # int64 [pages]
+    src_pages,  # int64 [pages]; with RUN, the run's first page (an int)
+    dst_pages,  # int64 [pages]; with RUN, the run's first page (an int)
     num_rows,  # rows copied a page
     src_offset,  # words from a source page's start to its first row
     dst_offset,
@@ -42,6 +46,7 @@ def _copy_pages_kernel(
     dst_page_words,
     WORDS: tl.constexpr,  # 32-bit words in one row
     BLOCK: tl.constexpr,
+    RUN: tl.constexpr,  # both sides one run of consecutive pages: no page index to read
 ):
     page = tl.program_id(0)
     buffer_row = tl.program_id(1)
@@ -49,8 +54,14 @@ def _copy_pages_kernel(
     row = (buffer_row % num_rows).to(tl.int64)
     src = tl.load(src_table + buffer).to(tl.pointer_type(tl.int32))
     dst = tl.load(dst_table + buffer).to(tl.pointer_type(tl.int32))
-    src = src + src_offset + row * src_row_words + tl.load(src_pages + page) * src_page_words
-    dst = dst + dst_offset + row * dst_row_words + tl.load(dst_pages + page) * dst_page_words
+    if RUN:
+        src_page = (src_pages + page).to(tl.int64)
+        dst_page = (dst_pages + page).to(tl.int64)
+    else:
+        src_page = tl.load(src_pages + page)
+        dst_page = tl.load(dst_pages + page)
+    src = src + src_offset + row * src_row_words + src_page * src_page_words
+    dst = dst + dst_offset + row * dst_row_words + dst_page * dst_page_words
     for start in range(0, WORDS, BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         mask = offsets < WORDS
@@ -77,9 +88,12 @@ def _chunks(words: int) -> int:
     return chunks
 
 
-def _launch(src_table, dst_table, src_pages, dst_pages, rows: int, src: tuple, dst: tuple, words: int) -> None:
-    """src and dst: (offset, row stride, page stride) in words."""
-    _copy_pages_kernel[(src_pages.numel(), src_table.numel() * rows)](
+def _launch(
+    src_table, dst_table, src_pages, dst_pages, rows: int, src: tuple, dst: tuple, words: int, run: int = 0
+) -> None:
+    """src and dst: (offset, row stride, page stride) in words. run > 0: the pages are ints, each
+    side's first page of a run of `run` pages."""
+    _copy_pages_kernel[(run or src_pages.numel(), src_table.numel() * rows)](
         src_table,
         dst_table,
         src_pages,
@@ -93,24 +107,14 @@ def _launch(src_table, dst_table, src_pages, dst_pages, rows: int, src: tuple, d
         dst[2],
         WORDS=words,
         BLOCK=min(1024, triton.next_power_of_2(words)),
+        RUN=run > 0,
     )
 
 
-def copy_pages_fused(
-    src_table: torch.Tensor,
-    dst_table: torch.Tensor,
-    src_pages: torch.Tensor,
-    dst_pages: torch.Tensor,
-    src_rows: Rows,
-    dst_rows: Rows,
-) -> None:
-    """The rows of src_pages of every buffer b of the source table to the rows of dst_pages of the
-    destination's buffer b, in one launch on the current stream. The page tensors are int64 on the
-    tables' device; the Rows come from pages.page_rows."""
-    if src_rows.count != dst_rows.count or src_rows.nbytes != dst_rows.nbytes or src_pages.numel() != dst_pages.numel():
-        raise ValueError(f"rows {src_rows} -> {dst_rows}, pages {src_pages.numel()} -> {dst_pages.numel()}")
-    if src_pages.numel() == 0:
-        return
+@functools.lru_cache(maxsize=64)
+def _row_plan(src_rows: Rows, dst_rows: Rows) -> tuple[int, tuple, tuple, int]:
+    """(rows a page, source side, destination side, words a row) of a copy between two Rows (the
+    same few pairs on every WRITE: worked out once each)."""
     words = _words(src_rows.nbytes, "a row")
     sides = [
         tuple(_words(n, "a row's place") for n in (r.offset, r.stride, r.page_stride)) for r in (src_rows, dst_rows)
@@ -120,7 +124,31 @@ def copy_pages_fused(
         rows = _chunks(words)
         words //= rows
         sides = [(0, words, page) for _, _, page in sides]
-    _launch(src_table, dst_table, src_pages, dst_pages, rows, sides[0], sides[1], words)
+    return rows, sides[0], sides[1], words
+
+
+def copy_pages_fused(
+    src_table: torch.Tensor,
+    dst_table: torch.Tensor,
+    src_pages: torch.Tensor | int,
+    dst_pages: torch.Tensor | int,
+    src_rows: Rows,
+    dst_rows: Rows,
+    run: int = 0,
+) -> None:
+    """The rows of src_pages of every buffer b of the source table to the rows of dst_pages of the
+    destination's buffer b, in one launch on the current stream. The page tensors are int64 on the
+    tables' device; or, where both sides are one run of `run` consecutive pages, the first page of
+    each (ints: no page index uploaded, the kernel adds its program's page). The Rows come from
+    pages.page_rows."""
+    count = run if run else src_pages.numel()
+    same_pages = run or dst_pages.numel() == count
+    if src_rows.count != dst_rows.count or src_rows.nbytes != dst_rows.nbytes or not same_pages:
+        raise ValueError(f"rows {src_rows} -> {dst_rows}, {count} pages")
+    if count == 0:
+        return
+    rows, src_side, dst_side, words = _row_plan(src_rows, dst_rows)
+    _launch(src_table, dst_table, src_pages, dst_pages, rows, src_side, dst_side, words, run)
 
 
 def copy_host_pages(

@@ -73,6 +73,13 @@ def _check_range(side: str, pages: list[int], num_pages: int) -> None:
         )
 
 
+def one_run(src_pages: list[int], dst_pages: list[int]) -> bool:
+    """Whether both sides are one run of consecutive pages ([3,4,5] -> [10,11,12]; not [3,4,5] ->
+    [10,11,20]). The lists are non-empty and of equal length (check_pages)."""
+    n, src, dst = len(src_pages), src_pages[0], dst_pages[0]
+    return src_pages == list(range(src, src + n)) and dst_pages == list(range(dst, dst + n))
+
+
 def coalesce_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
     """(src_start, dst_start, num_pages) runs, in order, each contiguous on BOTH sides.
 

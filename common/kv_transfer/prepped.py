@@ -16,6 +16,8 @@ slices, between servers of different TP sizes, are built from address lists: pag
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from pdserve.common.kv_transfer.base import KVLayout
@@ -44,5 +46,10 @@ def strided_rows(k_addrs, v_addrs, layout: KVLayout, device_id: int) -> np.ndarr
 def page_indices(layout: KVLayout, pages: list[int]) -> np.ndarray:
     """The prepared-list indices of `pages` in (layer, K/V, page) order: equal-length lists of the
     two sides pair up index for index."""
-    buffers = np.arange(2 * layout.num_layers, dtype=np.int64)[:, None] * layout.num_pages
-    return (buffers + np.asarray(pages, dtype=np.int64)[None, :]).reshape(-1).astype(np.int32)
+    return (_buffer_starts(layout.num_layers, layout.num_pages) + np.array(pages, dtype=np.int32)).reshape(-1)
+
+
+@functools.lru_cache(maxsize=16)
+def _buffer_starts(num_layers: int, num_pages: int) -> np.ndarray:
+    """Each (layer, K/V) row's first index, as a column (int32: preparable() bounds every index)."""
+    return (np.arange(2 * num_layers, dtype=np.int64)[:, None] * num_pages).astype(np.int32)

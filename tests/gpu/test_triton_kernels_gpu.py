@@ -166,3 +166,12 @@ def test_the_one_launch_page_copy_matches_the_per_buffer_copy(heads):
     )
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(fused, by_torch, strict=True))
+    # a run of consecutive pages on both sides (no page index: each side's first page); page 1 too,
+    # the int Triton would have specialized
+    for first_src, first_dst in ((300, 1), (1, 460)):
+        src_run, dst_run = list(range(first_src, first_src + 37)), list(range(first_dst, first_dst + 37))
+        copy_pages(src, by_torch, src_run, dst_run, src_heads, dst_heads)
+        rows = page_rows(src_layout, src_heads, dst_layout, dst_heads)
+        copy_pages_fused(address_table(src), address_table(fused), first_src, first_dst, *rows, run=37)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(fused, by_torch, strict=True))
