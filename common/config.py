@@ -360,6 +360,13 @@ class ServerConfig(TrustConfig):
     kv_transfer_timeout: float = option(
         30.0, "Seconds a KV transfer may take: decode aborts a request whose KV has not arrived, prefill fails it."
     )
+    kv_integrity_check: bool = option(
+        False,
+        "Decode servers: check each KV WRITE's checksum (the prefill server computes it over the pages it sends) "
+        "before decoding the pages; a mismatch fails the request with KV_TRANSFER_FAILED and the router moves it "
+        "to another decode server. Off by default: its cost on a GPU is not measured yet. Prefill servers add the "
+        "checksum wherever a decode server asks for it. Not with --tp-size > 1 on a decode server yet.",
+    )
     torch_threads: int = option(
         0,
         "CPU threads torch may use in the scheduler process; 0: torch's default, one per core. (Splitting a 2-core "

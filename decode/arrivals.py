@@ -30,18 +30,31 @@ class Refused(Exception):
         self.reason, self.detail = reason, detail
 
 
+class Corrupted(Exception):
+    """A notification whose pages landed but fail the integrity check (integrity.py): the room's
+    request must fail, not be decoded."""
+
+    def __init__(self, room: int, detail: str):
+        super().__init__(detail)
+        self.room, self.detail = room, detail
+
+
 class KVArrivals:
     def __init__(self, rank_layouts: list[KVLayout], vocab_size: int):
         self.layouts, self.vocab_size = rank_layouts, vocab_size
         self.partial: dict[int, list[set[int]]] = {}  # room -> heads landed, per rank (incomplete rooms)
 
-    def accept(self, rank: int, message: bytes, granted_pages, waiting) -> tuple[int, int, TokenLogprob | None] | None:
+    def accept(
+        self, rank: int, message: bytes, granted_pages, waiting, verify=None
+    ) -> tuple[int, int, TokenLogprob | None] | None:
         """(room, first token, its logprob) when `message`, received by `rank`'s agent, completes
         its room; None while other WRITEs are missing, or for a late copy (a room no longer
-        `waiting`: a retried prefill's, ignored). Raises Refused for one matching no grant.
+        `waiting`: a retried prefill's, ignored). Raises Refused for one matching no grant, and
+        Corrupted for one whose pages fail `verify`.
 
         granted_pages(room): pages granted for the room, None if none; waiting(room): whether
-        the room still waits for its KV."""
+        the room still waits for its KV; verify(rank, room, heads, checksum): None if the pages of
+        that WRITE are the sender's, else why not (None: no integrity check)."""
         try:
             notif = decode_notif(message)
             lp = notif["logprobs"]
@@ -76,6 +89,10 @@ class KVArrivals:
             )
         if not waiting(room):
             return None
+        if verify is not None and pages:
+            why = verify(rank, room, heads, notif["sum"])
+            if why is not None:
+                raise Corrupted(room, why)
         landed = self.partial.setdefault(room, [set() for _ in self.layouts])
         landed[rank].update(heads)
         if any(len(got) < layout.kv_heads for got, layout in zip(landed, self.layouts)):

@@ -32,7 +32,7 @@ from pdserve.common.kv_transfer.server import ServerKV
 from pdserve.common.serving import ipc
 from pdserve.common.startup import StartupClock
 from pdserve.common.types import Completion, Req, SamplingParams
-from pdserve.decode.arrivals import KVArrivals, Refused
+from pdserve.decode.arrivals import Corrupted, KVArrivals, Refused
 from pdserve.decode.scheduler import DecodeScheduler
 
 log = logging.getLogger(__name__)
@@ -61,16 +61,25 @@ class DecodeEngine(EngineCore):
         agent_name: str,
         kv_transfer_timeout: float = 30.0,
         startup: StartupClock | None = None,
+        kv_integrity_check: bool = False,
     ):
         startup = startup or StartupClock()
+        if kv_integrity_check and config.tp_size > 1:
+            raise ValueError(
+                "--kv-integrity-check is not supported on a decode server with --tp-size > 1 yet (each rank "
+                "would verify its own heads); run it with --tp-size 1 or without the check"
+            )
         self.kv: ServerKV | None = None  # the KV agents this engine owns (every rank's)
         # KV arrives over NIXL (only local prefills and retracted requests are prefilled here, eagerly):
         # no prefill graphs.
         super().__init__(config, startup, prefill_graphs=False, kv_side=KVSide.RECEIVER, kv_agent_name=agent_name)
         with self.closed_on_error():
-            self.kv = ServerKV.open(agent_name, self.runner.kv_pool, self.tp_workers)  # the ranks' agents meet
+            self.kv = ServerKV.open(  # the ranks' agents meet
+                agent_name, self.runner.kv_pool, self.tp_workers, verify_kv=kv_integrity_check
+            )
             self.agent = self.kv.agent  # rank 0's
             self.arrivals = KVArrivals(self.kv.rank_layouts, self.vocab_size)
+            self.kv_integrity_check = kv_integrity_check
             scheduler = DecodeScheduler(
                 self.config,
                 self.runner.req_to_token_pool,
@@ -148,11 +157,21 @@ class DecodeEngine(EngineCore):
         is counted by reason, its sender logged once, and changes no request."""
         scheduler = self.scheduler
         waiting = scheduler.transferring.__contains__
+        verify = self._verify if self.kv_integrity_check else None
         for rank, peer, message in self._notifications():
             try:
-                landed = self.arrivals.accept(rank, message, scheduler.granted_pages, waiting)
+                landed = self.arrivals.accept(rank, message, scheduler.granted_pages, waiting, verify)
             except Refused as refused:
                 self._refuse(peer, refused.reason, refused.detail)
+                continue
+            except Corrupted as corrupted:
+                self._refuse(peer, "checksum", corrupted.detail)
+                why = (
+                    f"KV integrity check failed (room {corrupted.room}): {corrupted.detail}; its pages were not decoded"
+                )
+                failed = scheduler.fail_transfer(corrupted.room, why, time.monotonic())
+                if failed is not None:
+                    self.outputs.append(failed)
                 continue
             if landed is not None:
                 completion = scheduler.on_kv_arrived(*landed)
@@ -163,6 +182,16 @@ class DecodeEngine(EngineCore):
         if self.arrivals.partial:
             self.arrivals.forget(waiting)
         self._watch()
+
+    def _verify(self, rank: int, room: int, heads: range, checksum: int | None) -> str | None:
+        """None if the pages a WRITE for `room` landed in hold what its sender summed (integrity.py),
+        else why not. (Rank 0's pool: the check is refused with TP > 1.)"""
+        if checksum is None:
+            return "the notification carries no checksum"
+        got = self.agent.checksum(self.scheduler.received_pages(room), heads)
+        if got != checksum:
+            return f"the pages that landed sum to {got:#010x}, the sender's to {checksum:#010x}"
+        return None
 
     def _notifications(self) -> list[tuple[int, str, bytes]]:
         """(receiving rank, sending agent, notification): rank 0's agent's, then the other ranks'."""

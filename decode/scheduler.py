@@ -240,6 +240,24 @@ class DecodeScheduler(Scheduler):
                 self.kv.free(req)
         return timed_out
 
+    def fail_transfer(self, room: int, why: str, now: float) -> Completion | None:
+        """A WRITE for `room` landed pages that are not the ones the sender computed (integrity.py):
+        the request fails now with KV_TRANSFER_FAILED and is never decoded; its pages are freed as a
+        timed-out transfer's are, KV_WRITE_GRACE_S later (another WRITE of the room may still land)."""
+        req = self.transferring.get(room)
+        if req is None or req.finished:
+            return None
+        req.finish_reason = FinishReason.ABORT
+        req.error, req.error_code = why, ErrorCode.KV_TRANSFER_FAILED
+        req.deadline = min(req.deadline, now)  # (expire_transfers frees it after the grace)
+        return finalize(req)
+
+    def received_pages(self, room: int) -> list[int]:
+        """The pages a WRITE for `room` (still waiting) lands in: its prompt's pages after the
+        cached prefix, in the order the destination listed them."""
+        req = self.transferring[room]
+        return list(req.pages[req.prefix_pages : req.prefix_pages + self.pages_to_receive(req)])
+
     def abort(self, rid: str) -> Completion | None:
         for queue in (self.landed, self.ready):
             req = next((r for r in queue if r.rid == rid), None)

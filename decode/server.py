@@ -29,7 +29,7 @@ def run_decode_scheduler(config, server, agent_name, to_scheduler, to_frontend):
         from pdserve.decode.engine import DecodeEngine
 
         startup.mark("imports")
-        return DecodeEngine(config, agent_name, server.kv_transfer_timeout, startup)
+        return DecodeEngine(config, agent_name, server.kv_transfer_timeout, startup, server.kv_integrity_check)
 
     run_scheduler(make_engine, server, to_scheduler, to_frontend)
 

@@ -4,6 +4,7 @@ The two-process test needs nixl (install it with the torch pin in the same comma
 `pip install torch==2.13.0 nixl==1.5.1`); without it that test fails, it does not skip.
 """
 
+import dataclasses
 import json
 import multiprocessing as mp
 import time
@@ -16,6 +17,7 @@ import torch
 from pdserve.common.engine.kv_pool import PagedKVPool
 from pdserve.common.kv_transfer import KVLayout, decode_notif, encode_notif, new_room
 from pdserve.common.kv_transfer.direct import copy_pages, page_view
+from pdserve.common.kv_transfer.notif import with_checksum
 from pdserve.common.kv_transfer.pages import Rows, check_pages, coalesce_runs, one_run, page_rows, run_descriptors
 from pdserve.common.kv_transfer.pool_metadata import PoolMetadata, decode_pool_metadata, encode_pool_metadata
 from pdserve.common.kv_transfer.prepped import page_indices, strided_rows
@@ -253,6 +255,7 @@ def test_notif_round_trip():
         "pages": 3,
         "bytes": 4096,
         "heads": None,
+        "sum": None,
     }
     largest = (1 << 63) - 1
     assert decode_notif(encode_notif(largest, 0, None, 1, 8, range(2, 4))) == {
@@ -262,7 +265,41 @@ def test_notif_round_trip():
         "pages": 1,
         "bytes": 8,
         "heads": range(2, 4),
+        "sum": None,
     }
+
+
+def test_the_checksum_sees_a_changed_word_a_misplaced_page_and_only_the_heads_moved():
+    """integrity.py: equal pages sum alike; a changed word or two pages in swapped places change the
+    sum; a WRITE of one head sums alike from a pool holding every head and from one holding that head
+    alone (servers of different TP sizes)."""
+    from pdserve.common.kv_transfer.integrity import kv_checksum
+
+    gen = torch.Generator().manual_seed(3)
+    layout = dataclasses.replace(LAYOUT, num_pages=12)
+    full = [page_view(torch.randn(12 * 4, 2, 8, generator=gen), layout) for _ in range(6)]
+    copy = [b.clone() for b in full]
+    pages = [3, 4, 9]
+    assert kv_checksum(full, pages, range(0, 2)) == kv_checksum(copy, pages, range(0, 2))
+    assert kv_checksum(full, pages, range(0, 2)) != kv_checksum(full, [4, 3, 9], range(0, 2))
+    copy[5].view(torch.int32).view(-1)[4 * 16 * 9 + 7] ^= 1  # one bit of one word of page 9, the last V buffer
+    assert kv_checksum(full, pages, range(0, 2)) != kv_checksum(copy, pages, range(0, 2))
+    assert kv_checksum(full, [3, 4], range(0, 2)) == kv_checksum(copy, [3, 4], range(0, 2))
+    half_layout = KVLayout(page_size=4, num_layers=3, kv_heads=1, head_dim=8, dtype="float32", num_pages=12)
+    half = [page_view(b[:, :, 1:2].contiguous(), half_layout) for b in full]
+    assert kv_checksum(full, pages, range(1, 2)) == kv_checksum(half, pages, range(0, 1))
+    assert kv_checksum(full, [], range(0, 2)) == 0
+
+
+def test_a_notif_carries_a_checksum_only_of_32_bits():
+    notif = encode_notif(5, 1, None, 2, 64)
+    assert decode_notif(notif)["sum"] is None
+    assert decode_notif(with_checksum(notif, 0xDEADBEEF))["sum"] == 0xDEADBEEF
+    for bad in (-1, 1 << 32):
+        with pytest.raises(ValueError):
+            with_checksum(notif, bad)
+    with pytest.raises(ValueError, match="checksum"):
+        decode_notif(notif[:-1] + b',"sum":"x"}')
 
 
 def test_bad_notifs_are_rejected():
@@ -397,7 +434,7 @@ def decode_process(conn) -> None:
         from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
 
         pool = make_pool(32)
-        agent = NixlKVAgent("decode", pool)
+        agent = NixlKVAgent("decode", pool, verify_kv=True)  # (the sender adds a checksum)
         send_json(conn, metadata=encode_pool_metadata([agent.metadata()]).hex())
         notifs = []
         deadline = time.monotonic() + TIMEOUT_S
@@ -407,6 +444,7 @@ def decode_process(conn) -> None:
         send_json(
             conn,
             notifs=[[peer, notif.hex()] for peer, notif in notifs],
+            checksum=agent.checksum(DST_PAGES),  # of the pages that landed
             k=[b.numpy().tobytes().hex() for b in pool.k_buffers],
             v=[b.numpy().tobytes().hex() for b in pool.v_buffers],
         )
@@ -519,6 +557,7 @@ def test_pages_arrive_byte_exact_with_the_notif(two_process_run):
         "pages": len(SRC_PAGES),
         "bytes": report["num_bytes"],
         "heads": None,
+        "sum": received["checksum"],  # the sender's over its pages, the receiver's over the landed ones
     }
 
     slots = 4

@@ -92,3 +92,42 @@ def test_a_transfer_that_fails_or_loses_its_notification_ends_clearly_and_frees_
             router.stop()
         decode.stop()
         prefill.stop()
+
+
+def test_pages_that_fail_the_integrity_check_are_never_decoded_and_the_request_moves(tiny_models, monkeypatch):
+    """--kv-integrity-check on two decode servers; the prefill server gets every other WRITE's checksum
+    wrong (corrupt_sum=2, as if bytes had changed on the way). Each such request fails on its decode
+    server before a token is decoded, and the router moves it to the other one, prefilled again: every
+    client gets the clean answer, the decode servers count the failed checks, KV returns to idle."""
+    from tests.test_trust import metric, metrics
+
+    model = tiny_models("llama")
+    monkeypatch.setenv(ENV, "corrupt_sum=2")
+    prefill = Server("prefill", model)
+    monkeypatch.delenv(ENV)
+    decodes = [Server("decode", model, "--kv-integrity-check") for _ in range(2)]
+    router = None
+    try:
+        for server in (prefill, *decodes):
+            server.wait_ready()
+        router = RouterProcess(model, [prefill], decodes)
+        router.wait_ready()
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", timeout=60, max_retries=0)
+        answers = [
+            client.completions.create(model=model, prompt="the same prompt", max_tokens=8, temperature=0)
+            .choices[0]
+            .text
+            for _ in range(4)
+        ]
+        assert len(set(answers)) == 1 and answers[0], answers
+        failed = sum(
+            metric(metrics(d.metrics_port), "pdserve_kv_rejected_transfers_total", role="decode", reason="checksum")
+            for d in decodes
+        )
+        assert failed >= 2, failed  # (every other WRITE: the 2nd, 4th, ... of the first attempts and moves)
+        asyncio.run(wait_idle(prefill, *decodes))
+    finally:
+        if router is not None:
+            router.stop()
+        for server in (*decodes, prefill):
+            server.stop()

@@ -5,8 +5,9 @@ tests (tests/test_transfer_faults.py) can break real transfers between real proc
 
 fail_write=N: every Nth WRITE this process starts fails to post (KVTransferError, as NIXL refusing
 it would); drop_notif=N: every Nth WRITE lands but carries no notification, so the receiver never
-learns of it (a lost notification). Counted per agent; unset (the default), nothing is injected and
-the cost is one attribute test per WRITE.
+learns of it (a lost notification); corrupt_sum=N: every Nth WRITE to a pool that checks checksums
+carries a wrong one (as if its bytes had changed on the way: integrity.py). Counted per agent; unset
+(the default), nothing is injected and the cost is one attribute test per WRITE.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import os
 
 ENV = "PDSERVE_KV_FAULTS"
-KINDS = ("fail_write", "drop_notif")
+KINDS = ("fail_write", "drop_notif", "corrupt_sum")
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class KVFaults:
         logger.warning("KV transfer faults injected (%s=%s): for tests only", ENV, spec)
 
     def next_write(self) -> str | None:
-        """Count a WRITE; the fault it gets ("fail_write", "drop_notif") or None."""
+        """Count a WRITE; the fault it gets (one of KINDS) or None."""
         self.writes += 1
         for kind in KINDS:
             if self.every[kind] and self.writes % self.every[kind] == 0:

@@ -7,6 +7,9 @@ and one `make_prepped_xfer` + post carrying the notification (2 x layers descrip
 whose pages are one run on both sides) — unless the peer's pool is on this
 host's GPUs and could be mapped (direct.py): then a WRITE is one device copy, and only its
 notification goes through NIXL.
+
+Why this file is long: one agent serves both paths (NIXL and the device copy) behind one interface,
+with the checks both share (pages, heads, peers, the integrity checksum) in one place.
 """
 
 from __future__ import annotations
@@ -20,7 +23,17 @@ from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 from pdserve.common.engine.kv_pool import PagedKVPool
 from pdserve.common.kv_transfer import faults
 from pdserve.common.kv_transfer.base import KVLayout, KVTransferAgent, KVTransferError, TransferHandle, TransferState
-from pdserve.common.kv_transfer.direct import DirectHandle, DirectPeers, TransferPath, gpu_uuid, host_id, share_buffers
+from pdserve.common.kv_transfer.direct import (
+    DirectHandle,
+    DirectPeers,
+    TransferPath,
+    gpu_uuid,
+    host_id,
+    page_view,
+    share_buffers,
+)
+from pdserve.common.kv_transfer.integrity import kv_checksum
+from pdserve.common.kv_transfer.notif import with_checksum
 from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, one_run, page_rows, run_descriptors
 from pdserve.common.kv_transfer.pool_metadata import PoolMetadata
 from pdserve.common.kv_transfer.prepped import page_indices, preparable, strided_rows
@@ -52,7 +65,12 @@ class NixlKVAgent(KVTransferAgent):
     says whether peers this host's GPUs can reach get device copies (direct.py TransferPath)."""
 
     def __init__(
-        self, name: str, kv_pool: PagedKVPool, backend: str = "UCX", path: TransferPath | str = TransferPath.AUTO
+        self,
+        name: str,
+        kv_pool: PagedKVPool,
+        backend: str = "UCX",
+        path: TransferPath | str = TransferPath.AUTO,
+        verify_kv: bool = False,
     ):
         buffers = [*kv_pool.k_storage, *kv_pool.v_storage]
         device = buffers[0].device
@@ -112,7 +130,9 @@ class NixlKVAgent(KVTransferAgent):
             gpu_uuid=gpu_uuid(device) if device.type == "cuda" else "",
             ipc_buffers=share_buffers(buffers) if device.type == "cuda" else (),
             host_id=host_id() if device.type == "cuda" else "",
+            verify_kv=verify_kv,
         )
+        self._views = [page_view(b, self.layout) for b in buffers]  # (checksums: integrity.py)
         self._peers: dict[str, PoolMetadata] = {}
         self._routes: dict[str, str] = {}  # peer -> how its WRITEs travel (route())
         self._peer_prepped: dict[str, object] = {}  # peer -> its pool as a prepared list
@@ -196,6 +216,7 @@ class NixlKVAgent(KVTransferAgent):
                 f"unknown peer {peer!r} (known: {sorted(self._peers)}): add_peer() its metadata first; "
                 "remove_peer() forgets a peer after a failure"
             )
+        fault = None
         if self._faults is not None:
             fault = self._faults.next_write()
             if fault == "fail_write":
@@ -216,6 +237,11 @@ class NixlKVAgent(KVTransferAgent):
                     f"KV heads [{heads.start}, {heads.stop}) are not all in {side} pool "
                     f"(it holds [{layout.heads.start}, {layout.heads.stop}))"
                 )
+        if target.verify_kv:  # (the receiver checks the pages against it before decoding them)
+            checksum = self.checksum(src_pages, heads)
+            if self._faults is not None and fault == "corrupt_sum":
+                checksum ^= 1  # (as if a byte had changed on the way)
+            notif = with_checksum(notif, checksum)
         if self._direct is not None and peer in self._direct.peers:
             handle = self._direct.write(
                 peer,
@@ -255,6 +281,12 @@ class NixlKVAgent(KVTransferAgent):
             self._release_quietly(handle)
             raise KVTransferError(f"NIXL could not post a WRITE of {len(src_pages)} pages to {peer!r}: {posted}")
         return handle
+
+    def checksum(self, pages: list[int], heads: range | None = None) -> int:
+        """The integrity checksum (integrity.py) of the model's KV `heads` (default: every head this
+        pool holds) of `pages` of this pool."""
+        heads = self.layout.heads if heads is None else heads
+        return kv_checksum(self._views, pages, _local(heads, self.layout))
 
     def _xfer_from_addresses(self, agent, target: PoolMetadata, rows, runs, notif: bytes):
         """A WRITE built from descriptor lists: head slices (servers of different TP sizes), or

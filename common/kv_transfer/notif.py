@@ -6,7 +6,8 @@ WRITE moved: the decode server acts on a notification only when they match the d
 granted for that room (decode/engine.py), since anyone who reaches its UCX port can send one.
 `heads` says which of the model's KV heads it moved (a TP server's ranks each write their own;
 null: every head the receiving pool holds), so the decode server knows when a room is complete
-without knowing the sender's TP size.
+without knowing the sender's TP size. `sum` (optional, added by the sending agent where the receiving
+pool asks for it: with_checksum) is the integrity checksum of the pages moved (integrity.py).
 """
 
 from __future__ import annotations
@@ -51,10 +52,18 @@ def encode_notif(
 _FIELDS = ("room", "first_token", "logprobs", "pages", "bytes", "heads")
 
 
+def with_checksum(notif: bytes, checksum: int) -> bytes:
+    """`notif` (encode_notif's bytes: one JSON object) carrying the WRITE's checksum as "sum"."""
+    if not notif.endswith(b"}") or not 0 <= checksum <= 0xFFFFFFFF:
+        raise ValueError(f"cannot add checksum {checksum} to {notif[:64]!r}")
+    return notif[:-1] + b',"sum":%d}' % checksum
+
+
 def decode_notif(data: bytes) -> dict:
-    """{"room", "first_token", "logprobs", "pages", "bytes", "heads"} from `encode_notif` bytes
-    ("heads" a range or None); ValueError for anything else (the counts and ids non-negative ints,
-    logprobs a dict or None, heads a non-empty [start, stop) of non-negative ints or None)."""
+    """{"room", "first_token", "logprobs", "pages", "bytes", "heads", "sum"} from `encode_notif` bytes
+    ("heads" a range or None; "sum" an int, or None without one); ValueError for anything else (the
+    counts and ids non-negative ints, logprobs a dict or None, heads a non-empty [start, stop) of
+    non-negative ints or None, sum a 32-bit unsigned int)."""
     try:
         message = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -78,4 +87,7 @@ def decode_notif(data: bytes) -> dict:
         ):
             raise ValueError(f"a KV transfer notification with bad heads: {data[:64]!r}")
         heads = range(heads[0], heads[1])
-    return {f: message[f] for f in _FIELDS} | {"heads": heads}
+    checksum = message.get("sum")
+    if checksum is not None and not (type(checksum) is int and 0 <= checksum <= 0xFFFFFFFF):
+        raise ValueError(f"a KV transfer notification with a bad checksum: {data[:64]!r}")
+    return {f: message[f] for f in _FIELDS} | {"heads": heads, "sum": checksum}

@@ -4,7 +4,7 @@ rank (each rank has its own agent and pool, holding its own KV heads).
 Wire format (version 3), no pickle:
     struct "!4sHI": magic b"PDKV", version, length J of the JSON part
     J bytes of JSON: {"ranks": [{name, layout, mem_type, device_id, k_addrs, v_addrs, transport_len,
-                                 gpu_uuid, ipc_buffers, host_id}, ...]}   (the last three optional)
+                                 gpu_uuid, ipc_buffers, host_id, verify_kv}, ...]}   (the last four optional)
     the rest: the ranks' transport metadata (opaque bytes), one after another, transport_len each
 
 Versions 1 and 2 are refused: their pages mean other bytes (version 2's pools were head-major,
@@ -43,6 +43,8 @@ class PoolMetadata:
     gpu_uuid: str = ""
     ipc_buffers: tuple = ()
     host_id: str = ""
+    # The receiver checks each WRITE's checksum (integrity.py): a sender adds one to every notification.
+    verify_kv: bool = False
 
 
 def encode_pool_metadata(ranks: Sequence[PoolMetadata]) -> bytes:
@@ -59,6 +61,7 @@ def encode_pool_metadata(ranks: Sequence[PoolMetadata]) -> bytes:
             "gpu_uuid": meta.gpu_uuid,
             "ipc_buffers": list(meta.ipc_buffers),
             "host_id": meta.host_id,
+            "verify_kv": meta.verify_kv,
         }
         for meta in ranks
     ]
@@ -99,6 +102,7 @@ def decode_pool_metadata(data: bytes) -> list[PoolMetadata]:
                     gpu_uuid=str(fields.get("gpu_uuid", "")),
                     ipc_buffers=tuple(tuple(b) for b in fields.get("ipc_buffers", ())),
                     host_id=str(fields.get("host_id", "")),
+                    verify_kv=fields.get("verify_kv", False) is True,
                 )
             )
             offset = end

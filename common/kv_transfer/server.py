@@ -21,12 +21,13 @@ class ServerKV:
         self.pools = pools  # every rank's, by rank (pools[0] is agent's)
 
     @classmethod
-    def open(cls, agent_name: str, kv_pool, tp_workers=None, path: str = "auto") -> "ServerKV":
+    def open(cls, agent_name: str, kv_pool, tp_workers=None, path: str = "auto", verify_kv: bool = False) -> "ServerKV":
         """Rank 0's agent over `kv_pool`, and the other ranks' pools as they announced them. `path`:
-        how a sender reaches its peers (direct.py TransferPath; the ranks were given it at their start)."""
+        how a sender reaches its peers (direct.py TransferPath; the ranks were given it at their start);
+        `verify_kv`: senders add a checksum to every WRITE into this server (integrity.py)."""
         from pdserve.common.kv_transfer.nixl_agent import NixlKVAgent
 
-        agent = NixlKVAgent(agent_name, kv_pool, path=path)
+        agent = NixlKVAgent(agent_name, kv_pool, path=path, verify_kv=verify_kv)
         pools = [agent.metadata()]
         if tp_workers is not None:
             try:

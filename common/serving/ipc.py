@@ -180,6 +180,7 @@ REJECT_REASONS = (
     "byte_count",  # nor its byte count
     "head_range",  # KV heads the receiving TP rank does not hold
     "malformed",  # not a notification of this version, or a first token outside the vocabulary
+    "checksum",  # --kv-integrity-check: the pages landed are not the sender's (the request fails, is moved)
 )
 
 
