@@ -175,3 +175,20 @@ def test_the_one_launch_page_copy_matches_the_per_buffer_copy(heads):
         copy_pages_fused(address_table(src), address_table(fused), first_src, first_dst, *rows, run=37)
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(fused, by_torch, strict=True))
+
+
+def test_the_kv_checksum_is_the_same_on_the_gpu_as_on_the_cpu():
+    """common/kv_transfer/integrity.py on a GPT-2-small-shaped bf16 pool: the sum a GPU sender computes
+    is the one a CPU computes over the same bytes (integer sums wrap alike whatever their order)."""
+    from pdserve.common.kv_transfer import KVLayout
+    from pdserve.common.kv_transfer.direct import page_view
+    from pdserve.common.kv_transfer.integrity import kv_checksum
+
+    layout = KVLayout(page_size=16, num_layers=12, kv_heads=12, head_dim=64, dtype="bfloat16", num_pages=300)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pools = [torch.randn(300 * 16, 12, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(24)]
+    on_gpu = [page_view(b, layout) for b in pools]
+    on_cpu = [page_view(b.cpu(), layout) for b in pools]
+    pages = random.Random(0).sample(range(1, 300), 40)
+    for heads in (range(0, 12), range(4, 8)):
+        assert kv_checksum(on_gpu, pages, heads) == kv_checksum(on_cpu, pages, heads)
