@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.bench.transfer_cli import add_transfer_parser
+from pdserve.bench.micro.transfer_cli import add_transfer_parser
 from pdserve.bench.workload import LENGTH_DISTS
 from pdserve.common.config import EngineConfig, add_cli_args
 from pdserve.common.list_flag import LIST_NARGS
@@ -303,7 +303,7 @@ def add_bench_parser(sub) -> None:
     add_cli_args(accuracy, EngineConfig)
     accuracy.set_defaults(func=_accuracy)
 
-    from pdserve.bench import spec_itl, spec_overlap, spec_replay
+    from pdserve.bench.micro import spec_itl, spec_overlap, spec_replay
 
     spec_replay.add_parser(kinds)
     spec_itl.add_parser(kinds)
@@ -366,7 +366,7 @@ def check_workload(args: argparse.Namespace) -> None:
 
 
 def _transfer(args: argparse.Namespace) -> int:
-    from pdserve.bench.transfer import run_transfer
+    from pdserve.bench.micro.transfer import run_transfer
 
     return _guarded(run_transfer, args, check=None)
 
