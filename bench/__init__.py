@@ -1,1 +1,2 @@
-"""Benchmarks: `pdserve bench offline|serve` and the overlap on/off study."""
+"""Benchmarks an operator runs on a deployment: `pdserve bench offline|serve|accuracy` (bench/cli.py), and
+soak.py, migration.py, startup.py. Micro-benchmarks and developer tools are in bench/micro/."""

@@ -1,4 +1,5 @@
-"""`pdserve bench offline|serve`: the argument parsers, and the options both commands share.
+"""`pdserve bench offline|serve|accuracy`: the argument parsers, and the options they share. The
+micro-benchmarks' sub-commands (spec-replay, spec-itl, spec-overlap, transfer) come from bench/micro/cli.py.
 
     pdserve bench offline (--model-path DIR | --random-weights ARCH/SHAPE) [--num-prompts N]
         [--input-len L] [--output-len L] [--length-dist fixed|lognormal [--length-sigma S]]
@@ -24,9 +25,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.bench.transfer_cli import add_transfer_parser
+from pdserve.bench.micro.cli import add_micro_parsers
 from pdserve.bench.workload import LENGTH_DISTS
-from pdserve.common.config import EngineConfig, add_cli_args
+from pdserve.common.config import DefaultsHelpFormatter, EngineConfig, add_cli_args
 from pdserve.common.list_flag import LIST_NARGS
 
 OFFLINE_DOC = """Offline throughput: N prompts of random token ids, input-len -> output-len tokens each
@@ -62,14 +63,22 @@ prefill and decode server with the engine flags given here, and stops it before 
 Prints a table and a JSON line (with per-item records); exit 1 when a request failed."""
 
 
+class _EpilogFormatter(argparse.RawDescriptionHelpFormatter, DefaultsHelpFormatter):
+    """The defaults after each option's help, and the description and epilog as written (one line each)."""
+
+
 def add_bench_parser(sub) -> None:
     """`bench` and its sub-commands, on the `pdserve` parser's sub-parsers."""
     bench = sub.add_parser(
         "bench",
         help="Benchmarks: offline throughput (offline), online serving (serve), "
-        "accuracy against transformers (accuracy).",
+        "accuracy against transformers (accuracy); micro-benchmarks (pdserve bench --help).",
+        description="Benchmarks of a deployment: offline throughput, online serving, accuracy; and\n"
+        "python -m pdserve.bench.soak|migration|startup: load with servers killed, a stream moved off a\n"
+        "killed decode server, `pdserve up`'s start-up. The micro-benchmarks (developer tools) follow the options.",
+        formatter_class=_EpilogFormatter,
     )
-    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{offline,serve,accuracy}")
 
     offline = kinds.add_parser(
         "offline", help="Offline throughput of the engine (and transformers).", description=OFFLINE_DOC
@@ -89,8 +98,6 @@ def add_bench_parser(sub) -> None:
     )
     add_cli_args(offline, EngineConfig)
     offline.set_defaults(func=_offline)
-
-    add_transfer_parser(kinds).set_defaults(func=_transfer)
 
     serve = kinds.add_parser(
         "serve", help="Online serving latency and throughput over HTTP (or transformers).", description=SERVE_DOC
@@ -303,11 +310,7 @@ def add_bench_parser(sub) -> None:
     add_cli_args(accuracy, EngineConfig)
     accuracy.set_defaults(func=_accuracy)
 
-    from pdserve.bench import spec_itl, spec_overlap, spec_replay
-
-    spec_replay.add_parser(kinds)
-    spec_itl.add_parser(kinds)
-    spec_overlap.add_parser(kinds)
+    bench.epilog = add_micro_parsers(kinds, guarded)  # spec-replay, spec-itl, spec-overlap, transfer
 
 
 def _workload_args(parser: argparse.ArgumentParser) -> None:
@@ -365,31 +368,25 @@ def check_workload(args: argparse.Namespace) -> None:
         )
 
 
-def _transfer(args: argparse.Namespace) -> int:
-    from pdserve.bench.transfer import run_transfer
-
-    return _guarded(run_transfer, args, check=None)
-
-
 def _offline(args: argparse.Namespace) -> int:
     from pdserve.bench.offline import run_offline
 
-    return _guarded(run_offline, args)
+    return guarded(run_offline, args)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from pdserve.bench.serve import run_serve
 
-    return _guarded(run_serve, args)
+    return guarded(run_serve, args)
 
 
 def _accuracy(args: argparse.Namespace) -> int:
     from pdserve.bench.accuracy import run_accuracy
 
-    return _guarded(run_accuracy, args, check=None)  # it checks its own options
+    return guarded(run_accuracy, args, check=None)  # it checks its own options
 
 
-def _guarded(run, args: argparse.Namespace, check=check_workload) -> int:
+def guarded(run, args: argparse.Namespace, check=check_workload) -> int:
     """Bad options and unusable checkpoints print one line and exit 2; a wrong benchmark raises."""
     try:
         if check is not None:

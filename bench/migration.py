@@ -30,7 +30,6 @@ import urllib.request
 from pathlib import Path
 
 from pdserve.bench.random_weights import model_path_from_args
-from pdserve.bench.worker_kill import wait_grpc, wait_ready
 from pdserve.common.ports import free_port
 from pdserve.router.up import stop_processes
 
@@ -209,6 +208,37 @@ def run_case(case: str, model: str, args, log_dir: Path) -> dict:
         }
     finally:
         stop_processes(list(reversed(procs)), grace_s=30)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    import urllib.request
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        assert proc.poll() is None, f"{proc.args} exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready in {timeout_s} s")
+
+
+def wait_grpc(port: int, timeout_s: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1:
+                    return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server on {port} not ready in {timeout_s} s")
 
 
 def urllib_get(url: str) -> str:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Served against offline on one multi-GPU host (docs/benchmarks/router-and-host-cpu.md, "Serving at engine speed"):
 #   the offline engine on GPU 0 (`pdserve bench offline`), the decode step at batch 256
-#   (bench/decode_step.py), then a prefill server on GPU 0 and a decode server on GPU 1 behind a
+#   (bench/micro/decode_step.py), then a prefill server on GPU 0 and a decode server on GPU 1 behind a
 #   router in each ROUTERS configuration, each measured by `pdserve bench serve` with all prompts
 #   at once and with 256 in flight. Results: one JSON per measurement under OUT.
 #
@@ -31,7 +31,7 @@ if [ "${OFFLINE:-1}" != 0 ]; then
   pdserve bench offline --random-weights "$shape" --num-prompts "$prompts" --input-len "$input_len" \
     --output-len "$output_len" --device "$device" --warmup 1 --repeats 3 --output-json "$out/offline-$tag.json" \
     > "$out/offline-$tag.log" 2>&1 || { tail -20 "$out/offline-$tag.log"; exit 1; }
-  python3 -m pdserve.bench.decode_step --random-weights "$shape" --batch-size 256 --input-len "$input_len" \
+  python3 -m pdserve.bench.micro.decode_step --random-weights "$shape" --batch-size 256 --input-len "$input_len" \
     --output-len "$output_len" --json "$out/decode-step-$tag.json" > "$out/decode-step-$tag.log" 2>&1 || true
 fi
 

@@ -29,8 +29,16 @@ import time
 import urllib.error
 from pathlib import Path
 
-from pdserve.bench.migration import model_and_log_dir, post, start, start_server, stream, urllib_get
-from pdserve.bench.worker_kill import wait_grpc, wait_ready
+from pdserve.bench.migration import (
+    model_and_log_dir,
+    post,
+    start,
+    start_server,
+    stream,
+    urllib_get,
+    wait_grpc,
+    wait_ready,
+)
 from pdserve.common.ports import free_port
 from pdserve.router.up import stop_processes
 

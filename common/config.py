@@ -276,9 +276,9 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Give `parser` and every sub-command's parser under it the DefaultsHelpFormatter (argparse's
-    sub-parsers do not inherit their parent's formatter)."""
-    parser.formatter_class = DefaultsHelpFormatter
+    """Give `parser` and its sub-commands' parsers the DefaultsHelpFormatter (sub-parsers don't inherit it)."""
+    if not issubclass(parser.formatter_class, DefaultsHelpFormatter):  # a subclass stays (bench/cli.py's)
+        parser.formatter_class = DefaultsHelpFormatter
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in set(action.choices.values()):

@@ -14,11 +14,11 @@ PLANNED = ("eagle",)  # named in the design, not built yet
 
 # --speculative-max-batch's default: decode steps of more requests run plain, where verifying 1 + k positions
 # per request costs more than the drafts it accepts return (the step turns compute-bound as the batch grows).
-# Measured on an H200 (`python -m pdserve.bench.verify_step --batch-size 1 8 32 128`, verify steps replayed
+# Measured on an H200 (`python -m pdserve.bench.micro.verify_step --batch-size 1 8 32 128`, verify steps replayed
 # from CUDA graphs; docs/benchmarks/speculative.md, "The verify step"): a verify step of k = 4 costs 1.09-1.16x
 # the plain decode step at batch 1 and 8, 1.37-1.39x at 32, 2.7-3.2x at 128 (Llama-1B and 8B shapes). Up to 8 a workload
 # that keeps one draft in six still gains; a copy-heavy one keeping ~2.4 drafts a step (SmolLM2-135M on
-# bench/copy_workload.py, `pdserve bench spec-itl`) pays at 32 too (raise the flag).
+# bench/micro/copy_workload.py, `pdserve bench spec-itl`) pays at 32 too (raise the flag).
 SPECULATIVE_MAX_BATCH = 8
 
 

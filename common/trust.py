@@ -255,7 +255,7 @@ class SecretChannel(grpc.aio.Channel):
 
     NOTE: not a grpc.aio client interceptor: grpc wraps every intercepted call in an object of its
     own and routes a stream's reads and writes through it (~25 us per stream message on the 2-core
-    CPU box: bench/rpc_auth.py, docs/benchmarks/README.md), while this adds one tuple per call and nothing
+    CPU box: bench/micro/rpc_auth.py, docs/benchmarks/README.md), while this adds one tuple per call and nothing
     per message. Stubs get their callables from unary_unary & co., so every stub on it is covered.
     """
 

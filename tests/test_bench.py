@@ -691,8 +691,8 @@ def test_serve_hf_backend_in_process(cache, capsys):
 
 
 def test_ttft_breakdown_times_each_hop_of_a_local_stack(cache, capsys):
-    from pdserve.bench.ttft_breakdown import HOPS
-    from pdserve.bench.ttft_breakdown import main as ttft_main
+    from pdserve.bench.micro.ttft_breakdown import HOPS
+    from pdserve.bench.micro.ttft_breakdown import main as ttft_main
 
     argv = [
         "--random-weights",
@@ -719,7 +719,7 @@ def test_ttft_breakdown_times_each_hop_of_a_local_stack(cache, capsys):
 
 
 def test_prefill_latency_times_one_prompt_at_a_time(cache, capsys):
-    from pdserve.bench.prefill_latency import main as latency_main
+    from pdserve.bench.micro.prefill_latency import main as latency_main
 
     argv = [
         "--random-weights",

@@ -1,9 +1,9 @@
-"""bench/teacher_forced_engine.py on a tiny model: the plain engine equals transformers fp32 at every
+"""bench/micro/teacher_forced_engine.py on a tiny model: the plain engine equals transformers fp32 at every
 position, and the FP8 KV cache moves the logprobs (it ran, it was not skipped)."""
 
 import json
 
-from pdserve.bench import teacher_forced_engine
+from pdserve.bench.micro import teacher_forced_engine
 
 
 def test_plain_agrees_everywhere_and_fp8_kv_moves_the_logprobs(tiny_models, tmp_path):

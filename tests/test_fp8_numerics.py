@@ -220,8 +220,8 @@ def test_an_fp8_layer_that_is_not_a_linear_is_refused():
 
 
 def test_the_gemm_bench_reads_the_projections_and_finds_the_crossover():
-    """bench/fp8_gemm.py (run on a GPU) sets fp8.TENSORWISE_MAX_TOKENS: its shapes and its verdict."""
-    from pdserve.bench.fp8_gemm import crossover, projections
+    """bench/micro/fp8_gemm.py (run on a GPU) sets fp8.TENSORWISE_MAX_TOKENS: its shapes and its verdict."""
+    from pdserve.bench.micro.fp8_gemm import crossover, projections
 
     assert projections("llama/8b") == {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
                                        "down": (14336, 4096)}  # fmt: skip

@@ -1,4 +1,4 @@
-"""`pdserve bench spec-itl` (bench/spec_itl.py): inter-token latency and acceptance of n-gram speculation
+"""`pdserve bench spec-itl` (bench/micro/spec_itl.py): inter-token latency and acceptance of n-gram speculation
 on the copy workload against no speculation, on a tiny model on CPU — the report's structure, the
 exactness check and the speculation counters; the times per token it derives. Behaviour, not speed."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdserve.bench import spec_itl
+from pdserve.bench.micro import spec_itl
 from pdserve.common.cli import main
 from pdserve.common.types import SamplingParams
 

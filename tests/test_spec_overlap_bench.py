@@ -1,4 +1,4 @@
-"""`pdserve bench spec-overlap` (bench/spec_overlap.py) on a tiny model: the verify loop serial, overlapped and
+"""`pdserve bench spec-overlap` (bench/micro/spec_overlap.py) on a tiny model: the verify loop serial, overlapped and
 auto on drafts of set acceptance, every answer the plain steps' (float32: the bench raises otherwise)."""
 
 import json

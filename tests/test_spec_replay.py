@@ -1,9 +1,9 @@
 """`pdserve bench spec-replay`: n-gram speculation's acceptance replayed from greedy answers
-(bench/spec_replay.py), and the copy-heavy workload (bench/copy_workload.py)."""
+(bench/micro/spec_replay.py), and the copy-heavy workload (bench/micro/copy_workload.py)."""
 
 import json
 
-from pdserve.bench.spec_replay import replay
+from pdserve.bench.micro.spec_replay import replay
 
 
 def test_a_replay_takes_the_drafts_the_answer_confirms_and_one_token_more():

@@ -663,7 +663,7 @@ def test_decode_acts_only_on_notifications_matching_a_grant(tiny_models):
 
 
 def test_the_rpc_auth_microbenchmark_runs(capsys):
-    from pdserve.bench.rpc_auth import main
+    from pdserve.bench.micro.rpc_auth import main
 
     main(["--calls", "20", "--messages", "20", "--repeats", "1"])
     out = capsys.readouterr().out

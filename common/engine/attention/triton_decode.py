@@ -324,19 +324,19 @@ def _head_block(group_size: int) -> int:
 
 def _split_config(block_d: int, group_size: int, programs: int, num_sms: int, float8: bool = False) -> dict:
     """Stage 1's keys per iteration (BLOCK_N), warps and stages, tuned on an H200 in bf16 with
-    ~300-token contexts (sweeps of this kernel; bench/tune_kernels.py --attention): 64 keys x
+    ~300-token contexts (sweeps of this kernel; bench/micro/tune_kernels.py --attention): 64 keys x
     2 stages (Llama's GQA 4 at batch 128: 23.4 us a layer; 32 x 3: 24.8), except for MHA with more
     programs than fit an SM 8 at a time (~114 registers each at 64 keys): there 32-key blocks win
     (GPT-2 with its K/V store, 12 heads: batch 128 35.8 vs 37.9 us, batch 96 30.2 vs 33.0; batch 80
     and below 64 keys win, 23.4 vs 28.1 us at 80, 14.5 vs 21.7 at 32).
 
-    A float8 pool at head_dim 128 (Llama-8B's heads; bench/tune_kernels.py --fp8-attention, H100):
+    A float8 pool at head_dim 128 (Llama-8B's heads; bench/micro/tune_kernels.py --fp8-attention, H100):
     64 keys, 2 warps, 3 stages. Against 128 keys x 4 warps x 3 stages (the previous choice, best at
     1024 keys) and bf16's settings, us a layer: batch 64 x 160 keys 15.3 / 19.0 / 19.9, batch 128 x
     160 29.1 / 35.1 / 31.2, batch 256 x 160 51.6 / 65.1 / 55.0, batch 64 x 1024 63.3 / 62.2 / 89.1,
     batch 256 x 1024 224.3 / 225.6 / 265.8, batch 256 x 1280 276.4 / 277.0 / 330.3 (one call).
 
-    A bf16 pool at head_dim 128 (bench/tune_kernels.py --decode-tiles, H100): 64 keys, 2 warps, 2
+    A bf16 pool at head_dim 128 (bench/micro/tune_kernels.py --decode-tiles, H100): 64 keys, 2 warps, 2
     stages. Against 64 x 4 warps x 2 stages (the previous choice), us a layer: batch 64 x 160 keys
     19.0 / 20.6, batch 128 x 160 35.2 / 35.5, batch 64 x 1024 93.6 / 94.1, batch 256 x 1024 360.7 /
     367.7 (one call; 32 keys x 4 warps x 3 stages won the short contexts, 18.5 and 33.9, and lost the

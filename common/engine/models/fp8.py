@@ -30,7 +30,7 @@ NOTE: cuBLASLt's row-wise scaled kernels are not its fastest at decode shapes. O
 from a CUDA graph at Llama-8B's shapes and 64 tokens (quantization included): down_proj 45 us
 row-wise, 29 us tensor-wise (unit scales into fp32 sums + fp8_kernels.scale_output), 28 us with the
 Triton GEMM at its swept tiles, 37 us in bf16 (docs/benchmarks/fp8.md, "FP8 weights at decode"). The
-tensor-wise path (TENSORWISE_MAX_TOKENS, 0: off) stays for bench/fp8_gemm.py's comparison.
+tensor-wise path (TENSORWISE_MAX_TOKENS, 0: off) stays for bench/micro/fp8_gemm.py's comparison.
 
 Nothing here syncs with the host (no .item(), no data-dependent shapes): it runs inside captured
 CUDA graphs. What is quantized: every nn.Linear of the model, which is the transformer blocks'
@@ -103,7 +103,7 @@ def _log_emulated(reason: str) -> None:
     log.warning("FP8 linear layers run emulated (dequantize + fp32 matmul, slow): %s", reason)
 
 
-# 0 (off): measured on an H200 (bench/fp8_gemm.py), the Triton GEMM below matched or beat it wherever it beat
+# 0 (off): measured on an H200 (bench/micro/fp8_gemm.py), the Triton GEMM below matched or beat it wherever it beat
 # row-wise (1-128 tokens); kept for the bench's comparison.
 TENSORWISE_MAX_TOKENS = 0
 # Up to this many tokens the CUDA GEMM is fp8_kernels.fp8_gemm (one Triton launch, both scales and the

@@ -1,6 +1,6 @@
 """Tuning sweep for the decode-step kernels at batch 128 (~300-token contexts), on a GPU.
 
-    python -m pdserve.bench.tune_kernels [--layout | --attention | --fp8-attention | --decode-tiles]
+    python -m pdserve.bench.micro.tune_kernels [--layout | --attention | --fp8-attention | --decode-tiles]
 
 Times, with CUDA graphs of many launches (median of repeats), the split-K decode attention for the
 two benchmark shapes (Llama-1B: 32 heads / 8 KV heads; GPT-2: 12 heads MHA; head_dim 64) under

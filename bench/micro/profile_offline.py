@@ -1,6 +1,6 @@
 """Where an offline run's time goes on the GPU: kernels by total device time, and GPU idle time.
 
-    python -m pdserve.bench.profile_offline --random-weights gpt2/small --num-prompts 128 \
+    python -m pdserve.bench.micro.profile_offline --random-weights gpt2/small --num-prompts 128 \
         --input-len 256 --output-len 64
 
 One warm-up `generate`, then one under torch.profiler; prints wall time, the summed kernel time

@@ -1,6 +1,6 @@
 """A speculative verify step's cost against the plain decode step, at the same batch and context.
 
-    python -m pdserve.bench.verify_step --random-weights llama/1b --batch-size 1 8 32 128 \
+    python -m pdserve.bench.micro.verify_step --random-weights llama/1b --batch-size 1 8 32 128 \
         --num-speculative-tokens 4 [--input-len 256] [--output-len 64]
 
 One engine with `--speculative ngram`, its proposer replaced twice: first by one that never proposes
@@ -11,7 +11,7 @@ times; the medians and their ratio are printed per batch size. A verify step pay
 it returns per request, 1 + accepted drafts, exceed that ratio — the break-even acceptance is
 ratio - 1 drafts a step (`pdserve bench spec-replay` gives a workload's acceptance).
 
-    python -m pdserve.bench.verify_step --random-weights llama/8b --draft-random-weights llama/1b ...
+    python -m pdserve.bench.micro.verify_step --random-weights llama/8b --draft-random-weights llama/1b ...
     (or --draft-model-path DIR: a checkpoint with the target's vocabulary)
 
 With a draft model the engine runs `--speculative draft`, and during the verify steps the draft-model

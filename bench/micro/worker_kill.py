@@ -1,6 +1,6 @@
 """Many streams through a router of several workers, one worker SIGKILLed mid-run (issue 17).
 
-    python -m pdserve.bench.worker_kill --streams 5000 --workers 4 [--random-weights llama/tiny] [--no-warm-spare]
+    python -m pdserve.bench.micro.worker_kill --streams 5000 --workers 4 [--random-weights llama/tiny] [--no-warm-spare]
 
 Starts a prefill and a decode server and `pdserve-router --workers N` on CPU, asks each of a few
 prompts once without streaming (the twins), then runs the streams, `--concurrency` at a time, each
@@ -32,7 +32,8 @@ from pathlib import Path
 
 import h11
 
-from pdserve.bench.proc_sockets import listeners_of, listening, peer_ports, tcp_sockets, unaccepted_peers
+from pdserve.bench.micro.proc_sockets import listeners_of, listening, peer_ports, tcp_sockets, unaccepted_peers
+from pdserve.bench.migration import wait_grpc, wait_ready
 from pdserve.common.ports import free_port
 from pdserve.router.serve import SPARE_NAME, WORKER_NAME
 
@@ -41,37 +42,6 @@ TWINS = 32
 
 def start(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", *args], stdout=open(log, "w"), stderr=subprocess.STDOUT)
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    import urllib.request
-
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        assert proc.poll() is None, f"{proc.args} exited with {proc.returncode}"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"{url} not ready in {timeout_s} s")
-
-
-def wait_grpc(port: int, timeout_s: float) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-                if health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1:
-                    return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server on {port} not ready in {timeout_s} s")
 
 
 def children_of(supervisor: int, name: str) -> set[int]:
@@ -251,7 +221,9 @@ async def drive(port: int, supervisor: int, args) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.worker_kill", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m pdserve.bench.micro.worker_kill", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--model-path")
     parser.add_argument("--random-weights", default="llama/tiny")
     parser.add_argument("--streams", type=int, default=5000)

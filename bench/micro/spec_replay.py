@@ -12,7 +12,7 @@ the longest prefix equal to the answer's next tokens, take one more token (the t
 gives the verify steps a speculative decode would run, without running one. It says which k pays
 on a workload before the device is asked (verify cost per k: docs/benchmarks/README.md).
 
-`--workload copy` is bench/copy_workload.py's edit/rewrite/quote requests through the chat template;
+`--workload copy` is bench/micro/copy_workload.py's edit/rewrite/quote requests through the chat template;
 `random` is random token ids (speculation's floor).
 """
 
@@ -69,7 +69,7 @@ def add_parser(kinds) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.bench.copy_workload import copy_prompts
+    from pdserve.bench.micro.copy_workload import copy_prompts
     from pdserve.bench.workload import random_prompts, token_pool
     from pdserve.common.engine.engine import Engine
     from pdserve.common.types import SamplingParams

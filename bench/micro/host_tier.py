@@ -1,7 +1,7 @@
 """The host KV tier's copy bandwidth against the bus's (`--host-kv-cache-gb`,
 common/engine/host_kv_pool.py), on one GPU:
 
-    python -m pdserve.bench.host_tier --shape llama/1b --pages 1 16 64 256 1024
+    python -m pdserve.bench.micro.host_tier --shape llama/1b --pages 1 16 64 256 1024
 
 For each batch of n pages (a page: every layer's K and V of `--page-size` tokens): HostKVPool.store
 (device -> pinned host) and HostKVPool.load_async (host -> device, on the pool's own stream, as the

@@ -1,7 +1,7 @@
 """All-reduce latency on N GPUs inside a CUDA graph, as a TP decode step runs it: NCCL against
 torch's symmetric-memory kernels (torch.ops.symm_mem, built into torch: no extension).
 
-    python -m pdserve.bench.allreduce --gpus 2 --hidden 4096 --batch-size 64 128
+    python -m pdserve.bench.micro.allreduce --gpus 2 --hidden 4096 --batch-size 64 128
 
 For each batch size B: a [B * hidden] bf16 tensor all-reduced `--calls` times in one captured
 graph, the median over 5 replays divided by the calls (µs per all-reduce). Results checked against

@@ -1,6 +1,6 @@
 """Teacher-forced top-1 agreement of the engine itself (no servers) with transformers, per FP8 configuration.
 
-    python -m pdserve.bench.teacher_forced_engine --model-path SmolLM2-135M-Instruct.Q4_1.gguf --device cuda
+    python -m pdserve.bench.micro.teacher_forced_engine --model-path SmolLM2-135M-Instruct.Q4_1.gguf --device cuda
 
 `pdserve bench accuracy --tasks teacher_forced` measures the served path; this runs the same plan,
 reference and score (bench/teacher_forced.py) around `Engine.generate` with `prompt_logprobs=1` (the

@@ -1,6 +1,6 @@
 """The decode step with every request under a JSON-schema grammar, against the same step without.
 
-    python -m pdserve.bench.grammar_step --random-weights llama/1b --batch-size 128
+    python -m pdserve.bench.micro.grammar_step --random-weights llama/1b --batch-size 128
 
 B prompts of --input-len random tokens run for --output-len tokens, greedy, in the overlapped loop,
 once per repeat plain (ignore_eos) and once with every request under each of SCHEMAS, arrays of

@@ -1,6 +1,6 @@
 """Overlap on vs off: decode inter-token latency at a few batch sizes, one process, one device.
 
-    python bench/overlap.py --device cuda --arch gpt2 --batch-sizes 1 8 32 64 --repeats 3
+    python bench/micro/overlap.py --device cuda --arch gpt2 --batch-sizes 1 8 32 64 --repeats 3
 
 Uses the random-weight checkpoint of the given shape (bench/random_weights.py, built once), runs
 B prompts of --input-len random tokens for --output-len tokens (ignore_eos, greedy) with the

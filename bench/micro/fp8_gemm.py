@@ -1,6 +1,6 @@
 """An FP8 linear layer's three CUDA paths against bf16, at a Llama shape's projections (no checkpoint).
 
-    python -m pdserve.bench.fp8_gemm --shape llama/8b --tokens 1 16 64 128 256 512 2048
+    python -m pdserve.bench.micro.fp8_gemm --shape llama/8b --tokens 1 16 64 128 256 512 2048
 
 Each path is what fp8.fp8_linear launches for one layer, the per-token activation quantization
 included, captured in a CUDA graph (as the engine replays its decode steps) and replayed:

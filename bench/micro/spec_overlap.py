@@ -26,7 +26,7 @@ import dataclasses
 import random
 import time
 
-from pdserve.bench.spec_itl import SPEC_COUNTERS, check_exact, release_engine_memory
+from pdserve.bench.micro.spec_itl import SPEC_COUNTERS, check_exact, release_engine_memory
 from pdserve.common.list_flag import ListFlag
 from pdserve.common.scheduling.proposer import Proposer
 

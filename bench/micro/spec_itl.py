@@ -7,7 +7,7 @@ unless --speculative says otherwise) on the copy-heavy workload, against no spec
 
 For each --batch-size B: two engines, one after the other, with the engine flags given and
 --max-running-requests B, the first with speculation off, the second with --speculative (ngram when
-not given). Each runs bench/copy_workload.py's prompts (edit, rewrite, quote: answers that repeat
+not given). Each runs bench/micro/copy_workload.py's prompts (edit, rewrite, quote: answers that repeat
 their prompt) greedily at their natural lengths (EOS, or --output-len tokens) in waves of B requests
 queued together, each wave once the previous one is done, after one unmeasured wave of other prompts
 (the warm-up). The greedy answers must be token-identical off and on: in float32 the bench raises at a difference,
@@ -194,7 +194,7 @@ def batch_row(batch: int, off: dict, on: dict, num_tokens: int, differ: int = 0)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdserve.bench.copy_workload import copy_prompts
+    from pdserve.bench.micro.copy_workload import copy_prompts
     from pdserve.bench.random_weights import model_path_from_args
     from pdserve.bench.report import command_line, device_name, emit, table
     from pdserve.common.config import EngineConfig, from_cli_args

@@ -63,7 +63,7 @@ class Plan:
     sender_gpu: int
     receiver_gpu: int
     seed: int = 0
-    time_calls: bool = False  # timers on the calls inside write_pages (bench/call_timer.py)
+    time_calls: bool = False  # timers on the calls inside write_pages (bench/micro/call_timer.py)
 
     @property
     def pages_per_request(self) -> int:
@@ -162,7 +162,7 @@ def sender(plan: Plan, path: str, metadata: bytes, conn) -> None:
 
     timer = None
     if plan.time_calls:
-        from pdserve.bench.call_timer import time_write_calls
+        from pdserve.bench.micro.call_timer import time_write_calls
 
         timer = time_write_calls()
     pool = _pool(plan, fill_seed=plan.seed + 1)

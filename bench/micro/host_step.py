@@ -1,6 +1,6 @@
 """The host's share of a decode step: scheduling, batch building and result processing, per step.
 
-    python -m pdserve.bench.host_step [--num-prompts 256] [--output-len 64]
+    python -m pdserve.bench.micro.host_step [--num-prompts 256] [--output-len 64]
 
 A tiny llama on the CPU whose forward is a stub (constant logits), so only the work the overlap
 loop must hide behind the device's forward is timed: `Scheduler.get_next_batch_to_run`,

@@ -1,7 +1,7 @@
 """Time to first token in the engine, one prompt at a time: what the host adds to a short prefill.
 
-    python3 -m pdserve.bench.prefill_latency --random-weights llama/1b --input-lens 32 256 1000 2000
-    python3 -m pdserve.bench.prefill_latency --random-weights llama/1b --prefill-cuda-graph-max-tokens 0
+    python3 -m pdserve.bench.micro.prefill_latency --random-weights llama/1b --input-lens 32 256 1000 2000
+    python3 -m pdserve.bench.micro.prefill_latency --random-weights llama/1b --prefill-cuda-graph-max-tokens 0
 
 For each prompt length, --requests prompts of random tokens (no prefix hits), each alone through
 `Engine.generate` for one output token, after --warmup unmeasured ones: the median and minimum wall
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.common.types import SamplingParams
 
     parser = argparse.ArgumentParser(
-        prog="python3 -m pdserve.bench.prefill_latency",
+        prog="python3 -m pdserve.bench.micro.prefill_latency",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,6 +1,6 @@
 """The steady decode step against its memory floor.
 
-    python -m pdserve.bench.decode_step --random-weights llama/1b --batch-size 128 --input-len 270 --output-len 64
+    python -m pdserve.bench.micro.decode_step --random-weights llama/1b --batch-size 128 --input-len 270 --output-len 64
 
 A decode step must at least read every weight once and every running request's KV once, so
 

@@ -1,5 +1,5 @@
 """The TCP sockets of a port and of a process, read from /proc (Linux): which worker holds which
-connection, and which connections still wait in an accept queue (bench/worker_kill.py)."""
+connection, and which connections still wait in an accept queue (bench/micro/worker_kill.py)."""
 
 from __future__ import annotations
 

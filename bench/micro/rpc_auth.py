@@ -1,6 +1,6 @@
 """What the cluster secret costs per RPC: the server's check, and a call with and without it.
 
-    python -m pdserve.bench.rpc_auth [--calls 5000] [--messages 5000] [--repeats 3]
+    python -m pdserve.bench.micro.rpc_auth [--calls 5000] [--messages 5000] [--repeats 3]
 
 Three numbers (common/trust.py):
   check       the interceptor's own work per RPC (metadata scan + constant-time compare +
@@ -133,7 +133,7 @@ async def run(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m pdserve.bench.rpc_auth", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pdserve.bench.micro.rpc_auth", description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=3000, help="Unary round trips per run (x10 for the check alone).")
     ap.add_argument("--messages", type=int, default=5000, help="Stream messages per run.")
     ap.add_argument("--repeats", type=int, default=3, help="Runs per mode; medians are reported.")

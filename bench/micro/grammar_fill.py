@@ -1,7 +1,7 @@
 """The host's share of structured output, without a model: B matchers of one JSON schema advanced
 step by step, timing each step's token acceptance and mask filling.
 
-    python -m pdserve.bench.grammar_fill --random-weights llama/1b --batch-size 128 --threads 1 2 4 8
+    python -m pdserve.bench.micro.grammar_fill --random-weights llama/1b --batch-size 128 --threads 1 2 4 8
 
 What the overlap loop must finish within one forward (docs/architecture.md, "Structured outputs"):
 N-1's tokens accepted, then N's masks filled. Each step every row takes a random allowed token
@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from pdserve.bench.grammar_step import SCHEMAS
+from pdserve.bench.micro.grammar_step import SCHEMAS
 from pdserve.common.list_flag import ListFlag
 
 

@@ -1,11 +1,11 @@
-"""`pdserve bench transfer`'s flags (the benchmark itself is bench/transfer.py, imported only when it runs)."""
+"""`pdserve bench transfer`'s flags (the benchmark itself is bench/micro/transfer.py, imported only when it runs)."""
 
 from __future__ import annotations
 
 from pdserve.common.list_flag import ListFlag
 
 TRANSFER_DOC = """KV transfer micro-benchmark: N requests x L tokens of KV written from a pool in one
-process into a pool in another (bench/transfer.py), through each path (direct: a device copy through CUDA
+process into a pool in another (bench/micro/transfer.py), through each path (direct: a device copy through CUDA
 IPC; nixl: NIXL WRITEs). Per request: the sending thread's host time, the operations posted, the latency
 to the receiver's notification; GB/s over the run. Every destination page is checked against its source."""
 

@@ -1,6 +1,6 @@
 """Where one request's time to first token goes, one request at a time through a local stack.
 
-    python3 -m pdserve.bench.ttft_breakdown --random-weights gpt2/small [--input-len 256] [--requests 25]
+    python3 -m pdserve.bench.micro.ttft_breakdown --random-weights gpt2/small [--input-len 256] [--requests 25]
 
 Starts a router, a decode and a prefill server (as `bench serve` does), then, after --warmup
 requests, times --requests streamed requests through the router (TTFT, and the whole answer of
@@ -98,7 +98,7 @@ async def by_hand(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python3 -m pdserve.bench.ttft_breakdown",
+        prog="python3 -m pdserve.bench.micro.ttft_breakdown",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
