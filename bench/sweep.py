@@ -1,5 +1,5 @@
 """`pdserve bench serve --stacks ...`: one request-rate sweep per local stack configuration, in one
-command, with SLO attainment, goodput and a plot (issue 22's study of when disaggregation wins).
+command, with SLO attainment, goodput and a plot (the study of when disaggregation wins: docs/disaggregation.md).
 
     pdserve bench serve --random-weights llama/1b --input-len 4096 --output-len 128 \\
         --request-rate 1 2 4 8 --goodput ttft:500 tpot:40 \\

@@ -1,4 +1,4 @@
-"""Many streams through a router of several workers, one worker SIGKILLed mid-run (issue 17).
+"""Many streams through a router of several workers, one worker SIGKILLed mid-run.
 
     python -m pdserve.bench.micro.worker_kill --streams 5000 --workers 4 [--random-weights llama/tiny] [--no-warm-spare]
 
