@@ -17,16 +17,39 @@ from tests.test_servers import KV_TIMEOUT, Server, wait_idle
 HEALTH = ("--health-check-interval", "0.5", "--health-check-timeout", "0.5")  # 3 failures: ~3 s
 
 
-def test_a_hung_decode_server_ends_its_streams_with_an_error_in_seconds(tiny_models):
+@pytest.fixture(scope="module")
+def pool(tiny_models):
+    """get(role, n): n running servers of the role, idle, shared by the module's tests (a server takes
+    seconds of both cores to start). The tests resume every server they stop (SIGCONT) and wait for
+    it to be idle again; one they kill stays dead, and a later test asking for that many gets a new one."""
+    model = tiny_models("llama")
+    started = {"decode": [], "prefill": []}
+
+    def get(role: str, n: int) -> list[Server]:
+        servers = started[role]
+        servers[:] = [s for s in servers if s.proc.poll() is None]
+        while len(servers) < n:
+            servers.append(Server(role, model))
+        for server in servers[:n]:
+            server.wait_ready()
+        asyncio.run(wait_idle(*servers[:n]))
+        return servers[:n]
+
+    try:
+        yield model, get
+    finally:
+        for server in (*started["decode"], *started["prefill"]):
+            server.stop()
+
+
+def test_a_hung_decode_server_ends_its_streams_with_an_error_in_seconds(pool):
     """SIGSTOP of the only decode server mid-stream: with no other to move it to, the stream ends with an
     error event naming the server within a few health-check intervals (it stayed open until the
     request's deadline, 600 s, before); once the server runs again it frees the request's KV."""
-    model = tiny_models("llama")
-    decode, prefill = Server("decode", model), Server("prefill", model)
+    model, get = pool
+    [decode], [prefill] = get("decode", 1), get("prefill", 1)
     router, stopped = None, False
     try:
-        decode.wait_ready()
-        prefill.wait_ready()
         router = RouterProcess(model, [prefill], [decode], *HEALTH)
         router.wait_ready()
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", timeout=120, max_retries=0)
@@ -53,8 +76,6 @@ def test_a_hung_decode_server_ends_its_streams_with_an_error_in_seconds(tiny_mod
             os.kill(decode.proc.pid, signal.SIGCONT)
         if router is not None:
             router.stop()
-        decode.stop()
-        prefill.stop()
 
 
 # Greedy; and sampled with the client's seed and output-only penalties, which the new servers continue
@@ -67,19 +88,17 @@ SAMPLED = dict(temperature=0.9, seed=11, frequency_penalty=0.8, presence_penalty
     [("SIGSTOP", {"temperature": 0}), ("SIGKILL", SAMPLED)],
     ids=["hung-greedy", "killed-sampled"],
 )
-def test_a_decode_server_that_hangs_or_dies_has_its_streams_moved(tiny_models, fault, sampling):
+def test_a_decode_server_that_hangs_or_dies_has_its_streams_moved(pool, fault, sampling):
     """Two streams, one on each decode server; the server of one is stopped (a hang) or killed
     mid-stream: its stream goes on on the other decode server (the prompt and the tokens already sent
     prefilled again) and ends with exactly the text of an uninterrupted run, within a few health-check
     intervals of the fault (before, a hung server's streams ended with an error after those intervals,
     and a killed one's at once), with its usage (the client's prompt, every output token). The counter
     says one choice moved."""
-    model = tiny_models("llama")
-    decodes, prefill = [Server("decode", model), Server("decode", model)], Server("prefill", model)
+    model, get = pool
+    decodes, [prefill] = get("decode", 2), get("prefill", 1)
     router, stopped = None, None
     try:
-        for server in (*decodes, prefill):
-            server.wait_ready()
         router = RouterProcess(model, [prefill], decodes, *HEALTH, "--decode-policy", "round_robin")
         router.wait_ready()
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", timeout=120, max_retries=0)
@@ -129,20 +148,16 @@ def test_a_decode_server_that_hangs_or_dies_has_its_streams_moved(tiny_models, f
             os.kill(stopped.proc.pid, signal.SIGCONT)
         if router is not None:
             router.stop()
-        for server in (*decodes, prefill):
-            server.stop()
 
 
-def test_a_hung_prefill_server_is_abandoned_in_seconds(tiny_models):
+def test_a_hung_prefill_server_is_abandoned_in_seconds(pool):
     """SIGSTOP of a prefill server: the requests it holds are retried on the other prefill server, and
     once none is left a request fails with a 503 naming the server, within a few health-check
     intervals (before, each waited for the decode server's KV reservation to expire, and got a 502)."""
-    model = tiny_models("llama")
-    decode, prefills = Server("decode", model), [Server("prefill", model), Server("prefill", model)]
+    model, get = pool
+    [decode], prefills = get("decode", 1), get("prefill", 2)
     router, stopped = None, []
     try:
-        for server in (decode, *prefills):
-            server.wait_ready()
         router = RouterProcess(model, prefills, [decode], *HEALTH)
         router.wait_ready()
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", timeout=120, max_retries=0)
@@ -181,5 +196,3 @@ def test_a_hung_prefill_server_is_abandoned_in_seconds(tiny_models):
             os.kill(server.proc.pid, signal.SIGCONT)
         if router is not None:
             router.stop()
-        for server in (decode, *prefills):
-            server.stop()

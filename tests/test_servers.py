@@ -30,6 +30,14 @@ from tests.test_disagg_engines import hf_greedy
 # cores); the timeout tests wait this long.
 KV_TIMEOUT = 10.0
 
+# NOTE: gRPC waits before reconnecting to an address that refused it, doubling the wait (1 s, 1.6 s,
+# ...): a channel that polled a server through its ~6 s start saw it serving ~3 s late. Retry often.
+READY_POLL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 200),
+)
+
 
 class Server:
     def __init__(self, role: str, model: str, *flags: str):
@@ -62,7 +70,7 @@ class Server:
 
     def wait_ready(self, timeout=120.0) -> None:
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
+        with grpc.insecure_channel(self.address, READY_POLL_OPTIONS) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 assert self.proc.poll() is None, f"{self.role} server exited:\n{self.proc.stdout.read()}"

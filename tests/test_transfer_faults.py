@@ -38,6 +38,16 @@ def test_the_fault_spec_is_checked():
 # a case here, to keep the suite short); when every WRITE fails, the request fails after its attempts
 # with the transfer's error, and once the failures open the server's circuit, at once, saying no
 # server is healthy.
+@pytest.fixture(scope="module")
+def decode(tiny_models):
+    """The decode server of both cases (the fault is the prefill server's; each case ends with it idle)."""
+    server = Server("decode", tiny_models("llama"), *KV_TIMEOUT)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize(
     "spec, error",
     [
@@ -46,13 +56,12 @@ def test_the_fault_spec_is_checked():
     ],
 )
 def test_a_transfer_that_fails_or_loses_its_notification_ends_clearly_and_frees_its_kv(
-    tiny_models, monkeypatch, spec, error
+    tiny_models, decode, monkeypatch, spec, error
 ):
     model = tiny_models("llama")
     monkeypatch.setenv(ENV, spec)
     prefill = Server("prefill", model, *KV_TIMEOUT)
     monkeypatch.delenv(ENV)
-    decode = Server("decode", model, *KV_TIMEOUT)
     router = None
     try:
         prefill.wait_ready()
@@ -90,7 +99,6 @@ def test_a_transfer_that_fails_or_loses_its_notification_ends_clearly_and_frees_
     finally:
         if router is not None:
             router.stop()
-        decode.stop()
         prefill.stop()
 
 
