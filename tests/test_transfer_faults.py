@@ -139,3 +139,69 @@ def test_pages_that_fail_the_integrity_check_are_never_decoded_and_the_request_m
             router.stop()
         for server in (*decodes, prefill):
             server.stop()
+
+
+def test_an_interrupted_prefix_aware_transfer_unpins_its_prefix_and_the_turn_is_answered_again(
+    tiny_models, monkeypatch
+):
+    """A conversation's second turn: the decode server holds the first turn's pages, so the prefill
+    server sends only the rest, and that WRITE's notification is lost (every other WRITE's). Twice:
+    with the prefix on the decode server's GPU, then evicted to its host tier and copied back for the
+    turn. Each time the turn fails with the timeout, within its bound, and the decode server frees
+    the pages it granted and unlocks the prefix it held (the pages it loaded back included); asked a
+    third time, the turn gets its prefix hit and transformers' answer."""
+    from pdserve.common.tokenizer import load_tokenizer
+    from tests.test_disagg_engines import hf_greedy
+    from tests.test_trust import metric, metrics
+
+    model = tiny_models("llama")
+    first = [1] + [(7 * i) % 500 + 5 for i in range(39)]  # 40 tokens: 2 whole pages of 16 cached after it
+    filler = [1] + [(11 * i) % 500 + 5 for i in range(239)]  # 240 tokens: then the 256-token pool is all its
+    second = first + hf_greedy(model, [first], 8)[0] + [33, 44, 55]
+    monkeypatch.setenv(ENV, "drop_notif=2")  # WRITEs 2 and 4: the second turn's, before and after the filler
+    prefill = Server("prefill", model, *KV_TIMEOUT)
+    monkeypatch.delenv(ENV)
+    pool = ("--max-total-tokens", "256", "--context-length", "256", "--host-kv-cache-gb", "0.01")
+    decode = Server("decode", model, *KV_TIMEOUT, *pool)
+    router = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        router = RouterProcess(model, [prefill], [decode])
+        router.wait_ready()
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", timeout=60, max_retries=0)
+
+        def ask(prompt):
+            return client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+
+        def counter(name):
+            return metric(metrics(decode.metrics_port), name)
+
+        def hits():
+            return counter("pdserve_kv_transfer_prefix_hit_tokens_total")
+
+        def loaded():
+            return counter("pdserve_host_kv_hit_tokens_total")
+
+        assert ask(first)  # WRITE 1
+        for where in ("device", "host"):
+            if where == "host":
+                ask(filler)  # WRITE 3; evicts the first turn's pages from the GPU: the host tier keeps them
+            hits_before, loaded_before = hits(), loaded()
+            at = time.monotonic()
+            with pytest.raises(openai.APIError, match="KV transfer timed out"):
+                ask(second)  # WRITEs 2 and 4, their notifications lost
+            assert time.monotonic() - at < 20, where  # the 3 s timeout and its grace, not the deadline
+            assert hits() > hits_before, where  # it was a prefix-aware transfer...
+            assert (loaded() > loaded_before) == (where == "host")  # ...with its prefix back from host memory
+            asyncio.run(wait_idle(decode, prefill))  # the grant freed, the prefix unlocked (kv_used counts locks)
+        hits_before = hits()
+        [want] = hf_greedy(model, [second], 8)
+        assert ask(second) == load_tokenizer(model).decode(want, skip_special_tokens=True)  # WRITE 5
+        assert hits() > hits_before
+        asyncio.run(wait_idle(decode, prefill))
+    finally:
+        if router is not None:
+            router.stop()
+        decode.stop()
+        prefill.stop()
