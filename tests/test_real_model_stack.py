@@ -5,8 +5,13 @@ on CPU). Against transformers on the same GGUF: greedy chats end at the model's 
 prefill server's) equal transformers' log-softmax. And a newcomer's first requests: a question with
 no sampling field, the README's structured-output snippet, tools on a template without tools."""
 
+import contextlib
+import io
+import json
 import pathlib
 import re
+import shlex
+import subprocess
 import time
 
 import openai
@@ -14,6 +19,7 @@ import pytest
 import torch
 
 from tests.router_stack import pdserve_up
+from tests.test_docs_walkthrough import shell_commands
 from tests.test_gguf import QUESTIONS, hf_greedy
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
@@ -87,18 +93,31 @@ def readme_snippet(marker: str) -> str:
     return block
 
 
-def test_the_readme_snippets_run_unchanged(stack):
-    """The quickstart's structured-output snippet, as the README has it (only the port differs),
-    parses into its pydantic model; the chat snippet at least compiles."""
-    _, _, port = stack
-    compile(readme_snippet("stream=True"), "README.md", "exec")
-    snippet = readme_snippet("chat.completions.parse")
+def run_snippet(snippet: str, port: int) -> tuple[dict, str]:
+    """A README block run as written (only the port differs): its globals and what it printed."""
     assert snippet.count("127.0.0.1:8000") == 1
     scope: dict = {}
-    exec(compile(snippet.replace("127.0.0.1:8000", f"127.0.0.1:{port}"), "README.md", "exec"), scope)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        exec(compile(snippet.replace("127.0.0.1:8000", f"127.0.0.1:{port}"), "README.md", "exec"), scope)
+    return scope, printed.getvalue()
+
+
+def test_the_readme_snippets_run_unchanged(stack):
+    """The quickstart's chat snippet prints an answer and a streamed haiku; the structured-output
+    snippet parses into its pydantic model; getting-started's curl line gets a chat completion."""
+    _, _, port = stack
+    scope, printed = run_snippet(readme_snippet("stream=True"), port)
+    assert scope["answer"].choices[0].message.content and len(printed) > len(scope["answer"].choices[0].message.content)
+    scope, _ = run_snippet(readme_snippet("chat.completions.parse"), port)
     city = scope["city"]
     assert isinstance(city, scope["City"]) and city.name and isinstance(city.population, int)
     assert len(str(abs(city.population))) <= 20  # the bounded integer grammar
+
+    [curl] = [c for c in shell_commands() if c.startswith("curl ")]
+    out = subprocess.run(
+        shlex.split(curl.replace("127.0.0.1:8000", f"127.0.0.1:{port}")), capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and json.loads(out.stdout)["choices"][0]["message"]["content"], out
 
 
 TOOLS = [

@@ -277,20 +277,27 @@ def decode_tile_sweep(dtype: torch.dtype, layers: int = 8) -> None:
 
 
 def main() -> None:
-    import sys
+    import argparse
 
+    parser = argparse.ArgumentParser(description="Decode-step kernel sweeps on a GPU; with no flag, all but --layout.")
+    sweep = parser.add_mutually_exclusive_group()
+    sweep.add_argument("--attention", action="store_true", help="the split-K decode attention alone")
+    sweep.add_argument("--layout", action="store_true", help="token-major against head-major pool layout")
+    sweep.add_argument("--fp8-attention", action="store_true", help="decode attention over an FP8 KV cache")
+    sweep.add_argument("--decode-tiles", action="store_true", help="the decode GEMM tiles, FP8 and bf16")
+    args = parser.parse_args()
     print(torch.cuda.get_device_name())
-    if sys.argv[1:] == ["--fp8-attention"]:
+    if args.fp8_attention:
         fp8_attention()
         return
-    if sys.argv[1:] == ["--decode-tiles"]:
+    if args.decode_tiles:
         decode_tile_sweep(torch.float8_e4m3fn)
         decode_tile_sweep(torch.bfloat16)
         return
-    if sys.argv[1:] == ["--layout"]:
+    if args.layout:
         layout_sweep()
         return
-    if sys.argv[1:] == ["--attention"]:
+    if args.attention:
         attention_sweep("Llama-1B", 32, 8)
         attention_sweep("GPT-2", 12, 12, layers=12)
         return
