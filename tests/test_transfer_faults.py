@@ -4,7 +4,9 @@ right text or a clear error within its bound — never a wrong answer, never a h
 on both servers, and the stack serves the next request."""
 
 import asyncio
+import json
 import re
+import socket
 import time
 
 import openai
@@ -200,8 +202,39 @@ def test_an_interrupted_prefix_aware_transfer_unpins_its_prefix_and_the_turn_is_
         assert ask(second) == load_tokenizer(model).decode(want, skip_special_tokens=True)  # WRITE 5
         assert hits() > hits_before
         asyncio.run(wait_idle(decode, prefill))
+        disconnect_mid_transfer(router, prefill, decode, model)  # WRITE 6, its notification lost
     finally:
         if router is not None:
             router.stop()
         decode.stop()
         prefill.stop()
+
+
+def disconnect_mid_transfer(router, prefill, decode, model):
+    """A streaming client that leaves while its KV is on its way (the prefill done, the WRITE's
+    notification lost, so the decode server still waits for it): the router cancels the request on
+    the decode server, which answers it at once and frees its pages after the grace a late WRITE
+    gets: not a failed transfer, as it would be at the transfer's timeout had nobody cancelled it."""
+    from tests.test_servers import load
+    from tests.test_trust import metric, metrics
+
+    def prefilled():
+        return metric(metrics(prefill.metrics_port), "pdserve_prefill_prompt_tokens_total")
+
+    def failed_transfers():
+        return metric(metrics(decode.metrics_port), "pdserve_kv_transfer_failures_total")
+
+    before, failed = prefilled(), failed_transfers()
+    body = json.dumps({"model": model, "prompt": [1, 5, 6, 7], "max_tokens": 8, "temperature": 0, "stream": True})
+    host, port = router.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        deadline = time.monotonic() + 30
+        while prefilled() == before or not asyncio.run(load(decode)).kv_used_tokens:  # mid-transfer
+            assert time.monotonic() < deadline, "the request never reached its transfer"
+            time.sleep(0.02)
+    asyncio.run(wait_idle(decode, prefill))
+    assert failed_transfers() == failed  # cancelled, not timed out
