@@ -13,7 +13,7 @@ secret keeps that metadata (GetAgentMetadata, and every destination) from strang
 Kubernetes NetworkPolicy keeps strangers off the UCX ports; and a decode server acts only on a
 notification that matches a destination it granted (decode/engine.py).
 
-The flags are TrustConfig's (common/config.py); the environment is read here and nowhere else.
+The flags are TrustConfig's (common/server_config.py); the environment is read here and nowhere else.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Mapping
 
 import grpc
 
-from pdserve.common.config import TrustConfig
+from pdserve.common.server_config import TrustConfig
 
 log = logging.getLogger(__name__)
 

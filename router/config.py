@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from pdserve.common.config import TrustConfig, option
+from pdserve.common.config import option
 from pdserve.common.openai.defaults import FLAG_HELP
+from pdserve.common.server_config import TrustConfig
 from pdserve.router.disagg import FALLBACKS, POLICIES
 from pdserve.router.policies import make_policy
 

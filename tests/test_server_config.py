@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pdserve.common.config import ServerConfig
+from pdserve.common.server_config import ServerConfig
 
 
 def test_bad_server_flags_are_refused_before_start(tiny_models):

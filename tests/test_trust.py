@@ -26,10 +26,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.common.config import TrustConfig
 from pdserve.common.kv_transfer import encode_notif
 from pdserve.common.ports import free_port
 from pdserve.common.scheduling.pages import pages_for
+from pdserve.common.server_config import TrustConfig
 from pdserve.common.trust import (
     SECRET_ENV,
     SECRET_FILE_ENV,

@@ -53,7 +53,7 @@ async def by_hand(
     """The router's pairing (router/pairing.py) without the router: seconds of each hop in HOPS."""
     import grpc
 
-    from pdserve.common.config import TrustConfig
+    from pdserve.common.server_config import TrustConfig
     from pdserve.common.trust import load_trust, open_channel
     from pdserve.proto import pdserve_pb2 as pb
     from pdserve.proto import pdserve_pb2_grpc as pb_grpc

@@ -21,9 +21,9 @@ import zmq.asyncio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from pdserve.common.config import ServerConfig
 from pdserve.common.errors import ErrorCode
 from pdserve.common.gc_tuning import tune_gc
+from pdserve.common.server_config import ServerConfig
 from pdserve.common.serving import ipc
 from pdserve.common.serving.server_metrics import Metrics
 from pdserve.common.startup import process_age

@@ -22,9 +22,9 @@ import traceback
 
 import zmq
 
-from pdserve.common.config import ServerConfig
 from pdserve.common.errors import ErrorCode
 from pdserve.common.lifetime import die_with_parent
+from pdserve.common.server_config import ServerConfig
 from pdserve.common.serving import ipc
 from pdserve.common.startup import READY, StartupClock
 

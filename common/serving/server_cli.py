@@ -14,7 +14,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from pdserve.common.config import DefaultsHelpFormatter, EngineConfig, ServerConfig, add_cli_args, from_cli_args
+from pdserve.common.config import DefaultsHelpFormatter, EngineConfig, add_cli_args, from_cli_args
+from pdserve.common.server_config import ServerConfig
 from pdserve.common.trust import check_exposure, load_trust
 
 
