@@ -1,8 +1,8 @@
 """Processes that only tokenize (the router's) run without torch.
 
 transformers imports torch wherever it is installed (its configuration module does, and every
-tokenizer class imports that), though a tokenizer and its chat template use none of it: 1.5-2 s and
-~220 MB of every router process (docs/benchmarks/startup-and-small-models.md). transformers 5 has no
+tokenizer class imports that), though a tokenizer and its chat template use none of it: ~1-1.6 s and
+~180 MB of every router process (docs/benchmarks/startup-and-small-models.md). transformers 5 has no
 switch for it, but it decides whether torch is there with `importlib.util.find_spec("torch")`, which
 answers None when sys.modules holds None under the name: Python's own mark for "not importable" (an
 `import torch` then raises ImportError). A router process sets that mark before it first imports

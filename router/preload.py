@@ -4,8 +4,8 @@ imports cost one process's seconds at start, not every worker's. They are most o
 `from transformers import AutoTokenizer` alone is ~1 s of a core, far more on a loaded 16-core GPU
 host, where eight workers and a spare imported it side by side.
 
-Torch is kept out first (common/torch_free.py): transformers would otherwise import it, 1.5-2 s and
-~220 MB of this process, shared by every worker forked from it until their pages diverge.
+Torch is kept out first (common/torch_free.py): transformers would otherwise import it, ~1.6 s and
+~180 MB of this process, shared by every worker forked from it until their pages diverge.
 
 NOTE: nothing here may start a thread that can hold a lock while the fork server forks, nor import
 prometheus_client: it picks where its values live when first imported, from the variable each worker
