@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import sys
 
+log = logging.getLogger(__name__)
+
 # What transformers logs once, at import, without torch: true of this process, but read on a GPU
 # host it would say something is wrong.
 NO_TORCH_NOTICE = "PyTorch was not found"
@@ -25,13 +27,15 @@ def keep_torch_out() -> None:
     """Makes torch unimportable in this process, for good (a second call does nothing).
 
     NOTE: before transformers is imported: it asks whether torch is there once per process
-    (is_torch_available is cached) and imports torch at once when it is. RuntimeError when torch or
-    transformers is imported already: the process would not be torch-free."""
+    (is_torch_available is cached) and imports torch when it is. Called later, it only warns: marking
+    torch then would break a transformers that counts on it, and the process works with torch, only
+    heavier (tests/test_router_torch_free.py is what holds the router to it)."""
     if torch_kept_out():
         return
     late = [name for name in ("torch", "transformers") if name in sys.modules]
     if late:
-        raise RuntimeError(f"keep_torch_out() must run before {' and '.join(late)} is imported")
+        log.warning("%s imported already: this process keeps torch (memory, start time)", " and ".join(late))
+        return
     sys.modules["torch"] = None  # type: ignore[assignment]
     logging.getLogger("transformers").addFilter(lambda record: NO_TORCH_NOTICE not in record.getMessage())
 

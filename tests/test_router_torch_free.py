@@ -1,8 +1,11 @@
 """The router's processes never import torch (common/torch_free.py), and tokenize as before.
 
+- keep_torch_out() makes torch unimportable and transformers see none; once transformers has seen
+  torch it leaves it be.
 - A torch-free process's tokenizer gives transformers' own (built with torch) ids, chat-template
   text, decodes and special tokens, for every tiny architecture and for SmolLM2's GGUF, whose
-  tokenizer the torch-free process has a child convert into the cache.
+  tokenizer the torch-free process has a child convert into the cache (or, where the cache cannot
+  be written, into a temporary folder).
 - `pdserve-router`, one process or a supervisor with workers, a fork server and a spare: no process
   of it maps torch's library once every worker has built its Router, and each that built one maps the
   tokenizers library (so the check cannot pass on a process that never loaded a tokenizer).
@@ -78,6 +81,35 @@ def tokenizer_facts(tokenizer) -> dict:
     }
 
 
+def run_python(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_torch_kept_out_is_not_importable_and_transformers_sees_none():
+    code = (
+        "from pdserve.common.torch_free import keep_torch_out, torch_kept_out\n"
+        "keep_torch_out(); keep_torch_out()\n"
+        "from transformers.utils import is_torch_available\n"
+        "try:\n    import torch\nexcept ImportError:\n    torch = None\n"
+        "print(torch_kept_out(), is_torch_available(), torch is None)"
+    )
+    assert run_python(code) == "True False True"
+
+
+def test_torch_is_not_kept_out_once_transformers_has_seen_it():
+    """(transformers would import torch later, and fail on the mark.)"""
+    code = (
+        "import transformers\n"
+        "from pdserve.common.torch_free import keep_torch_out, torch_kept_out\n"
+        "keep_torch_out()\n"
+        "from transformers import AutoTokenizer\n"
+        "print(torch_kept_out())"
+    )
+    assert run_python(code).splitlines()[-1] == "False"
+
+
 TORCH_FREE = """
 import json, sys
 from pdserve.common.torch_free import keep_torch_out
@@ -117,6 +149,27 @@ def test_a_torch_free_process_tokenizes_as_transformers_with_torch(tiny_models, 
         ours = torch_free["facts"][path]
         for key in expected:
             assert ours[key] == expected[key], f"{path}: {key}"
+
+
+def test_a_torch_free_process_converts_a_gguf_where_the_cache_cannot_be_written(tiny_models, tmp_path):
+    """(The conversion goes to a temporary folder, removed once loaded.)"""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from tests.tiny_gguf import write_gguf
+
+    path = str(write_gguf(Path(tiny_models("llama")), tmp_path / "tiny.gguf", gguf.GGMLQuantizationType.F32))
+    (tmp_path / "a-file").write_text("")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "PDSERVE_CACHE": str(tmp_path / "a-file" / "cache"), "TMPDIR": str(scratch)}
+    out = subprocess.run([sys.executable, "-c", TORCH_FREE, path], cwd=REPO, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    ours = json.loads(out.stdout.splitlines()[-1])["facts"][path]
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", local_files_only=True)
+    del ours["eos"]
+    assert ours == json.loads(json.dumps(tokenizer_facts(theirs)))
+    assert list(scratch.iterdir()) == []
 
 
 def processes_of(root: int) -> list[int]:
