@@ -1,7 +1,7 @@
 """What every router worker imports before it builds its Router, imported once, by the supervisor's
 fork server (router/supervisor.py): workers and spares are forked from that process, so these
 imports cost one process's seconds at start, not every worker's. They are most of a worker's start:
-`from transformers import AutoTokenizer` alone is ~1 s of a core, far more on a loaded 16-core GPU
+`from transformers import AutoTokenizer` alone is ~0.7 s of a core, far more on a loaded 16-core GPU
 host, where eight workers and a spare imported it side by side.
 
 Torch is kept out first (common/torch_free.py): transformers would otherwise import it, ~1.6 s and

@@ -32,12 +32,14 @@ NOTE: workers are never forked from this process or a worker: a forked child wou
 parent's threads' locks (grpc's, the tokenizer's) in whatever state they were. They are forked by
 multiprocessing's fork server, a fresh process that has only imported router/preload.py (the web
 stack and transformers, torch kept out) and does nothing else: one import at start instead of one
-per worker. A GGUF checkpoint's tokenizer is converted (by a child process: it needs torch) into the
-cache before the workers start, so that they load it rather than each convert it
-(common/gguf_tokenizer.py). So the workers are this process's grandchildren
-(the fork server's children), and a worker that sees its parent change takes the supervisor for gone
-(the fork server ends with it; a fork server killed alone stops the workers too, and the supervisor
-starts them again, through a new one).
+per worker. So the workers are this process's grandchildren (the fork server's children), and a
+worker that sees its parent change takes the supervisor for gone (the fork server ends with it; a
+fork server killed alone stops the workers too, and the supervisor starts them again, through a new
+one).
+
+A GGUF checkpoint's tokenizer is converted into the cache before the workers start (by a child
+process: the conversion needs torch), so that they load it rather than each convert it
+(common/gguf_tokenizer.py).
 """
 
 from __future__ import annotations
