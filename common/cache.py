@@ -1,7 +1,7 @@
 """pdserve's cache on this host: $PDSERVE_CACHE, else ~/.cache/pdserve (the one place it is read).
 
 random-weights/   the benchmarks' random-weight checkpoints (bench/random_weights.py)
-tokenizers/       GGUF tokenizers converted once (common/gguf_checkpoint.py)
+tokenizers/       GGUF tokenizers converted once (common/gguf_tokenizer.py)
 gguf-info/        GGUF files' metadata, parsed once (common/gguf_checkpoint.py)
 """
 

@@ -1,10 +1,10 @@
 """GGUF checkpoints (llama.cpp's one-file format), seen as a Hugging Face checkpoint directory.
 
 `--model-path` may name a .gguf file, or a directory holding exactly one and no config.json. The
-rest of pdserve asks a checkpoint three things, answered here from the file's metadata:
+rest of pdserve asks a checkpoint three things, answered from the file's metadata:
 
     hf_config(path)              the fields config.json would hold, so the model code is unchanged
-    load_tokenizer(path)         transformers builds the tokenizer and chat template from the metadata
+    load_tokenizer(path)         the tokenizer and chat template (common/gguf_tokenizer.py)
     eos_token_ids(path, tok)     the ids llama.cpp stops at
 
 The weights (dequantized, under the Hugging Face names and layouts): engine/models/gguf_weights.py.
@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import pathlib
-import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -136,7 +135,7 @@ def _info_from_json(path: str, saved: dict) -> GGUFInfo:
 
 
 def _save_info(info: GGUFInfo, saved: pathlib.Path) -> None:
-    """Best effort, as _save_converted: without it the next process parses the file again."""
+    """Best effort, as the converted tokenizer's: without it the next process parses the file again."""
     try:
         # (JSON keeps str, int, float (repr: exact), bool and lists; metadata of any other kind is not saved)
         fields = ("metadata", "tensors", "rope_freqs", "offsets", "byte_order")
@@ -295,54 +294,6 @@ def _gpt2_config(info: GGUFInfo) -> dict:
         # head is token_embd's values (llama.cpp's differ where `output` was quantized to another type).
         "tie_word_embeddings": True,
     }
-
-
-@functools.lru_cache(maxsize=8)
-def load_tokenizer(path: str):
-    """transformers' tokenizer (chat template included) from the file's metadata, converted once per
-    host: the conversion takes seconds (4.7 s for SmolLM2 on the CI box, in each of a deployment's
-    processes), loading its saved form 0.2 s. The saved form lives in the cache
-    (common/cache.py: tokenizers/), keyed by the file's path, size and modification time and by the
-    transformers version that converted it; it is written to a temporary folder and renamed into
-    place, so processes converting at once never see half of one.
-
-    NOTE: shared by every caller in the process; nobody may mutate it."""
-    from transformers import AutoTokenizer
-
-    folder, name = os.path.split(os.path.abspath(path))
-    saved = _converted_tokenizer_dir(path)
-    if saved.is_dir():
-        try:
-            return AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
-        except (OSError, ValueError) as e:  # a damaged cache entry: convert again
-            log.warning("cannot load the converted tokenizer in %s (%s): converting again", saved, e)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-    _save_converted(tokenizer, saved)
-    return tokenizer
-
-
-def _converted_tokenizer_dir(path: str) -> pathlib.Path:
-    import transformers
-
-    st = os.stat(path)
-    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
-    return cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
-
-
-def _save_converted(tokenizer, saved: pathlib.Path) -> None:
-    """Best effort: a read-only or full cache only costs the next start its conversion."""
-    tmp = None
-    try:
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=saved.parent, prefix=".converting-")
-        tokenizer.save_pretrained(tmp)
-        os.rename(tmp, saved)  # atomic; fails when another process got there first
-    except OSError as e:
-        if not saved.is_dir():
-            log.warning("cannot cache the converted tokenizer in %s: %s", saved, e)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)  # (gone once renamed)
 
 
 def eos_token_ids(path: str, tokenizer) -> tuple[int, ...]:

@@ -1,19 +1,19 @@
 """Tokenizer loading and the stop ids a checkpoint declares (offline: no hub access).
 
-A GGUF checkpoint carries both in its metadata (common/gguf_checkpoint.py)."""
+A GGUF checkpoint carries both in its metadata (common/gguf_checkpoint.py, common/gguf_tokenizer.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 
-from pdserve.common import gguf_checkpoint
+from pdserve.common import gguf_checkpoint, gguf_tokenizer
 
 
 def load_tokenizer(model_path: str):
     gguf = gguf_checkpoint.gguf_file(model_path)
     if gguf is not None:
-        return gguf_checkpoint.load_tokenizer(gguf)
+        return gguf_tokenizer.load_tokenizer(gguf)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path, local_files_only=True, config=_tokenizer_facts(model_path))

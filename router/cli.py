@@ -8,6 +8,7 @@ import os
 import sys
 
 from pdserve.common.config import DefaultsHelpFormatter, add_cli_args, from_cli_args
+from pdserve.common.torch_free import keep_torch_out
 from pdserve.router.config import RouterConfig
 from pdserve.router.serve import MULTIPROC_DIR_ENV, configure_logging, serve
 from pdserve.router.supervisor import Supervisor
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     config = config.resolve()
+    keep_torch_out()  # this process and the workers it starts only tokenize (common/torch_free.py)
     single = config.workers == 1
     configure_logging(config.log_level, "router" if single else "router supervisor")
     if unauthenticated:

@@ -31,12 +31,15 @@
 NOTE: workers are never forked from this process or a worker: a forked child would inherit the
 parent's threads' locks (grpc's, the tokenizer's) in whatever state they were. They are forked by
 multiprocessing's fork server, a fresh process that has only imported router/preload.py (the web
-stack and transformers; torch's import, which transformers makes where torch is installed, leaves
-one idle thread, as in every process PyTorch's DataLoader forks its workers from) and does nothing
-else: one import at start instead of one per worker. So the workers are this process's grandchildren
-(the fork server's children), and a worker that sees its parent change takes the supervisor for gone
-(the fork server ends with it; a fork server killed alone stops the workers too, and the supervisor
-starts them again, through a new one).
+stack and transformers, torch kept out) and does nothing else: one import at start instead of one
+per worker. So the workers are this process's grandchildren (the fork server's children), and a
+worker that sees its parent change takes the supervisor for gone (the fork server ends with it; a
+fork server killed alone stops the workers too, and the supervisor starts them again, through a new
+one).
+
+A GGUF checkpoint's tokenizer is converted into the cache before the workers start (by a child
+process: the conversion needs torch), so that they load it rather than each convert it
+(common/gguf_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
+from pdserve.common.gguf_checkpoint import gguf_file
+from pdserve.common.gguf_tokenizer import convert_once
 from pdserve.router.config import RouterConfig
 from pdserve.router.serve import STARTED_FILE, bind, run_spare, run_worker
 
@@ -112,6 +117,9 @@ class Supervisor:
         except OSError as e:
             print(f"error: cannot listen on {self.config.host}:{self.config.port}: {e.strerror or e}", file=sys.stderr)
             return 2
+        gguf = gguf_file(self.config.model_path)
+        if gguf is not None:
+            convert_once(gguf)
         self.metrics_dir = tempfile.mkdtemp(prefix="pdserve-router-metrics-")
         wake_read, wake_write = socket.socketpair()
         wake_write.setblocking(False)

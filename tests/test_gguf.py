@@ -263,16 +263,16 @@ def test_smollm2_greedy_chat_through_run_batch_matches_transformers_to_its_eos(s
 def test_a_ggufs_tokenizer_is_converted_once_and_loads_the_same_from_the_cache(tiny_ggufs, tmp_path, monkeypatch):
     import transformers
 
-    from pdserve.common import gguf_checkpoint
+    from pdserve.common import gguf_tokenizer
 
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     _, path = tiny_ggufs("llama", "Q8_0")
-    gguf_checkpoint.load_tokenizer.cache_clear()
+    gguf_tokenizer.load_tokenizer.cache_clear()
     try:
-        converted = gguf_checkpoint.load_tokenizer(path)
+        converted = gguf_tokenizer.load_tokenizer(path)
         [saved] = (tmp_path / "tokenizers").iterdir()
         assert (saved / "tokenizer.json").is_file()
-        gguf_checkpoint.load_tokenizer.cache_clear()
+        gguf_tokenizer.load_tokenizer.cache_clear()
         convert = transformers.AutoTokenizer.from_pretrained
 
         def no_conversion(*args, **kwargs):
@@ -280,9 +280,9 @@ def test_a_ggufs_tokenizer_is_converted_once_and_loads_the_same_from_the_cache(t
             return convert(*args, **kwargs)
 
         monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_conversion)
-        cached = gguf_checkpoint.load_tokenizer(path)
+        cached = gguf_tokenizer.load_tokenizer(path)
     finally:
-        gguf_checkpoint.load_tokenizer.cache_clear()
+        gguf_tokenizer.load_tokenizer.cache_clear()
     texts = ["Hello world", "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n", " spaces  and\ttabs ", "é 日本 🙂"]
     assert [cached(t).input_ids for t in texts] == [converted(t).input_ids for t in texts]
     ids = converted(texts[1]).input_ids

@@ -19,6 +19,7 @@ Run as `python -m pdserve.bench.micro.NAME`:
     overlap                 overlap on vs off: decode inter-token latency at a few batch sizes
     prefill_latency         one prompt's time to first token in the engine: what the host adds
     profile_offline         an offline run's GPU time: kernels by device time, and idle time
+    router_memory           a router's processes: memory (RSS, PSS), start time, and whether torch is in them
     rpc_auth                what the cluster secret costs per RPC
     teacher_forced_engine   the engine's teacher-forced top-1 agreement with transformers, per FP8 setting
     ttft_breakdown          where one request's time to first token goes, hop by hop, through a local stack
