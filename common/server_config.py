@@ -79,6 +79,12 @@ class ServerConfig(TrustConfig):
     drain_timeout: float = option(
         120.0, "Seconds a SIGTERM'd server waits for its requests in flight to finish before it exits anyway."
     )
+    disable_grammar_warmup: bool = option(
+        False,
+        "Make structured output's machinery (xgrammar, the tokenizer's description, the grammar worker process, "
+        "a first compile) on the first grammar request instead of during start-up: for a server that never "
+        "serves one (it then starts no grammar worker).",
+    )
     startup_report: str = option(
         "",
         "A file the scheduler appends its start-up phases to as they end, one JSON line each (pdserve up "

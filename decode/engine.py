@@ -62,6 +62,7 @@ class DecodeEngine(EngineCore):
         kv_transfer_timeout: float = 30.0,
         startup: StartupClock | None = None,
         kv_integrity_check: bool = False,
+        warm_grammars: bool = False,
     ):
         startup = startup or StartupClock()
         if kv_integrity_check and config.tp_size > 1:
@@ -72,7 +73,14 @@ class DecodeEngine(EngineCore):
         self.kv: ServerKV | None = None  # the KV agents this engine owns (every rank's)
         # KV arrives over NIXL (only local prefills and retracted requests are prefilled here, eagerly):
         # no prefill graphs.
-        super().__init__(config, startup, prefill_graphs=False, kv_side=KVSide.RECEIVER, kv_agent_name=agent_name)
+        super().__init__(
+            config,
+            startup,
+            prefill_graphs=False,
+            kv_side=KVSide.RECEIVER,
+            kv_agent_name=agent_name,
+            warm_grammars=warm_grammars,
+        )
         with self.closed_on_error():
             self.kv = ServerKV.open(  # the ranks' agents meet
                 agent_name, self.runner.kv_pool, self.tp_workers, verify_kv=kv_integrity_check

@@ -29,7 +29,14 @@ def run_decode_scheduler(config, server, agent_name, to_scheduler, to_frontend):
         from pdserve.decode.engine import DecodeEngine
 
         startup.mark("imports")
-        return DecodeEngine(config, agent_name, server.kv_transfer_timeout, startup, server.kv_integrity_check)
+        return DecodeEngine(
+            config,
+            agent_name,
+            server.kv_transfer_timeout,
+            startup,
+            server.kv_integrity_check,
+            warm_grammars=not server.disable_grammar_warmup,
+        )
 
     run_scheduler(make_engine, server, to_scheduler, to_frontend)
 

@@ -39,6 +39,7 @@ class PrefillEngine(EngineCore):
         kv_transfer_timeout: float = 30.0,
         startup: StartupClock | None = None,
         kv_transfer_path: str = "auto",
+        warm_grammars: bool = False,
     ):
         startup = startup or StartupClock()
         self.kv: ServerKV | None = None  # the KV agents this engine owns (every rank's)
@@ -46,7 +47,12 @@ class PrefillEngine(EngineCore):
         # graphs their memory pool; capturing every batch size cost 1.3-1.7 s of its start on an H200.
         config = dataclasses.replace(config, cuda_graph_max_bs=1)
         super().__init__(
-            config, startup, kv_side=KVSide.SENDER, kv_agent_name=agent_name, kv_transfer_path=kv_transfer_path
+            config,
+            startup,
+            kv_side=KVSide.SENDER,
+            kv_agent_name=agent_name,
+            kv_transfer_path=kv_transfer_path,
+            warm_grammars=warm_grammars,
         )
         with self.closed_on_error():
             # (the ranks' agents meet here)

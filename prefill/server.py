@@ -131,7 +131,14 @@ def run_prefill_scheduler(config, server, agent_name, to_scheduler, to_frontend)
         from pdserve.prefill.engine import PrefillEngine
 
         startup.mark("imports")
-        return PrefillEngine(config, agent_name, server.kv_transfer_timeout, startup, server.kv_transfer_path)
+        return PrefillEngine(
+            config,
+            agent_name,
+            server.kv_transfer_timeout,
+            startup,
+            server.kv_transfer_path,
+            warm_grammars=not server.disable_grammar_warmup,
+        )
 
     run_scheduler(make_engine, server, to_scheduler, to_frontend)
 

@@ -367,3 +367,44 @@ def test_a_top_p_below_float32s_range_keeps_the_top_token(make_engine):
         ],
     )
     assert tiny.error is None and tiny.output_ids == greedy.output_ids
+
+
+def test_grammars_made_at_start_up_outlive_the_thread_that_made_them(make_engine):
+    """A server's start-up (GrammarsAtStart) makes the Grammars on a thread of its own and compiles
+    WARMUP_GRAMMAR on both sides. NOTE the grammar worker dies with the thread that spawned it
+    (PR_SET_PDEATHSIG): spawned on that short-lived thread, it was killed as the thread ended."""
+    import threading
+
+    from pdserve.common.engine.grammar import WARMUP_GRAMMAR
+    from pdserve.common.engine.grammar_startup import GrammarsAtStart
+
+    engine = make_engine("llama")  # (the offline engine: its own are made on first use, not here)
+    start = GrammarsAtStart(engine.config, engine.tokenizer, engine.eos_token_ids, None, warm=True)
+    assert start.wait()
+    for thread in threading.enumerate():
+        if thread.name == "grammar-startup":
+            thread.join(timeout=10)
+    grammars = start.get()
+    assert grammars._compiled[WARMUP_GRAMMAR][0].done()
+    choice = ("ebnf", choice_ebnf(["ab", "cd"]))
+    mask = grammars.bitmask([_Row(grammars.matcher(choice))], [True], launched=False).result()
+    assert grammars._worker.process.poll() is None, "the grammar worker died with the start-up's thread"
+    allowed = {engine.tokenizer.decode([t]) for t in allowed_tokens(mask.numpy(), 0, engine.vocab_size)}
+    assert allowed and all("ab".startswith(a) or "cd".startswith(a) for a in allowed), allowed
+    assert not GrammarsAtStart(engine.config, engine.tokenizer, engine.eos_token_ids, None, warm=False).wait()
+
+
+def test_a_repeated_spec_compiles_once_on_both_sides(make_engine, monkeypatch):
+    """The second request with a spec compiles nothing: the server's compiler ran once, and the grammar
+    worker was sent the spec once (it compiles what it is sent; its matchers share that compilation)."""
+    engine = make_engine("llama")
+    grammars = engine.grammars
+    compiled, sent = [], []
+    compile_grammar, add_grammar = grammars._compiler.compile_grammar, grammars._worker.add_grammar
+    monkeypatch.setattr(grammars._compiler, "compile_grammar", lambda s: compiled.append(s) or compile_grammar(s))
+    monkeypatch.setattr(grammars._worker, "add_grammar", lambda k, g: sent.append(g) or add_grammar(k, g))
+    params = SamplingParams(max_new_tokens=30, temperature=0, grammar=JSON)
+    first = engine.generate([[5, 6]], [params])[0]
+    second = engine.generate([[5, 6]], [params])[0]
+    assert second.output_ids == first.output_ids
+    assert len(compiled) == 1 and sent == [JSON]

@@ -40,7 +40,10 @@ READY_POLL_OPTIONS = (
 
 
 class Server:
-    def __init__(self, role: str, model: str, *flags: str):
+    def __init__(self, role: str, model: str, *flags: str, warm_grammars: bool = False):
+        """`warm_grammars`: structured output's machinery made during start-up, as a server does by
+        default; off here (--disable-grammar-warmup) for the tests that send no grammar: each server
+        would start a grammar worker process, ~2 s of CPU on the 2-core CI box."""
         self.role, self.port, self.metrics_port = role, free_port(), free_port()
         cmd = [
             sys.executable,
@@ -60,6 +63,7 @@ class Server:
             str(KV_TIMEOUT),
             "--log-level",
             "warning",
+            *(() if warm_grammars else ("--disable-grammar-warmup",)),
             *flags,
         ]
         # its own temporary directory, to see what it leaves there

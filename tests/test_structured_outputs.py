@@ -7,9 +7,12 @@ import json
 
 import jsonschema
 import openai
+import psutil
 import pydantic
 import pytest
 
+from pdserve.common.startup import READY, read_phases
+from pdserve.common.types import SamplingParams
 from tests.router_stack import RouterProcess
 from tests.test_servers import Server
 
@@ -58,27 +61,75 @@ PROMPTS = ["Describe someone.", "Pick a point", "hello world, how are you", "Rat
 
 
 @pytest.fixture(scope="module", params=["overlap", "serial"])
-def stack(request, tiny_models):
-    """(model, client): a prefill and a decode server (overlap on or off) behind the router."""
+def servers(request, tiny_models, tmp_path_factory):
+    """(model, prefill, decode, at_ready): a prefill and a decode server (overlap on or off) as a server
+    starts by default, structured output made during start-up; `at_ready`: role -> (the start-up phases
+    it reported, its grammar worker processes), taken once both were ready, before any request."""
     model = tiny_models("llama")
     flags = () if request.param == "overlap" else ("--disable-overlap-schedule",)
     # NOTE: a server's first grammar compiles for 7-9 s on a 2-core CPU box, and the test servers' 10 s KV
     # transfer timeout then failed the first structured request whenever the other test worker was busy
     # (a 502 "KV transfer timed out"); these tests check the outputs, not that bound (test_servers.py does).
     flags += ("--kv-transfer-timeout", "60")
-    prefill, decode = Server("prefill", model, *flags), Server("decode", model, *flags)
-    router = None
+    reports = tmp_path_factory.mktemp("startup")
+    prefill, decode = (
+        Server(role, model, *flags, "--startup-report", str(reports / role), warm_grammars=True)
+        for role in ("prefill", "decode")
+    )
     try:
         prefill.wait_ready()
         decode.wait_ready()
-        router = RouterProcess(model, [prefill], [decode])
+        at_ready = {
+            s.role: (read_phases(str(reports / s.role)), grammar_workers(s.proc.pid)) for s in (prefill, decode)
+        }
+        yield model, prefill, decode, at_ready
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def grammar_workers(pid: int) -> list[psutil.Process]:
+    """The grammar worker processes under process `pid` (a server: its scheduler process's children)."""
+    children = psutil.Process(pid).children(recursive=True)
+    return [p for p in children if "pdserve.common.engine.grammar_worker" in " ".join(p.cmdline())]
+
+
+@pytest.fixture(scope="module")
+def stack(servers):
+    """(model, client): the servers behind the router, driven by the openai client."""
+    model, prefill, decode, _ = servers
+    router = RouterProcess(model, [prefill], [decode])
+    try:
         router.wait_ready()
         yield model, openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", timeout=120, max_retries=0)
     finally:
-        if router is not None:
-            router.stop()
-        prefill.stop()
-        decode.stop()
+        router.stop()
+
+
+def test_structured_output_is_ready_before_the_servers_are(servers):
+    """Each server made structured output's machinery during its start-up (phase "grammars", before
+    "ready"): its grammar worker runs before any request, so the first one pays only its own compile."""
+    _, _, _, at_ready = servers
+    for role, (phases, workers) in at_ready.items():
+        names = [p["phase"] for p in phases]
+        assert "grammars" in names and names.index("grammars") < names.index(READY), (role, names)
+        assert len(workers) == 1 and workers[0].is_running(), (role, workers)
+
+
+def test_greedy_structured_output_equals_the_offline_engines(stack, make_engine):
+    """Through warm servers (prefill samples the first token, decode the rest), greedy output under a
+    grammar is the offline engine's, whose machinery is made on the first grammar request."""
+    model, client = stack
+    grammar = ("json_schema", json.dumps(SCHEMAS["person"]))
+    prompt = [5, 6, 7, 8]
+    out = client.completions.create(
+        model=model, prompt=prompt, max_tokens=60, temperature=0, extra_body={"guided_json": SCHEMAS["person"]}
+    )
+    [offline] = make_engine("llama").generate(
+        [prompt], [SamplingParams(max_new_tokens=60, temperature=0, grammar=grammar)]
+    )
+    assert out.choices[0].text == offline.text
+    jsonschema.validate(json.loads(offline.text), SCHEMAS["person"])
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))

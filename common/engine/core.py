@@ -23,7 +23,6 @@ are added by calls and the loops yield their outputs.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import random
@@ -38,6 +37,7 @@ from pdserve.common.config import EngineConfig
 from pdserve.common.detokenizer import IncrementalDetokenizer
 from pdserve.common.engine.batch_builder import BatchBuilder
 from pdserve.common.engine.grammar import Grammars
+from pdserve.common.engine.grammar_startup import GrammarsAtStart
 from pdserve.common.engine.in_flight import InFlight
 from pdserve.common.engine.model_runner import ModelRunner
 from pdserve.common.engine.overlap import ForwardResult, QueuedForward
@@ -84,15 +84,20 @@ class EngineCore:
         kv_side: KVSide | None = None,
         kv_agent_name: str = "",
         kv_transfer_path: str = "auto",
+        warm_grammars: bool = False,
     ):
         """`startup`: marks the start-up phases as they end (a server prints them; common/startup.py).
         `kv_side`: a prefill (SENDER) or decode (RECEIVER) server's engine; with TP, every rank then
         runs a KV transfer agent named after `kv_agent_name` (common/kv_transfer/rank_duty.py), a sender's
-        reaching peers by `kv_transfer_path` (common/kv_transfer/direct.py TransferPath)."""
+        reaching peers by `kv_transfer_path` (common/kv_transfer/direct.py TransferPath). `warm_grammars`:
+        make structured output's machinery during start-up (a server's; common/engine/grammar_startup.py)."""
         self.config = config.resolve()
         self.tokenizer = load_tokenizer(self.config.model_path)
         self.eos_token_ids = eos_token_ids(self.config.model_path, self.tokenizer)
         startup.mark("tokenizer")
+        # Structured output's machinery: made beside the model's loading (start() waits), else on first use.
+        fence = self._after_queued_copies if self.config.device.startswith("cuda") else None
+        self._grammars = GrammarsAtStart(self.config, self.tokenizer, self.eos_token_ids, fence, warm_grammars)
         startup.before_gpu()  # (a server sharing a GPU waits here for the one before: common/startup.py)
         self.tp_workers = None
         if self.config.tp_size > 1:
@@ -148,6 +153,8 @@ class EngineCore:
             seconds = self.runner.warmup(chunk if chunk > 0 else 8192)
             logger.info("prefill kernels warmed up in %.2f s", seconds)
             startup.mark("warmup")
+        if self._grammars.wait():
+            startup.mark("grammars")  # (what the model's loading did not hide of it)
         tune_gc()
 
     def close(self, kill: bool = False) -> None:
@@ -187,17 +194,10 @@ class EngineCore:
         if params.grammar is not None:
             self.grammars.check(params.grammar)  # parsed here; compiled off the loop (Grammars.compile)
 
-    @functools.cached_property
+    @property
     def grammars(self) -> Grammars:
-        """Structured output's compiler and cache; made on first use (xgrammar loads its kernels)."""
-        cuda = self.runner.device.type == "cuda"
-        return Grammars(
-            self.tokenizer,
-            self.vocab_size,
-            self.eos_token_ids,
-            pin_memory=cuda,
-            fence=self._after_queued_copies if cuda else None,
-        )
+        """Structured output's compiler and cache (common/engine/grammar_startup.py)."""
+        return self._grammars.get()
 
     def _after_queued_copies(self):
         """An event on the forward stream after everything queued on it so far (the grammar

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,10 +35,13 @@ import numpy as np
 import torch
 
 from pdserve.common.engine.grammar_source import grammar_source
-from pdserve.common.engine.grammar_worker import FILL_THREADS, GrammarWorker
+from pdserve.common.engine.grammar_worker import GrammarWorker, fill_threads
 
 # How many compiled grammars a server keeps (by kind and text), least recently used out first.
 CACHE_ENTRIES = 512
+# What Grammars.warm_up compiles at start-up: a JSON schema, so the schema path (xgrammar's converter,
+# grammar_source's rewrites) has run once too. It stays in the cache as any other spec.
+WARMUP_GRAMMAR = ("json_schema", '{"type": "object", "properties": {"ok": {"type": "boolean"}}}')
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,10 @@ class Grammars:
         threads: int | None = None,
         pin_memory: bool = False,
         fence=None,
+        worker: GrammarWorker | None = None,
     ):
+        """`threads`: the worker's fill threads (default: fill_threads()); `worker`: one spawned
+        already (GrammarWorker(threads), not described yet), else it is spawned here."""
         import xgrammar as xgr  # imports torch and its kernels: only servers and engines load it
 
         self._xgr = xgr
@@ -68,13 +73,12 @@ class Grammars:
         self._compiled: OrderedDict[tuple[str, str], tuple[Future, int]] = OrderedDict()
         self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._stops = frozenset(info.stop_token_ids)
-        if threads is None:
-            threads = min(FILL_THREADS, len(os.sched_getaffinity(0)) - 2)  # leave the loop and the frontend theirs
-        self.threads = max(1, threads)
+        self._worker = worker or GrammarWorker(fill_threads() if threads is None else max(1, threads))
+        self.threads = self._worker.threads
+        weakref.finalize(self, self._worker.close)
         # `fence`: () -> an event after every mask copy queued so far (CUDA), so a shared-memory
         # slot is filled again only once the device has read it.
-        self._worker = GrammarWorker(info.serialize_json(), vocab_size, self.threads, pin_memory, fence)
-        weakref.finalize(self, self._worker.close)
+        self._worker.describe(info.serialize_json(), vocab_size, pin_memory, fence)
         self._keys = itertools.count(1)
         self._ids = itertools.count(1)
         self._by_id: weakref.WeakValueDictionary[int, RequestGrammar] = weakref.WeakValueDictionary()
@@ -82,6 +86,16 @@ class Grammars:
         self._freed: list[int] = []  # ids of dropped requests, whose matchers the worker drops
         self._queued: list[list[int]] = []  # [id, token] accepted outside a step (RequestGrammar.accept)
         self._replayed: set[int] = set()  # ids whose replayed tokens (RequestGrammar.replay) the next step sends
+
+    def warm_up(self) -> None:
+        """Compile WARMUP_GRAMMAR here and in the worker, and wait until the worker has made a
+        matcher of it (then dropped it): the worker's start (seconds: it imports torch and xgrammar
+        and reads the tokenizer's description) and each side's first compile are paid before the
+        first request. Call before any step (EngineCore does, at start-up)."""
+        compiled, key = self._compile(WARMUP_GRAMMAR)
+        compiled.result()
+        matcher = next(self._ids)
+        self._worker.step([[matcher, key]], [matcher], [], [], 0).result()
 
     def check(self, grammar: tuple[str, str]) -> None:
         """ValueError, with the library's reason, for a grammar it refuses. Fast (the grammar is

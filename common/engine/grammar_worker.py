@@ -1,7 +1,8 @@
 """The grammar worker: a process that holds a server's xgrammar matchers, advances them by the
 sampled tokens and fills the next batch's token bitmasks into shared memory.
 
-    worker = GrammarWorker(tokenizer_info_json, vocab_size, threads, pinned)   # spawns it
+    worker = GrammarWorker(threads)              # spawns it
+    worker.describe(tokenizer_info_json, vocab_size, pinned)   # the tokenizer it compiles for
     worker.add_grammar(key, (kind, spec))        # compiled there, off its step path
     step = worker.step(new, free, accepts, fills, rows)                     # returns at once
     mask, refused = step.result()   # a [rows, words] int32 view of shared memory, or None
@@ -44,6 +45,12 @@ PARALLEL_ROWS = 16
 
 logger = logging.getLogger(__name__)
 
+
+def fill_threads() -> int:
+    """FILL_THREADS, or fewer on a machine without as many cores to spare."""
+    return max(1, min(FILL_THREADS, len(os.sched_getaffinity(0)) - 2))  # leave the loop and the frontend theirs
+
+
 BUFFERS = 3  # mask slots: one filling, one being copied, one spare
 START_ROWS = 256
 REPLY_TIMEOUT_S = 120.0  # a step is milliseconds; the first one waits for the worker to start
@@ -52,26 +59,22 @@ REPLY_TIMEOUT_S = 120.0  # a step is milliseconds; the first one waits for the w
 class GrammarWorker:
     """The parent's side: starts the worker process and speaks to it (the event loop's thread)."""
 
-    def __init__(self, tokenizer_info: str, vocab_size: int, threads: int, pinned: bool, fence=None):
-        self.words = (vocab_size + 31) // 32
-        self.pinned = pinned
-        self._fence = fence  # () -> an event recorded after every copy queued so far (None: CPU)
-        # The tokenizer's description (MBs) goes through a file: through the socket, this call
-        # would wait until the worker had started (seconds: it imports torch and xgrammar).
-        with tempfile.NamedTemporaryFile("w", prefix="pdserve-grammar-", suffix=".json", delete=False) as f:
-            f.write(tokenizer_info)
+    def __init__(self, threads: int):
+        """Spawn the worker (it imports torch and xgrammar meanwhile: seconds); `describe` follows.
+
+        NOTE the worker is killed when the *thread* that spawned it exits (it dies with its parent:
+        Linux's PR_SET_PDEATHSIG follows the spawning thread, not the process): spawn it on one that
+        lives as long as the engine, never on a helper thread (common/engine/grammar_startup.py)."""
+        self.threads = threads
         ours, theirs = socket.socketpair()
-        args = {
-            "parent": os.getpid(),
-            "fd": theirs.fileno(),
-            "vocab_size": vocab_size,
-            "threads": threads,
-            "tokenizer_info": f.name,
-        }
+        args = {"parent": os.getpid(), "fd": theirs.fileno(), "threads": threads}
         self.process = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(args)], pass_fds=[theirs.fileno()])
         theirs.close()
         self.conn = Connection(ours.detach())
-        self.tokenizer_file = f.name  # (the worker deletes it once read)
+        self.tokenizer_file = ""
+        self.words = 0
+        self.pinned = False
+        self._fence = None
         self.shm: SharedMemory | None = None
         self.masks: torch.Tensor | None = None
         self.address = 0
@@ -79,6 +82,19 @@ class GrammarWorker:
         self.slot = 0
         self.fences: list = [None] * BUFFERS
         self.in_flight: WorkerStep | None = None
+
+    def describe(self, tokenizer_info: str, vocab_size: int, pinned: bool, fence=None) -> None:
+        """The first message: the tokenizer (xgrammar's TokenizerInfo as JSON) the worker compiles for,
+        the masks' width, and whether they are pinned (CUDA); `fence`: () -> an event recorded after
+        every copy queued so far (None: CPU)."""
+        self.words = (vocab_size + 31) // 32
+        self.pinned, self._fence = pinned, fence
+        # The description (MBs) goes through a file: through the socket, this call would wait until
+        # the worker had started (seconds: it imports torch and xgrammar).
+        with tempfile.NamedTemporaryFile("w", prefix="pdserve-grammar-", suffix=".json", delete=False) as f:
+            f.write(tokenizer_info)
+        self.tokenizer_file = f.name  # (the worker deletes it once read)
+        self._send({"op": "tokenizer", "path": f.name})
 
     def add_grammar(self, key: int, grammar: tuple[str, str]) -> None:
         self._send({"op": "grammar", "key": key, "kind": grammar[0], "spec": grammar[1]})
@@ -157,10 +173,11 @@ class GrammarWorker:
 
     def close(self) -> None:
         self.conn.close()
-        try:
-            os.unlink(self.tokenizer_file)  # (a worker that died before reading it)
-        except FileNotFoundError:
-            pass
+        if self.tokenizer_file:
+            try:
+                os.unlink(self.tokenizer_file)  # (a worker that died before reading it)
+            except FileNotFoundError:
+                pass
         if self.process.poll() is None:
             try:
                 self.process.wait(timeout=5)
@@ -222,9 +239,13 @@ def main(args: dict) -> None:
 
     from pdserve.common.engine.grammar_source import grammar_source
 
-    with open(args["tokenizer_info"]) as f:
+    try:
+        tokenizer = json.loads(conn.recv_bytes())  # (GrammarWorker.describe: always the first message)
+    except EOFError:
+        return
+    with open(tokenizer["path"]) as f:
         info = xgr.TokenizerInfo.deserialize_json(f.read())
-    os.unlink(args["tokenizer_info"])
+    os.unlink(tokenizer["path"])
     compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
     compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
     threads = max(1, args["threads"])
