@@ -7,8 +7,8 @@
 Why at start-up: made on the first grammar request, they cost that request the import of xgrammar,
 the tokenizer's description over the whole vocabulary, the grammar worker's start (a process that
 imports torch and xgrammar: seconds) and both sides' first compile — on the prefill server and
-again on the decode server (SmolLM2 on the 2-core CPU box: the README's parse() example took ~12 s
-against ~3 s once warm; docs/benchmarks/structured-outputs-and-accuracy.md). Why a thread: the
+again on the decode server (the README's parse() example, greedy, SmolLM2 on the 2-core CPU box:
+7.0 s against 2.85 s for the next one; now 2.9 s; docs/benchmarks/structured-outputs-and-accuracy.md). Why a thread: the
 worker starts in its own process, on another core, and the parent's part overlaps the model's
 loading; the engine waits for what is left before it says it is ready (start-up phase "grammars").
 
