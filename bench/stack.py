@@ -154,6 +154,7 @@ def local_stack(
             str(port),
             "--log-level",
             "warning",
+            "--disable-grammar-warmup",  # (the benchmarks send no grammar: no worker started for one)
             *secret,
         ]
 
