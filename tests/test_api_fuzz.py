@@ -1,6 +1,7 @@
 """The OpenAI API fuzzed against a real router and real servers (tiny model).
 
-Hypothesis builds request bodies for /v1/completions, /v1/chat/completions and /generate: valid and
+Hypothesis builds request bodies for /v1/completions, /v1/chat/completions, /generate, /tokenize and
+/detokenize: valid and
 invalid types, out-of-range numbers (past the wire's uint32/int32/int64), unicode (lone surrogates
 too), empty and huge lists, nested junk, unknown fields, streaming on and off, and bytes that are
 not JSON at all. For every body:
@@ -191,8 +192,29 @@ ENDPOINT_FIELDS = {
     "/generate": {
         name: spec for name, spec in SAMPLING.items() if name not in ("n", "model", "stream", "stream_options")
     },
+    # the tokenizer's endpoints: no generation (no max_tokens), no server asked
+    "/tokenize": {
+        "model": SAMPLING["model"],
+        "prompt": (GOOD_TEXT, st.one_of(TEXT, HUGE_LISTS)),
+        "messages": MESSAGES,
+        "add_special_tokens": (st.booleans(), st.booleans()),
+        "add_generation_prompt": (st.booleans(), st.booleans()),
+        "continue_final_message": (st.just(False), st.booleans()),
+        "return_token_strs": (st.booleans(), st.booleans()),
+    },
+    "/detokenize": {
+        "model": SAMPLING["model"],
+        "tokens": (GOOD_IDS, st.one_of(st.lists(TOKEN_ID, max_size=8), HUGE_LISTS)),
+    },
 }
-REQUIRED = {"/v1/completions": ("prompt",), "/v1/chat/completions": ("messages",), "/generate": ()}
+REQUIRED = {
+    "/v1/completions": ("prompt",),
+    "/v1/chat/completions": ("messages",),
+    "/generate": (),
+    "/tokenize": (),
+    "/detokenize": ("tokens",),
+}
+GENERATING = ("/v1/completions", "/v1/chat/completions", "/generate")
 
 
 def stream_rules(body: dict) -> dict:
@@ -209,12 +231,13 @@ def body_of(draw, path: str, kind: str) -> dict:
     spec = ENDPOINT_FIELDS[path]
     required = {name: spec[name] for name in REQUIRED[path]}
     optional = {name: pair for name, pair in spec.items() if name not in required}
+    limit = {"max_tokens": MAX_TOKENS} if path in GENERATING else {}
     fields = draw(
-        st.fixed_dictionaries(valid(required) | {"max_tokens": MAX_TOKENS["valid"]}, optional=valid(optional))
+        st.fixed_dictionaries(valid(required) | {k: v["valid"] for k, v in limit.items()}, optional=valid(optional))
     )
     if kind != "valid":
-        changed = draw(st.lists(st.sampled_from(sorted(spec) + ["max_tokens"]), min_size=1, max_size=2, unique=True))
-        wild = careless(spec) | {"max_tokens": MAX_TOKENS["careless"]}
+        changed = draw(st.lists(st.sampled_from(sorted(spec) + list(limit)), min_size=1, max_size=2, unique=True))
+        wild = careless(spec) | {k: v["careless"] for k, v in limit.items()}
         for name in changed:
             fields[name] = draw(wild[name] if kind == "careless" else st.one_of(wild[name], JUNK))
         if kind == "junk":
@@ -262,7 +285,7 @@ NOT_JSON = st.one_of(
 )
 
 
-PATHS = ["/v1/completions", "/v1/chat/completions", "/generate"]
+PATHS = ["/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize"]
 
 
 def case():

@@ -306,3 +306,59 @@ def test_logit_bias_reaches_both_servers(deployment):
         extra_body={"return_token_ids": True, "ignore_eos": True},
     )
     assert out.choices[0].model_extra["token_ids"] == [17] * 5
+
+
+def post_json(port: int, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_tokenize_counts_what_the_endpoints_prefill_and_detokenize_reads_it_back(deployment):
+    """/tokenize's ids are exactly the prompt ids the completion and chat endpoints prefill (with
+    tools, the template's own rendering of them); /detokenize gives their text back; bad bodies get
+    OpenAI errors, another model 404."""
+    model, port, client = deployment
+    extra = {"return_token_ids": True}
+    status, counted = post_json(port, "/tokenize", {"model": model, "prompt": "Hello there, tokens"})
+    done = client.completions.create(model=model, prompt="Hello there, tokens", max_tokens=1, extra_body=extra)
+    assert status == 200 and counted["tokens"] == done.choices[0].model_extra["prompt_token_ids"]
+    assert counted["count"] == done.usage.prompt_tokens and counted["max_model_len"] > 0
+    assert counted["token_strs"] is None
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    prompts = []
+    for with_tools in ({}, {"tools": tools}):
+        status, counted = post_json(port, "/tokenize", {"messages": messages, "return_token_strs": True} | with_tools)
+        chat = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=1, extra_body=extra, **with_tools
+        )
+        assert status == 200 and counted["tokens"] == chat.choices[0].model_extra["prompt_token_ids"]
+        assert len(counted["token_strs"]) == counted["count"]
+        prompts.append(counted["tokens"])
+    status, open_turn = post_json(port, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert status == 200 and prompts[0][: open_turn["count"]] == open_turn["tokens"]  # the same, less the
+    assert open_turn["count"] < len(prompts[0])  # assistant turn it opens
+
+    status, text = post_json(port, "/detokenize", {"model": model, "tokens": counted["tokens"]})
+    assert status == 200 and "Hi!" in text["prompt"] and "Be brief." in text["prompt"]
+
+    for path, body, code, words in [
+        ("/tokenize", {"prompt": "x", "messages": messages}, 400, "either"),
+        ("/tokenize", {"prompt": 5}, 400, "string"),
+        ("/tokenize", {"prompt": "x", "tools": tools}, 400, "messages"),
+        ("/tokenize", {"messages": messages, "continue_final_message": True}, 400, "both"),
+        ("/tokenize", {"prompt": "x", "temperature": 0}, 400, "unknown"),
+        ("/tokenize", {"model": "other", "prompt": "x"}, 404, "does not exist"),
+        ("/detokenize", {"tokens": [1, -1]}, 400, "tokens[1]"),
+        ("/detokenize", {"tokens": [10**9]}, 400, "token id"),
+        ("/detokenize", {"tokens": "abc"}, 400, "array"),
+    ]:
+        status, error = post_json(port, path, body)
+        assert status == code and words in error["error"]["message"], (path, body, error)

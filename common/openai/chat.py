@@ -171,22 +171,24 @@ def _keep_call_tags(body: dict, shared: dict, tokenizer) -> None:
         shared["sampling"]["skip_special_tokens"] = False
 
 
-def _render(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+def _render(tokenizer, messages: list[dict], tools: list[dict] | None, **prompt) -> str:
     """The conversation through the chat template, with `tools` told to the model: by the template
     where it renders them, else by tools_prompt() in a system message (a template without tools
-    support ignores `tools`: they would be dropped without a word)."""
-    text = _apply_template(tokenizer, messages, None)
+    support ignores `tools`: they would be dropped without a word). `prompt`: the template's
+    add_generation_prompt / continue_final_message (default: a generation prompt, as a chat request's)."""
+    text = _apply_template(tokenizer, messages, None, **prompt)
     if tools is None:
         return text
-    with_tools = _apply_template(tokenizer, messages, tools)
+    with_tools = _apply_template(tokenizer, messages, tools, **prompt)
     if with_tools != text:
         return with_tools
-    return _apply_template(tokenizer, with_tools_prompt(messages, tools), None)
+    return _apply_template(tokenizer, with_tools_prompt(messages, tools), None, **prompt)
 
 
-def _apply_template(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+def _apply_template(tokenizer, messages: list[dict], tools: list[dict] | None, **prompt) -> str:
+    prompt = {"add_generation_prompt": True} | prompt
     try:  # tools=None renders as before tools existed
-        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **prompt)
     except Exception as e:  # templates raise (jinja's raise_exception) on conversations they refuse
         raise OpenAIError(f"the chat template rejected the messages: {e}", param="messages") from None
 
