@@ -6,7 +6,8 @@ prefill server, unless the decode server prefills it: router/disagg.py), pair th
 (router/pairing.py), and turn the tokens they stream into text by the engine's own output rules.
 The endpoints live by what they serve: router/openai_routes.py (/v1/completions,
 /v1/chat/completions), router/native_routes.py (/generate) and router/operations_routes.py
-(/health, /readiness, /metrics, /v1/models), router/tokenize_routes.py (/tokenize, /detokenize);
+(/health, /readiness, /metrics, /v1/models), router/tokenize_routes.py (/tokenize, /detokenize),
+router/responses_routes.py (/v1/responses);
 create_app puts them on one FastAPI app.
 """
 
@@ -52,6 +53,7 @@ from pdserve.router.pairing import (
 )
 from pdserve.router.policies import make_policy
 from pdserve.router.prefill_attempts import abandon as abandon_prefills
+from pdserve.router.responses_routes import responses_routes
 from pdserve.router.tokenize_routes import tokenize_routes
 from pdserve.router.workers import WorkerRegistry, resolve_dns
 
@@ -368,4 +370,5 @@ def create_app(router: Router) -> FastAPI:
     app.include_router(native_routes(router))
     app.include_router(operations_routes(router))
     app.include_router(tokenize_routes(router))
+    app.include_router(responses_routes(router))
     return app

@@ -1,7 +1,7 @@
 """The OpenAI API fuzzed against a real router and real servers (tiny model).
 
-Hypothesis builds request bodies for /v1/completions, /v1/chat/completions, /generate, /tokenize and
-/detokenize: valid and
+Hypothesis builds request bodies for /v1/completions, /v1/chat/completions, /v1/responses, /generate,
+/tokenize and /detokenize: valid and
 invalid types, out-of-range numbers (past the wire's uint32/int32/int64), unicode (lone surrogates
 too), empty and huge lists, nested junk, unknown fields, streaming on and off, and bytes that are
 not JSON at all. For every body:
@@ -192,6 +192,20 @@ ENDPOINT_FIELDS = {
     "/generate": {
         name: spec for name, spec in SAMPLING.items() if name not in ("n", "model", "stream", "stream_options")
     },
+    "/v1/responses": {
+        "input": (st.one_of(GOOD_TEXT, MESSAGES[0]), st.one_of(TEXT, MESSAGES[1], st.lists(JUNK, max_size=3))),
+        "instructions": (GOOD_TEXT, TEXT),
+        "model": SAMPLING["model"],
+        "temperature": SAMPLING["temperature"],
+        "top_p": SAMPLING["top_p"],
+        "stream": SAMPLING["stream"],
+        "text": (
+            st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}]),
+            st.one_of(st.sampled_from([{"format": {"type": "xml"}}, {"format": BAD_SCHEMA | {"name": "x"}}]), JUNK),
+        ),
+        "tool_choice": (st.just("none"), st.sampled_from(["auto", "required", {"type": "function", "name": "f"}])),
+        "previous_response_id": (st.none(), TEXT),
+    },
     # the tokenizer's endpoints: no generation (no max_tokens), no server asked
     "/tokenize": {
         "model": SAMPLING["model"],
@@ -210,11 +224,18 @@ ENDPOINT_FIELDS = {
 REQUIRED = {
     "/v1/completions": ("prompt",),
     "/v1/chat/completions": ("messages",),
+    "/v1/responses": ("input",),
     "/generate": (),
     "/tokenize": (),
     "/detokenize": ("tokens",),
 }
-GENERATING = ("/v1/completions", "/v1/chat/completions", "/generate")
+# the field that bounds each generating endpoint's answer (never absent: the rest of the context is too long)
+LIMIT = {
+    "/v1/completions": "max_tokens",
+    "/v1/chat/completions": "max_tokens",
+    "/generate": "max_tokens",
+    "/v1/responses": "max_output_tokens",
+}
 
 
 def stream_rules(body: dict) -> dict:
@@ -231,7 +252,7 @@ def body_of(draw, path: str, kind: str) -> dict:
     spec = ENDPOINT_FIELDS[path]
     required = {name: spec[name] for name in REQUIRED[path]}
     optional = {name: pair for name, pair in spec.items() if name not in required}
-    limit = {"max_tokens": MAX_TOKENS} if path in GENERATING else {}
+    limit = {LIMIT[path]: MAX_TOKENS} if path in LIMIT else {}
     fields = draw(
         st.fixed_dictionaries(valid(required) | {k: v["valid"] for k, v in limit.items()}, optional=valid(optional))
     )
@@ -285,7 +306,7 @@ NOT_JSON = st.one_of(
 )
 
 
-PATHS = ["/v1/completions", "/v1/chat/completions", "/generate", "/tokenize", "/detokenize"]
+PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate", "/tokenize", "/detokenize"]
 
 
 def case():
@@ -337,6 +358,12 @@ def problems_of(router: RouterProcess, path: str, body) -> list[str]:
         elif answer.status >= 400:
             if (problem := openai_error_problem(answer)) is not None:
                 found.append(problem)
+        elif answer.events is not None and path == "/v1/responses":  # typed events, no [DONE]
+            kinds = [e.get("type") for e in answer.events if isinstance(e, dict)]
+            if "error" in kinds or "response.failed" in kinds:
+                found.append(f"error in a 200 stream: {answer.raw[-300:]!r}")
+            elif not kinds or kinds[-1] not in ("response.completed", "response.incomplete"):
+                found.append(f"stream did not end with response.completed: {answer.raw[-200:]!r}")
         elif answer.events is not None:
             errors = [e for e in answer.events if isinstance(e, dict) and "error" in e]
             if errors:

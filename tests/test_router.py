@@ -6,6 +6,7 @@ import re
 import urllib.error
 import urllib.request
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -362,3 +363,80 @@ def test_tokenize_counts_what_the_endpoints_prefill_and_detokenize_reads_it_back
     ]:
         status, error = post_json(port, path, body)
         assert status == code and words in error["error"]["message"], (path, body, error)
+
+
+WEATHER = {
+    "type": "function",
+    "name": "weather",
+    "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]},
+}
+
+
+def test_the_responses_api_answers_as_the_chat_endpoint_does(deployment):
+    """/v1/responses with the official client: a plain answer, its stream, json_schema via
+    text.format, and a function call round trip (the call item, then function_call_output, then the
+    answer); each greedy text equals the chat endpoint's for the same conversation."""
+    from tests.test_structured_outputs import SCHEMAS
+
+    model, _, client = deployment
+    greedy = dict(model=model, temperature=0)
+
+    def chat_text(messages, max_tokens, **kw):
+        return client.chat.completions.create(messages=messages, max_tokens=max_tokens, **greedy, **kw).choices[0]
+
+    plain = client.responses.create(input="Hello there", instructions="Be brief.", max_output_tokens=12, **greedy)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    chat = client.chat.completions.create(messages=messages, max_tokens=12, **greedy)
+    assert plain.output_text == chat.choices[0].message.content and plain.output_text
+    assert plain.status == "incomplete" if chat.choices[0].finish_reason == "length" else plain.status == "completed"
+    assert (plain.usage.input_tokens, plain.usage.output_tokens) == (
+        chat.usage.prompt_tokens,
+        chat.usage.completion_tokens,
+    )
+
+    streamed = list(
+        client.responses.create(
+            input=messages[1:], instructions="Be brief.", max_output_tokens=12, stream=True, **greedy
+        )
+    )
+    kinds = [event.type for event in streamed]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in (
+        "response.completed",
+        "response.incomplete",
+    )
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == plain.output_text
+    assert streamed[-1].response.output_text == plain.output_text and streamed[-1].response.usage.output_tokens > 0
+
+    schema = SCHEMAS["person"]
+    fmt = {"format": {"type": "json_schema", "name": "person", "schema": schema, "strict": True}}
+    structured = client.responses.create(input="A person, please", text=fmt, max_output_tokens=80, **greedy)
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    asked = [{"role": "user", "content": "A person, please"}]
+    assert structured.output_text == chat_text(asked, 80, response_format=rf).message.content
+    assert structured.status == "completed"
+    jsonschema.validate(json.loads(structured.output_text), schema)
+
+    turn = [{"role": "user", "content": "Weather in Paris?"}]
+    called = client.responses.create(
+        input=turn, tools=[WEATHER], tool_choice="required", max_output_tokens=160, **greedy
+    )
+    [call] = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "weather" and "city" in json.loads(call.arguments)
+    following = turn + [
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
+    ]
+    final = client.responses.create(input=following, tools=[WEATHER], max_output_tokens=12, **greedy)
+    as_chat = turn + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        ]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"},
+    ]  # fmt: skip
+    chat_tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+    expected = chat_text(as_chat, 12, tools=chat_tools)
+    assert final.output_text == (expected.message.content or "")
+
+    with pytest.raises(openai.BadRequestError, match="not stored"):
+        client.responses.create(input="x", previous_response_id=plain.id, **greedy)
