@@ -50,11 +50,11 @@ def stack(tiny_models):
     decode.stop()
 
 
-def raw_post(port: int, head: str, body_parts: list[bytes]) -> tuple[int, dict]:
-    """POST /v1/completions over a plain socket: `head` holds the length or chunking headers; the
-    body parts are sent as long as the router reads them. Returns the status and the JSON answer."""
+def raw_post(port: int, head: str, body_parts: list[bytes], path: str = "/v1/completions") -> tuple[int, dict]:
+    """POST `path` over a plain socket: `head` holds the length or chunking headers; the body parts
+    are sent as long as the router reads them. Returns the status and the JSON answer."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{head}\r\n".encode())
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{head}\r\n".encode())
         try:
             for part in body_parts:
                 s.sendall(part)
@@ -84,10 +84,11 @@ def bystander_ok(model: str, port: int) -> bool:
     return len(out.choices[0].text) >= 0 and out.usage.completion_tokens == 2
 
 
-def test_a_body_past_the_limit_gets_413_before_it_is_read(stack):
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/responses", "/tokenize", "/detokenize"])
+def test_a_body_past_the_limit_gets_413_before_it_is_read(stack, path):
     model, port, decode, _ = stack
     started = time.monotonic()
-    status, reply = raw_post(port, "Content-Length: 50000000\r\n", [b'{"prompt": "' + b"a" * 4096])
+    status, reply = raw_post(port, "Content-Length: 50000000\r\n", [b'{"prompt": "' + b"a" * 4096], path)
     assert status == 413 and "--max-body-bytes" in reply["error"]["message"], reply
     assert time.monotonic() - started < 10  # answered from the header: the 50 MB never came
     assert bystander_ok(model, port)
