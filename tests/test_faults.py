@@ -45,7 +45,8 @@ def pool(tiny_models):
 def test_a_hung_decode_server_ends_its_streams_with_an_error_in_seconds(pool):
     """SIGSTOP of the only decode server mid-stream: with no other to move it to, the stream ends with an
     error event naming the server within a few health-check intervals (it stayed open until the
-    request's deadline, 600 s, before); once the server runs again it frees the request's KV."""
+    request's deadline, 600 s, before); a Responses stream with `error` and `response.failed`; once the
+    server runs again it frees the requests' KV."""
     model, get = pool
     [decode], [prefill] = get("decode", 1), get("prefill", 1)
     router, stopped = None, False
@@ -58,8 +59,13 @@ def test_a_hung_decode_server_ends_its_streams_with_an_error_in_seconds(pool):
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         chunks = iter(stream)
+        # and a Responses stream (greedy: this prompt's answer runs past 600 tokens on this model)
+        events = iter(client.responses.create(model=model, input="Tell me a long story", max_output_tokens=600,
+                                              temperature=0, stream=True))  # fmt: skip
         for _ in range(3):
             next(chunks)
+        seen = [next(events).type for _ in range(6)]  # created, in_progress, the message, its part, deltas
+        assert seen[-1] == "response.output_text.delta", seen
         os.kill(decode.proc.pid, signal.SIGSTOP)
         stopped, at = True, time.monotonic()
         with pytest.raises(openai.APIError) as failure:
@@ -68,6 +74,10 @@ def test_a_hung_decode_server_ends_its_streams_with_an_error_in_seconds(pool):
         waited = time.monotonic() - at
         assert "stopped answering" in str(failure.value) and decode.address in str(failure.value)
         assert waited < 20, f"the client waited {waited:.1f}s"
+        rest = list(events)  # the Responses stream ends with the error and response.failed, not completed
+        assert [e.type for e in rest][-2:] == ["error", "response.failed"], [e.type for e in rest][-4:]
+        assert "stopped answering" in rest[-2].message and rest[-1].response.status == "failed"
+        assert time.monotonic() - at < 20
         os.kill(decode.proc.pid, signal.SIGCONT)
         stopped = False
         asyncio.run(wait_idle(decode))
