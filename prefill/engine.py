@@ -161,6 +161,7 @@ class PrefillEngine(EngineCore):
                     r.cached_tokens,
                     queue_s=r.queue_s,
                     prefill_s=r.prefill_s,
+                    destination_wait_s=r.destination_wait_s,
                     transfer_s=r.transfer_s,
                     transfer_bytes=r.transfer_bytes,
                     error=r.error,

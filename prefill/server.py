@@ -83,6 +83,7 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
                 prefill_s=msg.prefill_s,
                 transfer_s=msg.transfer_s,
                 transfer_bytes=msg.transfer_bytes,
+                destination_wait_s=msg.destination_wait_s,
             )
             response = pb.PrefillResponse(
                 cached_tokens=msg.cached_tokens, prompt_tokens=msg.prompt_tokens, timings=timings

@@ -277,16 +277,34 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class FinishInfo(_message.Message):
-    __slots__ = ("reason", "token_id", "text", "usage")
+    __slots__ = ("reason", "token_id", "text", "usage", "timings")
     REASON_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     reason: FinishReason
     token_id: int
     text: str
     usage: Usage
-    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    timings: DecodeTimings
+    def __init__(self, reason: _Optional[_Union[FinishReason, str]] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[DecodeTimings, _Mapping]] = ...) -> None: ...
+
+class DecodeTimings(_message.Message):
+    __slots__ = ("queue_s", "kv_wait_s", "prefill_s", "slot_wait_s", "first_token_s", "decode_s")
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    SLOT_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    queue_s: float
+    kv_wait_s: float
+    prefill_s: float
+    slot_wait_s: float
+    first_token_s: float
+    decode_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., kv_wait_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., slot_wait_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("destination", "tokens", "finish", "error")
@@ -345,16 +363,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "transfer_s", "transfer_bytes")
+    __slots__ = ("queue_s", "prefill_s", "transfer_s", "transfer_bytes", "destination_wait_s")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     transfer_s: float
     transfer_bytes: int
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., transfer_bytes: _Optional[int] = ...) -> None: ...
+    destination_wait_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., destination_wait_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprob", "cached_tokens", "prompt_tokens", "timings", "error", "prompt_logprobs")

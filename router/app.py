@@ -51,6 +51,7 @@ from pdserve.router.pairing import (
 )
 from pdserve.router.policies import make_policy
 from pdserve.router.prefill_attempts import abandon as abandon_prefills
+from pdserve.router.timings import ChoiceTimings
 from pdserve.router.workers import WorkerRegistry, resolve_dns
 
 log = logging.getLogger(__name__)
@@ -204,11 +205,13 @@ class Router:
             self._outage_logged = now
             log.warning("no healthy prefill server: %s", what)
 
-    async def choice(self, prompt_ids: list[int], params, on_text=None, on_prompt=None) -> Completion:
+    async def choice(self, prompt_ids: list[int], params, on_text=None, on_prompt=None, arrived=None) -> Completion:
         """Run one choice through a prefill/decode pair; `on_text(delta, logprobs)` sees text as it
         becomes final, with the logprobs of the tokens that produced it (when requested), and
         `on_prompt(prompt_logprobs)` is called once, when the prefill has answered (before any text;
-        None unless asked for)."""
+        None unless asked for). `arrived`: its request's arrival (time.monotonic(); None: now), where
+        its timings start (router/timings.py)."""
+        arrived = time.monotonic() if arrived is None else arrived
         req = Req(secrets.token_hex(8), prompt_ids, params, params.seed or 0)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         req.stream_text = True
@@ -221,7 +224,7 @@ class Router:
             return None if url is None else (url, workers[url].channel)
 
         if params.max_new_tokens == 0:
-            return await self._prompt_only(req, pick_prefill, on_prompt)
+            return await self._prompt_only(req, pick_prefill, on_prompt, arrived)
         decode = self.pick("decode", prompt_ids)
         if decode is None:
             raise UpstreamError("no healthy decode server", 503)
@@ -229,6 +232,7 @@ class Router:
         where, stream = self._decode_stream(decode, prompt_ids, params, pick_prefill)
         decode_worker.inflight += 1
         started, last, reported, emitted = time.monotonic(), None, 0, 0
+        clock = ChoiceTimings(arrived, started)
         failed: list[str] = []  # decode servers this choice was moved away from (router/migration.py)
         # Text a stop string could still claim is held back until the stop is ruled out (vLLM's
         # stop buffer): a stop found later cuts req.text, and what a stream sent cannot be taken back.
@@ -238,6 +242,7 @@ class Router:
                 try:
                     async for event in stream:
                         now = time.monotonic()
+                        clock.saw(event, now)
                         if event.token_ids:
                             if last is None:
                                 self.metrics.ttft.observe(now - started)
@@ -294,8 +299,10 @@ class Router:
             self.registry.record(decode, ok=True)
         if req.finish_reason is None:
             req.finish_reason = FinishReason.LENGTH
-        self.metrics.e2e.observe(time.monotonic() - started)
+        ended = time.monotonic()
+        self.metrics.e2e.observe(ended - started)
         completion = finalize(req)
+        completion.timings = clock.breakdown(ended)
         # The last chunk also carries logprobs of tokens that added no text (an EOS or stop id):
         # a streamed answer reports the same tokens' logprobs as the whole one.
         if on_text is not None and (len(completion.text) > emitted or len(req.output_logprobs) > reported):
@@ -326,17 +333,22 @@ class Router:
             return None
         return self.pick("decode", req.prompt_ids, exclude=failed)
 
-    async def _prompt_only(self, req: Req, pick_prefill, on_prompt) -> Completion:
+    async def _prompt_only(self, req: Req, pick_prefill, on_prompt, arrived: float) -> Completion:
         """A choice of no new tokens (its prompt scored, say): a prefill alone, no decode server."""
         started = time.monotonic()
+        clock = ChoiceTimings(arrived, started)
         response = await prefill_only(pick_prefill, self.registry.record, req.prompt_ids, req.params, self.config)
+        clock.prefill = response.timings
         req.cached_tokens = response.cached_tokens
         req.prompt_logprobs = await prompt_logprobs_of(response, req.params)
         req.finish_reason = FinishReason.LENGTH
         if on_prompt is not None:
             await on_prompt(req.prompt_logprobs)
-        self.metrics.e2e.observe(time.monotonic() - started)
-        return finalize(req)
+        ended = time.monotonic()
+        self.metrics.e2e.observe(ended - started)
+        completion = finalize(req)
+        completion.timings = clock.breakdown(ended)
+        return completion
 
 
 def create_app(router: Router) -> FastAPI:

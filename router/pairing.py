@@ -59,6 +59,7 @@ class Event:
     kv_transfer_bytes: int = 0  # on the first token: the KV bytes the prefill server wrote to the decode server
     # On the first token, when asked for: the prompt's logprobs (None for its first token).
     prompt_logprobs: list | None = None
+    timings: object = None  # on the first token: the prefill's pb.Timings; on the finish: pb.DecodeTimings
 
 
 def proto_params(p: SamplingParams) -> pb.SamplingParams:
@@ -215,6 +216,7 @@ async def paired_generate(
             first_lp,
             cached_tokens=response.cached_tokens,
             kv_transfer_bytes=response.timings.transfer_bytes,
+            timings=response.timings,
             prompt_logprobs=await prompt_logprobs_of(response, params),
         )
         # The decode stream's read started while the prefill ran; token 0 came from the prefill.
@@ -280,7 +282,8 @@ async def _decode_events(call, sent: int, pending: asyncio.Future | None = None,
                 )
                 sent += len(new)
         elif kind == "finish":
-            yield Event(EventKind.FINISH, [], cached_tokens=msg.finish.usage.cached_tokens if local else None)
+            cached = msg.finish.usage.cached_tokens if local else None
+            yield Event(EventKind.FINISH, [], cached_tokens=cached, timings=msg.finish.timings)
             return
         else:
             raise _error(msg)

@@ -100,10 +100,9 @@ class SchedulerBridge:
                 if isinstance(msg, ipc.Destination):
                     self.metrics.transfer_prefix_hit_tokens.inc(msg.prefix_len)
                 elif isinstance(msg, ipc.PrefillDone) and msg.error is None:
-                    self.metrics.prompt_tokens.inc(msg.prompt_tokens)
-                    self.metrics.prefix_cache_hit_tokens.inc(msg.cached_tokens)
-                    self.metrics.transfer_seconds.observe(msg.transfer_s)
-                    self.metrics.transfer_bytes.inc(msg.transfer_bytes)
+                    self.metrics.observe_prefill(msg)
+                elif isinstance(msg, ipc.Finished) and msg.error is None:
+                    self.metrics.observe_decode(msg)
                 elif (
                     isinstance(msg, ipc.PrefillDone | ipc.Finished)
                     and msg.error_code
