@@ -31,7 +31,7 @@ from pdserve.common.kv_transfer.base import KVSide
 from pdserve.common.kv_transfer.server import ServerKV
 from pdserve.common.serving import ipc
 from pdserve.common.startup import StartupClock
-from pdserve.common.types import Completion, Req, SamplingParams
+from pdserve.common.types import Completion, FinishReason, Req, SamplingParams
 from pdserve.decode.arrivals import Corrupted, KVArrivals, Refused
 from pdserve.decode.scheduler import DecodeScheduler
 from pdserve.decode.timings import decode_timings, stamp_first_tokens
@@ -288,7 +288,8 @@ class DecodeEngine(EngineCore):
             entry = self.streaming.pop(c.rid, None)
             if entry is not None and len(c.output_ids) > entry[1]:
                 send(ipc.Tokens(c.rid, entry[1], c.output_ids[entry[1] :]))
-            timings = decode_timings(entry[0], now) if entry is not None and c.error is None else None
+            ended = entry is not None and c.error is None and c.finish_reason is not FinishReason.ABORT
+            timings = decode_timings(entry[0], now) if ended else None
             send(
                 ipc.Finished(
                     c.rid,

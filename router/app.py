@@ -28,6 +28,7 @@ from pdserve.common.openai.api import OpenAIError
 from pdserve.common.openai.defaults import load_generation_defaults
 from pdserve.common.scheduling.output_processor import append_token, finalize
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
+from pdserve.common.tracing import start_tracing
 from pdserve.common.types import Completion, FinishReason, Req
 from pdserve.router import migration
 from pdserve.router.admission import Admission
@@ -99,6 +100,7 @@ class Router:
         self.decode_streams: dict[str, DecodeStreams] = {}  # decode url -> its shared GenerateMany call
         self._closing: set[asyncio.Task] = set()
         self.metrics = RouterMetrics(self.registry, self.loop_lag)
+        self.tracer = start_tracing("pdserve-router", config.otlp_traces_endpoint)  # None: not tracing
         self.inflight = 0
         self.policies = {
             "prefill": make_policy(config.prefill_policy, "prefill"),
@@ -205,13 +207,19 @@ class Router:
             self._outage_logged = now
             log.warning("no healthy prefill server: %s", what)
 
-    async def choice(self, prompt_ids: list[int], params, on_text=None, on_prompt=None, arrived=None) -> Completion:
+    async def choice(
+        self, prompt_ids: list[int], params, on_text=None, on_prompt=None, arrived=None, trace=None
+    ) -> Completion:
         """Run one choice through a prefill/decode pair; `on_text(delta, logprobs)` sees text as it
         becomes final, with the logprobs of the tokens that produced it (when requested), and
         `on_prompt(prompt_logprobs)` is called once, when the prefill has answered (before any text;
         None unless asked for). `arrived`: its request's arrival (time.monotonic(); None: now), where
-        its timings start (router/timings.py)."""
-        arrived = time.monotonic() if arrived is None else arrived
+        its timings start; `trace`: the client's W3C trace headers (router/timings.py)."""
+        clock = ChoiceTimings(time.monotonic() if arrived is None else arrived, self.tracer, trace)
+        with clock.traced(self.model, len(prompt_ids)):
+            return await self._choice(prompt_ids, params, on_text, on_prompt, clock)
+
+    async def _choice(self, prompt_ids: list[int], params, on_text, on_prompt, clock: ChoiceTimings) -> Completion:
         req = Req(secrets.token_hex(8), prompt_ids, params, params.seed or 0)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         req.stream_text = True
@@ -224,7 +232,7 @@ class Router:
             return None if url is None else (url, workers[url].channel)
 
         if params.max_new_tokens == 0:
-            return await self._prompt_only(req, pick_prefill, on_prompt, arrived)
+            return await self._prompt_only(req, pick_prefill, on_prompt, clock)
         decode = self.pick("decode", prompt_ids)
         if decode is None:
             raise UpstreamError("no healthy decode server", 503)
@@ -232,7 +240,6 @@ class Router:
         where, stream = self._decode_stream(decode, prompt_ids, params, pick_prefill)
         decode_worker.inflight += 1
         started, last, reported, emitted = time.monotonic(), None, 0, 0
-        clock = ChoiceTimings(arrived, started)
         failed: list[str] = []  # decode servers this choice was moved away from (router/migration.py)
         # Text a stop string could still claim is held back until the stop is ruled out (vLLM's
         # stop buffer): a stop found later cuts req.text, and what a stream sent cannot be taken back.
@@ -302,7 +309,7 @@ class Router:
         ended = time.monotonic()
         self.metrics.e2e.observe(ended - started)
         completion = finalize(req)
-        completion.timings = clock.breakdown(ended)
+        clock.finish(completion, ended)
         # The last chunk also carries logprobs of tokens that added no text (an EOS or stop id):
         # a streamed answer reports the same tokens' logprobs as the whole one.
         if on_text is not None and (len(completion.text) > emitted or len(req.output_logprobs) > reported):
@@ -333,10 +340,9 @@ class Router:
             return None
         return self.pick("decode", req.prompt_ids, exclude=failed)
 
-    async def _prompt_only(self, req: Req, pick_prefill, on_prompt, arrived: float) -> Completion:
+    async def _prompt_only(self, req: Req, pick_prefill, on_prompt, clock: ChoiceTimings) -> Completion:
         """A choice of no new tokens (its prompt scored, say): a prefill alone, no decode server."""
         started = time.monotonic()
-        clock = ChoiceTimings(arrived, started)
         response = await prefill_only(pick_prefill, self.registry.record, req.prompt_ids, req.params, self.config)
         clock.prefill = response.timings
         req.cached_tokens = response.cached_tokens
@@ -347,7 +353,7 @@ class Router:
         ended = time.monotonic()
         self.metrics.e2e.observe(ended - started)
         completion = finalize(req)
-        completion.timings = clock.breakdown(ended)
+        clock.finish(completion, ended)
         return completion
 
 

@@ -30,6 +30,7 @@ from pdserve.router.http_answers import (
 )
 from pdserve.router.http_requests import admit, body_of, parse_body
 from pdserve.router.pairing import UpstreamError, fix_seed
+from pdserve.router.timings import client_trace
 
 
 def native_routes(router) -> APIRouter:
@@ -58,13 +59,13 @@ def native_routes(router) -> APIRouter:
             return JSONResponse({}, status_code=499)
         if parsed.stream:
             return AdmittedStream(
-                native_stream(router, ids, params, arrived, parsed.return_timings),
+                native_stream(router, ids, params, (arrived, client_trace(request.headers)), parsed.return_timings),
                 lambda: router.admission.release(lanes),
                 media_type="text/event-stream",
                 send_timeout=router.config.stream_send_timeout,
             )
         try:
-            c = await router.choice(ids, params, arrived=arrived)
+            c = await router.choice(ids, params, arrived=arrived, trace=client_trace(request.headers))
         except UpstreamError as e:
             return upstream_response(e)
         finally:
@@ -109,16 +110,17 @@ def completion_body(body: dict) -> dict:
     return {**sampling, **native}
 
 
-async def native_stream(router, ids: list[int], params, arrived: float, return_timings: bool):
+async def native_stream(router, ids: list[int], params, started: tuple[float, dict], return_timings: bool):
     """The SSE body of a streamed /generate: {"text"} deltas, then the output ids and finish reason (and
-    the timings, when asked for)."""
+    the timings, when asked for). `started`: the request's arrival and its client's trace headers."""
+    arrived, trace = started
     queue: asyncio.Queue = asyncio.Queue()
 
     async def on_text(delta, logprobs):
         if delta:
             await queue.put({"text": delta})
 
-    task = asyncio.create_task(router.choice(ids, params, on_text, arrived=arrived))
+    task = asyncio.create_task(router.choice(ids, params, on_text, arrived=arrived, trace=trace))
     try:
         async for items in queued_batches(queue, [task]):
             yield "".join(f"data: {json.dumps(item)}\n\n" for item in items)

@@ -40,7 +40,7 @@ from pdserve.router.http_requests import admit, body_of, parse_body
 from pdserve.router.large_answers import whole_answer
 from pdserve.router.pairing import UpstreamError, fix_seed
 from pdserve.router.stream_chunks import StreamChunks
-from pdserve.router.timings import describe
+from pdserve.router.timings import client_trace, describe
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +107,10 @@ async def answer(router, request: Request, parse):
         return overloaded_response(e)
     except ClientGone:
         return JSONResponse({}, status_code=499)
-    request_id, created = secrets.token_hex(12), int(time.time())
+    request_id, created, trace = secrets.token_hex(12), int(time.time()), client_trace(request.headers)
     if parsed.stream:
         return AdmittedStream(
-            counted(router, stream(router, parsed, choices, lanes, request_id, created, started)),
+            counted(router, stream(router, parsed, choices, lanes, request_id, created, started, trace)),
             lambda: router.admission.release(lanes),
             media_type="text/event-stream",
             send_timeout=router.config.stream_send_timeout,
@@ -118,7 +118,7 @@ async def answer(router, request: Request, parse):
     router.inflight += 1
     try:
         completions = await until_disconnect(
-            request, run_choices(choices, lanes, lambda i, ids, p: router.choice(ids, p, arrived=started))
+            request, run_choices(choices, lanes, lambda i, ids, p: router.choice(ids, p, arrived=started, trace=trace))
         )
     except UpstreamError as e:
         log_request(request_id, parsed, e.status, None, started)
@@ -144,8 +144,11 @@ async def counted(router, chunks):
         await chunks.aclose()  # (closed mid-answer: `chunks`' own finally cancels the choices)
 
 
-async def stream(router, parsed: ParsedRequest, choices, lanes: int, request_id: str, created: int, started: float):
-    """The SSE body of a streamed request: every choice's chunks as they come, usage, [DONE]."""
+async def stream(
+    router, parsed: ParsedRequest, choices, lanes: int, request_id: str, created: int, started: float, trace: dict
+):
+    """The SSE body of a streamed request: every choice's chunks as they come, usage, [DONE]. `started`: the
+    request's arrival; `trace`: its client's trace headers (router/timings.py)."""
     chunks = StreamChunks(parsed, router.tokenizer, request_id, created)
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -160,7 +163,7 @@ async def stream(router, parsed: ParsedRequest, choices, lanes: int, request_id:
                 await queue.put(await chunks.echo(index, ids, prompt_logprobs, router.off_loop))
 
         try:
-            completion = await router.choice(ids, params, on_text, on_prompt, arrived=started)
+            completion = await router.choice(ids, params, on_text, on_prompt, arrived=started, trace=trace)
             timings = completion.timings if parsed.return_timings else None
             for chunk in chunks.finish(index, completion.finish_reason.value, timings):
                 await queue.put(chunk)

@@ -11,18 +11,27 @@ The stages, in seconds; each from the clock of the process it ran in:
                         granted pages after the prompt was computed)
     transfer_s          prefill server: the KV transfer
     first_token_s       router: the request's arrival to the choice's first token (its TTFT)
-    slot_wait_s         decode server: the KV's arrival to joining its running batch (it was full)
     decode_s            router: the first token to the choice's end
     total_s             router: the request's arrival to the choice's end
 
 The first five run one after another within first_token_s (what is left of it is the network and the
 hand-offs between processes), and first_token_s + decode_s = total_s. A choice the decode server
 prefilled itself has its queue and prefill there, and no destination wait or transfer. After a retried
-prefill or a migration, the servers' stages are those of the last attempt.
+prefill or a migration, the servers' stages are those of the last attempt. (The decode server's own
+stages are its histograms': the router ends a choice on its last token, before the decode server's
+finish, which carries them, arrives.)
+
+Traced (--otlp-traces-endpoint, common/tracing.py), a choice is a span, "pdserve.request", from its
+request's arrival to its end, under the client's traceparent when it sent one, with its router queue
+as a child span; the servers' spans go under it (common/serving/request_spans.py).
 """
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+
+from pdserve.common.tracing import OUTGOING_TRACE, wall_ns
 from pdserve.router.pairing import Event, EventKind
 
 STAGES = (
@@ -32,20 +41,62 @@ STAGES = (
     "destination_wait_s",
     "transfer_s",
     "first_token_s",
-    "slot_wait_s",
     "decode_s",
     "total_s",
 )
 
 
-class ChoiceTimings:
-    """One choice's clock: fed every event of its streams (`saw`), read once it ended (`breakdown`)."""
+def client_trace(headers) -> dict[str, str]:
+    """The W3C trace context a client's request headers carry (none: {})."""
+    return {name: headers[name] for name in ("traceparent", "tracestate") if name in headers}
 
-    def __init__(self, arrived: float, started: float):
-        self.arrived, self.started = arrived, started  # time.monotonic(): the request's arrival, the choice's start
+
+class ChoiceTimings:
+    """One choice's clock: fed every event of its streams (`saw`), read once it ended (`finish`); traced,
+    its span (`traced`)."""
+
+    def __init__(self, arrived: float, tracer=None, client: dict[str, str] | None = None):
+        self.arrived = arrived  # time.monotonic(): the request's arrival
+        self.started = time.monotonic()  # the choice's
+        self.tracer, self.client = tracer, client or {}  # (tracer None: not traced)
         self.first_token: float | None = None
         self.prefill = None  # the prefill's pb.Timings, from its answer
         self.decode = None  # the decode server's pb.DecodeTimings, from its finish
+        self.ended: float | None = None
+        self.timings: dict[str, float] | None = None
+        self.span_attributes: dict = {}
+
+    @contextmanager
+    def traced(self, model: str, prompt_tokens: int):
+        """Run the choice in its span (when traced): the requests it sends carry the span's context."""
+        if self.tracer is None:
+            yield
+            return
+        tracer = self.tracer
+        attributes = {"gen_ai.request.model": model, "gen_ai.usage.input_tokens": prompt_tokens}
+        span = tracer.start(
+            "pdserve.request", tracer.context_of(self.client), wall_ns(self.arrived), server=True, attributes=attributes
+        )
+        token = OUTGOING_TRACE.set(tracer.carrier_of(span))
+        try:
+            yield
+        except BaseException as e:  # (a cancelled choice too: its client went away)
+            tracer.fail(span, f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            OUTGOING_TRACE.reset(token)
+            tracer.span("router_queue", span, wall_ns(self.arrived), wall_ns(self.started))
+            span.set_attributes(self.span_attributes)
+            span.end(end_time=wall_ns(self.ended if self.ended is not None else time.monotonic()))
+
+    def finish(self, completion, now: float) -> None:
+        """The choice ended at `now` with `completion`: its timings (completion.timings) and span attributes."""
+        self.ended = now
+        completion.timings = self.timings = self.breakdown(now)
+        self.span_attributes = {
+            "gen_ai.usage.output_tokens": len(completion.output_ids),
+            "gen_ai.response.finish_reasons": [completion.finish_reason.value],
+        } | {f"pdserve.{stage}": seconds for stage, seconds in self.timings.items()}
 
     def saw(self, event: Event, now: float) -> None:
         if event.token_ids and self.first_token is None:
@@ -68,8 +119,6 @@ class ChoiceTimings:
             stages["destination_wait_s"], stages["transfer_s"] = p.destination_wait_s, p.transfer_s
         elif self.decode is not None:  # prefilled by the decode server (GenerateRequest.local_prefill)
             stages["prefill_queue_s"], stages["prefill_s"] = self.decode.queue_s, self.decode.prefill_s
-        if self.decode is not None:
-            stages["slot_wait_s"] = self.decode.slot_wait_s
         stages["first_token_s"] = first - self.arrived
         stages["decode_s"] = now - first
         stages["total_s"] = now - self.arrived

@@ -190,18 +190,22 @@ class Metrics:
             self._update_speculation(proposer, totals)
 
     def observe_prefill(self, done: ipc.PrefillDone) -> None:
-        """A prefill that succeeded: its stages, its transfer and its tokens."""
+        """A prefill that succeeded: its transfer and its tokens."""
         self.prompt_tokens.inc(done.prompt_tokens)
         self.prefix_cache_hit_tokens.inc(done.cached_tokens)
         self.transfer_seconds.observe(done.transfer_s)
         self.transfer_bytes.inc(done.transfer_bytes)
-        for field, histogram in self.stages.items():
-            histogram.observe(getattr(done, field))
 
-    def observe_decode(self, finished: ipc.Finished) -> None:
-        """A decode that succeeded: the stages it passed (a stage it never reached is not observed)."""
-        timings = finished.timings
-        if timings is None:
+    def observe_stages(self, last: ipc.PrefillDone | ipc.Finished) -> None:
+        """A request that succeeded: the stages it passed (a stage it never reached is not observed)."""
+        if last.error is not None:
+            return
+        if isinstance(last, ipc.PrefillDone):
+            for field, histogram in self.stages.items():
+                histogram.observe(getattr(last, field))
+            return
+        finished, timings = last, last.timings
+        if timings is None:  # (aborted)
             return
         skip = _NOT_TRANSFERRED if not timings.local_prefill else _NOT_LOCAL
         for field, histogram in self.stages.items():
