@@ -228,6 +228,7 @@ class Router:
         def pick_prefill(tried):
             if tried:
                 self.metrics.retries.inc()
+                clock.event("prefill_retry", {"pdserve.failed_prefill_server": tried[-1]})
             url = self.pick("prefill", prompt_ids, exclude=tried)
             return None if url is None else (url, workers[url].channel)
 
@@ -294,6 +295,7 @@ class Router:
                         "choice %s moved from decode server %s to %s after %d tokens: %s", req.rid, decode, to, sent, e
                     )
                     self.metrics.migrations.labels(e.reason or "decode_failed").inc()
+                    clock.event("migration", {"pdserve.from": decode, "pdserve.to": to, "pdserve.tokens_sent": sent})
                     decode, decode_worker = to, workers[to]
                     decode_worker.inflight += 1
                     where, stream = self._decode_stream(

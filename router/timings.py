@@ -65,6 +65,7 @@ class ChoiceTimings:
         self.ended: float | None = None
         self.timings: dict[str, float] | None = None
         self.span_attributes: dict = {}
+        self.span = None  # while traced
 
     @contextmanager
     def traced(self, model: str, prompt_tokens: int):
@@ -77,7 +78,7 @@ class ChoiceTimings:
         span = tracer.start(
             "pdserve.request", tracer.context_of(self.client), wall_ns(self.arrived), server=True, attributes=attributes
         )
-        token = OUTGOING_TRACE.set(tracer.carrier_of(span))
+        token, self.span = OUTGOING_TRACE.set(tracer.carrier_of(span)), span
         try:
             yield
         except BaseException as e:  # (a cancelled choice too: its client went away)
@@ -88,6 +89,12 @@ class ChoiceTimings:
             tracer.span("router_queue", span, wall_ns(self.arrived), wall_ns(self.started))
             span.set_attributes(self.span_attributes)
             span.end(end_time=wall_ns(self.ended if self.ended is not None else time.monotonic()))
+            self.span = None
+
+    def event(self, name: str, attributes: dict) -> None:
+        """Something that happened to the choice (a prefill retried, a migration): an event of its span."""
+        if self.span is not None:
+            self.span.add_event(name, attributes)
 
     def finish(self, completion, now: float) -> None:
         """The choice ended at `now` with `completion`: its timings (completion.timings) and span attributes."""

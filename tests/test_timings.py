@@ -17,7 +17,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from pdserve.common.ports import free_port
-from pdserve.router.timings import STAGES
+from pdserve.common.tracing import OUTGOING_TRACE, Tracer
+from pdserve.router.timings import STAGES, ChoiceTimings
 from tests.router_stack import RouterProcess, send
 from tests.test_servers import Server
 from tests.test_trust import metric
@@ -205,3 +206,30 @@ def test_tracing_off_imports_no_opentelemetry():
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_choices_span_continues_the_client_and_records_retries_migrations_and_failures():
+    """In-process, with the SDK's in-memory exporter: the span a choice runs in (router/timings.py)."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    exporter = InMemorySpanExporter()
+    tracer = Tracer("pdserve-router", "", exporter)
+    client = {"traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"}
+    clock = ChoiceTimings(time.monotonic() - 0.01, tracer, client)
+    with clock.traced("tiny", 3):
+        sent = OUTGOING_TRACE.get()  # what the choice's requests carry to the servers
+        clock.event("prefill_retry", {"pdserve.failed_prefill_server": "p:1"})
+        clock.event("migration", {"pdserve.from": "d:1", "pdserve.to": "d:2", "pdserve.tokens_sent": 4})
+    assert OUTGOING_TRACE.get() is None
+    failing = ChoiceTimings(time.monotonic(), tracer)
+    with pytest.raises(RuntimeError), failing.traced("tiny", 3):
+        raise RuntimeError("no healthy decode server")
+    ChoiceTimings(time.monotonic()).event("migration", {})  # not traced: nothing to record, nothing fails
+    first, second = [s for s in exporter.get_finished_spans() if s.name == "pdserve.request"]
+    assert first.context.trace_id == int("ab" * 16, 16) and first.parent.span_id == int("cd" * 8, 16)
+    assert sent["traceparent"] == f"00-{'ab' * 16}-{first.context.span_id:016x}-01"
+    assert [e.name for e in first.events] == ["prefill_retry", "migration"]
+    assert first.events[1].attributes["pdserve.to"] == "d:2"
+    assert second.parent is None and second.status.status_code is StatusCode.ERROR
+    assert "no healthy decode server" in second.status.description
