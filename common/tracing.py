@@ -84,10 +84,8 @@ class Tracer:
     def start(self, name: str, parent, start_ns: int, server: bool = False, attributes=None):
         """A span from `start_ns`, under `parent` (a span, or a context from `context_of`); end it
         with `span.end(end_time=...)`."""
-        if parent is not None and not hasattr(parent, "get_span_context"):  # a context
-            context = parent
-        else:
-            context = self._trace.set_span_in_context(parent) if parent is not None else None
+        is_span = hasattr(parent, "get_span_context")  # (a context from context_of is a plain mapping)
+        context = self._trace.set_span_in_context(parent) if is_span else parent
         kind = self._trace.SpanKind.SERVER if server else self._trace.SpanKind.INTERNAL
         return self.tracer.start_span(name, context, kind, attributes or {}, start_time=start_ns)
 

@@ -32,7 +32,6 @@ class Arrival:
 def record_prefill(tracer: Tracer, arrival: Arrival, done: ipc.PrefillDone) -> None:
     end = time.time_ns()
     attributes = {
-        "gen_ai.operation.name": "prefill",
         "gen_ai.usage.input_tokens": done.prompt_tokens,
         "pdserve.cached_tokens": done.cached_tokens,
         "pdserve.kv_transfer.bytes": done.transfer_bytes,
@@ -57,7 +56,6 @@ def record_prefill(tracer: Tracer, arrival: Arrival, done: ipc.PrefillDone) -> N
 def record_decode(tracer: Tracer, arrival: Arrival, finished: ipc.Finished) -> None:
     end = time.time_ns()
     attributes = {
-        "gen_ai.operation.name": "decode",
         "gen_ai.usage.input_tokens": finished.prompt_tokens,
         "gen_ai.usage.output_tokens": finished.completion_tokens,
         "gen_ai.response.finish_reasons": [finished.reason],
@@ -68,15 +66,10 @@ def record_decode(tracer: Tracer, arrival: Arrival, finished: ipc.Finished) -> N
         tracer.fail(server, finished.error or f"ended: {finished.reason}")
         server.end(end_time=end)
         return
-    waits = (
-        [("queue", t.queue_s), ("prefill", t.prefill_s)]
-        if t.local_prefill
-        else [
-            ("queue", t.queue_s),
-            ("kv_wait", t.kv_wait_s),
-            ("slot_wait", t.slot_wait_s),
-        ]
-    )
+    if t.local_prefill:
+        waits = [("queue", t.queue_s), ("prefill", t.prefill_s)]
+    else:
+        waits = [("queue", t.queue_s), ("kv_wait", t.kv_wait_s), ("slot_wait", t.slot_wait_s)]
     at = arrival.start_ns
     for name, seconds in waits:
         stop = min(at + int(seconds * 1e9), end)
