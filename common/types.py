@@ -243,6 +243,7 @@ class Req:
         self.kv_landed = 0.0
         self.joined = 0.0
         self.first_decoded = 0.0
+        self.prefill_chunks = 0  # prefill batches its prompt was computed in (1: not chunked)
         self.detokenizer = None  # set by the engine: an IncrementalDetokenizer
         # Detokenize each token as it arrives (the router streams text). Otherwise text is only
         # built per token when stop strings need it, and in one decode at the end when not.

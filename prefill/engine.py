@@ -162,6 +162,8 @@ class PrefillEngine(EngineCore):
                     queue_s=r.queue_s,
                     prefill_s=r.prefill_s,
                     destination_wait_s=r.destination_wait_s,
+                    transfer_pages=r.transfer_pages,
+                    prefill_chunks=r.prefill_chunks,
                     transfer_s=r.transfer_s,
                     transfer_bytes=r.transfer_bytes,
                     error=r.error,

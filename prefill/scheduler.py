@@ -70,6 +70,8 @@ class PrefillResult:
     queue_s: float = 0.0  # from its arrival to its first prefill batch
     prefill_s: float = 0.0  # from its first prefill batch to its first token
     destination_wait_s: float = 0.0  # from its first token to its transfer's start (parked: no destination yet)
+    transfer_pages: int = 0  # KV pages written to the decode server
+    prefill_chunks: int = 0  # prefill batches its prompt was computed in
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: one per prompt token, None first
 
 
@@ -319,7 +321,7 @@ class PrefillScheduler:
             self.kv.cache_and_release(req)
         else:
             self.kv.free(req)
-        self.destinations.pop(req.rid, None)
+        dest = self.destinations.pop(req.rid, None)
         self.live.pop(req.rid, None)
         if aborted:
             return
@@ -342,6 +344,8 @@ class PrefillScheduler:
                 queue_s=max(req.admitted - req.arrived, 0.0) if req.admitted else 0.0,
                 prefill_s=max(prefilled - req.admitted, 0.0) if req.admitted else 0.0,
                 destination_wait_s=max(now - transfer_s - prefilled, 0.0),
+                transfer_pages=len(dest.page_ids) if dest is not None and transfer_bytes else 0,
+                prefill_chunks=req.prefill_chunks,
                 prompt_logprobs=req.prompt_logprobs if ok else None,
             )
         )

@@ -190,6 +190,10 @@ def test_one_trace_across_router_prefill_and_decode_continues_the_clients(stack)
         # (clocks of one host: a child within its parent, give or take a millisecond)
         assert parent.start_time_unix_nano - 1e6 <= span.start_time_unix_nano <= span.end_time_unix_nano, key
         assert span.end_time_unix_nano <= parent.end_time_unix_nano + 1e6, key
+    transfer = {a.key: a.value.int_value for a in named["pdserve-prefill", "kv_transfer"].attributes}
+    assert transfer["pdserve.kv_transfer.pages"] >= 1 and transfer["pdserve.kv_transfer.bytes"] > 0, transfer
+    prefill = {a.key: a.value.int_value for a in named["pdserve-prefill", "prefill"].attributes}
+    assert prefill == {"pdserve.prefill.chunks": 1}
     attributes = {a.key: a.value for a in root.attributes}
     assert attributes["gen_ai.usage.output_tokens"].int_value == 6
     assert attributes["gen_ai.usage.input_tokens"].int_value == 5

@@ -45,10 +45,17 @@ def record_prefill(tracer: Tracer, arrival: Arrival, done: ipc.PrefillDone) -> N
         ("kv_destination_wait", done.destination_wait_s),
         ("kv_transfer", done.transfer_s),
     ]
+    details = {
+        "prefill": {"pdserve.prefill.chunks": done.prefill_chunks},
+        "kv_transfer": {
+            "pdserve.kv_transfer.bytes": done.transfer_bytes,
+            "pdserve.kv_transfer.pages": done.transfer_pages,
+        },
+    }
     at = end
     for name, seconds in reversed(stages):
         start = max(at - int(seconds * 1e9), arrival.start_ns)
-        tracer.span(name, server, start, at)
+        tracer.span(name, server, start, at, details.get(name))
         at = start
     server.end(end_time=end)
 
