@@ -49,6 +49,11 @@ class ServerConfig(TrustConfig):
     host: str = option("127.0.0.1", "Address the gRPC service (and the metrics port) listen on.")
     port: int = option(0, "gRPC port (required).")
     metrics_port: int = option(0, "Prometheus /metrics port; 0: no metrics endpoint.")
+    otlp_traces_endpoint: str = option(
+        "",
+        "Send OpenTelemetry spans of each request's stages here (OTLP/gRPC, e.g. http://collector:4317); needs "
+        "pip install 'pdserve[tracing]'. Default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing.",
+    )
     transfer_backend: str = option("nixl", "KV transfer backend: nixl (UCX; DRAM on CPU, VRAM on CUDA).")
     kv_transfer_path: str = option(
         "auto",

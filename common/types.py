@@ -178,6 +178,8 @@ class Completion:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     kv_transfer_bytes: int = 0  # the router's: KV bytes its prefill server wrote to its decode server
+    # The router's: where the choice's time went, stage -> seconds (router/timings.py); None elsewhere.
+    timings: dict[str, float] | None = None
     error: str | None = None  # why an aborted sequence failed (None: cancelled, or not aborted)
     error_code: ErrorCode | None = None  # set with `error`
 
@@ -233,6 +235,15 @@ class Req:
         self.kv_transfer_bytes = 0  # (set by the router, from the prefill server's answer)
         self.arrived = 0.0  # time.monotonic() when it was queued
         self.admitted = 0.0  # time.monotonic() when its first prefill batch was scheduled
+        # Where its time goes (time.monotonic(); 0: not yet), for the servers' timings and histograms:
+        # prefill: its first token sampled; decode: its KV destination published, its KV landed, its
+        # joining the running batch, the host seeing its first token decoded there.
+        self.prefilled = 0.0
+        self.granted = 0.0
+        self.kv_landed = 0.0
+        self.joined = 0.0
+        self.first_decoded = 0.0
+        self.prefill_chunks = 0  # prefill batches its prompt was computed in (1: not chunked)
         self.detokenizer = None  # set by the engine: an IncrementalDetokenizer
         # Detokenize each token as it arrives (the router streams text). Otherwise text is only
         # built per token when stop strings need it, and in one decode at the end when not.

@@ -31,9 +31,10 @@ from pdserve.common.kv_transfer.base import KVSide
 from pdserve.common.kv_transfer.server import ServerKV
 from pdserve.common.serving import ipc
 from pdserve.common.startup import StartupClock
-from pdserve.common.types import Completion, Req, SamplingParams
+from pdserve.common.types import Completion, FinishReason, Req, SamplingParams
 from pdserve.decode.arrivals import Corrupted, KVArrivals, Refused
 from pdserve.decode.scheduler import DecodeScheduler
+from pdserve.decode.timings import decode_timings, stamp_first_tokens
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class DecodeEngine(EngineCore):
     def _add(self, prompt_ids: Sequence[int], params: SamplingParams, room: int, rid: str | None):
         req = self.make_req(prompt_ids, params, rid, detokenize=bool(params.stop))
         req.room = room
+        req.arrived = time.monotonic()
         self.scheduler.add_request(req)
         return req
 
@@ -140,6 +142,7 @@ class DecodeEngine(EngineCore):
         store to the host tier still reads once no store does: DecodeScheduler.pop_settled)."""
         now = time.monotonic()
         for req in self.scheduler.pop_settled(now) + self.scheduler.pop_preallocated(now):
+            req.granted = now
             expires_unix_s = time.time() + (req.deadline - now)  # wall clock: it crosses machines
             held = req.prefix_pages  # cached here: the prefill server writes the pages after them
             self.destinations.append(
@@ -267,7 +270,7 @@ class DecodeEngine(EngineCore):
         while self.destinations:
             d = self.destinations.popleft()
             send(ipc.Destination(d.rid, d.room, d.page_ids, d.expires_unix_s, d.prefix_len))
-        chunks, interval, s = [], self.config.stream_interval, self.scheduler
+        chunks, interval, s, now = [], self.config.stream_interval, self.scheduler, time.monotonic()
         # NOTE: only these can hold unsent tokens (waiting: retracted ones; the finished, whose last
         # tokens go with their logprobs here, before their Finished); a burst queues thousands more
         # for their KV, which a walk of self.streaming visited every step: 11% of the loop.
@@ -278,6 +281,8 @@ class DecodeEngine(EngineCore):
                 continue
             rid, sent = req.rid, entry[1]
             new = len(req.output_ids) - sent
+            if new > 0 and sent < 2:  # (its first tokens only: a stamp or two, not a check every step)
+                stamp_first_tokens(req, now)
             if new > 0 and (new >= interval or sent == 0):  # the first token at once; the rest on finish
                 lps = [(lp.token_id, lp.logprob, lp.top) for lp in req.output_logprobs[sent:]]
                 chunks.append(ipc.Tokens(rid, sent, req.output_ids[sent:], lps))
@@ -291,6 +296,8 @@ class DecodeEngine(EngineCore):
             entry = self.streaming.pop(c.rid, None)
             if entry is not None and len(c.output_ids) > entry[1]:
                 send(ipc.Tokens(c.rid, entry[1], c.output_ids[entry[1] :]))
+            ended = entry is not None and c.error is None and c.finish_reason is not FinishReason.ABORT
+            timings = decode_timings(entry[0], now) if ended else None
             send(
                 ipc.Finished(
                     c.rid,
@@ -302,6 +309,7 @@ class DecodeEngine(EngineCore):
                     matched_text=c.matched_stop if isinstance(c.matched_stop, str) else None,
                     error=c.error,
                     error_code=c.error_code,
+                    timings=timings,
                 )
             )
         return done

@@ -59,7 +59,7 @@ class ManyRequests:
             self.queue.put_nowait(Answered(rid, refusal(ErrorCode.OVERLOADED, "the server is draining")))
             return
         try:
-            self.bridge.subscribe(rid, self.queue)
+            self.bridge.subscribe(rid, self.queue, request.trace_context)
         except ValueError as e:  # in flight already (on this call or another): not ours to end
             self.queue.put_nowait(Answered(rid, refusal(ErrorCode.INVALID_REQUEST, str(e))))
             return

@@ -56,6 +56,18 @@ def response_of(msg, ready: ipc.Ready) -> pb.GenerateResponse:
             prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens, cached_tokens=msg.cached_tokens
         ),
     )
+    if msg.timings is not None:
+        t = msg.timings
+        finish.timings.CopyFrom(
+            pb.DecodeTimings(
+                queue_s=t.queue_s,
+                kv_wait_s=t.kv_wait_s,
+                prefill_s=t.prefill_s,
+                slot_wait_s=t.slot_wait_s,
+                first_token_s=t.first_token_s,
+                decode_s=t.decode_s,
+            )
+        )
     if msg.matched_token is not None:
         finish.token_id = msg.matched_token
     elif msg.matched_text is not None:

@@ -41,6 +41,7 @@ writes it on the schedule stream before the request's first step.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from pdserve.common.config import EngineConfig
@@ -193,6 +194,7 @@ class DecodeScheduler(Scheduler):
         req = self.transferring.pop(room, None)
         if req is None:
             return None
+        req.kv_landed = time.monotonic()
         self.served[room] = self.pages_to_receive(req)
         self._served_order.append((req.deadline + KV_WRITE_GRACE_S, room))
         if req.finished:  # aborted while its WRITE was in flight: now the pages are quiet
@@ -212,7 +214,9 @@ class DecodeScheduler(Scheduler):
     def _take_ready(self) -> None:
         """Arrived requests join the running batch, oldest first, while it has room."""
         while self.ready and len(self.running) < self.config.max_running_requests:
-            self.running.append(self.ready.popleft())
+            req = self.ready.popleft()
+            req.joined = time.monotonic()
+            self.running.append(req)
 
     def join_loaded(self) -> None:
         """Landed requests whose prefix is back from the host tier join the running batch."""

@@ -50,7 +50,7 @@ class DecodeServicer(CommonRpcs, pb_grpc.DecodeServiceServicer):
             return
         rid = request.request_id or secrets.token_hex(8)
         try:
-            queue = self.bridge.subscribe(rid)
+            queue = self.bridge.subscribe(rid, trace_context=request.trace_context)
         except ValueError as e:
             yield pb.GenerateResponse(error=pb.Error(code=pb.Error.INVALID_REQUEST, message=str(e)))
             return

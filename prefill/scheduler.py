@@ -68,7 +68,10 @@ class PrefillResult:
     error: str | None = None  # None: the KV and the first token are at the decode server
     error_code: ErrorCode | None = None  # set with `error`
     queue_s: float = 0.0  # from its arrival to its first prefill batch
-    prefill_s: float = 0.0  # from its first prefill batch to its end, the transfer excluded
+    prefill_s: float = 0.0  # from its first prefill batch to its first token
+    destination_wait_s: float = 0.0  # from its first token to its transfer's start (parked: no destination yet)
+    transfer_pages: int = 0  # KV pages written to the decode server
+    prefill_chunks: int = 0  # prefill batches its prompt was computed in
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: one per prompt token, None first
 
 
@@ -205,7 +208,9 @@ class PrefillScheduler:
 
     def process_batch_result(self, batch, next_token_ids: list[int], logprobs: list[TokenLogprob | None]):
         """Each finished prompt starts its KV WRITE; nothing finishes here (see poll_transfers)."""
+        now = time.monotonic()
         for req, token, lp in sampled_tokens(batch, next_token_ids, logprobs):
+            req.prefilled = now
             if req.finish_reason is FinishReason.ABORT:  # aborted while its last chunk ran: answered then
                 self._finish(req)
                 continue
@@ -215,7 +220,6 @@ class PrefillScheduler:
             req.output_ids.append(token)
             if lp is not None:
                 req.output_logprobs.append(lp)
-            now = time.monotonic()
             if req.rid in self.destinations:
                 self._start_transfer(req, token, lp, now)
             else:  # the decode server has not answered yet
@@ -317,11 +321,13 @@ class PrefillScheduler:
             self.kv.cache_and_release(req)
         else:
             self.kv.free(req)
-        self.destinations.pop(req.rid, None)
+        dest = self.destinations.pop(req.rid, None)
         self.live.pop(req.rid, None)
         if aborted:
             return
-        ok = error is None
+        ok, now = error is None, time.monotonic()
+        # (0 for a stage it never reached: failed or aborted before it)
+        prefilled = req.prefilled or now
         self.done.append(
             PrefillResult(
                 rid=req.rid,
@@ -336,7 +342,10 @@ class PrefillScheduler:
                 error=error,
                 error_code=error_code,
                 queue_s=max(req.admitted - req.arrived, 0.0) if req.admitted else 0.0,
-                prefill_s=max(time.monotonic() - req.admitted - transfer_s, 0.0) if req.admitted else 0.0,
+                prefill_s=max(prefilled - req.admitted, 0.0) if req.admitted else 0.0,
+                destination_wait_s=max(now - transfer_s - prefilled, 0.0),
+                transfer_pages=len(dest.page_ids) if dest is not None and transfer_bytes else 0,
+                prefill_chunks=req.prefill_chunks,
                 prompt_logprobs=req.prompt_logprobs if ok else None,
             )
         )

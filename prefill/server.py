@@ -46,7 +46,7 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
         req, dest = request.request, request.destination
         rid = req.request_id or secrets.token_hex(8)
         try:
-            queue = self.bridge.subscribe(rid)
+            queue = self.bridge.subscribe(rid, trace_context=req.trace_context)
         except ValueError as e:
             return pb.PrefillResponse(error=pb.Error(code=pb.Error.INVALID_REQUEST, message=str(e)))
         done = False
@@ -83,6 +83,7 @@ class PrefillServicer(CommonRpcs, pb_grpc.PrefillServiceServicer):
                 prefill_s=msg.prefill_s,
                 transfer_s=msg.transfer_s,
                 transfer_bytes=msg.transfer_bytes,
+                destination_wait_s=msg.destination_wait_s,
             )
             response = pb.PrefillResponse(
                 cached_tokens=msg.cached_tokens, prompt_tokens=msg.prompt_tokens, timings=timings

@@ -30,6 +30,7 @@ from pdserve.common.openai.api import OpenAIError
 from pdserve.common.openai.defaults import load_generation_defaults
 from pdserve.common.scheduling.output_processor import append_token, finalize
 from pdserve.common.tokenizer import eos_token_ids, load_tokenizer
+from pdserve.common.tracing import start_tracing
 from pdserve.common.types import Completion, FinishReason, Req
 from pdserve.router import migration
 from pdserve.router.admission import Admission
@@ -54,6 +55,7 @@ from pdserve.router.pairing import (
 from pdserve.router.policies import make_policy
 from pdserve.router.prefill_attempts import abandon as abandon_prefills
 from pdserve.router.responses_routes import responses_routes
+from pdserve.router.timings import ChoiceTimings
 from pdserve.router.tokenize_routes import tokenize_routes
 from pdserve.router.workers import WorkerRegistry, resolve_dns
 
@@ -102,6 +104,7 @@ class Router:
         self.decode_streams: dict[str, DecodeStreams] = {}  # decode url -> its shared GenerateMany call
         self._closing: set[asyncio.Task] = set()
         self.metrics = RouterMetrics(self.registry, self.loop_lag)
+        self.tracer = start_tracing("pdserve-router", config.otlp_traces_endpoint)  # None: not tracing
         self.inflight = 0
         self.policies = {
             "prefill": make_policy(config.prefill_policy, "prefill"),
@@ -208,11 +211,19 @@ class Router:
             self._outage_logged = now
             log.warning("no healthy prefill server: %s", what)
 
-    async def choice(self, prompt_ids: list[int], params, on_text=None, on_prompt=None) -> Completion:
+    async def choice(
+        self, prompt_ids: list[int], params, on_text=None, on_prompt=None, arrived=None, trace=None
+    ) -> Completion:
         """Run one choice through a prefill/decode pair; `on_text(delta, logprobs)` sees text as it
         becomes final, with the logprobs of the tokens that produced it (when requested), and
         `on_prompt(prompt_logprobs)` is called once, when the prefill has answered (before any text;
-        None unless asked for)."""
+        None unless asked for). `arrived`: its request's arrival (time.monotonic(); None: now), where
+        its timings start; `trace`: the client's W3C trace headers (router/timings.py)."""
+        clock = ChoiceTimings(time.monotonic() if arrived is None else arrived, self.tracer, trace)
+        with clock.traced(self.model, len(prompt_ids)):
+            return await self._choice(prompt_ids, params, on_text, on_prompt, clock)
+
+    async def _choice(self, prompt_ids: list[int], params, on_text, on_prompt, clock: ChoiceTimings) -> Completion:
         req = Req(secrets.token_hex(8), prompt_ids, params, params.seed or 0)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         req.stream_text = True
@@ -221,11 +232,12 @@ class Router:
         def pick_prefill(tried):
             if tried:
                 self.metrics.retries.inc()
+                clock.event("prefill_retry", {"pdserve.failed_prefill_server": tried[-1]})
             url = self.pick("prefill", prompt_ids, exclude=tried)
             return None if url is None else (url, workers[url].channel)
 
         if params.max_new_tokens == 0:
-            return await self._prompt_only(req, pick_prefill, on_prompt)
+            return await self._prompt_only(req, pick_prefill, on_prompt, clock)
         decode = self.pick("decode", prompt_ids)
         if decode is None:
             raise UpstreamError("no healthy decode server", 503)
@@ -242,6 +254,7 @@ class Router:
                 try:
                     async for event in stream:
                         now = time.monotonic()
+                        clock.saw(event, now)
                         if event.token_ids:
                             if last is None:
                                 self.metrics.ttft.observe(now - started)
@@ -286,6 +299,7 @@ class Router:
                         "choice %s moved from decode server %s to %s after %d tokens: %s", req.rid, decode, to, sent, e
                     )
                     self.metrics.migrations.labels(e.reason or "decode_failed").inc()
+                    clock.event("migration", {"pdserve.from": decode, "pdserve.to": to, "pdserve.tokens_sent": sent})
                     decode, decode_worker = to, workers[to]
                     decode_worker.inflight += 1
                     where, stream = self._decode_stream(
@@ -298,8 +312,10 @@ class Router:
             self.registry.record(decode, ok=True)
         if req.finish_reason is None:
             req.finish_reason = FinishReason.LENGTH
-        self.metrics.e2e.observe(time.monotonic() - started)
+        ended = time.monotonic()
+        self.metrics.e2e.observe(ended - started)
         completion = finalize(req)
+        clock.finish(completion, ended)
         # The last chunk also carries logprobs of tokens that added no text (an EOS or stop id):
         # a streamed answer reports the same tokens' logprobs as the whole one.
         if on_text is not None and (len(completion.text) > emitted or len(req.output_logprobs) > reported):
@@ -330,17 +346,21 @@ class Router:
             return None
         return self.pick("decode", req.prompt_ids, exclude=failed)
 
-    async def _prompt_only(self, req: Req, pick_prefill, on_prompt) -> Completion:
+    async def _prompt_only(self, req: Req, pick_prefill, on_prompt, clock: ChoiceTimings) -> Completion:
         """A choice of no new tokens (its prompt scored, say): a prefill alone, no decode server."""
         started = time.monotonic()
         response = await prefill_only(pick_prefill, self.registry.record, req.prompt_ids, req.params, self.config)
+        clock.prefill = response.timings
         req.cached_tokens = response.cached_tokens
         req.prompt_logprobs = await prompt_logprobs_of(response, req.params)
         req.finish_reason = FinishReason.LENGTH
         if on_prompt is not None:
             await on_prompt(req.prompt_logprobs)
-        self.metrics.e2e.observe(time.monotonic() - started)
-        return finalize(req)
+        ended = time.monotonic()
+        self.metrics.e2e.observe(ended - started)
+        completion = finalize(req)
+        clock.finish(completion, ended)
+        return completion
 
 
 def create_app(router: Router) -> FastAPI:

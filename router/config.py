@@ -179,6 +179,12 @@ class RouterConfig(TrustConfig):
         "--header-timeout and --body-timeout meanwhile.",
     )
     log_level: str = option("info", "Logging level (debug adds uvicorn's access log: a line per HTTP request).")
+    otlp_traces_endpoint: str = option(
+        "",
+        "Send OpenTelemetry spans of each request (a trace across the router and both servers, continuing a "
+        "client's W3C traceparent) here (OTLP/gRPC, e.g. http://collector:4317); needs pip install "
+        "'pdserve[tracing]'. Default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing.",
+    )
 
     def check(self) -> None:
         """Raise ValueError, naming the flag, for the first value the router cannot run with."""

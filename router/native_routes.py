@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -29,6 +30,7 @@ from pdserve.router.http_answers import (
 )
 from pdserve.router.http_requests import admit, body_of, parse_body
 from pdserve.router.pairing import UpstreamError, fix_seed
+from pdserve.router.timings import client_trace
 
 
 def native_routes(router) -> APIRouter:
@@ -37,9 +39,10 @@ def native_routes(router) -> APIRouter:
 
     @routes.post("/generate")
     async def generate(request: Request):
-        """Native: {"text" | "input_ids", "sampling_params": {OpenAI completion fields}, "stream"} ->
-        {"text", "output_ids", "finish_reason", "usage"} (or SSE of {"text"} deltas, then one
-        {"output_ids", "finish_reason", "usage"})."""
+        """Native: {"text" | "input_ids", "sampling_params": {OpenAI completion fields}, "stream",
+        "return_timings"} -> {"text", "output_ids", "finish_reason", "usage"} (or SSE of {"text"} deltas,
+        then one {"output_ids", "finish_reason", "usage"}), and "timings" when asked for (router/timings.py)."""
+        arrived = time.monotonic()
         try:
             body, size = await body_of(router, request)
             parsed = await parse_body(router, parse_completion_request, completion_body(body), size)
@@ -56,13 +59,13 @@ def native_routes(router) -> APIRouter:
             return JSONResponse({}, status_code=499)
         if parsed.stream:
             return AdmittedStream(
-                native_stream(router, ids, params),
+                native_stream(router, ids, params, (arrived, client_trace(request.headers)), parsed.return_timings),
                 lambda: router.admission.release(lanes),
                 media_type="text/event-stream",
                 send_timeout=router.config.stream_send_timeout,
             )
         try:
-            c = await router.choice(ids, params)
+            c = await router.choice(ids, params, arrived=arrived, trace=client_trace(request.headers))
         except UpstreamError as e:
             return upstream_response(e)
         finally:
@@ -73,7 +76,7 @@ def native_routes(router) -> APIRouter:
             "output_ids": c.output_ids,
             "finish_reason": c.finish_reason.value,
             "usage": usage_of(ids, c),
-        }
+        } | timings_of(c, parsed.return_timings)
 
     return routes
 
@@ -89,6 +92,11 @@ def usage_of(ids: list[int], c) -> dict:
     }
 
 
+def timings_of(c, asked: bool) -> dict:
+    """The answer's "timings", when the request asked for them ("return_timings": true)."""
+    return {"timings": c.timings} if asked and c.timings is not None else {}
+
+
 def completion_body(body: dict) -> dict:
     """The OpenAI completion body a native one stands for (its prompt, stream and sampling fields)."""
     if ("text" in body) == ("input_ids" in body):
@@ -96,23 +104,29 @@ def completion_body(body: dict) -> dict:
     sampling = body.get("sampling_params") or {}
     if not isinstance(sampling, dict):
         raise OpenAIError("'sampling_params' must be an object")
-    return {**sampling, "prompt": body.get("text", body.get("input_ids")), "stream": bool(body.get("stream"))}
+    native = {"prompt": body.get("text", body.get("input_ids")), "stream": bool(body.get("stream"))}
+    if "return_timings" in body:  # (validated with the rest: a boolean)
+        native["return_timings"] = body["return_timings"]
+    return {**sampling, **native}
 
 
-async def native_stream(router, ids: list[int], params):
-    """The SSE body of a streamed /generate: {"text"} deltas, then the output ids and finish reason."""
+async def native_stream(router, ids: list[int], params, started: tuple[float, dict], return_timings: bool):
+    """The SSE body of a streamed /generate: {"text"} deltas, then the output ids and finish reason (and
+    the timings, when asked for). `started`: the request's arrival and its client's trace headers."""
+    arrived, trace = started
     queue: asyncio.Queue = asyncio.Queue()
 
     async def on_text(delta, logprobs):
         if delta:
             await queue.put({"text": delta})
 
-    task = asyncio.create_task(router.choice(ids, params, on_text))
+    task = asyncio.create_task(router.choice(ids, params, on_text, arrived=arrived, trace=trace))
     try:
         async for items in queued_batches(queue, [task]):
             yield "".join(f"data: {json.dumps(item)}\n\n" for item in items)
         c = task.result()
         last = {"output_ids": c.output_ids, "finish_reason": c.finish_reason.value, "usage": usage_of(ids, c)}
+        last |= timings_of(c, return_timings)
         yield "data: " + json.dumps(last) + "\n\n"
         yield "data: [DONE]\n\n"
     finally:

@@ -40,6 +40,7 @@ from pdserve.router.http_requests import admit, body_of, parse_body
 from pdserve.router.large_answers import whole_answer
 from pdserve.router.pairing import UpstreamError, fix_seed
 from pdserve.router.stream_chunks import StreamChunks
+from pdserve.router.timings import client_trace, describe
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +68,15 @@ async def handle(router, request: Request, parse):
 
 
 def log_request(request_id: str, parsed: ParsedRequest, status: int, completions, started: float) -> None:
-    """The request's one line at info level (vLLM's "Finished request" line): what it asked, what it got."""
+    """The request's one line at info level (vLLM's "Finished request" line): what it asked, what it got,
+    and where the time of its slowest choice went (router/timings.py)."""
     if not log.isEnabledFor(logging.INFO):
         return
     done = [c for c in completions or () if c is not None]
+    timed = [c.timings for c in done if c.timings is not None]
+    slowest = max(timed, key=lambda t: t["total_s"], default=None)
     log.info(
-        "request %s: %s, %d prompt tokens x %d choices -> %d; %d completion tokens, finish %s, %.3f s",
+        "request %s: %s, %d prompt tokens x %d choices -> %d; %d completion tokens, finish %s, %.3f s%s",
         request_id,
         parsed.kind + (" (streamed)" if parsed.stream else ""),
         sum(map(len, parsed.prompts)),
@@ -81,6 +85,7 @@ def log_request(request_id: str, parsed: ParsedRequest, status: int, completions
         sum(len(c.output_ids) for c in done),
         ",".join(sorted({c.finish_reason.value for c in done})) or "-",
         time.monotonic() - started,
+        "" if slowest is None else f"; {'slowest choice: ' if len(done) > 1 else ''}{describe(slowest)}",
     )
 
 
@@ -102,10 +107,10 @@ async def answer(router, request: Request, parse):
         return overloaded_response(e)
     except ClientGone:
         return JSONResponse({}, status_code=499)
-    request_id, created = secrets.token_hex(12), int(time.time())
+    request_id, created, trace = secrets.token_hex(12), int(time.time()), client_trace(request.headers)
     if parsed.stream:
         return AdmittedStream(
-            counted(router, stream(router, parsed, choices, lanes, request_id, created, started)),
+            counted(router, stream(router, parsed, choices, lanes, request_id, created, started, trace)),
             lambda: router.admission.release(lanes),
             media_type="text/event-stream",
             send_timeout=router.config.stream_send_timeout,
@@ -113,7 +118,7 @@ async def answer(router, request: Request, parse):
     router.inflight += 1
     try:
         completions = await until_disconnect(
-            request, run_choices(choices, lanes, lambda i, ids, p: router.choice(ids, p))
+            request, run_choices(choices, lanes, lambda i, ids, p: router.choice(ids, p, arrived=started, trace=trace))
         )
     except UpstreamError as e:
         log_request(request_id, parsed, e.status, None, started)
@@ -139,8 +144,11 @@ async def counted(router, chunks):
         await chunks.aclose()  # (closed mid-answer: `chunks`' own finally cancels the choices)
 
 
-async def stream(router, parsed: ParsedRequest, choices, lanes: int, request_id: str, created: int, started: float):
-    """The SSE body of a streamed request: every choice's chunks as they come, usage, [DONE]."""
+async def stream(
+    router, parsed: ParsedRequest, choices, lanes: int, request_id: str, created: int, started: float, trace: dict
+):
+    """The SSE body of a streamed request: every choice's chunks as they come, usage, [DONE]. `started`: the
+    request's arrival; `trace`: its client's trace headers (router/timings.py)."""
     chunks = StreamChunks(parsed, router.tokenizer, request_id, created)
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -155,8 +163,9 @@ async def stream(router, parsed: ParsedRequest, choices, lanes: int, request_id:
                 await queue.put(await chunks.echo(index, ids, prompt_logprobs, router.off_loop))
 
         try:
-            completion = await router.choice(ids, params, on_text, on_prompt)
-            for chunk in chunks.finish(index, completion.finish_reason.value):
+            completion = await router.choice(ids, params, on_text, on_prompt, arrived=started, trace=trace)
+            timings = completion.timings if parsed.return_timings else None
+            for chunk in chunks.finish(index, completion.finish_reason.value, timings):
                 await queue.put(chunk)
             return completion
         except UpstreamError as e:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
+from pdserve.common.tracing import OUTGOING_TRACE
 from pdserve.common.types import SamplingParams, TokenLogprob
 from pdserve.proto import pdserve_pb2 as pb
 from pdserve.proto import pdserve_pb2_grpc as pb_grpc
@@ -59,6 +60,7 @@ class Event:
     kv_transfer_bytes: int = 0  # on the first token: the KV bytes the prefill server wrote to the decode server
     # On the first token, when asked for: the prompt's logprobs (None for its first token).
     prompt_logprobs: list | None = None
+    timings: object = None  # on the first token: the prefill's pb.Timings; on the finish: pb.DecodeTimings
 
 
 def proto_params(p: SamplingParams) -> pb.SamplingParams:
@@ -100,6 +102,19 @@ def _proto_params(p: SamplingParams) -> pb.SamplingParams:
     return out
 
 
+def _request(prompt_ids: list[int], params: SamplingParams, deadline: float, local: bool = False):
+    """A choice's GenerateRequest, with a fresh id and room, in the choice's trace when it is traced."""
+    return pb.GenerateRequest(
+        request_id=secrets.token_hex(12),
+        prompt_token_ids=prompt_ids,
+        params=proto_params(params),
+        bootstrap_room=0 if local else random.getrandbits(63),
+        deadline_unix_s=deadline,
+        local_prefill=local,
+        trace_context=OUTGOING_TRACE.get(),
+    )
+
+
 def fix_seed(p: SamplingParams) -> SamplingParams:
     """Every attempt of a request must sample the same first token: fix a seed when none was given."""
     return p if p.seed is not None else replace(p, seed=random.getrandbits(63))
@@ -135,14 +150,7 @@ async def prefill_only(
 ) -> pb.PrefillResponse:
     """A request for no new tokens (max_new_tokens 0: its prompt scored, say) needs no decode server:
     one prefill, with retries as any, and no KV destination; nothing is transferred."""
-    deadline = time.time() + config.request_timeout
-    req = pb.GenerateRequest(
-        request_id=secrets.token_hex(12),
-        prompt_token_ids=prompt_ids,
-        params=proto_params(params),
-        bootstrap_room=random.getrandbits(63),
-        deadline_unix_s=deadline,
-    )
+    req = _request(prompt_ids, params, time.time() + config.request_timeout)
     return await _prefill_with_retries(pick_prefill, report, pb.PrefillRequest(request=req), config)
 
 
@@ -177,16 +185,9 @@ async def paired_generate(
     `config` gives the request's deadline (--request-timeout), the RPCs' timeouts within it and the
     number of prefill attempts.
     """
-    rid = secrets.token_hex(12)
     # Both servers give up (and free the KV) past the deadline; no RPC of ours outlives it.
     deadline = time.time() + config.request_timeout
-    req = pb.GenerateRequest(
-        request_id=rid,
-        prompt_token_ids=prompt_ids,
-        params=proto_params(params),
-        bootstrap_room=random.getrandbits(63),
-        deadline_unix_s=deadline,
-    )
+    req = _request(prompt_ids, params, deadline)
     call = open_generate(decode, req, rpc_timeout(config.decode_timeout, deadline))
     early, next_read = None, None
     try:
@@ -215,6 +216,7 @@ async def paired_generate(
             first_lp,
             cached_tokens=response.cached_tokens,
             kv_transfer_bytes=response.timings.transfer_bytes,
+            timings=response.timings,
             prompt_logprobs=await prompt_logprobs_of(response, params),
         )
         # The decode stream's read started while the prefill ran; token 0 came from the prefill.
@@ -239,13 +241,7 @@ async def local_generate(
     (GenerateRequest.local_prefill, router/disagg.py): no prefill server, no destination, no KV
     transfer; every token, the first included, comes on the decode stream."""
     deadline = time.time() + config.request_timeout
-    req = pb.GenerateRequest(
-        request_id=secrets.token_hex(12),
-        prompt_token_ids=prompt_ids,
-        params=proto_params(params),
-        deadline_unix_s=deadline,
-        local_prefill=True,
-    )
+    req = _request(prompt_ids, params, deadline, local=True)
     call = open_generate(decode, req, rpc_timeout(config.decode_timeout, deadline))
     try:
         async for event in _decode_events(call, 0, local=True):
@@ -280,7 +276,8 @@ async def _decode_events(call, sent: int, pending: asyncio.Future | None = None,
                 )
                 sent += len(new)
         elif kind == "finish":
-            yield Event(EventKind.FINISH, [], cached_tokens=msg.finish.usage.cached_tokens if local else None)
+            cached = msg.finish.usage.cached_tokens if local else None
+            yield Event(EventKind.FINISH, [], cached_tokens=cached, timings=msg.finish.timings)
             return
         else:
             raise _error(msg)

@@ -43,18 +43,22 @@ class StreamChunks:
         before_index, _, between = before_text.rpartition(str(_INDEX_MARK))
         return before_index, between, after_text
 
-    def choice(self, index: int, text: str | None, finish: str | None, role: bool = False, logprobs=None) -> str:
-        """A choice's delta: its role (chat's first chunk), new text with its tokens' logprobs, or its finish."""
+    def choice(
+        self, index: int, text: str | None, finish: str | None, role: bool = False, logprobs=None, timings=None
+    ) -> str:
+        """A choice's delta: its role (chat's first chunk), new text with its tokens' logprobs, or its finish
+        (with its `timings`, given when the request asked for them: "return_timings")."""
         if text and finish is None and not role and not (logprobs and self.parsed.logprobs is not None):
             before_index, between, after_text = self._text_parts
             return f"{before_index}{index}{between}{json.dumps(text)}{after_text}"
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            return self._chat_chunk(index, delta, logprobs, finish)
+            return self._chat_chunk(index, delta, logprobs, finish, timings)
         parsed, lp = self.parsed, None
         if logprobs and parsed.logprobs is not None:
             lp = completion_logprobs(logprobs, parsed.logprobs, self.token_text)
         body = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
+        body |= {"timings": timings} if timings is not None else {}
         return json.dumps(self.head | {"choices": [body]})
 
     def text(self, index: int, text: str, logprobs=None) -> list[str]:
@@ -68,14 +72,14 @@ class StreamChunks:
             chunks = [self._chat_chunk(index, {}, logprobs, None)]
         return chunks
 
-    def finish(self, index: int, finish: str) -> list[str]:
+    def finish(self, index: int, finish: str, timings: dict | None = None) -> list[str]:
         """A choice's last chunks: what its tool-call parser still held, then its finish_reason
-        ("tool_calls" for an answer with calls that ended by itself)."""
+        ("tool_calls" for an answer with calls that ended by itself), with its timings when asked for."""
         stream = self.tool_streams.pop(index, None) if self.tools is not None else None
         if stream is None:
-            return [self.choice(index, None, finish)]
+            return [self.choice(index, None, finish, timings=timings)]
         chunks = self._tool_chunks(index, stream, stream.finish(), None)
-        return chunks + [self.choice(index, None, finish_reason(finish, called=stream.called > 0))]
+        return chunks + [self.choice(index, None, finish_reason(finish, called=stream.called > 0), timings=timings)]
 
     def _tool_chunks(self, index: int, stream: ToolCallStream, items: list, logprobs) -> list[str]:
         """One chunk per content piece or call (numbered in the choice's calls); the logprobs ride the first."""
@@ -91,11 +95,12 @@ class StreamChunks:
             logprobs = None
         return chunks
 
-    def _chat_chunk(self, index: int, delta: dict, logprobs, finish: str | None) -> str:
+    def _chat_chunk(self, index: int, delta: dict, logprobs, finish: str | None, timings=None) -> str:
         lp = None
         if logprobs and self.parsed.logprobs is not None:
             lp = chat_logprobs(logprobs, self.parsed.logprobs, self.token_text)
         body = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        body |= {"timings": timings} if timings is not None else {}
         return json.dumps(self.head | {"choices": [body]})
 
     async def echo(self, index: int, ids: list[int], prompt_logprobs, off_loop: Executor) -> str:

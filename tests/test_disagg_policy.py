@@ -63,10 +63,16 @@ def test_auto_prefills_short_prompts_locally_and_long_ones_remotely(servers):
         prompt=prompts,
         max_tokens=8,
         temperature=0,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
+        extra_body={"ignore_eos": True, "return_token_ids": True, "return_timings": True},
     )
     assert [c.model_extra["token_ids"] for c in sorted(out.choices, key=lambda c: c.index)] == expected
     assert decisions(r) == {("local", "short_prompt"): 3.0, ("remote", "long_prompt"): 3.0}
+    # Their timings say where each was prefilled: a local prefill's queue and prefill are the decode
+    # server's, and nothing was transferred (router/timings.py).
+    for choice in out.choices:
+        timings, local = choice.model_extra["timings"], len(prompts[choice.index]) <= LOCAL_MAX
+        assert timings["prefill_s"] > 0 and timings["total_s"] >= timings["first_token_s"] > 0, timings
+        assert (timings["transfer_s"] == 0) == local and (timings["destination_wait_s"] == 0 or not local), timings
     # Streamed from a local prefill: the same tokens, the first one included.
     kwargs = dict(model=model, prompt=prompts[0], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(**kwargs).choices[0].text

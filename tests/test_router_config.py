@@ -66,6 +66,7 @@ FLAGS = [
     "--no-warm-spare",
     "--drain-timeout",
     "--log-level",
+    "--otlp-traces-endpoint",
     "--cluster-secret-file",
     "--tls-cert",
     "--tls-key",

@@ -647,7 +647,7 @@ def client(tiny_models):
     )
     router = Router(config)
 
-    async def choice(prompt_ids, params, on_text=None, on_prompt=None):
+    async def choice(prompt_ids, params, on_text=None, on_prompt=None, arrived=None, trace=None):
         text = CALL + "\n" + CALL2 if params.grammar is not None else "Let me see. " + CALL
         if on_prompt is not None:
             await on_prompt(None)

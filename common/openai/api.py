@@ -39,6 +39,7 @@ SAMPLING_FIELDS = frozenset({
     # vLLM / SGLang extensions
     "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens",
     "skip_special_tokens", "include_stop_str_in_output", "return_token_ids", "prompt_logprobs",
+    "return_timings",  # pdserve's: where each choice's time went (the router's; docs/deploy/observe.md)
     "response_format",  # (vLLM takes it on completions too)
 }) | GUIDED_FIELDS  # fmt: skip
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
@@ -69,6 +70,7 @@ class ParsedRequest:
     echo: bool = False  # with logprobs: the prompt tokens' logprobs lead the logprobs object
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the prompt tokens' with the top k
     return_token_ids: bool = False
+    return_timings: bool = False  # each choice's stage timings in the answer (a debug field; the router's)
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
     messages: list[dict] = field(default_factory=list)  # chat only, as given to the chat template
@@ -188,6 +190,7 @@ def _shared(
         "stream": stream,
         "include_usage": include_usage,
         "return_token_ids": _boolean(body, "return_token_ids", False),
+        "return_timings": _boolean(body, "return_timings", False),
         "grammar": grammar_of(body),
         "prompt_logprobs": _integer(
             body,
@@ -250,6 +253,7 @@ def _build(
                 raise OpenAIError(str(e)) from None
     return ParsedRequest(
         kind, model, prompts, texts, n, params, logprobs, return_token_ids=shared["return_token_ids"],
+        return_timings=shared["return_timings"],
         stream=shared["stream"], include_usage=shared["include_usage"], prompt_logprobs=shared["prompt_logprobs"],
         **extra,
     )  # fmt: skip

@@ -61,6 +61,13 @@ def _token_ids(parsed: ParsedRequest, completion: Completion) -> dict:
     return {"prompt_token_ids": list(completion.prompt_ids), "token_ids": list(completion.output_ids)}
 
 
+def _timings(parsed: ParsedRequest, completion: Completion) -> dict:
+    """pdserve's "return_timings" field for one choice: where its time went (router/timings.py)."""
+    if not parsed.return_timings or completion.timings is None:
+        return {}
+    return {"timings": completion.timings}
+
+
 def vllm_prompt_logprobs(parsed: ParsedRequest, completion: Completion, token_text: Callable[[int], str]) -> dict:
     """vLLM's `prompt_logprobs` field: per prompt token (null for the first) a map from token id to
     {logprob, rank, decoded_token}, holding the prompt token and the top `prompt_logprobs`."""
@@ -142,7 +149,7 @@ def format_completion_response(
             logprobs = completion_logprobs(completion.logprobs or [], parsed.logprobs, token_text, prompt)
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason.value}
         choice |= vllm_prompt_logprobs(parsed, completion, token_text)
-        choices.append(choice | _token_ids(parsed, completion))
+        choices.append(choice | _token_ids(parsed, completion) | _timings(parsed, completion))
     return {
         "id": f"cmpl-{request_id}",
         "object": "text_completion",
@@ -188,7 +195,7 @@ def format_chat_response(
                 message["tool_calls"] = calls
                 finish = finish_reason(finish, called=True)
         choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
-        choices.append(choice | _token_ids(parsed, completion))
+        choices.append(choice | _token_ids(parsed, completion) | _timings(parsed, completion))
     body = {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion",

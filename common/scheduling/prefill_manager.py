@@ -118,6 +118,7 @@ class PrefillManager:
         A request whose prompt is not done becomes the chunked request."""
         self.kv.grow(req, end)
         spans.append((req, req.kv_len, end))
+        req.prefill_chunks += 1
         used = end - req.kv_len
         req.kv_len = end  # launched next: a later forward on the same stream sees these positions
         if end < req.seq_len:

@@ -14,6 +14,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 
 import grpc
 import zmq
@@ -25,6 +26,7 @@ from pdserve.common.errors import ErrorCode
 from pdserve.common.gc_tuning import tune_gc
 from pdserve.common.server_config import ServerConfig
 from pdserve.common.serving import ipc
+from pdserve.common.serving.request_spans import Arrival, record_decode, record_prefill
 from pdserve.common.serving.server_metrics import Metrics
 from pdserve.common.startup import process_age
 from pdserve.common.trust import add_port, check_exposure, load_trust, server_interceptors
@@ -32,11 +34,14 @@ from pdserve.proto import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+# Traced requests kept after their caller let go, until their last message: the newest this many.
+MAX_ENDING = 4096
+
 
 class SchedulerBridge:
     """The scheduler process and the two ipc channels to it; routes its messages by request id."""
 
-    def __init__(self, target, args: tuple, metrics: Metrics):
+    def __init__(self, target, args: tuple, metrics: Metrics, tracer=None):
         self.run_dir = tempfile.mkdtemp(prefix="pdserve-ipc-")
         self.to_scheduler, self.to_frontend = ipc.ipc_paths(self.run_dir)
         self.ctx = zmq.asyncio.Context()
@@ -52,6 +57,9 @@ class SchedulerBridge:
             target=target, args=(*args, self.to_scheduler, self.to_frontend), daemon=True
         )
         self.metrics = metrics
+        self.tracer = tracer  # common/tracing.py Tracer; None: not tracing
+        self.arrivals: dict[str, Arrival] = {}  # traced requests in flight
+        self.ending: dict[str, Arrival] = {}  # traced requests unsubscribed before their last message, oldest first
         self.queues: dict[str, asyncio.Queue] = {}
         self.ready: asyncio.Future | None = None
         self.bye = asyncio.Event()
@@ -64,16 +72,24 @@ class SchedulerBridge:
         self._watch = asyncio.create_task(self._watch_process())
         return await asyncio.wait_for(self.ready, timeout_s)
 
-    def subscribe(self, rid: str, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+    def subscribe(self, rid: str, queue: asyncio.Queue | None = None, trace_context=None) -> asyncio.Queue:
         """The queue `rid`'s messages will arrive on: a new one, or `queue` (several requests may
-        share one; every message names its request)."""
+        share one; every message names its request). `trace_context`: the request's (when tracing,
+        its spans go under it: common/serving/request_spans.py)."""
         if rid in self.queues:
             raise ValueError(f"request id {rid!r} is already in flight")
         queue = self.queues[rid] = asyncio.Queue() if queue is None else queue
+        if self.tracer is not None:
+            self.arrivals[rid] = Arrival(self.tracer.context_of(trace_context or {}), time.time_ns())
         return queue
 
     def unsubscribe(self, rid: str) -> None:
         self.queues.pop(rid, None)
+        arrival = self.arrivals.pop(rid, None)
+        if arrival is not None:  # (its spans once its last message comes: _read)
+            self.ending[rid] = arrival
+            if len(self.ending) > MAX_ENDING:
+                del self.ending[next(iter(self.ending))]
 
     async def send(self, msg) -> None:
         await self.outbox.send(ipc.encode(msg))
@@ -91,6 +107,8 @@ class SchedulerBridge:
             elif isinstance(msg, ipc.TransfersRejected):
                 for reason, count in msg.counts.items():
                     self.metrics.rejected_transfers.labels(self.metrics.role, reason).inc(count)
+            elif isinstance(msg, ipc.PrefillDone | ipc.Finished) and msg.rid not in self.queues:
+                self._ended(msg)  # the caller let go first (a router ends a choice on its last token)
             elif isinstance(msg, ipc.StepTokens):
                 for chunk in msg.chunks:
                     queue = self.queues.get(chunk.rid)
@@ -100,17 +118,28 @@ class SchedulerBridge:
                 if isinstance(msg, ipc.Destination):
                     self.metrics.transfer_prefix_hit_tokens.inc(msg.prefix_len)
                 elif isinstance(msg, ipc.PrefillDone) and msg.error is None:
-                    self.metrics.prompt_tokens.inc(msg.prompt_tokens)
-                    self.metrics.prefix_cache_hit_tokens.inc(msg.cached_tokens)
-                    self.metrics.transfer_seconds.observe(msg.transfer_s)
-                    self.metrics.transfer_bytes.inc(msg.transfer_bytes)
+                    self.metrics.observe_prefill(msg)
                 elif (
                     isinstance(msg, ipc.PrefillDone | ipc.Finished)
                     and msg.error_code
                     and msg.error_code.is_transfer_failure
                 ):
                     self.metrics.transfer_failures.inc()
+                if isinstance(msg, ipc.PrefillDone | ipc.Finished):
+                    self._ended(msg)
                 self.queues[msg.rid].put_nowait(msg)
+
+    def _ended(self, msg: ipc.PrefillDone | ipc.Finished) -> None:
+        """A request's last message: its stages, into the histograms and (traced) its spans."""
+        self.metrics.observe_stages(msg)
+        arrival = self.arrivals.pop(msg.rid, None) or self.ending.pop(msg.rid, None)
+        if arrival is None:
+            return
+        record = record_prefill if isinstance(msg, ipc.PrefillDone) else record_decode
+        try:
+            record(self.tracer, arrival, msg)
+        except Exception:  # a span is never worth a request: logged, and the request goes on
+            log.exception("could not record the spans of request %s", msg.rid)
 
     async def _watch_process(self) -> None:
         """If the scheduler dies, fail everything waiting on it rather than hang."""

@@ -129,6 +129,18 @@ class StepTokens(msgspec.Struct, tag=True):
     chunks: list[Tokens]
 
 
+class DecodeTimings(msgspec.Struct, frozen=True):
+    """Decode: where a finished request's time went here, in seconds (proto DecodeTimings says each)."""
+
+    queue_s: float = 0.0
+    kv_wait_s: float = 0.0
+    prefill_s: float = 0.0
+    slot_wait_s: float = 0.0
+    first_token_s: float = 0.0
+    decode_s: float = 0.0
+    local_prefill: bool = False  # prefilled here: no kv_wait_s or slot_wait_s, a prefill_s
+
+
 class Finished(msgspec.Struct, tag=True):
     """Decode: the request is over (its last Tokens were sent before this)."""
 
@@ -141,6 +153,7 @@ class Finished(msgspec.Struct, tag=True):
     matched_text: str | None = None
     error: str | None = None
     error_code: ErrorCode | None = None
+    timings: DecodeTimings | None = None  # (None with an error)
 
 
 class PrefillDone(msgspec.Struct, tag=True):
@@ -152,9 +165,12 @@ class PrefillDone(msgspec.Struct, tag=True):
     prompt_tokens: int
     cached_tokens: int
     queue_s: float  # from its arrival to its first prefill batch
-    prefill_s: float  # from its first prefill batch to the end of its transfer, the transfer excluded
+    prefill_s: float  # from its first prefill batch to its first token
     transfer_s: float
     transfer_bytes: int
+    destination_wait_s: float = 0.0  # from its first token to its transfer's start (its destination came late)
+    transfer_pages: int = 0  # KV pages written to the decode server
+    prefill_chunks: int = 0  # prefill batches its prompt was computed in (spans' attributes)
     error: str | None = None
     error_code: ErrorCode | None = None
     # Asked for: prompt tokens 1..n-1's (token id, logprob, top n, rank), in order.

@@ -67,7 +67,9 @@ def main(launcher: RoleLauncher, argv: list[str] | None = None) -> int:
 async def _serve(launcher: RoleLauncher, engine: EngineConfig, server: ServerConfig, agent_name: str) -> None:
     from pdserve.common.serving.frontend import SchedulerBridge, serve
     from pdserve.common.serving.server_metrics import Metrics
+    from pdserve.common.tracing import start_tracing
 
     args = (engine, server, agent_name)
-    bridge = SchedulerBridge(launcher.run_scheduler, args, Metrics(launcher.role))
+    tracer = start_tracing(f"pdserve-{launcher.role}", server.otlp_traces_endpoint)
+    bridge = SchedulerBridge(launcher.run_scheduler, args, Metrics(launcher.role), tracer)
     await serve(launcher.servicer, launcher.add_servicer, bridge, server, launcher.service_name)

@@ -8,6 +8,44 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.common.serving import ipc
 
+STAGE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+
+# Where requests' time went on this server, a histogram per stage (docs/deploy/observe.md): the series,
+# the stage's field (prefill: of PrefillDone; decode: of its Finished message's DecodeTimings), its help.
+STAGES = {
+    "prefill": (
+        ("pdserve_request_queue_seconds", "queue_s", "From a request's arrival to its first prefill batch."),
+        ("pdserve_prefill_compute_seconds", "prefill_s", "From a request's first prefill batch to its first token."),
+        (
+            "pdserve_kv_destination_wait_seconds",
+            "destination_wait_s",
+            "From a prefilled request's first token to its KV transfer's start (its destination came later).",
+        ),
+    ),
+    "decode": (
+        (
+            "pdserve_request_queue_seconds",
+            "queue_s",
+            "From a request's arrival to its KV destination's grant (local prefills: to their first prefill batch).",
+        ),
+        ("pdserve_kv_wait_seconds", "kv_wait_s", "From a KV destination's grant to the KV's arrival."),
+        (
+            "pdserve_prefill_compute_seconds",
+            "prefill_s",
+            "Local prefills: from the first prefill batch to the first token.",
+        ),
+        ("pdserve_decode_slot_wait_seconds", "slot_wait_s", "From the KV's arrival to joining the running batch."),
+        (
+            "pdserve_decode_first_token_seconds",
+            "first_token_s",
+            "From joining the running batch to the first token decoded here.",
+        ),
+        ("pdserve_decode_seconds", "decode_s", "From joining the running batch to the finish."),
+    ),
+}
+_NOT_LOCAL = {"kv_wait_s", "slot_wait_s"}  # decode stages of a transferred request only
+_NOT_TRANSFERRED = {"prefill_s"}  # and of one prefilled here only
+
 
 class Metrics:
     """The Prometheus series a server exposes on its --metrics-port."""
@@ -124,6 +162,10 @@ class Metrics:
             registry=r,
         )
         self._spec_seen: dict[tuple[str, str], int] = {}
+        self.stages = {
+            field: Histogram(name, doc, ["role"], registry=r, buckets=STAGE_BUCKETS).labels(**labels)
+            for name, field, doc in STAGES.get(role, ())
+        }
         self.unauthenticated = Counter(
             "pdserve_unauthenticated_rpcs", "RPCs refused for a missing or wrong cluster secret.", ["role"], registry=r
         ).labels(**labels)
@@ -146,6 +188,30 @@ class Metrics:
                 metric.labels(self.role, direction).inc(new)
         for proposer, totals in load.speculation.items():
             self._update_speculation(proposer, totals)
+
+    def observe_prefill(self, done: ipc.PrefillDone) -> None:
+        """A prefill that succeeded: its transfer and its tokens."""
+        self.prompt_tokens.inc(done.prompt_tokens)
+        self.prefix_cache_hit_tokens.inc(done.cached_tokens)
+        self.transfer_seconds.observe(done.transfer_s)
+        self.transfer_bytes.inc(done.transfer_bytes)
+
+    def observe_stages(self, last: ipc.PrefillDone | ipc.Finished) -> None:
+        """A request that succeeded: the stages it passed (a stage it never reached is not observed)."""
+        if last.error is not None:
+            return
+        if isinstance(last, ipc.PrefillDone):
+            for field, histogram in self.stages.items():
+                histogram.observe(getattr(last, field))
+            return
+        finished, timings = last, last.timings
+        if timings is None:  # (aborted)
+            return
+        skip = _NOT_TRANSFERRED if not timings.local_prefill else _NOT_LOCAL
+        for field, histogram in self.stages.items():
+            if field in skip or (field == "first_token_s" and finished.completion_tokens < 2):
+                continue
+            histogram.observe(getattr(timings, field))
 
     def _update_speculation(self, proposer: str, totals: dict[str, int]) -> None:
         new = {}
