@@ -34,6 +34,7 @@ from pdserve.router.http_answers import (
 from pdserve.router.http_requests import admit, body_of, parse_body
 from pdserve.router.openai_routes import counted, log_request, stream
 from pdserve.router.pairing import UpstreamError, fix_seed
+from pdserve.router.timings import client_trace
 
 
 def responses_routes(router) -> APIRouter:
@@ -64,10 +65,10 @@ async def answer(router, request: Request):
         return overloaded_response(e)
     except ClientGone:
         return JSONResponse({}, status_code=499)
-    request_id, created = secrets.token_hex(12), int(time.time())
+    request_id, created, trace = secrets.token_hex(12), int(time.time()), client_trace(request.headers)
     response = response_object(body, new_id("resp"), created, parsed.model)
     if parsed.stream:
-        chunks = counted(router, stream(router, parsed, choices, lanes, request_id, created, started))
+        chunks = counted(router, stream(router, parsed, choices, lanes, request_id, created, started, trace))
         return AdmittedStream(
             events(chunks, ResponseEvents(response)),
             lambda: router.admission.release(lanes),
@@ -77,7 +78,7 @@ async def answer(router, request: Request):
     router.inflight += 1
     try:
         completions = await until_disconnect(
-            request, run_choices(choices, lanes, lambda i, ids, p: router.choice(ids, p))
+            request, run_choices(choices, lanes, lambda i, ids, p: router.choice(ids, p, arrived=started, trace=trace))
         )
     except UpstreamError as e:
         log_request(request_id, parsed, e.status, None, started)
