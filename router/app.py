@@ -316,6 +316,8 @@ class Router:
         self.metrics.e2e.observe(ended - started)
         completion = finalize(req)
         clock.finish(completion, ended)
+        if len(completion.output_ids) > 1:
+            self.metrics.tpot.observe(clock.timings["decode_s"] / (len(completion.output_ids) - 1))
         # The last chunk also carries logprobs of tokens that added no text (an EOS or stop id):
         # a streamed answer reports the same tokens' logprobs as the whole one.
         if on_text is not None and (len(completion.text) > emitted or len(req.output_logprobs) > reported):
@@ -360,6 +362,8 @@ class Router:
         self.metrics.e2e.observe(ended - started)
         completion = finalize(req)
         clock.finish(completion, ended)
+        if len(completion.output_ids) > 1:
+            self.metrics.tpot.observe(clock.timings["decode_s"] / (len(completion.output_ids) - 1))
         return completion
 
 

@@ -48,6 +48,13 @@ class RouterMetrics:
         self.e2e = Histogram(
             "pdserve_router_e2e_latency_seconds", "Request (choice) latency, end to end.", registry=r, buckets=buckets
         )
+        # TPOT (vLLM's, and the goodput SLOs'): a choice's time after its first token over its other tokens.
+        self.tpot = Histogram(
+            "pdserve_router_time_per_output_token_seconds",
+            "Time per output token after the first, per choice of 2 or more tokens.",
+            registry=r,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1),
+        )
         self.inflight = Gauge(
             "pdserve_router_inflight_requests", "Requests in flight.", registry=r, multiprocess_mode="livesum"
         )

@@ -5,6 +5,7 @@ across the three processes (common/tracing.py), received by an OTLP receiver in 
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import urllib.request
 from concurrent import futures
 
 import grpc
+import openai
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
@@ -237,3 +239,31 @@ def test_a_choices_span_continues_the_client_and_records_retries_migrations_and_
     assert first.events[1].attributes["pdserve.to"] == "d:2"
     assert second.parent is None and second.status.status_code is StatusCode.ERROR
     assert "no healthy decode server" in second.status.description
+
+
+DASHBOARD = pathlib.Path(__file__).parent.parent / "deploy" / "k8s" / "base" / "grafana-dashboard.json"
+
+
+def dashboard_metrics() -> set[str]:
+    """Every pdserve metric family a panel of the Grafana dashboard queries (suffixes stripped)."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    exprs = [target["expr"] for panel in panels for target in panel.get("targets", ())]
+    names = set(re.findall(r"\bpdserve_[a-z0-9_]+", " ".join(exprs)))
+    return {re.sub(r"_(bucket|count|sum|total)$", "", name) for name in names}
+
+
+def test_every_metric_the_dashboard_queries_is_served(stack):
+    """After a request, each family the dashboard reads is on the router's or a server's /metrics
+    (declared: labelled ones have no series until they happen); its SLO choices are histogram bounds."""
+    model, prefill, decode, router, _ = stack
+    openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0).completions.create(
+        model=model, prompt="a few tokens", max_tokens=4, temperature=0
+    )
+    served = router.metrics() + prefill.metrics() + decode.metrics()
+    families = {re.sub(r"_total$", "", f) for f in re.findall(r"^# TYPE (pdserve_[a-z0-9_]+) ", served, re.M)}
+    wanted = dashboard_metrics()
+    assert len(wanted) >= 25 and wanted - families == set(), sorted(wanted - families)
+    variables = {v["name"]: v for v in json.loads(DASHBOARD.read_text())["templating"]["list"]}
+    for name, histogram in (("ttft_slo", "time_to_first_token"), ("tpot_slo", "time_per_output_token")):
+        bounds = set(re.findall(rf'pdserve_router_{histogram}_seconds_bucket{{le="([^"]+)"}}', served))
+        assert {o["value"] for o in variables[name]["options"]} <= bounds, (name, bounds)
