@@ -218,6 +218,19 @@ def test_penalties_match_a_hand_computed_example():
     assert info.seen_token_idx is None and info.output_token_idx is None and info.banned_token_idx is None
 
 
+def test_a_repetition_penalty_below_float32s_range_never_samples_a_masked_token():
+    """repetition_penalty 1e-263 is 0 in float32: a seen token's positive logit becomes +inf, and two of
+    them made softmax NaN, whose argmax is token 0, even where the grammar mask forbids it (the API
+    fuzzer's case). The +inf tokens now share the draw, among the tokens the mask allows."""
+    logits = torch.tensor([[0.5, 3.0, 2.0, 1.0, -1.0, 0.2, 0.1, 0.3]] * 8)
+    params = SamplingParams(repetition_penalty=1e-263, temperature=0.5, seed=1)
+    reqs = [make_req(params, seed=s, prompt=[1, 2, 3], output=[]) for s in range(8)]
+    allowed = [1, 2, 5]  # token 0 is not
+    mask = torch.tensor([[sum(1 << t for t in allowed)]] * 8, dtype=torch.int32)  # bit t: token t
+    out = sample(logits, info_for(reqs, 8), grammar_mask=mask).next_token_ids.tolist()
+    assert set(out) <= {1, 2}, out  # the two seen, allowed tokens whose logits went to +inf
+
+
 def test_min_new_tokens_masks_eos_and_stop_ids():
     logits = torch.full((1, 16), -5.0)
     logits[0, EOS], logits[0, 5], logits[0, 9] = 10.0, 9.0, 1.0

@@ -261,7 +261,12 @@ def _top_k_top_p(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
 
 
 def _sample_rows(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    probs = torch.softmax(logits / info.temperatures, dim=-1)
+    # NOTE: +inf is clamped to float32's largest: a repetition penalty below float32's range (1e-263 is
+    # valid) is 0 on the device and divides a seen token's positive logit to +inf, and softmax of two
+    # +inf is NaN, whose argmax is token 0 whatever the grammar allows (found by the API fuzzer). The
+    # largest finite logits share the row's mass instead; -inf (masked tokens) stays.
+    scaled = (logits / info.temperatures).clamp(max=torch.finfo(torch.float32).max)
+    probs = torch.softmax(scaled, dim=-1)
     if info.top_ks is not None or info.top_ps is not None:
         probs = _top_k_top_p(probs, info)
     if info.min_ps is not None:
