@@ -117,7 +117,11 @@ def run_scheduler(make_engine, server: ServerConfig, to_scheduler: str, to_front
         startup.mark(READY)
         # NOTE printed, not logged: `pdserve up` runs servers at --log-level warning, and this line
         # is how a user sees where a slow start went (docs/deploy/observe.md, "Start-up").
-        print(f"{type(engine).__name__} started: {startup.summary()}", file=sys.stderr, flush=True)
+        # One write, its newline included: the servers `pdserve up` starts share its stderr, and print()
+        # writes the text and the newline apart where stderr is unbuffered (PYTHONUNBUFFERED), so another
+        # server's line could land between them (bench/startup.py read two engines' phases as one).
+        sys.stderr.write(f"{type(engine).__name__} started: {startup.summary()}\n")
+        sys.stderr.flush()
         channel.send(engine.ready())
         for _ in engine.event_loop():
             channel.report_load(engine, time.monotonic())
