@@ -312,12 +312,7 @@ class Router:
             self.registry.record(decode, ok=True)
         if req.finish_reason is None:
             req.finish_reason = FinishReason.LENGTH
-        ended = time.monotonic()
-        self.metrics.e2e.observe(ended - started)
-        completion = finalize(req)
-        clock.finish(completion, ended)
-        if len(completion.output_ids) > 1:
-            self.metrics.tpot.observe(clock.timings["decode_s"] / (len(completion.output_ids) - 1))
+        completion = self._finish(req, clock, started)
         # The last chunk also carries logprobs of tokens that added no text (an EOS or stop id):
         # a streamed answer reports the same tokens' logprobs as the whole one.
         if on_text is not None and (len(completion.text) > emitted or len(req.output_logprobs) > reported):
@@ -358,6 +353,10 @@ class Router:
         req.finish_reason = FinishReason.LENGTH
         if on_prompt is not None:
             await on_prompt(req.prompt_logprobs)
+        return self._finish(req, clock, started)
+
+    def _finish(self, req: Req, clock: ChoiceTimings, started: float) -> Completion:
+        """The choice's completion, its latency histograms (e2e; TPOT from 2 tokens) and timings."""
         ended = time.monotonic()
         self.metrics.e2e.observe(ended - started)
         completion = finalize(req)

@@ -60,9 +60,12 @@ def openai_routes(router) -> APIRouter:
     return routes
 
 
-async def handle(router, request: Request, parse):
-    """The answer, its status counted (pdserve_router_requests_total)."""
-    response = await answer(router, request, parse)
+async def handle(router, request: Request, parse, shape=None):
+    """The answer, its status counted (pdserve_router_requests_total). `shape`: another API served as the
+    chat request it translates to (router/responses_routes.py ResponsesShape): its `request(body)` gives
+    the chat body, `stream(chunks, parsed, created)` and `whole(router, parsed, completions, request_id,
+    created)` its answer."""
+    response = await answer(router, request, parse, shape)
     router.metrics.requests.labels(status=str(response.status_code)).inc()
     return response
 
@@ -89,12 +92,12 @@ def log_request(request_id: str, parsed: ParsedRequest, status: int, completions
     )
 
 
-async def answer(router, request: Request, parse):
+async def answer(router, request: Request, parse, shape=None):
     """Checks in this order: the key and body, validation, a server to serve it, admission."""
     started = time.monotonic()
     try:
         body, size = await body_of(router, request)
-        parsed = await parse_body(router, parse, body, size)
+        parsed = await parse_body(router, parse, body if shape is None else shape.request(body), size)
     except OpenAIError as e:
         log.info("request refused: %d %s", e.status_code, e)
         return error_response(e)
@@ -109,8 +112,9 @@ async def answer(router, request: Request, parse):
         return JSONResponse({}, status_code=499)
     request_id, created, trace = secrets.token_hex(12), int(time.time()), client_trace(request.headers)
     if parsed.stream:
+        chunks = counted(router, stream(router, parsed, choices, lanes, request_id, created, started, trace))
         return AdmittedStream(
-            counted(router, stream(router, parsed, choices, lanes, request_id, created, started, trace)),
+            chunks if shape is None else shape.stream(chunks, parsed, created),
             lambda: router.admission.release(lanes),
             media_type="text/event-stream",
             send_timeout=router.config.stream_send_timeout,
@@ -130,7 +134,7 @@ async def answer(router, request: Request, parse):
         router.inflight -= 1
         router.admission.release(lanes)
     log_request(request_id, parsed, 200, completions, started)
-    return await whole_answer(router, parsed, completions, request_id, created)
+    return await (whole_answer if shape is None else shape.whole)(router, parsed, completions, request_id, created)
 
 
 async def counted(router, chunks):
