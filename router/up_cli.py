@@ -112,6 +112,13 @@ def add_parser(sub) -> None:
     passed.add_argument("--served-model-name", default="", help="Model name clients use; default: the file's or "
                         "directory's short name.")  # fmt: skip
     passed.add_argument("--api-key", default="", help="Require 'Authorization: Bearer KEY' on the API.")
+    passed.add_argument(
+        "--otlp-traces-endpoint",
+        default="",
+        metavar="URL",
+        help='Trace every process to this OTLP/gRPC collector (docs/deploy/observe.md, "Tracing"); default: '
+        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing.",
+    )
     passed.add_argument("--dtype", default="auto", help="Weights' and KV's dtype on the servers.")
     passed.add_argument("--context-length", type=int, default=0, help="Longest sequence; 0: the model's.")
     for flag, default in (("generation_config", "auto"), ("override_generation_config", ""), ("default_max_tokens", 0)):
@@ -159,6 +166,7 @@ def passthrough_of(args) -> tuple[str | None, Passthrough]:
     router += ["--override-generation-config", override] if override else []
     both = ["--context-length", str(args.context_length)]
     both += ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    both += ["--otlp-traces-endpoint", args.otlp_traces_endpoint] if args.otlp_traces_endpoint else []
     router += ["--api-key", args.api_key] if args.api_key else []
     given = [(name, getattr(args, name)) for name in SERVER_FLAGS if getattr(args, name) is not None]
     both_servers = [item for name, value in given for item in ("--" + name.replace("_", "-"), str(value))]

@@ -17,10 +17,30 @@ from tests.router_stack import pdserve_up
 
 
 @pytest.fixture(scope="module")
-def up(tiny_models):
-    """`pdserve up`: (model, router port, client, the line that says it is up)."""
+def receiver():
+    """An OTLP/gRPC collector (tests/test_timings.py's Receiver) that `pdserve up` below traces to."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    from pdserve.common.ports import free_port
+    from tests.test_timings import Receiver
+
+    collector, port = Receiver(), free_port()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    yield collector, f"http://127.0.0.1:{port}"
+    server.stop(None)
+
+
+@pytest.fixture(scope="module")
+def up(tiny_models, receiver):
+    """`pdserve up`, tracing to `receiver`: (model, router port, client, the line that says it is up)."""
     model = tiny_models("qwen3")
-    proc, port, line = pdserve_up(model, "--prefill-policy", "cache_aware")
+    proc, port, line = pdserve_up(model, "--prefill-policy", "cache_aware", "--otlp-traces-endpoint", receiver[1])
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
     yield model, port, client, line
     proc.send_signal(2)  # Ctrl-C
@@ -440,3 +460,22 @@ def test_the_responses_api_answers_as_the_chat_endpoint_does(deployment):
 
     with pytest.raises(openai.BadRequestError, match="not stored"):
         client.responses.create(input="x", previous_response_id=plain.id, **greedy)
+
+
+def test_pdserve_up_traces_every_process_to_the_collector(deployment, receiver):
+    """`pdserve up --otlp-traces-endpoint URL`: a request's trace reaches a real OTLP collector from
+    the router and both servers, one trace (tests/test_timings.py checks its spans' shape)."""
+    import time
+
+    model, _, client = deployment
+    collector, _ = receiver
+    client.completions.create(model=model, prompt="trace me", max_tokens=3, temperature=0)
+    deadline, ours = time.monotonic() + 30, {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
+    while time.monotonic() < deadline:
+        roots = [s for service, s in collector.spans if service == "pdserve-router" and s.name == "pdserve.request"]
+        traces = {s.trace_id for s in roots}
+        services = {service for service, s in collector.spans if s.trace_id in traces}
+        if services == ours:
+            break
+        time.sleep(0.2)
+    assert services == ours, services  # (every span of the requests' traces: one trace here, n = 1)
