@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.bench.micro.router_memory import process_tree
 from pdserve.common.ports import free_port
 from pdserve.common.tiny_model import ARCHS
 
@@ -172,20 +173,6 @@ def test_a_torch_free_process_converts_a_gguf_where_the_cache_cannot_be_written(
     assert list(scratch.iterdir()) == []
 
 
-def processes_of(root: int) -> list[int]:
-    """`root` and its descendants."""
-    found, queue = [], [root]
-    while queue:
-        pid = queue.pop()
-        found.append(pid)
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            try:
-                queue += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass  # gone meanwhile
-    return found
-
-
 def router_started(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/readiness", timeout=2) as r:
@@ -219,7 +206,7 @@ def test_no_router_process_imports_torch(tiny_models, tmp_path, model, workers):
             assert time.monotonic() < deadline, "router not started:\n" + log.read_text()
             time.sleep(0.2)
         maps = {}
-        for pid in processes_of(proc.pid):
+        for pid in process_tree(proc.pid):
             name = Path(f"/proc/{pid}/comm").read_text().strip()
             maps[pid, name] = Path(f"/proc/{pid}/maps").read_text()
         names = [name for _, name in maps]
