@@ -2,7 +2,7 @@
 
     python3 -m pdserve.bench.startup [--model-path PATH] [--starts 3] [-- any other `pdserve up` flags]
 
-Each start is a fresh `pdserve up --device cpu` (the default model without --model-path) on a free
+Each start is a fresh `pdserve up --device cpu` (or `--device cuda`) (the default model without --model-path) on a free
 port, stopped with Ctrl-C once it prints that it is up. Printed per start: "is up after" (the command's
 own clock), then the median over the starts of each engine's phases (the servers' "Engine started"
 lines: imports, tokenizer, weights, ...). The first start fills the host caches (converted tokenizer,
@@ -26,9 +26,9 @@ PHASES = re.compile(r"(\w+)Engine started: (.*), total ([\d.]+) s")
 START_TIMEOUT_S = 300.0
 
 
-def one_start(flags: list[str]) -> tuple[float, dict[str, dict[str, float]]]:
+def one_start(flags: list[str], device: str = "cpu") -> tuple[float, dict[str, dict[str, float]]]:
     """(seconds until up, {engine: {phase: seconds}}) for one `pdserve up` run with `flags`."""
-    cmd = [sys.executable, "-m", "pdserve.common.cli", "up", "--device", "cpu", "--port", str(free_port()), *flags]
+    cmd = [sys.executable, "-m", "pdserve.common.cli", "up", "--device", device, "--port", str(free_port()), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     engines: dict[str, dict[str, float]] = {}
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -55,11 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m pdserve.bench.startup", description=__doc__.split("\n")[0])
     parser.add_argument("--model-path", default=None, help="default: pdserve up's default model")
     parser.add_argument("--starts", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="pdserve up's --device (cpu, cuda).")
     args, rest = parser.parse_known_args(argv)
     flags = (["--model-path", args.model_path] if args.model_path else []) + [f for f in rest if f != "--"]
     ups, runs = [], []
     for n in range(args.starts):
-        up, engines = one_start(flags)
+        up, engines = one_start(flags, args.device)
         ups.append(up)
         runs.append(engines)
         print(f"start {n + 1}: up after {up:.1f} s", flush=True)

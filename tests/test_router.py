@@ -18,20 +18,12 @@ from tests.router_stack import pdserve_up
 
 @pytest.fixture(scope="module")
 def receiver():
-    """An OTLP/gRPC collector (tests/test_timings.py's Receiver) that `pdserve up` below traces to."""
-    from concurrent import futures
-
-    import grpc
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
-
+    """An OTLP/gRPC collector (bench/micro/otlp_sink.py) that `pdserve up` below traces to."""
+    from pdserve.bench.micro.otlp_sink import start_receiver
     from pdserve.common.ports import free_port
-    from tests.test_timings import Receiver
 
-    collector, port = Receiver(), free_port()
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
+    port = free_port()
+    collector, server = start_receiver(port)
     yield collector, f"http://127.0.0.1:{port}"
     server.stop(None)
 

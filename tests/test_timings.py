@@ -11,13 +11,11 @@ import subprocess
 import sys
 import time
 import urllib.request
-from concurrent import futures
 
-import grpc
 import openai
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from pdserve.bench.micro.otlp_sink import start_receiver
 from pdserve.common.ports import free_port
 from pdserve.common.tracing import OUTGOING_TRACE, Tracer
 from pdserve.router.timings import STAGES, ChoiceTimings
@@ -30,29 +28,12 @@ BEFORE_FIRST_TOKEN = ("router_queue_s", "prefill_queue_s", "prefill_s", "destina
 SLACK_S = 0.002  # the breakdown's rounding, and two processes' clocks read a moment apart
 
 
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace receiver: keeps every span exported to it, with its service's name."""
-
-    def __init__(self):
-        self.spans: list[tuple[str, object]] = []
-
-    def Export(self, request, context):
-        for resource_spans in request.resource_spans:
-            attributes = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-            for scope_spans in resource_spans.scope_spans:
-                self.spans += [(attributes["service.name"], span) for span in scope_spans.spans]
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-
 @pytest.fixture(scope="module")
 def stack(tiny_models):
     """A decode server, a prefill server and a router, every one of them tracing to `receiver`."""
     model = tiny_models("llama")
-    receiver, port = Receiver(), free_port()
-    otlp = grpc.server(futures.ThreadPoolExecutor(2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, otlp)
-    otlp.add_insecure_port(f"127.0.0.1:{port}")
-    otlp.start()
+    port = free_port()
+    receiver, otlp = start_receiver(port)
     tracing = ("--otlp-traces-endpoint", f"http://127.0.0.1:{port}")
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "50"  # (ms: spans are exported soon after they end; read at start)
     decode, prefill = Server("decode", model, *tracing), Server("prefill", model, *tracing)
