@@ -54,6 +54,29 @@ class TransferPath(str, enum.Enum):
     NIXL = "nixl"  # always NIXL's data path, as between hosts
 
 
+# The GPU pools of this process's own agents, by agent name. Two engines in one process (the tests,
+# `pdserve bench transfer`) cannot map each other through CUDA IPC: the driver refuses to open a
+# handle in the process that made it, and NIXL's UCX scatter-gather has no put between two pools of
+# one process (its cuda_copy transport: "cannot find remote protocol ... put from sgl"). A device
+# copy reads and writes such a peer's buffers themselves.
+_LOCAL_POOLS: dict[str, list[torch.Tensor]] = {}
+
+
+def register_local_pool(name: str, buffers: list[torch.Tensor]) -> None:
+    _LOCAL_POOLS[name] = buffers
+
+
+def unregister_local_pool(name: str) -> None:
+    _LOCAL_POOLS.pop(name, None)
+
+
+def in_this_process(peer: PoolMetadata) -> bool:
+    """Whether `peer` is a GPU pool of an agent in this process (register_local_pool). (A peer on this
+    process's own GPU gets the device copy below; NixlKVAgent.add_peer refuses NIXL's scatter-gather to it.)"""
+    local = _LOCAL_POOLS.get(peer.name)
+    return local is not None and local[0].data_ptr() == peer.k_addrs[0]
+
+
 def host_id() -> str:
     """This host's identity for CUDA IPC: its boot id (a container shares its host's), else its name.
     Only pools with the same id are ever mapped: an IPC handle means nothing on another host."""
@@ -181,16 +204,22 @@ class DirectPeers:
         """Map `peer`'s pool if a device copy can reach it; say how ("this GPU", "peer GPU <uuid>"),
         or None when NIXL carries its pages. With TransferPath.DIRECT a pool that cannot be mapped
         raises ValueError instead."""
+        from pdserve.common.kv_transfer.page_copy_kernel import address_table
+
         if self.path is TransferPath.NIXL:
             return None
         why_not = None
+        if in_this_process(peer) and peer.gpu_uuid == self.uuid:
+            views = [page_view(b, peer.layout) for b in _LOCAL_POOLS[peer.name]]
+            self.peers[peer.name] = _Mapped(views, address_table(views), peer.layout)
+            route = "this GPU" if peer.gpu_uuid == self.uuid else f"peer GPU {peer.gpu_uuid}"
+            logger.info("KV pages to %r are copied within this process (%s)", peer.name, route)
+            return route
         if not peer.ipc_buffers:
             why_not = "its pool is not on a GPU" if peer.mem_type != "VRAM" else "it published no CUDA IPC handles"
         elif peer.host_id != self.host:
             why_not = "it is on another host"
         if why_not is None:
-            from pdserve.common.kv_transfer.page_copy_kernel import address_table
-
             try:
                 views = open_buffers(peer.ipc_buffers, peer.layout, self.device)
                 self.peers[peer.name] = _Mapped(views, address_table(views), peer.layout)

@@ -29,8 +29,11 @@ from pdserve.common.kv_transfer.direct import (
     TransferPath,
     gpu_uuid,
     host_id,
+    in_this_process,
     page_view,
+    register_local_pool,
     share_buffers,
+    unregister_local_pool,
 )
 from pdserve.common.kv_transfer.integrity import kv_checksum
 from pdserve.common.kv_transfer.notif import with_checksum
@@ -133,6 +136,8 @@ class NixlKVAgent(KVTransferAgent):
             verify_kv=verify_kv,
         )
         self._views = [page_view(b, self.layout) for b in buffers]  # (checksums: integrity.py)
+        if device.type == "cuda":
+            register_local_pool(name, buffers)
         self._peers: dict[str, PoolMetadata] = {}
         self._routes: dict[str, str] = {}  # peer -> how its WRITEs travel (route())
         self._peer_prepped: dict[str, object] = {}  # peer -> its pool as a prepared list
@@ -173,6 +178,12 @@ class NixlKVAgent(KVTransferAgent):
             except ValueError:
                 agent.remove_remote_agent(peer.name)
                 raise
+        if route is None and self._direct is not None and self._sgl_cannot_reach(peer):
+            agent.remove_remote_agent(peer.name)
+            raise ValueError(
+                f"peer {peer.name!r} is a pool on this GPU in this process: NIXL's UCX scatter-gather cannot "
+                f"put into it (set {SGL_ENV}=0, or leave --kv-transfer-path at auto for a device copy)"
+            )
         if route is None and self._prepped is not None and preparable(peer.layout):
             rows = strided_rows(peer.k_addrs, peer.v_addrs, peer.layout, peer.device_id)
             try:
@@ -185,6 +196,12 @@ class NixlKVAgent(KVTransferAgent):
         self._peers[peer.name] = peer
         self._routes[peer.name] = f"device copy ({route})" if route else "NIXL"
         return peer.name
+
+    def _sgl_cannot_reach(self, peer: PoolMetadata) -> bool:
+        """UCX has no scatter-gather put between two pools of one GPU in one process (its cuda_copy
+        transport; every WRITE would fail with "cannot find remote protocol"): refused when adding it."""
+        same_gpu = peer.gpu_uuid == self._direct.uuid
+        return same_gpu and in_this_process(peer) and os.environ.get(SGL_ENV) == "1"
 
     def route(self, peer: str) -> str:
         """How WRITEs to a known peer travel: "device copy (this GPU)", "device copy (peer GPU <uuid>)"
@@ -374,6 +391,7 @@ class NixlKVAgent(KVTransferAgent):
         self._routes.clear()
         if self._direct is not None:
             self._direct.peers.clear()
+            unregister_local_pool(self.name)
         self._agent = None
 
     def _open_agent(self) -> nixl_agent:

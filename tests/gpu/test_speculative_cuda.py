@@ -133,7 +133,7 @@ def test_verify_steps_beyond_the_graphs_run_eagerly(tiny_models):
     assert graphs.replays + len(eager) == seen["verify_batches"]
 
 
-def test_a_decode_server_speculates_on_kv_written_by_nixl_on_cuda(tiny_models):
+def test_a_decode_server_speculates_on_kv_transferred_on_cuda(tiny_models):
     path = tiny_models("qwen3")
     expected = hf_greedy(path, PROMPTS, 24, device="cuda")
     spec = EngineConfig(model_path=path, speculative="ngram", **CUDA)  # (the prefill server ignores the flag)
