@@ -66,6 +66,7 @@ def _tiles(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 def quantize_blockwise(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(Wq float8 [N, K], sw fp32 [ceil(N / bn), ceil(K / bk)]) with W ≈ Wq * sw of each value's tile."""
+    check_block(block)
     tiles = _tiles(weight.float(), block)
     amax = tiles.abs().amax(dim=(1, 3))
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
