@@ -185,8 +185,7 @@ def transformers_greedy(path: str, n: int = 12) -> list[list[int]]:
 def test_a_block_checkpoint_serves_the_dequantized_models_numbers(arch, form, wide_models, tmp_path):
     """Loaded FP8 as it is (float8 weights, their block scales as stored), no flag needed; teacher-forced
     top-1 agreement with the dequantized model with group-quantized inputs >= 99% (measured: 100%, the
-    same logprobs to the bit), and
-    greedy tokens equal to transformers' on that model."""
+    same logprobs to the bit), and greedy tokens equal to transformers' on that model."""
     quantized, dequantized, scales = write_block_checkpoints(wide_models(arch), tmp_path, form)
     engine = engine_for(quantized)
     assert engine.config.quantization == "fp8-block"
