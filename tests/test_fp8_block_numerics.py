@@ -152,3 +152,17 @@ def test_block_layers_merge_with_nothing_else_and_odd_blocks_are_refused():
             fp8_block.Fp8BlockLinear.quantize(linear, block)
     with pytest.raises(ValueError, match=r"fp32 \[1, 2\] block scales"):
         fp8_block.Fp8BlockLinear(torch.zeros(32, 64, dtype=FP8), torch.ones(1, 1), None, (32, 32))
+
+
+@pytest.mark.parametrize("block", [(128, 128), (1, 64)])
+def test_the_cuda_dispatch_runs_the_kernels_and_gives_the_reference_numbers(block, monkeypatch):
+    """fp8_block.block_fp8_linear's CUDA branch (group quantization, then the block GEMM), interpreted
+    on CPU tensors: the layer's own call, leading dims and bias included, as the CPU reference gives it."""
+    linear = nn.Linear(200, 150, bias=True)
+    layer = fp8_block.Fp8BlockLinear.quantize(linear, block)
+    x = torch.randn(2, 3, 200)
+    want = layer(x)
+    monkeypatch.setattr(fp8_block, "gemm_refusal", lambda rows: "")
+    got = layer(x)
+    assert got.shape == (2, 3, 150)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
