@@ -35,8 +35,11 @@ def _quantize_groups(
     x = tl.load(x_ptr + row * x_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), min_amax) / fp8_max
     # NOTE: rounded to e4m3 in fp32 first (triton_store._round_to_e4m3): Triton 3.6's interpreter,
-    # which runs this in the CPU tests, drops the carry of its own fp32 -> float8 cast.
-    q = _round_to_e4m3(tl.math.div_rn(x, tl.zeros([GROUP], tl.float32) + scale))
+    # which runs this in the CPU tests, drops the carry of its own fp32 -> float8 cast. Its
+    # subnormal rounding turns a negative value that rounds to zero into +0; torch's cast keeps -0.
+    scaled = tl.math.div_rn(x, tl.zeros([GROUP], tl.float32) + scale)
+    rounded = _round_to_e4m3(scaled)
+    q = tl.where(rounded == 0.0, scaled * 0.0, rounded)
     tl.store(q_ptr + row * K + offs, q.to(tl.float8e4nv), mask=mask)
     tl.store(scale_ptr + row * groups + group, scale)
 
