@@ -127,9 +127,10 @@ class EngineConfig:
     quantization: str = option(
         "",
         "fp8: quantize the linear layers of the transformer blocks to float8 e4m3 at load (a scale per output "
-        "channel; activations scaled per token); the LM head and embeddings stay in --dtype. Empty: the "
-        "checkpoint's own weights. An FP8 checkpoint (compressed-tensors, or quant_method fp8, per-tensor or "
-        "per-channel) is served in FP8 as it is, without this flag. Needs --tp-size 1.",
+        "channel; activations scaled per token); fp8-block: a scale per 128 x 128 block of the weight, "
+        "activations scaled per token and group of 128. The LM head and embeddings stay in --dtype. Empty: the "
+        "checkpoint's own weights. An FP8 checkpoint (compressed-tensors, or quant_method fp8; per-tensor, "
+        "per-channel or block-wise) is served in its own FP8 form whatever this flag says. Needs --tp-size 1.",
     )
     kv_cache_dtype: str = option(
         "auto",

@@ -8,9 +8,15 @@ download (engine/models/fp8.py holds the numerics, docs/architecture.md "FP8 wei
     compressed-tensors   llm-compressor's format (the "-FP8-dynamic" models): config_groups whose
                          weights are {num_bits: 8, type: float, strategy: channel | tensor} and whose
                          input activations are dynamic or absent; `<layer>.weight` float8_e4m3fn,
-                         `<layer>.weight_scale` [N, 1] (channel) or [1] (tensor)
+                         `<layer>.weight_scale` [N, 1] (channel) or [1] (tensor). Or (FP8_BLOCK)
+                         weights {strategy: block, block_structure: [bn, bk]}, input activations
+                         dynamic groups of bk or absent; `<layer>.weight_scale` [ceil(N / bn), ceil(K / bk)]
     fp8                  AutoFP8 / vLLM's per-tensor form: activation_scheme dynamic, no
-                         weight_block_size; `<layer>.weight_scale` a scalar
+                         weight_block_size; `<layer>.weight_scale` a scalar. With weight_block_size
+                         [bn, bk] (DeepSeek-V3, Qwen3-*-FP8): `<layer>.weight_scale_inv`
+                         [ceil(N / bn), ceil(K / bk)], activations scaled per token and group of bk
+
+Block-wise checkpoints resolve to "fp8-block" (engine/models/fp8_block.py), the others to "fp8".
 
 Which layers are FP8 is what the tensors say (a `weight_scale` beside the weight), not the
 `ignore` list: the loader reads it from the checkpoint.
@@ -23,7 +29,9 @@ from pathlib import Path
 from pdserve.common import gguf_checkpoint
 from pdserve.common.gpus import cuda_device_count
 
-QUANTIZATIONS = ("", "fp8")
+QUANTIZATIONS = ("", "fp8", "fp8-block")
+# block_k of a block-wise FP8 weight: the GEMM's K step is one scale group (engine/models/fp8_block.py).
+BLOCK_K_SIZES = (32, 64, 128, 256)
 # compressed-tensors formats whose weights are stored as float8 values with their scales.
 _FLOAT_FORMATS = ("float-quantized", "naive-quantized")
 
@@ -70,21 +78,26 @@ def model_kv_heads_of(hf: dict) -> int:
 
 
 def resolve_quantization(quantization: str, hf: dict, model_path: str, tp: int) -> str:
-    """What the weights are served as: "fp8" when --quantization fp8 or the checkpoint is FP8, else
-    "". ValueError for an unknown choice, a checkpoint format the engine does not read, and FP8 with
-    tensor parallelism (the FP8 linear layers are not sharded yet). A GGUF checkpoint's weights are
-    dequantized at load like any float checkpoint's, so --quantization fp8 then quantizes those."""
+    """What the weights are served as: the checkpoint's FP8 form ("fp8", or "fp8-block" for block
+    scales) when it is FP8, whatever --quantization says; else --quantization ("fp8": per-channel
+    scales, "fp8-block": 128 x 128 blocks; "": the checkpoint's dtype). ValueError for an unknown
+    choice, a checkpoint format the engine does not read, and FP8 with tensor parallelism (the FP8
+    linear layers are not sharded yet). A GGUF checkpoint's weights are dequantized at load like any
+    float checkpoint's, so --quantization then quantizes those."""
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"--quantization must be fp8 or empty (the checkpoint's own dtype), got {quantization!r}")
-    resolved = quantization or checkpoint_quantization(hf)
+        raise ValueError(
+            f"--quantization must be fp8, fp8-block or empty (the checkpoint's own dtype), got {quantization!r}"
+        )
+    resolved = checkpoint_quantization(hf) or quantization
     if resolved and tp > 1:
         raise ValueError("FP8 weights (--quantization fp8, or an FP8 checkpoint) need --tp-size 1 for now")
     return resolved
 
 
 def checkpoint_quantization(hf: dict) -> str:
-    """ "fp8" when config.json's quantization_config describes FP8 weights the engine reads, "" when
-    there is none; ValueError, naming the field, for any other quantization."""
+    """ "fp8" (per-tensor or per-channel scales) or "fp8-block" when config.json's quantization_config
+    describes FP8 weights the engine reads, "" when there is none; ValueError, naming the field, for
+    any other quantization."""
     qc = hf.get("quantization_config")
     if not qc:
         return ""
@@ -98,7 +111,34 @@ def checkpoint_quantization(hf: dict) -> str:
             f"quantization_config.quant_method {method!r} is not supported: pdserve reads FP8 checkpoints "
             "(compressed-tensors or fp8) and unquantized ones"
         )
-    return "fp8"
+    return "fp8-block" if checkpoint_weight_block(hf) else "fp8"
+
+
+def checkpoint_weight_block(hf: dict) -> tuple[int, int] | None:
+    """[block_n, block_k] of a block-wise FP8 checkpoint's weight scales (checked by
+    checkpoint_quantization), None for any other checkpoint."""
+    qc = hf.get("quantization_config") or {}
+    if qc.get("quant_method") == "fp8":
+        block = qc.get("weight_block_size")
+    elif qc.get("quant_method") == "compressed-tensors":
+        block = next(iter((qc.get("config_groups") or {}).values()), {}).get("weights", {}).get("block_structure")
+    else:
+        block = None
+    return tuple(block) if block else None
+
+
+def check_weight_block(block, where: str) -> None:
+    """ValueError unless `block` is a [block_n, block_k] the block-wise FP8 layers serve."""
+    if (
+        not isinstance(block, (list, tuple))
+        or len(block) != 2
+        or not all(isinstance(b, int) and b >= 1 for b in block)
+        or block[1] not in BLOCK_K_SIZES
+    ):
+        raise ValueError(
+            f"{where} {block!r}: block-wise FP8 weights need [block_n, block_k] with block_k one of "
+            f"{list(BLOCK_K_SIZES)} and block_n >= 1 (checkpoints use [128, 128])"
+        )
 
 
 def _check_compressed_tensors(qc: dict) -> None:
@@ -114,39 +154,56 @@ def _check_compressed_tensors(qc: dict) -> None:
     groups = qc.get("config_groups") or {}
     if not groups:
         raise ValueError(f"{where}.config_groups is empty: no FP8 weights described")
+    forms = set()
     for name, group in groups.items():
-        at = f"{where}.config_groups.{name}"
-        weights = group.get("weights") or {}
-        if (weights.get("num_bits"), weights.get("type")) != (8, "float"):
-            raise ValueError(
-                f"{at}.weights: num_bits {weights.get('num_bits')!r}, type {weights.get('type')!r} is not "
-                "supported (FP8: num_bits 8, type float)"
-            )
-        if weights.get("strategy") not in ("channel", "tensor"):
-            raise ValueError(
-                f"{at}.weights.strategy {weights.get('strategy')!r} is not supported (channel or tensor; "
-                "block- and group-wise FP8 are not)"
-            )
-        if weights.get("dynamic") or weights.get("symmetric") is False:
-            raise ValueError(f"{at}.weights must be static and symmetric (stored scales, no zero point)")
-        inputs = group.get("input_activations")
-        if inputs is not None and not inputs.get("dynamic"):
-            raise ValueError(
-                f"{at}.input_activations.dynamic is false: static activation scales (input_scale) are not "
-                "supported; pdserve scales activations dynamically per token"
-            )
-        if inputs is not None and (inputs.get("num_bits"), inputs.get("type")) != (8, "float"):
-            raise ValueError(f"{at}.input_activations must be FP8 (num_bits 8, type float)")
-        if group.get("output_activations"):
-            raise ValueError(f"{at}.output_activations: quantized outputs are not supported")
+        forms.add(_check_group(f"{where}.config_groups.{name}", group))
+    if len(forms) > 1:
+        raise ValueError(f"{where}.config_groups mix weight forms {sorted(map(str, forms))}: one form per checkpoint")
+
+
+def _check_group(at: str, group: dict):
+    """A compressed-tensors config group's weight form: "channel or tensor", or its block_structure."""
+    weights = group.get("weights") or {}
+    if (weights.get("num_bits"), weights.get("type")) != (8, "float"):
+        raise ValueError(
+            f"{at}.weights: num_bits {weights.get('num_bits')!r}, type {weights.get('type')!r} is not "
+            "supported (FP8: num_bits 8, type float)"
+        )
+    strategy = weights.get("strategy")
+    if strategy not in ("channel", "tensor", "block"):
+        raise ValueError(
+            f"{at}.weights.strategy {strategy!r} is not supported (channel, tensor or block; group-wise FP8 is not)"
+        )
+    if weights.get("dynamic") or weights.get("symmetric") is False:
+        raise ValueError(f"{at}.weights must be static and symmetric (stored scales, no zero point)")
+    inputs = group.get("input_activations")
+    if inputs is not None and not inputs.get("dynamic"):
+        raise ValueError(
+            f"{at}.input_activations.dynamic is false: static activation scales (input_scale) are not "
+            "supported; pdserve scales activations dynamically"
+        )
+    if inputs is not None and (inputs.get("num_bits"), inputs.get("type")) != (8, "float"):
+        raise ValueError(f"{at}.input_activations must be FP8 (num_bits 8, type float)")
+    if group.get("output_activations"):
+        raise ValueError(f"{at}.output_activations: quantized outputs are not supported")
+    if strategy != "block":
+        return "channel or tensor"
+    block = weights.get("block_structure")
+    check_weight_block(block, f"{at}.weights.block_structure")
+    # The block GEMM scales activations per token and group of block_k, as llm-compressor's FP8_BLOCK
+    # calibrates them; no input_activations (weight-only) is served the same way.
+    form = (inputs.get("strategy"), inputs.get("group_size")) if inputs is not None else ("group", block[1])
+    if form != ("group", block[1]):
+        raise ValueError(
+            f"{at}.input_activations: strategy {form[0]!r}, group_size {form[1]!r} with block weights is not "
+            f"supported (dynamic groups of {block[1]}, the block's K side)"
+        )
+    return tuple(block)
 
 
 def _check_fp8(qc: dict) -> None:
-    if qc.get("weight_block_size"):
-        raise ValueError(
-            f"quantization_config.weight_block_size {qc['weight_block_size']!r}: block-wise FP8 is not "
-            "supported (per-tensor or per-channel weight scales are)"
-        )
+    if qc.get("weight_block_size") is not None:
+        check_weight_block(qc["weight_block_size"], "quantization_config.weight_block_size")
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme != "dynamic":
         raise ValueError(

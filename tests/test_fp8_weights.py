@@ -207,7 +207,10 @@ def with_group(change: dict) -> dict:
 
 
 REFUSED = {
-    "block-wise": ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size .* block-wise"),
+    "blocks of another size": (
+        {"quant_method": "fp8", "weight_block_size": [128, 96]},
+        r"weight_block_size \[128, 96\]: block-wise FP8 weights need .* block_k one of \[32, 64, 128, 256\]",
+    ),
     "fp8 static activations": ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme 'static'"),
     "static activations": (with_group({"input_activations": {"dynamic": False}}), r"input_activations\.dynamic"),
     "group-wise": (with_group({"weights": {"strategy": "group", "group_size": 128}}), "strategy 'group'"),
@@ -248,7 +251,7 @@ def test_fp8_with_tp_or_an_unknown_choice_stops_the_start(tiny_models, tmp_path)
     llama = tiny_models("llama")
     assert EngineConfig(model_path=llama, device="cpu", quantization="fp8").resolve().quantization == "fp8"
     assert EngineConfig(model_path=llama, device="cpu").resolve().quantization == ""
-    with pytest.raises(ValueError, match="--quantization must be fp8 or empty"):
+    with pytest.raises(ValueError, match="--quantization must be fp8, fp8-block or empty"):
         EngineConfig(model_path=llama, device="cpu", quantization="int8").resolve()
     with pytest.raises(ValueError, match="need --tp-size 1"):
         EngineConfig(model_path=llama, device="cpu", quantization="fp8", tp_size=2).resolve()

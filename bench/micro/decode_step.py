@@ -129,8 +129,9 @@ def main() -> None:
     ap.add_argument(
         "--quantization",
         default="",
-        choices=["", "fp8"],
-        help="fp8: the linear layers' weights in FP8 (the engine's --quantization); the floor counts their bytes.",
+        choices=["", "fp8", "fp8-block"],
+        help="fp8 (per-channel scales), fp8-block (128 x 128 block scales): the linear layers' weights in FP8 (the "
+        "engine's --quantization); the floor counts their bytes and their scales'.",
     )
     ap.add_argument(
         "--kv-cache-dtype",

@@ -22,6 +22,7 @@ CONFIGS = {  # name -> engine flags (chunks of 32: each position reads all but i
     "fp8kv-chunk32": {"kv_cache_dtype": "fp8_e4m3", "chunked_prefill_size": 32},
     "fp8w": {"quantization": "fp8"},
     "fp8w-fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
+    "fp8w-block": {"quantization": "fp8-block"},
 }
 
 

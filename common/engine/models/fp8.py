@@ -269,17 +269,18 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def quantize_linears(model: nn.Module) -> int:
+def quantize_linears(model: nn.Module, quantize=Fp8Linear.quantize) -> int:
     """Replace every nn.Linear of `model` by its FP8 quantization (`--quantization fp8` on an
-    unquantized checkpoint, after loading); returns how many. Each float weight is freed as its
-    layer is replaced, so the peak is the float model plus one layer."""
-    return _replace(model, [name for name, m in model.named_modules() if isinstance(m, nn.Linear)], Fp8Linear.quantize)
+    unquantized checkpoint, after loading; `quantize`: another FP8 layer's, fp8_block's for
+    fp8-block); returns how many. Each float weight is freed as its layer is replaced, so the peak
+    is the float model plus one layer."""
+    return _replace(model, [name for name, m in model.named_modules() if isinstance(m, nn.Linear)], quantize)
 
 
-def use_fp8_linears(model: nn.Module, names: list[str]) -> None:
+def use_fp8_linears(model: nn.Module, names: list[str], empty_like=Fp8Linear.empty_like) -> None:
     """Make the layers `names` (those an FP8 checkpoint stores a weight_scale for) empty
-    Fp8Linears, before the checkpoint is read into them. ValueError for a layer that is not an
-    nn.Linear (an FP8 LM head or embedding)."""
+    Fp8Linears (or `empty_like`'s FP8 layers: fp8_block's), before the checkpoint is read into
+    them. ValueError for a layer that is not an nn.Linear (an FP8 LM head or embedding)."""
     for name in names:
         module = model.get_submodule(name)
         if not isinstance(module, nn.Linear):
@@ -287,7 +288,7 @@ def use_fp8_linears(model: nn.Module, names: list[str]) -> None:
                 f"the checkpoint stores {name} in FP8; pdserve reads FP8 weights for the linear layers of the "
                 f"transformer blocks only ({name} is a {type(module).__name__})"
             )
-    _replace(model, names, Fp8Linear.empty_like)
+    _replace(model, names, empty_like)
 
 
 def _replace(model: nn.Module, names: list[str], make) -> int:

@@ -14,6 +14,7 @@ from torch import nn
 from pdserve.common.engine.attention.base import AttentionBackend
 from pdserve.common.engine.batch import ForwardBatch
 from pdserve.common.engine.models.fp8 import Fp8Linear
+from pdserve.common.engine.models.fp8_block import Fp8BlockLinear
 
 
 def triton_ops():
@@ -59,10 +60,12 @@ class RMSNorm(nn.Module):
 
 def merge_linears(*linears: nn.Module) -> nn.Module:
     """One Linear whose output is the given Linears' outputs side by side (one GEMM, not several);
-    FP8 ones merge into one Fp8Linear."""
+    FP8 ones merge into one Fp8Linear (block-wise ones into one Fp8BlockLinear)."""
     first = linears[0]
     if isinstance(first, Fp8Linear):
         return Fp8Linear.merge(list(linears))
+    if isinstance(first, Fp8BlockLinear):
+        return Fp8BlockLinear.merge(list(linears))
     merged = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None)
     merged = merged.to(device=first.weight.device, dtype=first.weight.dtype)
     with torch.no_grad():

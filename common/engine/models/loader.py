@@ -4,13 +4,15 @@ With tensor parallelism each rank builds its shard of the model and reads only i
 checkpoint (safetensors slices: `tp_shards` on the parallel layers, models/parallel.py). A GGUF file
 is read through GGUFWeights (models/gguf_weights.py), which offers the same keys, shapes and slices.
 
-FP8 weights (models/fp8.py): an FP8 checkpoint's layers become Fp8Linears before its tensors are
-read (float8 weights and their scales load as they are); `--quantization fp8` quantizes an
-unquantized checkpoint's linear layers once its weights are loaded.
+FP8 weights (models/fp8.py, models/fp8_block.py): an FP8 checkpoint's layers become Fp8Linears (or
+Fp8BlockLinears, block-wise checkpoints) before its tensors are read (float8 weights and their
+scales load as they are; `weight_scale_inv` into `weight_scale`); `--quantization fp8` (fp8-block)
+quantizes an unquantized checkpoint's linear layers once its weights are loaded.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -20,13 +22,13 @@ import torch
 from safetensors import safe_open
 
 from pdserve.common.config import read_hf_config
-from pdserve.common.engine.models import MODEL_REGISTRY, fp8
+from pdserve.common.engine.models import MODEL_REGISTRY, fp8, fp8_block
 from pdserve.common.engine.models.gguf_weights import GGUFWeights
 from pdserve.common.engine.models.gpt2 import TRANSPOSED
 from pdserve.common.engine.models.parallel import Shard
 from pdserve.common.engine.tp import TPGroup
 from pdserve.common.gguf_checkpoint import gguf_file
-from pdserve.common.model_checks import KV_SCALE_SUFFIXES, checkpoint_quantization
+from pdserve.common.model_checks import KV_SCALE_SUFFIXES, checkpoint_quantization, checkpoint_weight_block
 
 # Checkpoint entries that are not weights (cached buffers some exporters save).
 # KV cache scales (engine/kv_scales.py reads them, with --kv-cache-dtype fp8_e4m3) are no weights.
@@ -50,26 +52,32 @@ def load_model(
     quantization: str = "",
 ) -> torch.nn.Module:
     """The model (this rank's shard of it with tp), its weights loaded, in eval mode.
-    `quantization` "fp8": FP8 linear layers (an FP8 checkpoint is FP8 whatever it says)."""
+    `quantization` "fp8" / "fp8-block": FP8 linear layers, per-channel / 128 x 128 block scales (an
+    FP8 checkpoint is served in its own FP8 form whatever it says)."""
     cfg = read_hf_config(model_path)
     cls = model_class(cfg)
     if tp is None:
         tp = TPGroup.single(torch.device(device))
-    fp8_checkpoint = checkpoint_quantization(cfg) == "fp8"
-    if (fp8_checkpoint or quantization == "fp8") and tp.size > 1:
+    fp8_checkpoint = checkpoint_quantization(cfg) != ""
+    weight_block = checkpoint_weight_block(cfg)
+    if (fp8_checkpoint or quantization) and tp.size > 1:
         raise ValueError("FP8 linear layers are not tensor-parallel yet: use --tp-size 1")
     with torch.device("meta"):
         # NOTE: cast while on meta: Module.to(dtype) casts every floating parameter, float8 ones too.
         model = cls(cfg, tp).to(dtype)
-    if fp8_checkpoint:
+    if weight_block:
+        empty = functools.partial(fp8_block.Fp8BlockLinear.empty_like, block=weight_block)
+        fp8.use_fp8_linears(model, _fp8_layers(model_path, cfg), empty)
+    elif fp8_checkpoint:
         fp8.use_fp8_linears(model, _fp8_layers(model_path, cfg))
     # NOTE: not Module.to_empty: its empty_like on meta tensors runs through torch's Python references,
     # whose first use imports sympy (0.4 s of every server's start-up). Same storage, by shape and dtype.
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
     _load_weights(model, model_path, cfg)
-    if quantization == "fp8" and not fp8_checkpoint:
-        fp8.quantize_linears(model)
+    if quantization and not fp8_checkpoint:
+        block = quantization == "fp8-block"
+        fp8.quantize_linears(model, fp8_block.Fp8BlockLinear.quantize if block else fp8.Fp8Linear.quantize)
     # Buffers (RoPE inverse frequencies) are not in the checkpoint: compute them for real.
     for module in model.modules():
         if hasattr(module, "init_buffers"):
@@ -102,18 +110,20 @@ def checkpoint_sources(model_path: str, cfg: dict) -> Iterator[tuple[str, object
 
 def _param_name(key: str, cfg: dict) -> str:
     """The model's name for checkpoint tensor `key` (GPT-2 checkpoints may omit "transformer.")."""
+    if key.endswith(".weight_scale_inv"):  # a block-wise fp8 checkpoint's name for the scales
+        key = key.removesuffix("_inv")
     is_gpt2 = "GPT2LMHeadModel" in cfg.get("architectures", [])
     return "transformer." + key if is_gpt2 and not key.startswith(("transformer.", "lm_head.")) else key
 
 
 def _fp8_layers(model_path: str, cfg: dict) -> list[str]:
-    """The layers an FP8 checkpoint stores in FP8: those with a `weight_scale` (not its `ignore`
-    list: the tensors are what loads)."""
+    """The layers an FP8 checkpoint stores in FP8: those with a `weight_scale` (`weight_scale_inv`)
+    (not its `ignore` list: the tensors are what loads)."""
     names = [
         _param_name(key, cfg).removesuffix(".weight_scale")
         for _, f in checkpoint_sources(model_path, cfg)
         for key in f.keys()
-        if key.endswith(".weight_scale")
+        if key.endswith((".weight_scale", ".weight_scale_inv"))
     ]
     if not names:
         raise ValueError(f"{model_path}: config.json declares FP8 weights, but no tensor has a weight_scale")
@@ -137,7 +147,9 @@ def _load_weights(model: torch.nn.Module, model_path: str, cfg: dict) -> None:
                 raise ValueError(f"unexpected weight {key!r} in {path}")
             transposed = is_gpt2 and name.endswith(TRANSPOSED)
             tensor = _read(f, key, _shard_of(model, name), transposed, params[name])
-            if name.endswith(".weight_scale"):
+            if name.endswith(".weight_scale") and params[name].dim() == 2:  # block scales, as stored
+                tensor = tensor.float()
+            elif name.endswith(".weight_scale"):
                 tensor = fp8.channel_scales(tensor, rows=params[name].shape[0])
             if (tensor.dtype == fp8.FP8) != (params[name].dtype == fp8.FP8):
                 # NOTE: copy_ would convert silently, dropping (or never applying) the scale.
