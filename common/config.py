@@ -129,7 +129,7 @@ class EngineConfig:
         "fp8: quantize the linear layers of the transformer blocks to float8 e4m3 at load (a scale per output "
         "channel; activations scaled per token); the LM head and embeddings stay in --dtype. Empty: the "
         "checkpoint's own weights. An FP8 checkpoint (compressed-tensors, or quant_method fp8, per-tensor or "
-        "per-channel) is served in FP8 as it is, without this flag. Needs --tp-size 1.",
+        "per-channel) is served in FP8 as it is, without this flag.",
     )
     kv_cache_dtype: str = option(
         "auto",
@@ -226,8 +226,8 @@ class EngineConfig:
         if self.prefill_cuda_graph_max_tokens < 0:
             raise ValueError(f"--prefill-cuda-graph-max-tokens must be >= 0, got {self.prefill_cuda_graph_max_tokens}")
         check_tp(self.tp_size, self.dist_timeout, hf, device)
-        quantization = resolve_quantization(self.quantization, hf, self.model_path, self.tp_size)
-        kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, self.tp_size)
+        quantization = resolve_quantization(self.quantization, hf, self.model_path)
+        kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype)
         check_speculative(self, read_hf_config)
         return dataclasses.replace(
             self,

@@ -69,17 +69,14 @@ def model_kv_heads_of(hf: dict) -> int:
     return hf.get("num_key_value_heads") or hf.get("num_attention_heads") or hf.get("n_head")
 
 
-def resolve_quantization(quantization: str, hf: dict, model_path: str, tp: int) -> str:
+def resolve_quantization(quantization: str, hf: dict, model_path: str) -> str:
     """What the weights are served as: "fp8" when --quantization fp8 or the checkpoint is FP8, else
-    "". ValueError for an unknown choice, a checkpoint format the engine does not read, and FP8 with
-    tensor parallelism (the FP8 linear layers are not sharded yet). A GGUF checkpoint's weights are
-    dequantized at load like any float checkpoint's, so --quantization fp8 then quantizes those."""
+    "". ValueError for an unknown choice and a checkpoint format the engine does not read. A GGUF
+    checkpoint's weights are dequantized at load like any float checkpoint's, so --quantization fp8 then
+    quantizes those."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be fp8 or empty (the checkpoint's own dtype), got {quantization!r}")
-    resolved = quantization or checkpoint_quantization(hf)
-    if resolved and tp > 1:
-        raise ValueError("FP8 weights (--quantization fp8, or an FP8 checkpoint) need --tp-size 1 for now")
-    return resolved
+    return quantization or checkpoint_quantization(hf)
 
 
 def checkpoint_quantization(hf: dict) -> str:
@@ -162,14 +159,10 @@ def _check_fp8(qc: dict) -> None:
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".k_proj.output_scale", ".v_proj.output_scale")
 
 
-def resolve_kv_cache_dtype(flag: str, dtype: str, tp_size: int) -> str:
+def resolve_kv_cache_dtype(flag: str, dtype: str) -> str:
     """--kv-cache-dtype resolved: the model's dtype name (auto), or fp8_e4m3."""
     if flag in ("auto", dtype):
         return dtype
     if flag != "fp8_e4m3":
         raise ValueError(f"--kv-cache-dtype must be auto or fp8_e4m3, got {flag!r}")
-    if tp_size > 1:
-        # NOTE: calibrated scales would differ per rank (each sees its own heads), and a transfer
-        # between servers of different TP sizes would mix them.
-        raise ValueError("--kv-cache-dtype fp8_e4m3 needs --tp-size 1 for now")
     return flag

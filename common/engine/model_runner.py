@@ -140,6 +140,9 @@ class ModelRunner:
         if scales is None:
             ids = calibration_ids(load_tokenizer(path), self.vocab_size)
             scales = calibrate_kv_scales(self.model, ids, self.dtype, self.device)
+            # NOTE each rank saw its own heads: every rank takes the largest, so all ranks (and a server
+            # of another TP size, whose KV this one may receive or send) scale a layer alike.
+            scales = tuple(self.tp.all_reduce_max(s.to(self.device)).cpu() for s in scales)
             source = f"calibrated on {len(ids)} tokens"
         log_scales(source, *scales)
         return scales
