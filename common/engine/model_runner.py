@@ -339,9 +339,15 @@ class ModelRunner:
         streams = self.streams
         with streams.use(streams.forward_stream):
             streams.forward_stream.wait_stream(streams.schedule_stream)
+            if batch.spec is not None:  # a verify step: what the step before left here, as on rank 0
+                verify_overlap.resolve(batch, self.future_map, self.req_to_token_pool.req_to_token, self.attn.host_lens)
             self._logits(batch)  # the full logits are rank 0's to sample
-            next_ids = self.tp.broadcast(torch.empty(batch.batch_size, dtype=torch.int64, device=self.device))
-            self.future_map.store(future_slots, next_ids)
+            rows = batch.num_tokens if batch.verify else batch.batch_size  # (a verify step samples every position)
+            next_ids = self.tp.broadcast(torch.empty(rows, dtype=torch.int64, device=self.device))
+            if batch.spec is not None:  # its accepted counts too: the next verify step's positions move by them
+                verify_overlap.store(self.future_map, future_slots, next_ids, batch.spec)
+            else:
+                self.future_map.store(future_slots, next_ids)
             done = streams.event()
             done.record(streams.forward_stream)
         return done

@@ -46,6 +46,9 @@ class Step(msgspec.Struct, tag=True, array_like=True):
     first_slot: int
     prompt_logprobs: bytes = b""  # int64 [2, M]; empty: none
     prompt_top_n: int = 0
+    verify: bool = False  # a verify step (speculative decoding): every position sampled
+    verify_spec: bytes = b""  # int64 VerifySpec.plan upload; empty: none
+    verify_moves: bool = False
 
     @classmethod
     def of(cls, plan: BatchPlan, slots: list[int]) -> "Step":
@@ -65,6 +68,9 @@ class Step(msgspec.Struct, tag=True, array_like=True):
             slots[0] if slots else 0,
             scored.tobytes() if scored is not None else b"",
             plan.prompt_top_n,
+            plan.verify,
+            plan.verify_spec.tobytes() if plan.verify_spec is not None else b"",
+            plan.verify_moves,
         )
 
     def plan(self) -> BatchPlan:
@@ -90,6 +96,9 @@ class Step(msgspec.Struct, tag=True, array_like=True):
             self.seq,
             scored,
             self.prompt_top_n,
+            self.verify,
+            np.frombuffer(self.verify_spec, dtype=np.int64).copy() if self.verify_spec else None,
+            self.verify_moves,
         )
 
     @property
