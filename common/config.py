@@ -74,7 +74,7 @@ class EngineConfig:
     host_kv_cache_gb: float = option(
         0.0,
         "GiB of host memory (pinned on a GPU) that pages evicted from the prefix cache are kept in and "
-        "copied back from on a hit; 0: evicted pages are dropped.",
+        "copied back from on a hit; 0: evicted pages are dropped. With --tp-size N, per rank (each keeps its heads).",
     )
     host_kv_write_policy: str = option(
         "write_through",
@@ -196,9 +196,8 @@ class EngineConfig:
             raise ValueError(f"--kv-cache-memory-gb must be >= 0, got {self.kv_cache_memory_gb}")
         if self.host_kv_cache_gb < 0:
             raise ValueError(f"--host-kv-cache-gb must be >= 0, got {self.host_kv_cache_gb}")
-        if self.host_kv_cache_gb and (self.tp_size > 1 or self.disable_radix_cache):
-            # NOTE: the scheduler (rank 0) copies its own pool's pages: other ranks' would be lost
-            raise ValueError("--host-kv-cache-gb needs the prefix cache and --tp-size 1 (for now)")
+        if self.host_kv_cache_gb and self.disable_radix_cache:
+            raise ValueError("--host-kv-cache-gb needs the prefix cache (it holds the cache's evicted pages)")
         mem_fraction_static, kv_cache_memory_gb = self.mem_fraction_static, self.kv_cache_memory_gb
         if not (self.max_total_tokens or kv_cache_memory_gb or mem_fraction_static):
             if device.startswith("cuda"):

@@ -57,10 +57,12 @@ class ModelRunner:
         tp: TPGroup | None = None,
         startup: StartupClock | None = None,
         kv_side: KVSide | None = None,
+        host_copies=None,
     ):
         """`startup`: marks the start-up phases (weights, kv_pool, graphs) as they end. `kv_side`:
         a decode server's (RECEIVER) has twice the request rows (decode/scheduler.py: KV is
-        granted to as many requests again as run, so the next ones' KV is there when a slot frees)."""
+        granted to as many requests again as run, so the next ones' KV is there when a slot frees).
+        `host_copies`: a TP server's rank 0 tells its other ranks of its host KV tier's copies (TPWorkers.host_copy)."""
         startup = startup or StartupClock()
         self.config = config
         self.tp = tp if tp is not None else TPGroup.single(torch.device(config.device))
@@ -103,7 +105,7 @@ class ModelRunner:
             self.kv_pool.set_scales(*self._kv_scales(num_layers))
         if config.host_kv_cache_gb > 0:
             self.kv_pool.host_tier = HostKVPool.for_gb(
-                config.host_kv_cache_gb, self.kv_pool, write_policy=config.host_kv_write_policy
+                config.host_kv_cache_gb, self.kv_pool, write_policy=config.host_kv_write_policy, mirror=host_copies
             )
         startup.mark(KV_POOL)
         num_heads = self.model.local_heads()

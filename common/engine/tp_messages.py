@@ -9,6 +9,7 @@
         CancelWrite     abandon a WriteKV (rank 0 gave up on it); its pages are about to be reused
         Watch           whether transfers into this server are open (poll the agent meanwhile)
         Probe           answer with RankState
+        HostCopy        rank 0's host KV tier copied these pages (host_kv_pool.py): copy this rank's heads
     rank r -> rank 0, one ipc PULL socket at rank 0:
         RankReady       this rank's pool metadata, once its model and KV pool are up
         WriteEnded      a WriteKV ended: done, failed or cancelled
@@ -16,7 +17,8 @@
         RankState       what a Probe asked: transfers this rank still has open
 
 NOTE the order on rank 0's socket is the contract: a WriteKV follows the Step whose forward wrote
-its KV, and a CancelWrite precedes any Step that may reuse its pages, so a rank never reads KV
+its KV, a HostCopy comes where rank 0's scheduling issued it between two Steps, and a CancelWrite
+precedes any Step that may reuse its pages, so a rank never reads KV
 before it is computed nor lets a later forward overwrite pages a WRITE is still reading.
 """
 
@@ -140,6 +142,12 @@ class Probe(msgspec.Struct, tag=True, array_like=True):
     seq: int
 
 
+class HostCopy(msgspec.Struct, tag=True, array_like=True):
+    op: str  # "store" (device -> host) | "load" (host -> device)
+    pages: list[int]
+    slots: list[int]
+
+
 class RankReady(msgspec.Struct, tag=True, array_like=True):
     rank: int
     metadata: bytes  # encode_pool_metadata([this rank's pool])
@@ -163,7 +171,7 @@ class RankState(msgspec.Struct, tag=True, array_like=True):
     open_transfers: int
 
 
-ToRank = Step | Stop | AddPeers | ForgetPeers | WriteKV | CancelWrite | Watch | Probe
+ToRank = Step | Stop | AddPeers | ForgetPeers | WriteKV | CancelWrite | Watch | Probe | HostCopy
 FromRank = RankReady | WriteEnded | Notifs | RankState
 
 to_rank_decoder = msgspec.msgpack.Decoder(ToRank)
