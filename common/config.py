@@ -74,7 +74,7 @@ class EngineConfig:
     host_kv_cache_gb: float = option(
         0.0,
         "GiB of host memory (pinned on a GPU) that pages evicted from the prefix cache are kept in and "
-        "copied back from on a hit; 0: evicted pages are dropped.",
+        "copied back from on a hit; 0: evicted pages are dropped. With --tp-size N, per rank (each keeps its heads).",
     )
     host_kv_write_policy: str = option(
         "write_through",
@@ -130,7 +130,7 @@ class EngineConfig:
         "channel; activations scaled per token); fp8-block: a scale per 128 x 128 block of the weight, "
         "activations scaled per token and group of 128. The LM head and embeddings stay in --dtype. Empty: the "
         "checkpoint's own weights. An FP8 checkpoint (compressed-tensors, or quant_method fp8; per-tensor, "
-        "per-channel or block-wise) is served in its own FP8 form whatever this flag says. Needs --tp-size 1.",
+        "per-channel or block-wise) is served in its own FP8 form whatever this flag says. fp8-block (and block-wise checkpoints) need --tp-size 1.",
     )
     kv_cache_dtype: str = option(
         "auto",
@@ -197,9 +197,8 @@ class EngineConfig:
             raise ValueError(f"--kv-cache-memory-gb must be >= 0, got {self.kv_cache_memory_gb}")
         if self.host_kv_cache_gb < 0:
             raise ValueError(f"--host-kv-cache-gb must be >= 0, got {self.host_kv_cache_gb}")
-        if self.host_kv_cache_gb and (self.tp_size > 1 or self.disable_radix_cache):
-            # NOTE: the scheduler (rank 0) copies its own pool's pages: other ranks' would be lost
-            raise ValueError("--host-kv-cache-gb needs the prefix cache and --tp-size 1 (for now)")
+        if self.host_kv_cache_gb and self.disable_radix_cache:
+            raise ValueError("--host-kv-cache-gb needs the prefix cache (it holds the cache's evicted pages)")
         mem_fraction_static, kv_cache_memory_gb = self.mem_fraction_static, self.kv_cache_memory_gb
         if not (self.max_total_tokens or kv_cache_memory_gb or mem_fraction_static):
             if device.startswith("cuda"):
@@ -228,7 +227,7 @@ class EngineConfig:
             raise ValueError(f"--prefill-cuda-graph-max-tokens must be >= 0, got {self.prefill_cuda_graph_max_tokens}")
         check_tp(self.tp_size, self.dist_timeout, hf, device)
         quantization = resolve_quantization(self.quantization, hf, self.model_path, self.tp_size)
-        kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, self.tp_size)
+        kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype)
         check_speculative(self, read_hf_config)
         return dataclasses.replace(
             self,

@@ -81,16 +81,16 @@ def resolve_quantization(quantization: str, hf: dict, model_path: str, tp: int) 
     """What the weights are served as: the checkpoint's FP8 form ("fp8", or "fp8-block" for block
     scales) when it is FP8, whatever --quantization says; else --quantization ("fp8": per-channel
     scales, "fp8-block": 128 x 128 blocks; "": the checkpoint's dtype). ValueError for an unknown
-    choice, a checkpoint format the engine does not read, and FP8 with tensor parallelism (the FP8
-    linear layers are not sharded yet). A GGUF checkpoint's weights are dequantized at load like any
+    choice, a checkpoint format the engine does not read, and block-wise FP8 with tensor parallelism
+    (Fp8BlockLinear has no sharded form yet; per-channel Fp8Linear does). A GGUF checkpoint's weights are dequantized at load like any
     float checkpoint's, so --quantization then quantizes those."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"--quantization must be fp8, fp8-block or empty (the checkpoint's own dtype), got {quantization!r}"
         )
     resolved = checkpoint_quantization(hf) or quantization
-    if resolved and tp > 1:
-        raise ValueError("FP8 weights (--quantization fp8, or an FP8 checkpoint) need --tp-size 1 for now")
+    if resolved == "fp8-block" and tp > 1:
+        raise ValueError("block-wise FP8 weights (--quantization fp8-block, or a block-wise checkpoint) need --tp-size 1")
     return resolved
 
 
@@ -219,14 +219,10 @@ def _check_fp8(qc: dict) -> None:
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".k_proj.output_scale", ".v_proj.output_scale")
 
 
-def resolve_kv_cache_dtype(flag: str, dtype: str, tp_size: int) -> str:
+def resolve_kv_cache_dtype(flag: str, dtype: str) -> str:
     """--kv-cache-dtype resolved: the model's dtype name (auto), or fp8_e4m3."""
     if flag in ("auto", dtype):
         return dtype
     if flag != "fp8_e4m3":
         raise ValueError(f"--kv-cache-dtype must be auto or fp8_e4m3, got {flag!r}")
-    if tp_size > 1:
-        # NOTE: calibrated scales would differ per rank (each sees its own heads), and a transfer
-        # between servers of different TP sizes would mix them.
-        raise ValueError("--kv-cache-dtype fp8_e4m3 needs --tp-size 1 for now")
     return flag

@@ -47,10 +47,6 @@ def check_speculative(config, read_hf_config) -> None:
             "--speculative-ngram-min and --speculative-ngram-max must satisfy 1 <= min <= max, got "
             f"{config.speculative_ngram_min} and {config.speculative_ngram_max}"
         )
-    if config.tp_size > 1:
-        # NOTE the other ranks replay rank 0's launches (tp_worker.follow): a verify batch's every-position
-        # logits and its token count per request are not in that protocol yet.
-        raise ValueError("--speculative needs --tp-size 1 for now")
 
 
 def check_draft_model(config, read_hf_config) -> None:

@@ -247,17 +247,16 @@ def test_fp8_on_a_gguf_quantizes_its_dequantized_weights(tiny_models, tmp_path):
         assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
 
 
-def test_fp8_with_tp_or_an_unknown_choice_stops_the_start(tiny_models, tmp_path):
+def test_an_unknown_choice_stops_the_start_and_fp8_takes_tp(tiny_models, tmp_path):
     llama = tiny_models("llama")
     assert EngineConfig(model_path=llama, device="cpu", quantization="fp8").resolve().quantization == "fp8"
     assert EngineConfig(model_path=llama, device="cpu").resolve().quantization == ""
     with pytest.raises(ValueError, match="--quantization must be fp8, fp8-block or empty"):
         EngineConfig(model_path=llama, device="cpu", quantization="int8").resolve()
-    with pytest.raises(ValueError, match="need --tp-size 1"):
-        EngineConfig(model_path=llama, device="cpu", quantization="fp8", tp_size=2).resolve()
+    # With TP each rank holds its shard of the FP8 layers (tests/test_tp_fp8.py).
+    assert EngineConfig(model_path=llama, device="cpu", quantization="fp8", tp_size=2).resolve().quantization == "fp8"
     fp8_checkpoint = write_config(llama, tmp_path / "fp8", compressed_tensors_config("channel"))
-    with pytest.raises(ValueError, match="need --tp-size 1"):
-        EngineConfig(model_path=fp8_checkpoint, device="cpu", tp_size=2).resolve()
+    assert EngineConfig(model_path=fp8_checkpoint, device="cpu", tp_size=2).resolve().quantization == "fp8"
 
 
 def test_fp8_tensors_without_their_scale_or_with_static_input_scales_are_refused(tiny_models, tmp_path):

@@ -110,13 +110,12 @@ def test_a_full_host_pool_drops_its_least_recently_used_pages(tiny_models, polic
     assert engine.runner.kv_pool.num_free_pages() == engine.runner.kv_pool.capacity_pages
 
 
-def test_the_host_tier_is_refused_where_it_cannot_work_yet(tiny_models):
-    """It copies the scheduler's own pool: a TP server's other ranks would lose their pages; and it
-    backs the prefix cache, so it needs one."""
+def test_the_host_tier_is_refused_where_it_cannot_work(tiny_models):
+    """It backs the prefix cache, so it needs one (with TP: tests/test_tp_host_kv.py)."""
     from pdserve.common.config import EngineConfig
 
     path = tiny_models("llama")
-    for bad in (dict(tp_size=2), dict(disable_radix_cache=True), dict(host_kv_cache_gb=-1.0)):
+    for bad in (dict(disable_radix_cache=True), dict(host_kv_cache_gb=-1.0)):
         with pytest.raises(ValueError, match="host-kv-cache-gb"):
             EngineConfig(model_path=path, device="cpu", **(dict(host_kv_cache_gb=1.0) | bad)).resolve()
     with pytest.raises(ValueError, match="host-kv-write-policy"):

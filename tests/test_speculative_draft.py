@@ -284,7 +284,6 @@ def test_draft_set_ups_not_built_are_refused(tiny_models, tmp_path):
         ),
         (dict(speculative="draft", draft_model_path=other_vocab), "vocabulary of 640 tokens"),
         (dict(speculative="ngram", draft_model_path=llama), "is for --speculative draft"),
-        (dict(speculative="draft", draft_model_path=llama, tp_size=2, dist_timeout=5.0), "--tp-size 1"),
     ]
     for flags, message in refused:
         with pytest.raises(ValueError, match=message):

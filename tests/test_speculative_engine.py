@@ -416,7 +416,6 @@ def test_grammar_requests_are_not_speculated_and_share_the_verify_step(make_engi
         (dict(speculative="medusa"), "must be ngram"),
         (dict(speculative="ngram", num_speculative_tokens=0), "--num-speculative-tokens"),
         (dict(speculative="ngram", speculative_ngram_min=3, speculative_ngram_max=2), "--speculative-ngram-min"),
-        (dict(speculative="ngram", tp_size=2, dist_timeout=5.0), "--tp-size 1"),
     ],
 )
 def test_speculative_set_ups_not_built_are_refused(tiny_models, flags, message):

@@ -5,8 +5,8 @@
         builder         ScheduleBatch -> ForwardBatch: the scheduling side's device writes
         scheduler       the role's host-only scheduler (the role's constructor passes it to start())
         in_flight       launched batches whose results are not processed yet (common/engine/in_flight.py)
-        tp_workers      with --tp-size N > 1: ranks 1..N-1 (common/engine/tp_worker.py); this
-                        process is rank 0, and every launch is sent to them first
+        tp_workers      with --tp-size N > 1: ranks 1..N-1 (tp_worker.py); this process is rank 0,
+                        and every launch (and host KV tier copy) is sent to them first
 
 The loops themselves live with their roles (common/engine/engine.py: colocated; prefill/loop.py;
 decode/loop.py); the launch/process pair they share is here:
@@ -115,6 +115,7 @@ class EngineCore:
                 tp=self.tp_workers.group if self.tp_workers else None,
                 startup=startup,
                 kv_side=kv_side,
+                host_copies=self.tp_workers and self.tp_workers.host_copy,
             )
         except BaseException:
             self.close(kill=True)
@@ -130,8 +131,7 @@ class EngineCore:
         self.channel = None  # the scheduler process's I/O; None offline
         self.trace: deque = deque(maxlen=4096)  # ("launch" | "process", batch.seq), for ordering tests
         self._launches = itertools.count()
-        seed = None if self.config.random_seed < 0 else self.config.random_seed
-        self._rng = random.Random(seed)
+        self._rng = random.Random(None if self.config.random_seed < 0 else self.config.random_seed)
         self._ids = itertools.count()
 
     @contextlib.contextmanager

@@ -29,6 +29,10 @@ reuse host slots a copy still reads or writes before its event completes: `free_
 back only then (a store into a slot still being loaded is a write-after-read race; two stores on
 different streams into one slot, a write-after-write one). `load_async` frees its slots that way.
 
+Tensor parallelism: every rank holds a host pool of its own heads (the same slots, so --host-kv-cache-gb is
+per rank). Rank 0's radix cache decides every copy; `mirror` sends each to the other ranks, in order with the
+steps (tp_worker.py), and they `replay` it on their pools.
+
 Bandwidth: every copy on a GPU is timed with CUDA events (`stats`: bytes and device seconds per
 direction, harvested as the copies complete, never waited for).
 """
@@ -45,10 +49,19 @@ WRITE_POLICIES = ("write_through", "write_back")
 
 
 class HostKVPool:
-    def __init__(self, num_pages: int, like: PagedKVPool, pin: bool | None = None, write_policy: str = "write_through"):
+    def __init__(
+        self,
+        num_pages: int,
+        like: PagedKVPool,
+        pin: bool | None = None,
+        write_policy: str = "write_through",
+        mirror=None,
+    ):
         """`num_pages` host pages shaped as `like`'s; pinned when the device pool is on a GPU
         (unless `pin` says otherwise), which asynchronous copies need. `write_policy`: when the
-        radix cache copies pages here (--host-kv-write-policy)."""
+        radix cache copies pages here (--host-kv-write-policy). `mirror(op, device_pages, slots)`:
+        told of every copy before it is issued (a TP server's rank 0: the other ranks `replay` it)."""
+        self.mirror = mirror
         if num_pages < 1:
             raise ValueError(f"the host KV pool needs at least one page, got {num_pages}")
         if write_policy not in WRITE_POLICIES:
@@ -71,14 +84,14 @@ class HostKVPool:
 
     @classmethod
     def for_gb(
-        cls, gb: float, like: PagedKVPool, pin: bool | None = None, write_policy: str = "write_through"
+        cls, gb: float, like: PagedKVPool, pin: bool | None = None, write_policy: str = "write_through", mirror=None
     ) -> "HostKVPool":
         """As many pages as `gb` GiB hold."""
         page_bytes = like.bytes_per_token() * like.page_size
         num_pages = int(gb * (1 << 30)) // page_bytes
         if num_pages < 1:
             raise ValueError(f"{gb} GiB holds no KV page of {page_bytes} bytes")
-        return cls(num_pages, like, pin, write_policy)
+        return cls(num_pages, like, pin, write_policy, mirror)
 
     @property
     def page_bytes(self) -> int:
@@ -129,6 +142,7 @@ class HostKVPool:
         """Copy device pages into host pages `slots` (in order); on CUDA, returns the event that
         completes with the copy (None on the CPU, where it is done on return)."""
         self._check(device, device_pages, slots)
+        self._tell("store", device_pages, slots)
         with _on(stream):
             start = self._start("store")
             if self._direct(device):
@@ -143,6 +157,7 @@ class HostKVPool:
         """Copy host pages `slots` into device pages (in order); on CUDA, returns the event that
         completes with the copy (None on the CPU)."""
         self._check(device, device_pages, slots)
+        self._tell("load", device_pages, slots)
         with _on(stream):
             start = self._start("load")
             if self._direct(device):
@@ -176,6 +191,32 @@ class HostKVPool:
         if self.store_stream is not None:
             self.store_stream.wait_stream(torch.cuda.current_stream())
         return self.store(device, device_pages, slots, stream=self.store_stream)
+
+    def _tell(self, op: str, device_pages: list[int], slots: list[int]) -> None:
+        """The copy about to be issued, to `mirror` (before it: the other ranks' copies start alike)."""
+        if self.mirror is not None:
+            self.mirror(op, device_pages, slots)
+
+    def replay(self, device: PagedKVPool, op: str, device_pages: list[int], slots: list[int]) -> None:
+        """A TP rank other than 0: rank 0's copy ("store" or "load") of the same pages and slots, of
+        this rank's heads, on the load stream after what the current (scheduling) stream queued.
+
+        NOTE rank 0 orders its copies by their events (a forward waits for a load through
+        `pending_load`, a page is rewritten after its store through `wait_for`, a slot is reused once
+        its copies are done); this rank has no events of its own to go by. So the current stream
+        waits for this copy on the device: the next step's forward and writes come after it (the one
+        in flight still runs beside it), and so does any later copy. A peer's KV WRITE into this
+        rank's pages is ordered by no stream: it comes after rank 0's own stores settled (`unsettled`),
+        by which time this rank's, queued first, are long done (a few pages, microseconds)."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+        if op == "store":
+            done = self.store(device, device_pages, slots, self.stream)
+        else:
+            done = self.load(device, slots, device_pages, self.stream)
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+        self.poll()  # (harvests the copies' timings: no one else polls this rank's pool)
 
     def wait_for(self, done) -> None:
         """Order what the current stream does next after `done` (a copy's event, or None): a wait

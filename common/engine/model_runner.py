@@ -57,10 +57,12 @@ class ModelRunner:
         tp: TPGroup | None = None,
         startup: StartupClock | None = None,
         kv_side: KVSide | None = None,
+        host_copies=None,
     ):
         """`startup`: marks the start-up phases (weights, kv_pool, graphs) as they end. `kv_side`:
         a decode server's (RECEIVER) has twice the request rows (decode/scheduler.py: KV is
-        granted to as many requests again as run, so the next ones' KV is there when a slot frees)."""
+        granted to as many requests again as run, so the next ones' KV is there when a slot frees).
+        `host_copies`: a TP server's rank 0 tells its other ranks of its host KV tier's copies (TPWorkers.host_copy)."""
         startup = startup or StartupClock()
         self.config = config
         self.tp = tp if tp is not None else TPGroup.single(torch.device(config.device))
@@ -103,7 +105,7 @@ class ModelRunner:
             self.kv_pool.set_scales(*self._kv_scales(num_layers))
         if config.host_kv_cache_gb > 0:
             self.kv_pool.host_tier = HostKVPool.for_gb(
-                config.host_kv_cache_gb, self.kv_pool, write_policy=config.host_kv_write_policy
+                config.host_kv_cache_gb, self.kv_pool, write_policy=config.host_kv_write_policy, mirror=host_copies
             )
         startup.mark(KV_POOL)
         num_heads = self.model.local_heads()
@@ -140,6 +142,9 @@ class ModelRunner:
         if scales is None:
             ids = calibration_ids(load_tokenizer(path), self.vocab_size)
             scales = calibrate_kv_scales(self.model, ids, self.dtype, self.device)
+            # NOTE each rank saw its own heads: every rank takes the largest, so all ranks (and a server
+            # of another TP size, whose KV this one may receive or send) scale a layer alike.
+            scales = tuple(self.tp.all_reduce_max(s.to(self.device)).cpu() for s in scales)
             source = f"calibrated on {len(ids)} tokens"
         log_scales(source, *scales)
         return scales
@@ -336,9 +341,15 @@ class ModelRunner:
         streams = self.streams
         with streams.use(streams.forward_stream):
             streams.forward_stream.wait_stream(streams.schedule_stream)
+            if batch.spec is not None:  # a verify step: what the step before left here, as on rank 0
+                verify_overlap.resolve(batch, self.future_map, self.req_to_token_pool.req_to_token, self.attn.host_lens)
             self._logits(batch)  # the full logits are rank 0's to sample
-            next_ids = self.tp.broadcast(torch.empty(batch.batch_size, dtype=torch.int64, device=self.device))
-            self.future_map.store(future_slots, next_ids)
+            rows = batch.num_tokens if batch.verify else batch.batch_size  # (a verify step samples every position)
+            next_ids = self.tp.broadcast(torch.empty(rows, dtype=torch.int64, device=self.device))
+            if batch.spec is not None:  # its accepted counts too: the next verify step's positions move by them
+                verify_overlap.store(self.future_map, future_slots, next_ids, batch.spec)
+            else:
+                self.future_map.store(future_slots, next_ids)
             done = streams.event()
             done.record(streams.forward_stream)
         return done

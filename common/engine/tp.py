@@ -107,6 +107,15 @@ class TPGroup:
             self.backend.broadcast([x], options).wait()
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise largest of every rank's x, in place (x must be contiguous); returns x.
+        Start-up only (scales every rank must share: FP8 weight rows split over ranks, FP8 KV)."""
+        if self.backend is not None:
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.MAX
+            self.backend.allreduce([x], options).wait()
+        return x
+
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (start-up agreement, e.g. on the KV pool's size)."""
         if self.backend is None:

@@ -9,6 +9,7 @@
         CancelWrite     abandon a WriteKV (rank 0 gave up on it); its pages are about to be reused
         Watch           whether transfers into this server are open (poll the agent meanwhile)
         Probe           answer with RankState
+        HostCopy        rank 0's host KV tier copied these pages (host_kv_pool.py): copy this rank's heads
     rank r -> rank 0, one ipc PULL socket at rank 0:
         RankReady       this rank's pool metadata, once its model and KV pool are up
         WriteEnded      a WriteKV ended: done, failed or cancelled
@@ -16,7 +17,8 @@
         RankState       what a Probe asked: transfers this rank still has open
 
 NOTE the order on rank 0's socket is the contract: a WriteKV follows the Step whose forward wrote
-its KV, and a CancelWrite precedes any Step that may reuse its pages, so a rank never reads KV
+its KV, a HostCopy comes where rank 0's scheduling issued it between two Steps, and a CancelWrite
+precedes any Step that may reuse its pages, so a rank never reads KV
 before it is computed nor lets a later forward overwrite pages a WRITE is still reading.
 """
 
@@ -46,6 +48,9 @@ class Step(msgspec.Struct, tag=True, array_like=True):
     first_slot: int
     prompt_logprobs: bytes = b""  # int64 [2, M]; empty: none
     prompt_top_n: int = 0
+    verify: bool = False  # a verify step (speculative decoding): every position sampled
+    verify_spec: bytes = b""  # int64 VerifySpec.plan upload; empty: none
+    verify_moves: bool = False
 
     @classmethod
     def of(cls, plan: BatchPlan, slots: list[int]) -> "Step":
@@ -65,6 +70,9 @@ class Step(msgspec.Struct, tag=True, array_like=True):
             slots[0] if slots else 0,
             scored.tobytes() if scored is not None else b"",
             plan.prompt_top_n,
+            plan.verify,
+            plan.verify_spec.tobytes() if plan.verify_spec is not None else b"",
+            plan.verify_moves,
         )
 
     def plan(self) -> BatchPlan:
@@ -90,6 +98,9 @@ class Step(msgspec.Struct, tag=True, array_like=True):
             self.seq,
             scored,
             self.prompt_top_n,
+            self.verify,
+            np.frombuffer(self.verify_spec, dtype=np.int64).copy() if self.verify_spec else None,
+            self.verify_moves,
         )
 
     @property
@@ -131,6 +142,12 @@ class Probe(msgspec.Struct, tag=True, array_like=True):
     seq: int
 
 
+class HostCopy(msgspec.Struct, tag=True, array_like=True):
+    op: str  # "store" (device -> host) | "load" (host -> device)
+    pages: list[int]
+    slots: list[int]
+
+
 class RankReady(msgspec.Struct, tag=True, array_like=True):
     rank: int
     metadata: bytes  # encode_pool_metadata([this rank's pool])
@@ -154,7 +171,7 @@ class RankState(msgspec.Struct, tag=True, array_like=True):
     open_transfers: int
 
 
-ToRank = Step | Stop | AddPeers | ForgetPeers | WriteKV | CancelWrite | Watch | Probe
+ToRank = Step | Stop | AddPeers | ForgetPeers | WriteKV | CancelWrite | Watch | Probe | HostCopy
 FromRank = RankReady | WriteEnded | Notifs | RankState
 
 to_rank_decoder = msgspec.msgpack.Decoder(ToRank)

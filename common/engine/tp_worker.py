@@ -4,13 +4,13 @@ KV heads and runs, for every batch rank 0 launches, the same device writes and t
     rank 0, the engine (schedules, samples, talks to the frontend):
         TPWorkers.start(config, kv=)    spawn ranks 1..N-1 and meet them (a TCPStore on a free port)
         workers.send(plan, slots)       per launch, before its own: the BatchPlan, as plain data
-        workers.send_to / broadcast     a prefill or decode server's KV orders (tp_messages.py)
+        workers.send_to / broadcast     a server's KV orders; host_copy: its host KV tier's (tp_messages.py)
         workers.take(kind)              what the ranks reported (pool metadata, WRITEs ended, notifications)
         workers.close()                 stop them
     rank r (`python -m pdserve.common.engine.tp_worker`):
         follow(runner, builder, recv)   apply each plan on the schedule stream, launch_replica on
                                         the forward stream, WAR barrier: rank 0's loop minus the host;
-                                        a server's rank also runs its KV duty (kv_transfer/rank_duty.py)
+                                        rank 0's host-tier copies; a server's KV duty (rank_duty.py)
 
 The messages travel over one ipc:// pyzmq PUSH -> PULL socket per rank (and one back to rank 0 for
 a server's ranks), msgspec-encoded (numpy arrays as raw bytes, no pickle); the forwards'
@@ -92,11 +92,9 @@ class TPWorkers:
 
         from pdserve.common.engine.tp import TPGroup, rank_device
 
-        size, timeout = config.tp_size, config.dist_timeout
-        port = free_port()
+        size, timeout, port = config.tp_size, config.dist_timeout, free_port()
         store = TPGroup.serve_store(size, port, timeout)  # listening before anyone connects
-        run_dir, ctx = tempfile.mkdtemp(prefix="pdserve-tp-"), zmq.Context()
-        procs, sockets = [], []
+        run_dir, ctx, procs, sockets = tempfile.mkdtemp(prefix="pdserve-tp-"), zmq.Context(), [], []
         workers = cls(config, procs, sockets, ctx, run_dir, None)
         try:
             reports_endpoint = f"ipc://{run_dir}/reports"
@@ -140,6 +138,10 @@ class TPWorkers:
         data = _encoder.encode(msg)
         for rank in range(1, len(self.sockets) + 1):
             self._send(rank, data)
+
+    def host_copy(self, op: str, pages: list[int], slots: list[int]) -> None:
+        """Rank 0's host KV tier copies these pages (HostKVPool's `mirror`): every rank copies its heads."""
+        self.broadcast(tp_messages.HostCopy(op, pages, slots))
 
     def send_to(self, rank: int, msg) -> None:
         self._send(rank, _encoder.encode(msg))
@@ -291,6 +293,9 @@ def follow(runner, builder, recv, duty=None) -> bool:
             in_flight.append((last_done, batch))  # its tensors stay alive until the device is done with them
             if len(in_flight) > IN_FLIGHT:
                 in_flight.popleft()[0].synchronize()
+        elif isinstance(msg, tp_messages.HostCopy):  # where rank 0's scheduling copied: its stream
+            with streams.use(schedule_stream):
+                runner.kv_pool.host_tier.replay(runner.kv_pool, msg.op, msg.pages, msg.slots)
         else:
             duty.handle(msg, last_done)
         if duty is not None:
@@ -369,14 +374,9 @@ def main(argv: list[str]) -> int:
             duty, agent, out = _kv_duty(args["kv"], rank, runner, ctx, args["reports"])
             closers += [agent.close, out.close]
         if runner.device.type == "cuda":
-            chunk = config.chunked_prefill_size
-            runner.warmup(chunk if chunk > 0 else 8192)
-        stopped = follow(
-            runner,
-            BatchBuilder(runner.req_to_token_pool, config.page_size),
-            _receiver(sock, args["parent"], duty),
-            duty,
-        )
+            runner.warmup(config.chunked_prefill_size if config.chunked_prefill_size > 0 else 8192)
+        builder = BatchBuilder(runner.req_to_token_pool, config.page_size)
+        stopped = follow(runner, builder, _receiver(sock, args["parent"], duty), duty)
         if stopped:  # rank 0 shuts its communicator down alongside (TPWorkers.close)
             runner.release_graphs()
             group.shutdown()

@@ -32,6 +32,14 @@ row-wise, 29 us tensor-wise (unit scales into fp32 sums + fp8_kernels.scale_outp
 Triton GEMM at its swept tiles, 37 us in bf16 (docs/benchmarks/fp8.md, "FP8 weights at decode"). The
 tensor-wise path (TENSORWISE_MAX_TOKENS, 0: off) stays for bench/micro/fp8_gemm.py's comparison.
 
+Tensor parallelism (models/parallel.py): an Fp8Linear keeps the split of the layer it replaces. A
+column-parallel rank holds some output rows, so their scales are split with them; a row-parallel rank
+holds a slice of every row's inputs, so it holds every row's scale, whole, and all-reduces its partial
+output as RowParallelLinear does. `--quantization fp8` takes a row-parallel row's amax over all ranks
+(the weights are TP 1's, bit for bit); an activation is quantized per token over the features its rank
+holds (each rank's slice of a row-parallel input has its own scale, as in vLLM and SGLang: no
+collective in the forward), so TP > 1 agrees with TP 1 like two quantizations, not bit for bit.
+
 Nothing here syncs with the host (no .item(), no data-dependent shapes): it runs inside captured
 CUDA graphs. What is quantized: every nn.Linear of the model, which is the transformer blocks'
 projections; the LM head and the embeddings are not nn.Linear and stay in the model dtype.
@@ -46,6 +54,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from pdserve.common.engine.models.parallel import RowParallelLinear
+
 log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
@@ -54,9 +64,12 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 MIN_AMAX = 1e-12
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Wq float8 [N, K], sw fp32 [N]) with W ≈ Wq · sw[:, None]."""
+def quantize_per_channel(weight: torch.Tensor, tp=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Wq float8 [N, K], sw fp32 [N]) with W ≈ Wq · sw[:, None]. `tp`: the TPGroup whose ranks
+    hold the other columns of these rows (row-parallel): the amax is every rank's."""
     amax = weight.abs().amax(dim=1).float()
+    if tp is not None:
+        tp.all_reduce_max(amax)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     return (weight.float() / scale[:, None]).to(FP8), scale
 
@@ -226,10 +239,12 @@ def emulated_fp8_mm(
 class Fp8Linear(nn.Module):
     """A linear layer with an FP8 weight [out, in] and one fp32 scale per output row
     (`weight_scale`, [out]); the bias, if any, stays in the model dtype. Parameter names are the
-    checkpoints' (compressed-tensors, fp8), so an FP8 checkpoint loads by name."""
+    checkpoints' (compressed-tensors, fp8), so an FP8 checkpoint loads by name. `tp`: a
+    row-parallel layer's group, its partial outputs summed over the ranks (module docstring)."""
 
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, tp=None):
         super().__init__()
+        self.tp = tp
         if weight.dtype != FP8 or weight_scale.dtype != torch.float32 or weight_scale.shape != weight.shape[:1]:
             raise ValueError(
                 f"Fp8Linear takes a {FP8} weight and fp32 [out] scales, got {weight.dtype} {tuple(weight.shape)} "
@@ -243,15 +258,23 @@ class Fp8Linear(nn.Module):
     @classmethod
     def quantize(cls, linear: nn.Linear) -> "Fp8Linear":
         """`linear`'s weight quantized per output channel."""
-        weight, scale = quantize_per_channel(linear.weight.detach())
-        return cls(weight, scale, linear.bias)
+        tp = _row_parallel_group(linear)
+        weight, scale = quantize_per_channel(linear.weight.detach(), tp)
+        return cls(weight, scale, linear.bias, tp)
 
     @classmethod
     def empty_like(cls, linear: nn.Linear) -> "Fp8Linear":
         """Uninitialized, on `linear`'s device (meta, before an FP8 checkpoint is read into it)."""
         device = linear.weight.device
         weight = torch.empty(linear.weight.shape, dtype=FP8, device=device)
-        return cls(weight, torch.empty(linear.out_features, dtype=torch.float32, device=device), linear.bias)
+        empty = cls(weight, torch.empty(linear.out_features, dtype=torch.float32, device=device), linear.bias)
+        empty.tp = _row_parallel_group(linear)
+        shards = getattr(linear, "tp_shards", None)
+        if shards is not None:  # the loader reads this rank's slices (models/parallel.py)
+            empty.tp_shards = dict(shards)
+            if shards["weight"].dim == 0:  # column-parallel: the rows' scales with the rows; else whole
+                empty.tp_shards["weight_scale"] = shards["weight"]
+        return empty
 
     @classmethod
     def merge(cls, linears: list["Fp8Linear"]) -> "Fp8Linear":
@@ -263,10 +286,16 @@ class Fp8Linear(nn.Module):
         return cls(torch.cat([m.weight for m in linears]), torch.cat([m.weight_scale for m in linears]), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        out = fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _row_parallel_group(linear: nn.Module):
+    """The TPGroup of a row-parallel layer (its output is all-reduced), else None."""
+    return linear.tp if isinstance(linear, RowParallelLinear) else None
 
 
 def quantize_linears(model: nn.Module, quantize=Fp8Linear.quantize) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import math
 import os
 from typing import Iterator
 
@@ -60,8 +61,8 @@ def load_model(
         tp = TPGroup.single(torch.device(device))
     fp8_checkpoint = checkpoint_quantization(cfg) != ""
     weight_block = checkpoint_weight_block(cfg)
-    if (fp8_checkpoint or quantization) and tp.size > 1:
-        raise ValueError("FP8 linear layers are not tensor-parallel yet: use --tp-size 1")
+    if (weight_block or quantization == "fp8-block") and tp.size > 1:
+        raise ValueError("block-wise FP8 linear layers are not tensor-parallel yet: use --tp-size 1")
     with torch.device("meta"):
         # NOTE: cast while on meta: Module.to(dtype) casts every floating parameter, float8 ones too.
         model = cls(cfg, tp).to(dtype)
@@ -146,7 +147,10 @@ def _load_weights(model: torch.nn.Module, model_path: str, cfg: dict) -> None:
                     raise ValueError(f"{key!r} in {path}: static activation scales (input_scale) are not supported")
                 raise ValueError(f"unexpected weight {key!r} in {path}")
             transposed = is_gpt2 and name.endswith(TRANSPOSED)
-            tensor = _read(f, key, _shard_of(model, name), transposed, params[name])
+            shard = _shard_of(model, name)
+            if name.endswith(".weight_scale") and math.prod(f.get_slice(key).get_shape()) == 1:
+                shard = None  # a per-tensor scale: every rank's rows share it
+            tensor = _read(f, key, shard, transposed, params[name])
             if name.endswith(".weight_scale") and params[name].dim() == 2:  # block scales, as stored
                 tensor = tensor.float()
             elif name.endswith(".weight_scale"):
