@@ -130,7 +130,8 @@ class EngineConfig:
         "channel; activations scaled per token); fp8-block: a scale per 128 x 128 block of the weight, "
         "activations scaled per token and group of 128. The LM head and embeddings stay in --dtype. Empty: the "
         "checkpoint's own weights. An FP8 checkpoint (compressed-tensors, or quant_method fp8; per-tensor, "
-        "per-channel or block-wise) is served in its own FP8 form whatever this flag says. fp8-block (and block-wise checkpoints) need --tp-size 1.",
+        "per-channel or block-wise) is served in its own FP8 form whatever this flag says. "
+        "fp8-block (and block-wise checkpoints) need --tp-size 1.",
     )
     kv_cache_dtype: str = option(
         "auto",

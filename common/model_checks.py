@@ -82,15 +82,15 @@ def resolve_quantization(quantization: str, hf: dict, model_path: str, tp: int) 
     scales) when it is FP8, whatever --quantization says; else --quantization ("fp8": per-channel
     scales, "fp8-block": 128 x 128 blocks; "": the checkpoint's dtype). ValueError for an unknown
     choice, a checkpoint format the engine does not read, and block-wise FP8 with tensor parallelism
-    (Fp8BlockLinear has no sharded form yet; per-channel Fp8Linear does). A GGUF checkpoint's weights are dequantized at load like any
-    float checkpoint's, so --quantization then quantizes those."""
+    (Fp8BlockLinear has no sharded form yet; per-channel Fp8Linear does). A GGUF checkpoint's weights
+    are dequantized at load like any float checkpoint's, so --quantization then quantizes those."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"--quantization must be fp8, fp8-block or empty (the checkpoint's own dtype), got {quantization!r}"
         )
     resolved = checkpoint_quantization(hf) or quantization
     if resolved == "fp8-block" and tp > 1:
-        raise ValueError("block-wise FP8 weights (--quantization fp8-block, or a block-wise checkpoint) need --tp-size 1")
+        raise ValueError("block-wise FP8 weights (--quantization fp8-block, or a block-wise checkpoint) need tp 1")
     return resolved
 
 
