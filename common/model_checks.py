@@ -90,7 +90,9 @@ def resolve_quantization(quantization: str, hf: dict, model_path: str, tp: int) 
         )
     resolved = checkpoint_quantization(hf) or quantization
     if resolved == "fp8-block" and tp > 1:
-        raise ValueError("block-wise FP8 weights (--quantization fp8-block, or a block-wise checkpoint) need tp 1")
+        raise ValueError(
+            "block-wise FP8 weights (--quantization fp8-block, or a block-wise checkpoint) need --tp-size 1"
+        )
     return resolved
 
 

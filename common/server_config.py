@@ -68,8 +68,9 @@ class ServerConfig(TrustConfig):
         False,
         "Decode servers: check each KV WRITE's checksum (the prefill server computes it over the pages it sends) "
         "before decoding the pages; a mismatch fails the request with KV_TRANSFER_FAILED and the router moves it "
-        "to another decode server. Off by default: its cost on a GPU is not measured yet. Prefill servers add the "
-        "checksum wherever a decode server asks for it. Not with --tp-size > 1 on a decode server yet.",
+        "to another decode server. Off by default: on a GPU each sum waits for the device (the GPT-2 burst served "
+        "0.40x on an H200: docs/benchmarks/transfers.md). Prefill servers add the checksum wherever a decode "
+        "server asks for it. Not with --tp-size > 1 on a decode server yet.",
     )
     torch_threads: int = option(
         0,

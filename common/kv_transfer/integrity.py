@@ -13,8 +13,11 @@ The weights are odd and differ by position, so a page written to the wrong place
 changed word all change the sum (unlike a plain sum of the words).
 
 NOTE (cost): this is torch's reference, a gather, a multiply and a sum per buffer and one read of the
-result to the host; on a GPU that read waits for the stream it runs on. Its cost on the GPU is not
-measured yet, which is why the check is opt-in.
+result to the host, on the scheduler thread; on a GPU that read waits for everything queued before it,
+so each request's sum stalls the overlap loop on both servers: measured on an H200, the GPT-2 burst
+(1,024 x 256 -> 256, a prefill and a decode server on one GPU) served 0.40x with the check on
+(docs/benchmarks/transfers.md, "The KV integrity check's cost"). Hence opt-in. To make it cheap: sum on
+a side stream into a pinned slot and send the notification (admit the arrival) once its event is done.
 """
 
 from __future__ import annotations
