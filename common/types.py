@@ -244,6 +244,7 @@ class Req:
         self.joined = 0.0
         self.first_decoded = 0.0
         self.prefill_chunks = 0  # prefill batches its prompt was computed in (1: not chunked)
+        self.chunk_starts: list[float] = []  # time.monotonic() when each of them was scheduled
         self.detokenizer = None  # set by the engine: an IncrementalDetokenizer
         # Detokenize each token as it arrives (the router streams text). Otherwise text is only
         # built per token when stop strings need it, and in one decode at the end when not.

@@ -170,6 +170,7 @@ class PrefillEngine(EngineCore):
                     destination_wait_s=r.destination_wait_s,
                     transfer_pages=r.transfer_pages,
                     prefill_chunks=r.prefill_chunks,
+                    chunk_s=r.chunk_s,
                     transfer_s=r.transfer_s,
                     transfer_bytes=r.transfer_bytes,
                     error=r.error,

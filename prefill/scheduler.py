@@ -72,6 +72,7 @@ class PrefillResult:
     destination_wait_s: float = 0.0  # from its first token to its transfer's start (parked: no destination yet)
     transfer_pages: int = 0  # KV pages written to the decode server
     prefill_chunks: int = 0  # prefill batches its prompt was computed in
+    chunk_s: tuple[float, ...] = ()  # each batch's share of prefill_s: from its scheduling to the next's
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked: one per prompt token, None first
 
 
@@ -346,6 +347,7 @@ class PrefillScheduler:
                 destination_wait_s=max(now - transfer_s - prefilled, 0.0),
                 transfer_pages=len(dest.page_ids) if dest is not None and transfer_bytes else 0,
                 prefill_chunks=req.prefill_chunks,
+                chunk_s=chunk_durations(req.chunk_starts, prefilled) if req.admitted else (),
                 prompt_logprobs=req.prompt_logprobs if ok else None,
             )
         )
@@ -386,3 +388,9 @@ def _expired(dest: Destination, now: float) -> str:
         f"the decode server's KV reservation at {dest.peer} ended {now - dest.expires:.2f}s ago: the "
         "prefill took longer than the decode server's --kv-transfer-timeout"
     )
+
+
+def chunk_durations(starts: list[float], prefilled: float) -> tuple[float, ...]:
+    """Each prefill batch's time: from its scheduling to the next one's, the last to the first token."""
+    ends = [*starts[1:], prefilled]
+    return tuple(max(end - start, 0.0) for start, end in zip(starts, ends))

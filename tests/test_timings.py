@@ -248,3 +248,50 @@ def test_every_metric_the_dashboard_queries_is_served(stack):
     for name, histogram in (("ttft_slo", "time_to_first_token"), ("tpot_slo", "time_per_output_token")):
         bounds = set(re.findall(rf'pdserve_router_{histogram}_seconds_bucket{{le="([^"]+)"}}', served))
         assert {o["value"] for o in variables[name]["options"]} <= bounds, (name, bounds)
+
+
+def test_a_chunked_prefill_reports_each_batchs_time_and_its_trace_gets_a_span_per_chunk(tiny_models):
+    """A prompt computed in several prefill batches: the prefill server's answer carries each batch's
+    share of its prefill time (prefill/scheduler.py chunk_durations), and its trace a `prefill_chunk`
+    span per batch under the prefill stage, one after another, the last ending with the stage."""
+    import dataclasses
+
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pdserve.common.config import EngineConfig
+    from pdserve.common.serving import ipc
+    from pdserve.common.serving.request_spans import Arrival, record_prefill
+    from pdserve.common.types import SamplingParams
+    from pdserve.decode.engine import DecodeEngine
+    from pdserve.prefill.engine import PrefillEngine
+    from tests.test_disagg_engines import drive
+
+    path = tiny_models("llama")
+    config = EngineConfig(model_path=path, device="cpu", max_total_tokens=2048, page_size=4)
+    prefill = PrefillEngine(dataclasses.replace(config, chunked_prefill_size=16), "prefill-chunks")
+    decode = DecodeEngine(config, "decode-chunks")
+    try:
+        prompt = [1] + list(range(5, 60))  # 56 tokens: four batches of at most 16
+        _, results = drive(prefill, decode, [prompt], [SamplingParams(max_new_tokens=2, temperature=0)])
+    finally:
+        prefill.close()
+        decode.close()
+    result = results["r0"]
+    assert result.prefill_chunks == 4 and len(result.chunk_s) == 4, result
+    assert all(s >= 0 for s in result.chunk_s) and abs(sum(result.chunk_s) - result.prefill_s) < 1e-3, result
+
+    exporter = InMemorySpanExporter()
+    tracer = Tracer("pdserve-prefill", "", exporter)
+    done = ipc.PrefillDone(
+        "r0", 7, None, 56, 0, queue_s=0.001, prefill_s=0.04, transfer_s=0.002, transfer_bytes=4096,
+        prefill_chunks=4, chunk_s=(0.01, 0.012, 0.008, 0.01),
+    )  # fmt: skip
+    record_prefill(tracer, Arrival(None, time.time_ns() - 60_000_000), done)
+    spans = {s.name: s for s in exporter.get_finished_spans() if s.name != "prefill_chunk"}
+    chunks = sorted((s for s in exporter.get_finished_spans() if s.name == "prefill_chunk"), key=lambda s: s.start_time)
+    stage = spans["prefill"]
+    assert [dict(s.attributes)["pdserve.prefill.chunk"] for s in chunks] == [0, 1, 2, 3]
+    assert all(s.parent.span_id == stage.context.span_id for s in chunks)
+    assert chunks[0].start_time == stage.start_time and chunks[-1].end_time == stage.end_time
+    assert all(a.end_time == b.start_time for a, b in zip(chunks, chunks[1:]))
+    assert abs((chunks[1].end_time - chunks[1].start_time) - 12_000_000) < 1000

@@ -119,6 +119,7 @@ class PrefillManager:
         self.kv.grow(req, end)
         spans.append((req, req.kv_len, end))
         req.prefill_chunks += 1
+        req.chunk_starts.append(time.monotonic())
         used = end - req.kv_len
         req.kv_len = end  # launched next: a later forward on the same stream sees these positions
         if end < req.seq_len:

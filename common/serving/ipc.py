@@ -171,6 +171,7 @@ class PrefillDone(msgspec.Struct, tag=True):
     destination_wait_s: float = 0.0  # from its first token to its transfer's start (its destination came late)
     transfer_pages: int = 0  # KV pages written to the decode server
     prefill_chunks: int = 0  # prefill batches its prompt was computed in (spans' attributes)
+    chunk_s: tuple[float, ...] = ()  # each batch's share of prefill_s (a span each when there are several)
     error: str | None = None
     error_code: ErrorCode | None = None
     # Asked for: prompt tokens 1..n-1's (token id, logprob, top n, rank), in order.

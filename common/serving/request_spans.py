@@ -55,9 +55,24 @@ def record_prefill(tracer: Tracer, arrival: Arrival, done: ipc.PrefillDone) -> N
     at = end
     for name, seconds in reversed(stages):
         start = max(at - int(seconds * 1e9), arrival.start_ns)
-        tracer.span(name, server, start, at, details.get(name))
+        if name == "prefill" and len(done.chunk_s) > 1:
+            record_chunks(tracer, server, start, at, done.chunk_s, details[name])
+        else:
+            tracer.span(name, server, start, at, details.get(name))
         at = start
     server.end(end_time=end)
+
+
+def record_chunks(tracer: Tracer, server, start: int, end: int, chunk_s, attributes) -> None:
+    """The prefill stage of a prompt computed in several batches, a `prefill_chunk` span per batch
+    under it, laid out forwards from the stage's start (the last ends with the stage)."""
+    stage = tracer.start("prefill", server, start, attributes=attributes)
+    at = start
+    for i, seconds in enumerate(chunk_s):
+        until = end if i == len(chunk_s) - 1 else min(at + int(seconds * 1e9), end)
+        tracer.span("prefill_chunk", stage, at, until, {"pdserve.prefill.chunk": i})
+        at = until
+    stage.end(end_time=end)
 
 
 def record_decode(tracer: Tracer, arrival: Arrival, finished: ipc.Finished) -> None:
