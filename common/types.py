@@ -245,6 +245,9 @@ class Req:
         self.first_decoded = 0.0
         self.prefill_chunks = 0  # prefill batches its prompt was computed in (1: not chunked)
         self.chunk_starts: list[float] = []  # time.monotonic() when each of them was scheduled
+        self.sampled_steps = 0  # forward steps that gave it tokens here (a verify step's several count once)
+        self.spec_proposed = 0  # drafts verified for it (speculative decoding), and those accepted
+        self.spec_accepted = 0
         self.detokenizer = None  # set by the engine: an IncrementalDetokenizer
         # Detokenize each token as it arrives (the router streams text). Otherwise text is only
         # built per token when stop strings need it, and in one decode at the end when not.

@@ -19,6 +19,7 @@ def stamp_first_tokens(req: Req, now: float) -> None:
 
 def decode_timings(req: Req, now: float) -> ipc.DecodeTimings:
     """The stages of a request finished at `now`; a stage it never reached is 0."""
+    counts = dict(steps=req.sampled_steps, spec_proposed=req.spec_proposed, spec_accepted=req.spec_accepted)
     if not req.kv_landed:  # prefilled here (GenerateRequest.local_prefill)
         return ipc.DecodeTimings(
             queue_s=_span(req.arrived, req.admitted),
@@ -26,6 +27,7 @@ def decode_timings(req: Req, now: float) -> ipc.DecodeTimings:
             first_token_s=_span(req.prefilled, req.first_decoded),
             decode_s=_span(req.prefilled, now),
             local_prefill=True,
+            **counts,
         )
     return ipc.DecodeTimings(
         queue_s=_span(req.arrived, req.granted),
@@ -33,6 +35,7 @@ def decode_timings(req: Req, now: float) -> ipc.DecodeTimings:
         slot_wait_s=_span(req.kv_landed, req.joined),
         first_token_s=_span(req.joined, req.first_decoded),
         decode_s=_span(req.joined, now),
+        **counts,
     )
 
 

@@ -171,6 +171,7 @@ class PrefillEngine(EngineCore):
                     transfer_pages=r.transfer_pages,
                     prefill_chunks=r.prefill_chunks,
                     chunk_s=r.chunk_s,
+                    transfer_path=r.transfer_path,
                     transfer_s=r.transfer_s,
                     transfer_bytes=r.transfer_bytes,
                     error=r.error,

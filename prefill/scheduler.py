@@ -65,6 +65,7 @@ class PrefillResult:
     transfer_bytes: int = 0
     transfer_s: float = 0.0  # from the WRITE's start to its completion
     transfer_ops: int = 0  # what rank 0's WRITEs posted: NIXL descriptors, or device-copy launches
+    transfer_path: str = ""  # "nixl" or "device_copy" (TransferHandle.path)
     error: str | None = None  # None: the KV and the first token are at the decode server
     error_code: ErrorCode | None = None  # set with `error`
     queue_s: float = 0.0  # from its arrival to its first prefill batch
@@ -274,9 +275,7 @@ class PrefillScheduler:
             # can reuse the pages); only then are the pages freed or cached, in _finish.
             self.sender.release(t.handle)
             if state is TransferState.DONE:
-                self._finish(
-                    t.req, transfer_bytes=t.handle.num_bytes, transfer_s=now - t.started, transfer_ops=t.handle.ops
-                )
+                self._finish(t.req, written=t.handle, transfer_s=now - t.started)
             elif state is TransferState.FAILED:
                 self.sender.remove_peer(t.handle.peer)  # its cached metadata may be stale (a restarted server)
                 self._finish(t.req, error=self.sender.failure(t.handle), error_code=ErrorCode.KV_TRANSFER_FAILED)
@@ -308,14 +307,13 @@ class PrefillScheduler:
     def _finish(
         self,
         req: Req,
-        transfer_bytes: int = 0,
         error: str | None = None,
-        transfer_s: float = 0.0,
         error_code: ErrorCode | None = None,
-        transfer_ops: int = 0,
+        written=None,
+        transfer_s: float = 0.0,
     ) -> None:
         """Cache (on success) or free the request's KV and record its result (an aborted request
-        was answered when it was aborted)."""
+        was answered when it was aborted). `written`: its transfer's handle, once it is done."""
         aborted = req.finish_reason is FinishReason.ABORT
         if error is None and not aborted:
             req.kv_len = len(req.prompt_ids)  # the prompt's KV; the first token's is the decode's job
@@ -337,15 +335,16 @@ class PrefillScheduler:
                 first_logprob=req.output_logprobs[0] if ok and req.output_logprobs else None,
                 prompt_tokens=len(req.prompt_ids),
                 cached_tokens=req.cached_tokens,
-                transfer_bytes=transfer_bytes,
+                transfer_bytes=written.num_bytes if written else 0,
                 transfer_s=transfer_s,
-                transfer_ops=transfer_ops,
+                transfer_ops=written.ops if written else 0,
+                transfer_path=written.path if written else "",
                 error=error,
                 error_code=error_code,
                 queue_s=max(req.admitted - req.arrived, 0.0) if req.admitted else 0.0,
                 prefill_s=max(prefilled - req.admitted, 0.0) if req.admitted else 0.0,
                 destination_wait_s=max(now - transfer_s - prefilled, 0.0),
-                transfer_pages=len(dest.page_ids) if dest is not None and transfer_bytes else 0,
+                transfer_pages=len(dest.page_ids) if dest is not None and written and written.num_bytes else 0,
                 prefill_chunks=req.prefill_chunks,
                 chunk_s=chunk_durations(req.chunk_starts, prefilled) if req.admitted else (),
                 prompt_logprobs=req.prompt_logprobs if ok else None,

@@ -145,7 +145,11 @@ def test_right_drafts_give_k_plus_one_tokens_a_step(make_engine, overlap):
     engine = make_engine("llama", speculative="ngram", disable_overlap_schedule=not overlap, **BASE)
     engine.scheduler.speculation.proposer = Oracle(PROMPTS[:1], plain, right=True)
     checked = watch(engine)
+    retired, retire = [], engine.scheduler._retire
+    engine.scheduler._retire = lambda done: retired.extend(done) or retire(done)
     assert engine.generate(PROMPTS[:1], p)[0].output_ids == plain[0].output_ids
+    # The request's own counts (a decode server's spans carry them): the prefill's step and 5 verify steps.
+    assert [(r.sampled_steps, r.spec_proposed, r.spec_accepted) for r in retired] == [(6, 18, 18)]
     assert spec_stats(engine) == {
         "spec_verify_steps": 5,
         "spec_proposed_tokens": 18,

@@ -123,6 +123,8 @@ class KVLayout:
 class TransferHandle:
     """One posted WRITE. Opaque beyond these fields; poll it, then release it."""
 
+    path = "nixl"  # how its pages travel (spans' pdserve.kv_transfer.path): NIXL, or direct.py's device copy
+
     def __init__(self, peer: str, num_pages: int, num_bytes: int, ops: int = 0):
         self.peer = peer
         self.num_pages = num_pages

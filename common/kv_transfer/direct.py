@@ -164,6 +164,8 @@ def copy_pages(
 class DirectHandle(TransferHandle):
     """A queued copy: done once `event` has completed and the notification has gone out."""
 
+    path = "device_copy"
+
     def __init__(self, peer: str, num_pages: int, num_bytes: int, event, notif: bytes, ops: int = 1):
         super().__init__(peer, num_pages, num_bytes, ops)
         self.event, self.notif = event, notif

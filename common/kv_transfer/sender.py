@@ -43,6 +43,7 @@ class WriteGroup:
     num_pages: int
     num_bytes: int  # all ranks' together
     ops: int = 0  # rank 0's WRITEs' NIXL descriptors or device-copy launches (TransferHandle.ops)
+    path: str = ""  # how rank 0's WRITEs travel (TransferHandle.path)
     local: list[TransferHandle] = field(default_factory=list)
     remote: dict[int, int] = field(default_factory=dict)
     failure: str | None = None  # a rank's WRITE failed: why
@@ -132,6 +133,7 @@ class KVSender:
                     handle = self.server.agent.write_pages(pool.name, src_pages, dst_pages, notif, w.heads)
                     group.local.append(handle)
                     group.ops += handle.ops
+                    group.path = handle.path
                 else:
                     orders.append(
                         (

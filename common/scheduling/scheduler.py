@@ -253,6 +253,7 @@ class Scheduler:
                 req.finish_reason = FinishReason.LENGTH
             else:
                 append_token(req, token, lp, self.eos_token_ids, self.config.context_length)
+                req.sampled_steps += 1
             if req.finished:
                 done.append(req)
         return self._retire(done)

@@ -220,6 +220,9 @@ class Speculation:
                 self.stats["spec_accepted_tokens"] += taken
                 self.stats["spec_verified_requests"] += 1
                 self.policy.record(req, len(drafts), taken)
+                req.spec_proposed += len(drafts)
+                req.spec_accepted += taken
+            req.sampled_steps += 1
             for j in range(first, first + taken + 1):
                 append_token(req, next_token_ids[j], logprobs[j], self.eos_token_ids, self.context_length)
                 if req.finished:

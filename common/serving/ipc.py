@@ -139,6 +139,9 @@ class DecodeTimings(msgspec.Struct, frozen=True):
     first_token_s: float = 0.0
     decode_s: float = 0.0
     local_prefill: bool = False  # prefilled here: no kv_wait_s or slot_wait_s, a prefill_s
+    steps: int = 0  # forward steps that gave it tokens here (spans' attributes)
+    spec_proposed: int = 0  # speculative drafts verified for it, and those accepted
+    spec_accepted: int = 0
 
 
 class Finished(msgspec.Struct, tag=True):
@@ -172,6 +175,7 @@ class PrefillDone(msgspec.Struct, tag=True):
     transfer_pages: int = 0  # KV pages written to the decode server
     prefill_chunks: int = 0  # prefill batches its prompt was computed in (spans' attributes)
     chunk_s: tuple[float, ...] = ()  # each batch's share of prefill_s (a span each when there are several)
+    transfer_path: str = ""  # "nixl" or "device_copy" (spans' attributes)
     error: str | None = None
     error_code: ErrorCode | None = None
     # Asked for: prompt tokens 1..n-1's (token id, logprob, top n, rank), in order.

@@ -50,6 +50,7 @@ def record_prefill(tracer: Tracer, arrival: Arrival, done: ipc.PrefillDone) -> N
         "kv_transfer": {
             "pdserve.kv_transfer.bytes": done.transfer_bytes,
             "pdserve.kv_transfer.pages": done.transfer_pages,
+            "pdserve.kv_transfer.path": done.transfer_path,
         },
     }
     at = end
@@ -97,7 +98,11 @@ def record_decode(tracer: Tracer, arrival: Arrival, finished: ipc.Finished) -> N
         stop = min(at + int(seconds * 1e9), end)
         tracer.span(name, server, at, stop)
         at = stop
-    decode = tracer.start("decode_steps", server, max(end - int(t.decode_s * 1e9), at))
+    counts = {"pdserve.decode.steps": t.steps}
+    if t.spec_proposed:
+        counts |= {"pdserve.speculative.proposed_tokens": t.spec_proposed}
+        counts |= {"pdserve.speculative.accepted_tokens": t.spec_accepted}
+    decode = tracer.start("decode_steps", server, max(end - int(t.decode_s * 1e9), at), attributes=counts)
     if finished.completion_tokens > 1:
         first = decode.start_time
         tracer.span("first_decoded_token", decode, first, first + int(t.first_token_s * 1e9))
