@@ -133,6 +133,12 @@ class EngineConfig:
         "per-channel or block-wise) is served in its own FP8 form whatever this flag says. "
         "fp8-block (and block-wise checkpoints) need --tp-size 1.",
     )
+    fp8_lm_head: bool = option(
+        False,
+        "Compute the logits from a float8 e4m3 copy of the LM head (a scale per vocabulary row, activations scaled "
+        "per token), with or without --quantization: less to read a step, at some accuracy (docs/features/fp8.md). "
+        "A head tied to the embeddings keeps them in --dtype beside the copy.",
+    )
     kv_cache_dtype: str = option(
         "auto",
         "fp8_e4m3: K and V stored as float8 e4m3, one scale per layer for K and for V (the checkpoint's "

@@ -23,6 +23,8 @@ CONFIGS = {  # name -> engine flags (chunks of 32: each position reads all but i
     "fp8w": {"quantization": "fp8"},
     "fp8w-fp8kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
     "fp8w-block": {"quantization": "fp8-block"},
+    "fp8-head": {"fp8_lm_head": True},
+    "fp8w-fp8-head": {"quantization": "fp8", "fp8_lm_head": True},
 }
 
 

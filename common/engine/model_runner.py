@@ -73,7 +73,9 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.memory_report: dict | None = None  # what --mem-fraction-static measured, on CUDA
         self.dtype = DTYPES[config.dtype]
-        self.model = load_model(config.model_path, self.dtype, self.device, self.tp, config.quantization)
+        self.model = load_model(
+            config.model_path, self.dtype, self.device, self.tp, config.quantization, config.fp8_lm_head
+        )
         self.vocab_size = self.model.arch.vocab_size
         if config.attention_backend == "triton" and self.device.type == "cuda":
             self.model.fuse()  # the fast path: merged projections, fused small ops

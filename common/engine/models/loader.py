@@ -51,6 +51,7 @@ def load_model(
     device: torch.device | str,
     tp: TPGroup | None = None,
     quantization: str = "",
+    fp8_lm_head: bool = False,
 ) -> torch.nn.Module:
     """The model (this rank's shard of it with tp), its weights loaded, in eval mode.
     `quantization` "fp8" / "fp8-block": FP8 linear layers, per-channel / 128 x 128 block scales (an
@@ -79,6 +80,8 @@ def load_model(
     if quantization and not fp8_checkpoint:
         block = quantization == "fp8-block"
         fp8.quantize_linears(model, fp8_block.Fp8BlockLinear.quantize if block else fp8.Fp8Linear.quantize)
+    if fp8_lm_head:
+        model.lm_head.use_fp8()
     # Buffers (RoPE inverse frequencies) are not in the checkpoint: compute them for real.
     for module in model.modules():
         if hasattr(module, "init_buffers"):
