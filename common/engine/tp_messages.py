@@ -21,7 +21,8 @@
 NOTE the order on rank 0's socket is the contract: a WriteKV follows the Step whose forward wrote
 its KV, a HostCopy comes where rank 0's scheduling issued it between two Steps, and a CancelWrite
 precedes any Step that may reuse its pages, so a rank never reads KV
-before it is computed nor lets a later forward overwrite pages a WRITE is still reading.
+before it is computed nor lets a later forward overwrite pages a WRITE is still reading. A CheckKV
+precedes any Step whose batch holds its room (rank 0 admits the room only on the KVSum).
 """
 
 from __future__ import annotations
