@@ -70,7 +70,7 @@ class ServerConfig(TrustConfig):
         "before decoding the pages; a mismatch fails the request with KV_TRANSFER_FAILED and the router moves it "
         "to another decode server. Off by default: on a GPU each sum waits for the device (the GPT-2 burst served "
         "0.40x on an H200: docs/benchmarks/transfers.md). Prefill servers add the checksum wherever a decode "
-        "server asks for it. Not with --tp-size > 1 on a decode server yet.",
+        "server asks for it. With --tp-size > 1 each rank sums the pages that landed in its own KV heads.",
     )
     torch_threads: int = option(
         0,

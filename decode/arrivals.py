@@ -14,9 +14,13 @@ reports what its own agent saw.
 
 Each notification is checked on its own against the grant (malformed, unknown_room, page_count,
 head_range, byte_count: ipc.REJECT_REASONS); anyone who reaches a rank's UCX port can send one.
+With --kv-integrity-check an accepted WRITE is landed but unverified until the rank it landed on
+has summed its pages (decode/kv_checks.py); only then do its heads count (`land`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from pdserve.common.kv_transfer import KVLayout, decode_notif
 from pdserve.common.types import TokenLogprob
@@ -30,13 +34,17 @@ class Refused(Exception):
         self.reason, self.detail = reason, detail
 
 
-class Corrupted(Exception):
-    """A notification whose pages landed but fail the integrity check (integrity.py): the room's
-    request must fail, not be decoded."""
+@dataclass(frozen=True)
+class Landing:
+    """One WRITE that landed on `rank` for a room still waiting, as its notification says."""
 
-    def __init__(self, room: int, detail: str):
-        super().__init__(detail)
-        self.room, self.detail = room, detail
+    rank: int
+    room: int
+    heads: range  # the model's KV heads it moved
+    pages: int
+    first_token: int
+    logprob: TokenLogprob | None
+    checksum: int | None  # the sender's (integrity.py), where this server asked for one
 
 
 class KVArrivals:
@@ -44,17 +52,12 @@ class KVArrivals:
         self.layouts, self.vocab_size = rank_layouts, vocab_size
         self.partial: dict[int, list[set[int]]] = {}  # room -> heads landed, per rank (incomplete rooms)
 
-    def accept(
-        self, rank: int, message: bytes, granted_pages, waiting, verify=None
-    ) -> tuple[int, int, TokenLogprob | None] | None:
-        """(room, first token, its logprob) when `message`, received by `rank`'s agent, completes
-        its room; None while other WRITEs are missing, or for a late copy (a room no longer
-        `waiting`: a retried prefill's, ignored). Raises Refused for one matching no grant, and
-        Corrupted for one whose pages fail `verify`.
+    def accept(self, rank: int, message: bytes, granted_pages, waiting) -> Landing | None:
+        """The WRITE `message` (received by `rank`'s agent) reports; None for a late copy (a room
+        no longer `waiting`: a retried prefill's, ignored). Raises Refused for one matching no grant.
 
         granted_pages(room): pages granted for the room, None if none; waiting(room): whether
-        the room still waits for its KV; verify(rank, room, heads, checksum): None if the pages of
-        that WRITE are the sender's, else why not (None: no integrity check)."""
+        the room still waits for its KV."""
         try:
             notif = decode_notif(message)
             lp = notif["logprobs"]
@@ -89,16 +92,17 @@ class KVArrivals:
             )
         if not waiting(room):
             return None
-        if verify is not None and pages:
-            why = verify(rank, room, heads, notif["sum"])
-            if why is not None:
-                raise Corrupted(room, why)
-        landed = self.partial.setdefault(room, [set() for _ in self.layouts])
-        landed[rank].update(heads)
+        return Landing(rank, room, heads, pages, token, logprob, notif["sum"])
+
+    def land(self, landing: Landing) -> tuple[int, int, TokenLogprob | None] | None:
+        """Count the heads of an accepted (and, with the check on, verified) WRITE: (room, first
+        token, its logprob) when they complete the room, else None (other WRITEs are missing)."""
+        landed = self.partial.setdefault(landing.room, [set() for _ in self.layouts])
+        landed[landing.rank].update(landing.heads)
         if any(len(got) < layout.kv_heads for got, layout in zip(landed, self.layouts)):
             return None
-        del self.partial[room]
-        return room, token, logprob
+        del self.partial[landing.room]
+        return landing.room, landing.first_token, landing.logprob
 
     def forget(self, waiting) -> None:
         """Drop the incomplete rooms that no longer wait (expired or aborted and freed)."""

@@ -11,7 +11,8 @@ admits queued requests (their pages are held and their destinations published) a
 and expires transfers past --kv-transfer-timeout.
 
 With --tp-size N every rank's agent receives its own KV heads; the other ranks forward what their
-agents receive, and a room completes once every rank's heads have landed (decode/arrivals.py).
+agents receive, and a room completes once every rank's heads have landed (decode/arrivals.py) and,
+with --kv-integrity-check, each rank has verified the pages that landed in its pool (decode/kv_checks.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from pdserve.common.kv_transfer.server import ServerKV
 from pdserve.common.serving import ipc
 from pdserve.common.startup import StartupClock
 from pdserve.common.types import Completion, FinishReason, Req, SamplingParams
-from pdserve.decode.arrivals import Corrupted, KVArrivals, Refused
+from pdserve.decode.arrivals import KVArrivals, Refused
+from pdserve.decode.kv_checks import KVChecks
 from pdserve.decode.scheduler import DecodeScheduler
 from pdserve.decode.timings import decode_timings, stamp_first_tokens
 
@@ -66,11 +68,6 @@ class DecodeEngine(EngineCore):
         warm_grammars: bool = False,
     ):
         startup = startup or StartupClock()
-        if kv_integrity_check and config.tp_size > 1:
-            raise ValueError(
-                "--kv-integrity-check is not supported on a decode server with --tp-size > 1 yet (each rank "
-                "would verify its own heads); run it with --tp-size 1 or without the check"
-            )
         self.kv: ServerKV | None = None  # the KV agents this engine owns (every rank's)
         # KV arrives over NIXL (only local prefills and retracted requests are prefilled here, eagerly):
         # no prefill graphs.
@@ -88,7 +85,6 @@ class DecodeEngine(EngineCore):
             )
             self.agent = self.kv.agent  # rank 0's
             self.arrivals = KVArrivals(self.kv.rank_layouts, self.vocab_size)
-            self.kv_integrity_check = kv_integrity_check
             scheduler = DecodeScheduler(
                 self.config,
                 self.runner.req_to_token_pool,
@@ -96,6 +92,10 @@ class DecodeEngine(EngineCore):
                 self.eos_token_ids,
                 kv_transfer_timeout=kv_transfer_timeout,
                 proposer=self.proposer,
+            )
+            # (each WRITE verified on the rank it landed on before its heads count: decode/kv_checks.py)
+            self.checks = (
+                KVChecks(self.agent, self.tp_workers, scheduler.received_pages) if kv_integrity_check else None
             )
         self.start(scheduler, startup)
         self.destinations: deque[KVDestination] = deque()
@@ -168,41 +168,46 @@ class DecodeEngine(EngineCore):
         is counted by reason, its sender logged once, and changes no request."""
         scheduler = self.scheduler
         waiting = scheduler.transferring.__contains__
-        verify = self._verify if self.kv_integrity_check else None
         for rank, peer, message in self._notifications():
             try:
-                landed = self.arrivals.accept(rank, message, scheduler.granted_pages, waiting, verify)
+                landing = self.arrivals.accept(rank, message, scheduler.granted_pages, waiting)
             except Refused as refused:
                 self._refuse(peer, refused.reason, refused.detail)
                 continue
-            except Corrupted as corrupted:
-                self._refuse(peer, "checksum", corrupted.detail)
-                why = (
-                    f"KV integrity check failed (room {corrupted.room}): {corrupted.detail}; its pages were not decoded"
-                )
-                failed = scheduler.fail_transfer(corrupted.room, why, time.monotonic())
-                if failed is not None:
-                    self.outputs.append(failed)
+            if landing is None:
                 continue
-            if landed is not None:
-                completion = scheduler.on_kv_arrived(*landed)
-                if completion is not None:
-                    self.outputs.append(completion)
+            if self.checks is None:
+                self._land(landing)
+            else:
+                self.checks.submit(landing, peer)  # (landed, unverified: its heads count once it passes)
+        if self.checks is not None:
+            for landing, peer, why in self.checks.done(waiting):
+                if why is None:
+                    self._land(landing)
+                else:
+                    self._corrupted(landing.room, peer, why)
         self.outputs += scheduler.expire_transfers(time.monotonic())
         scheduler.join_loaded()
         if self.arrivals.partial:
             self.arrivals.forget(waiting)
+        if self.checks is not None and self.checks.asked:
+            self.checks.forget(waiting)
         self._watch()
 
-    def _verify(self, rank: int, room: int, heads: range, checksum: int | None) -> str | None:
-        """None if the pages a WRITE for `room` landed in hold what its sender summed (integrity.py),
-        else why not. (Rank 0's pool: the check is refused with TP > 1.)"""
-        if checksum is None:
-            return "the notification carries no checksum"
-        got = self.agent.checksum(self.scheduler.received_pages(room), heads)
-        if got != checksum:
-            return f"the pages that landed sum to {got:#010x}, the sender's to {checksum:#010x}"
-        return None
+    def _land(self, landing) -> None:
+        landed = self.arrivals.land(landing)
+        if landed is not None:
+            completion = self.scheduler.on_kv_arrived(*landed)
+            if completion is not None:
+                self.outputs.append(completion)
+
+    def _corrupted(self, room: int, peer: str, why: str) -> None:
+        """A WRITE for `room` landed pages that are not its sender's: the request fails, undecoded."""
+        self._refuse(peer, "checksum", why)
+        why = f"KV integrity check failed (room {room}): {why}; its pages were not decoded"
+        failed = self.scheduler.fail_transfer(room, why, time.monotonic())
+        if failed is not None:
+            self.outputs.append(failed)
 
     def _notifications(self) -> list[tuple[int, str, bytes]]:
         """(receiving rank, sending agent, notification): rank 0's agent's, then the other ranks'."""

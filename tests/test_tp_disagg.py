@@ -359,8 +359,9 @@ def test_a_room_completes_only_when_every_rank_has_all_its_heads():
     granted = {7: 3}.get
     one_head = layouts(2)[0].transfer_bytes(3)
 
-    def accept(rank, notif):
-        return arrivals.accept(rank, notif, granted, waiting.__contains__)
+    def accept(rank, notif):  # (accepted against the grant, then landed: no integrity check)
+        landing = arrivals.accept(rank, notif, granted, waiting.__contains__)
+        return None if landing is None else arrivals.land(landing)
 
     assert accept(1, encode_notif(7, 5, None, 3, one_head, range(1, 2))) is None
     assert accept(1, encode_notif(7, 5, None, 3, one_head, range(1, 2))) is None  # a duplicate: no change
@@ -382,11 +383,13 @@ def test_a_room_completes_only_when_every_rank_has_all_its_heads():
         assert refused.value.reason == reason
     # From a TP 1 prefill to a TP 1 decode: one notification, every head.
     single = KVArrivals(layouts(1), vocab_size=100)
-    assert single.accept(
+    landing = single.accept(
         0, encode_notif(9, 1, None, 1, layouts(1)[0].transfer_bytes(1)), {9: 1}.get, {9}.__contains__
-    ) == (9, 1, None)
+    )
+    assert single.land(landing) == (9, 1, None)
     # A room that stops waiting with heads missing is forgotten.
-    arrivals.accept(1, encode_notif(7, 5, None, 3, one_head, range(1, 2)), granted, {7}.__contains__)
+    waiting.add(7)
+    accept(1, encode_notif(7, 5, None, 3, one_head, range(1, 2)))
     arrivals.forget(set().__contains__)
     assert arrivals.partial == {}
 

@@ -10,16 +10,19 @@
         Watch           whether transfers into this server are open (poll the agent meanwhile)
         Probe           answer with RankState
         HostCopy        rank 0's host KV tier copied these pages (host_kv_pool.py): copy this rank's heads
+        CheckKV         sum these pages' KV heads (integrity.py): a WRITE that landed here, to verify
     rank r -> rank 0, one ipc PULL socket at rank 0:
         RankReady       this rank's pool metadata, once its model and KV pool are up
         WriteEnded      a WriteKV ended: done, failed or cancelled
         Notifs          KV notifications this rank's agent received (rank 0 decides on them)
         RankState       what a Probe asked: transfers this rank still has open
+        KVSum           what a CheckKV asked: the sum of those pages as they are in this rank's pool
 
 NOTE the order on rank 0's socket is the contract: a WriteKV follows the Step whose forward wrote
 its KV, a HostCopy comes where rank 0's scheduling issued it between two Steps, and a CancelWrite
 precedes any Step that may reuse its pages, so a rank never reads KV
-before it is computed nor lets a later forward overwrite pages a WRITE is still reading.
+before it is computed nor lets a later forward overwrite pages a WRITE is still reading. A CheckKV
+precedes any Step whose batch holds its room (rank 0 admits the room only on the KVSum).
 """
 
 from __future__ import annotations
@@ -148,6 +151,13 @@ class HostCopy(msgspec.Struct, tag=True, array_like=True):
     slots: list[int]
 
 
+class CheckKV(msgspec.Struct, tag=True, array_like=True):
+    id: int
+    pages: list[int]
+    head_start: int
+    head_stop: int
+
+
 class RankReady(msgspec.Struct, tag=True, array_like=True):
     rank: int
     metadata: bytes  # encode_pool_metadata([this rank's pool])
@@ -171,8 +181,14 @@ class RankState(msgspec.Struct, tag=True, array_like=True):
     open_transfers: int
 
 
-ToRank = Step | Stop | AddPeers | ForgetPeers | WriteKV | CancelWrite | Watch | Probe | HostCopy
-FromRank = RankReady | WriteEnded | Notifs | RankState
+class KVSum(msgspec.Struct, tag=True, array_like=True):
+    rank: int
+    id: int  # the CheckKV's
+    sum: int
+
+
+ToRank = Step | Stop | AddPeers | ForgetPeers | WriteKV | CancelWrite | Watch | Probe | HostCopy | CheckKV
+FromRank = RankReady | WriteEnded | Notifs | RankState | KVSum
 
 to_rank_decoder = msgspec.msgpack.Decoder(ToRank)
 from_rank_decoder = msgspec.msgpack.Decoder(FromRank)

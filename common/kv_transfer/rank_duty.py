@@ -6,7 +6,8 @@ pool (its KV heads); rank 0 decides everything and these carry it out.
                     (WriteKV), once the forward that computed them has completed on this rank's
                     device; report each WRITE's end to rank 0
     ReceiverDuty    (the receiving server's ranks) hand every notification their agent receives
-                    to rank 0, which alone knows the grants and when a room is complete
+                    to rank 0, which alone knows the grants and when a room is complete; sum the
+                    pages a WRITE landed in here when rank 0 asks (CheckKV: decode/kv_checks.py)
 
 `poll()` never blocks; `active` says whether the rank should poll often (a DRAM agent has no
 progress thread: UCX moves only when it is polled).
@@ -21,7 +22,9 @@ from typing import Callable
 from pdserve.common.engine.tp_messages import (
     AddPeers,
     CancelWrite,
+    CheckKV,
     ForgetPeers,
+    KVSum,
     Notifs,
     Probe,
     RankState,
@@ -135,6 +138,13 @@ class ReceiverDuty:
     def handle(self, msg, forward_done) -> None:
         if isinstance(msg, Watch):
             self.watching = msg.on
+        elif isinstance(msg, CheckKV):
+            # NOTE: the pages are safe to read here: the notification that reported the WRITE came
+            # after its data, and they are in no batch until every rank's sum has passed (rank 0
+            # schedules nothing into them before). On a GPU the read waits for the device, as
+            # rank 0's own sum does (integrity.py, cost).
+            heads = range(msg.head_start, msg.head_stop)
+            self.report(KVSum(self.rank, msg.id, self.agent.checksum(msg.pages, heads)))
         elif isinstance(msg, Probe):
             self.report(RankState(self.rank, msg.seq, 0))
 

@@ -31,7 +31,9 @@ class ServerKV:
         pools = [agent.metadata()]
         if tp_workers is not None:
             try:
-                pools += [decode_pool_metadata(data)[0] for data in tp_workers.rank_pools()]
+                # (rank 0 checks for them all: decode/kv_checks.py; a sender sums each rank's WRITEs)
+                ranks = [decode_pool_metadata(data)[0] for data in tp_workers.rank_pools()]
+                pools += [dataclasses.replace(meta, verify_kv=verify_kv) for meta in ranks]
             except BaseException:
                 agent.close()
                 raise
