@@ -1,4 +1,4 @@
-"""--fp8-lm-head (models/parallel.py ParallelLMHead.use_fp8): the logits from a float8 copy of the LM
+"""--fp8-lm-head (models/fp8.py Fp8Logits): the logits from a float8 copy of the LM
 head, a scale per vocabulary row, the hidden states quantized per token. Checked against the same
 rounding done by plain torch casts on the unquantized engine (teacher-forced, bench/teacher_forced.py's
 score), alone and with --quantization fp8; the tied embeddings stay in the model's dtype."""
@@ -36,7 +36,7 @@ def test_the_fp8_lm_head_agrees_as_the_same_rounding_by_plain_casts(arch, tiny_m
     base = teacher_forced(engine_for(path))
     engine = engine_for(path, fp8_lm_head=True)
     model = engine.runner.model
-    weight, scale = model.lm_head.fp8
+    weight, scale = model.lm_head.fp8_logits.weight, model.lm_head.fp8_logits.scale
     assert weight.dtype == FP8 and weight.shape[0] % 16 == 0 and scale.shape == (weight.shape[0],)
     embeddings = model.model.embed_tokens if arch == "llama" else model.transformer.wte
     assert embeddings.weight.dtype == torch.float32  # (CPU's dtype) untouched, also when tied

@@ -326,3 +326,19 @@ def _replace(model: nn.Module, names: list[str], make) -> int:
         parent = model.get_submodule(owner)
         setattr(parent, leaf, make(getattr(parent, leaf)))
     return len(names)
+
+
+class Fp8Logits:
+    """--fp8-lm-head: a ParallelLMHead's logits from a float8 e4m3 copy of its rows, a scale per
+    vocabulary row, the hidden states quantized per token (fp8_linear). The head keeps its float
+    weight: it is the embedding's when tied (and this rank's rows need no collective)."""
+
+    def __init__(self, head: nn.Module):
+        weight = head.weight.detach()[: head.rows]
+        pad = -weight.shape[0] % 16  # (FP8 GEMMs want multiples of 16: GPT-2's 50,257 rows get zero rows)
+        if pad:
+            weight = torch.cat([weight, weight.new_zeros(pad, weight.shape[1])])
+        self.weight, self.scale = quantize_per_channel(weight)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(hidden, self.weight, self.scale, None)

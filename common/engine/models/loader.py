@@ -81,7 +81,7 @@ def load_model(
         block = quantization == "fp8-block"
         fp8.quantize_linears(model, fp8_block.Fp8BlockLinear.quantize if block else fp8.Fp8Linear.quantize)
     if fp8_lm_head:
-        model.lm_head.use_fp8()
+        model.lm_head.fp8_logits = fp8.Fp8Logits(model.lm_head)
     # Buffers (RoPE inverse frequencies) are not in the checkpoint: compute them for real.
     for module in model.modules():
         if hasattr(module, "init_buffers"):

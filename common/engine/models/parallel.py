@@ -126,27 +126,10 @@ class ParallelLMHead(nn.Module):
         self.rows = stop - start
         self.weight = nn.Parameter(torch.empty(self.rows, hidden))
         self.tp_shards = {"weight": Shard(0, ((start, stop),))}
-        self.fp8 = None  # (float8 weight, per-row scales) once use_fp8() ran: --fp8-lm-head
-
-    def use_fp8(self) -> None:
-        """Compute the logits from a float8 e4m3 copy of this rank's rows, a scale per vocabulary row,
-        the hidden states quantized per token (models/fp8.py, as the FP8 linear layers). The float
-        weight stays: it is the embedding's when tied (and this rank's rows need no collective)."""
-        from pdserve.common.engine.models.fp8 import quantize_per_channel
-
-        weight = self.weight.detach()[: self.rows]
-        pad = -weight.shape[0] % 16  # (FP8 GEMMs want multiples of 16: GPT-2's 50,257 rows get zero rows)
-        if pad:
-            weight = torch.cat([weight, weight.new_zeros(pad, weight.shape[1])])
-        self.fp8 = quantize_per_channel(weight)
+        self.fp8_logits = None  # hidden -> this rank's logits from a float8 copy (models/fp8.py Fp8Logits)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.fp8 is not None:
-            from pdserve.common.engine.models.fp8 import fp8_linear
-
-            logits = fp8_linear(hidden, *self.fp8, None)
-        else:
-            logits = F.linear(hidden, self.weight)
+        logits = F.linear(hidden, self.weight) if self.fp8_logits is None else self.fp8_logits(hidden)
         if logits.shape[-1] != self.rows:
             logits = logits[:, : self.rows]
         logits = self.tp.all_gather(logits)
