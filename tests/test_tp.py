@@ -71,25 +71,34 @@ def hf_cases(path: str) -> list[tuple[list[int], int, list[int]]]:
     return cases
 
 
-@pytest.fixture
-def tp_engine(checkpoints):
-    """Engine factory; every engine it made must end idle, and is closed (its other ranks exit)."""
+def engines_ending_idle(defaults: dict):
+    """An Engine factory (a model path, flags over `defaults`) for a fixture to yield from: once the
+    test is done every engine it made must be idle, is closed, and its other TP ranks have exited."""
     from pdserve.common.engine.engine import Engine
 
     engines = []
 
-    def make(name: str, **overrides):
-        engine = Engine(model_path=checkpoints(name), **{**TP_ENGINE, **overrides})
+    def make(path, **overrides):
+        engine = Engine(model_path=str(path), **{**defaults, **overrides})
         engines.append(engine)
         return engine
 
     yield make
     for engine in engines:
         idle = engine.is_idle()
-        procs = engine.tp_workers.procs
+        procs = engine.tp_workers.procs if engine.tp_workers is not None else []
         engine.close()
         assert all(p.poll() is not None for p in procs), "a TP rank outlived its engine"
         assert idle, f"KV leaked: {engine.stats()}"
+
+
+@pytest.fixture
+def tp_engine(checkpoints):
+    """Engine factory by checkpoint name (engines_ending_idle)."""
+    engines = engines_ending_idle(TP_ENGINE)
+    make = next(engines)
+    yield lambda name, **overrides: make(checkpoints(name), **overrides)
+    next(engines, None)
 
 
 def greedy(cases):

@@ -17,6 +17,7 @@ from pdserve.common.engine.models.loader import load_model
 from pdserve.common.engine.tp import TPGroup
 from pdserve.common.types import SamplingParams
 from tests.test_fp8_weights import PLAN, PROMPTS, teacher_forced, write_fp8_checkpoint
+from tests.test_tp import engines_ending_idle
 
 ENGINE = dict(device="cpu", max_total_tokens=4096, chunked_prefill_size=32, page_size=4, max_running_requests=8)
 GREEDY = [SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)] * 4
@@ -24,18 +25,7 @@ GREEDY = [SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)] * 4
 
 @pytest.fixture
 def tp_engines():
-    """Engine factory; every engine ends idle and closed (its other ranks exit)."""
-    engines = []
-
-    def make(path, **overrides) -> Engine:
-        engine = Engine(model_path=str(path), **{**ENGINE, **overrides})
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        assert engine.is_idle(), f"KV leaked: {engine.stats()}"
-        engine.close()
+    yield from engines_ending_idle(ENGINE)
 
 
 @pytest.mark.parametrize("form", ["compressed-tensors channel", "compressed-tensors tensor"])

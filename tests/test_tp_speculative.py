@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.common.engine.engine import Engine
 from pdserve.common.types import SamplingParams
 from tests.test_disagg_engines import hf_greedy
 from tests.test_speculative_draft import other_draft  # noqa: F401 - a fixture
 from tests.test_speculative_engine import PROMPTS, Oracle, assert_speculated, spec_stats
+from tests.test_tp import engines_ending_idle
 
 TP2 = dict(device="cpu", tp_size=2, max_total_tokens=4096, page_size=4, chunked_prefill_size=16)
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0)
@@ -22,20 +22,7 @@ GREEDY = SamplingParams(max_new_tokens=24, temperature=0)
 
 @pytest.fixture
 def tp_engines():
-    engines = []
-
-    def make(path, **overrides) -> Engine:
-        engine = Engine(model_path=path, **{**TP2, **overrides})
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        idle = engine.is_idle()
-        procs = engine.tp_workers.procs
-        engine.close()
-        assert all(p.poll() is not None for p in procs), "a TP rank outlived its engine"
-        assert idle, f"KV leaked: {engine.stats()}"
+    yield from engines_ending_idle(TP2)
 
 
 def test_ngram_and_oracle_drafts_at_tp2_give_transformers_tokens(tiny_models, tp_engines):

@@ -11,11 +11,13 @@ Sub-commands of `pdserve bench` (bench/cli.py):
 Run as `python -m pdserve.bench.micro.NAME`:
     allreduce               NCCL against symmetric-memory all-reduce inside a CUDA graph, on N GPUs
     decode_step             the steady decode step against its memory floor
+    first_requests          a fresh server's first structured requests against the next ones (official client)
     fp8_gemm                an FP8 linear layer's CUDA paths against bf16, at a Llama shape
     grammar_fill            structured output's host work: token acceptance and mask filling per step
     grammar_step            the decode step with every request under a JSON-schema grammar, and without
     host_step               the host's share of a decode step (scheduling, batch building, results)
     host_tier               the host KV tier's copy bandwidth against the bus's
+    otlp_sink               an OTLP/gRPC trace receiver that counts spans (a tracing-cost run's collector)
     overlap                 overlap on vs off: decode inter-token latency at a few batch sizes
     prefill_latency         one prompt's time to first token in the engine: what the host adds
     profile_offline         an offline run's GPU time: kernels by device time, and idle time

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from pdserve.bench.teacher_forced import score
-from pdserve.common.engine.engine import Engine
 from pdserve.common.types import SamplingParams
 from tests.test_disagg_engines import hf_greedy
 from tests.test_fp8_weights import PLAN, teacher_forced
@@ -17,6 +16,7 @@ from tests.test_host_kv_tier import POOL, check_host_accounting
 from tests.test_prefix_transfers import MAX_NEW, conversations, next_turns
 from tests.test_speculative_draft import other_draft  # noqa: F401 - a fixture
 from tests.test_speculative_engine import PROMPTS, Oracle, assert_speculated, spec_stats
+from tests.test_tp import engines_ending_idle
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 TP2 = dict(device="cuda", tp_size=2, max_total_tokens=16384, page_size=4, chunked_prefill_size=16)
@@ -25,18 +25,7 @@ GREEDY = SamplingParams(max_new_tokens=24, temperature=0)
 
 @pytest.fixture
 def engines():
-    """Engine factory; each ends idle, and closed (its other rank stopped)."""
-    made = []
-
-    def make(path, **overrides) -> Engine:
-        made.append(Engine(model_path=path, **overrides))
-        return made[-1]
-
-    yield make
-    for engine in made:
-        idle = engine.is_idle()
-        engine.close()
-        assert idle, f"KV leaked: {engine.stats()}"
+    yield from engines_ending_idle({})
 
 
 @pytest.mark.parametrize("overlap", [True, False])
