@@ -135,7 +135,9 @@ class GGUFWeights:
             if start % head_dim or stop % head_dim:  # not whole heads: unpermute all, then cut
                 return self.rows(entry, 0, entry.num_rows)[start:stop]
         packed_1d = data.ndim == 1 and data.dtype == np.uint8  # a quantized vector's data is bytes, not rows
-        values = dequantize(data if packed_1d else data[start:stop], entry.ggml_type)
+        # NOTE: a plain array, not the reader's np.memmap: gguf dequantizes in groups of 16 rows, and every
+        # slice of a memmap runs its Python __array_finalize__ (SmolLM2's Q4_1 load: 3.4 -> 2.4 s).
+        values = dequantize(np.asarray(data if packed_1d else data[start:stop]), entry.ggml_type)
         if not values.flags.writeable:  # an F32 tensor's values are the read-only mapped file
             values = values.copy()
         values = torch.from_numpy(values.astype(np.float32, copy=False))
