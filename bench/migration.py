@@ -137,7 +137,9 @@ def run_case(case: str, model: str, args, log_dir: Path) -> dict:
     try:
         gpus = gpus_for(args.device)
         shared = gpus[0] == gpus[2]
-        flags = server_flags(case)
+        # (--dtype float32: a bf16 stream prefilled again after its move rounds otherwise than its twin, and a
+        # near tie may go the other way: docs/benchmarks/two-gpus.md, "Stream migration on two GPUs")
+        flags = server_flags(case) + (["--dtype", args.dtype] if args.dtype else [])
         prefill, p_port, _ = start_server("prefill", model, args.device, gpus[0], 0.4, flags, log_dir / f"{case}-p.log")
         procs.append(prefill)
         wait_grpc(p_port, args.ready_timeout)
@@ -261,6 +263,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model-path")
     parser.add_argument("--random-weights", help="ARCH/SHAPE (default llama/tiny, without --model-path)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="", help="the servers' --dtype (default: theirs, bf16 on CUDA)")
     parser.add_argument("--cases", nargs="+", default=["json", "ngram"], choices=("json", "ngram", "greedy"))
     parser.add_argument("--max-tokens", type=int, default=300)
     parser.add_argument("--kill-after", type=int, default=40, help="chunks the stream receives before the SIGKILL")
