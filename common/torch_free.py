@@ -42,3 +42,33 @@ def keep_torch_out() -> None:
 
 def torch_kept_out() -> bool:
     return "torch" in sys.modules and sys.modules["torch"] is None
+
+
+def transformers_without_torch() -> None:
+    """In a process that has torch (a server's scheduler): import transformers as if torch were not
+    installed, then give torch back. The process tokenizes with transformers and computes with torch.
+
+    NOTE why: with torch importable, `from transformers import AutoTokenizer` imports transformers'
+    model stack (torch.distributed.tensor and its custom ops, the generation utilities, scikit-learn
+    where it is installed): 8-14 s of each server's start-up on the GPU hosts (`tokenizer` phase,
+    docs/benchmarks/startup-and-small-models.md), for a tokenizer that uses none of it.
+    transformers asks once whether torch is there (is_torch_available is cached at its import), so
+    hiding torch for the import is enough: afterwards the module `torch` is the real one again for
+    everything else, and transformers keeps to its torch-free paths (the router's tokenizer: the same
+    ids and chat template, tests/test_router_torch_free.py). Not for a process that also runs
+    transformers' models (a test comparing with them): call it only where transformers is not yet
+    imported and never will load a model; otherwise it does nothing."""
+    if "transformers" in sys.modules or torch_kept_out():
+        return
+    logging.getLogger("transformers").addFilter(lambda record: NO_TORCH_NOTICE not in record.getMessage())
+    torch = sys.modules.get("torch")
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        import transformers  # noqa: F401
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401 (their modules, now)
+        from transformers.configuration_utils import PreTrainedConfig  # noqa: F401
+    finally:
+        if torch is None:
+            del sys.modules["torch"]
+        else:
+            sys.modules["torch"] = torch

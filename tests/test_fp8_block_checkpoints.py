@@ -16,13 +16,19 @@ computed by other means. transformers runs that model too (greedy tokens equal).
 
 import json
 import random
-import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from pdserve.bench.micro.fp8_checkpoints import (
+    FP8_BLOCK_CONFIG,
+    LINEARS,
+    WIDE,
+    compressed_block_config,
+    write_block_checkpoints,
+)
 from pdserve.bench.teacher_forced import TeacherForcedPlan, score
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.engine import Engine
@@ -32,44 +38,9 @@ from pdserve.common.tiny_model import make_tiny_model
 from pdserve.common.types import SamplingParams
 
 FP8 = torch.float8_e4m3fn
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-WIDE = {"hidden_size": 256, "intermediate_size": 320, "num_attention_heads": 8, "head_dim": 32}
 rng = random.Random(0)
 PROMPTS = [[rng.randrange(5, 512) for _ in range(48)] for _ in range(6)]
 PLAN = TeacherForcedPlan(items=[{"id": i} for i in range(len(PROMPTS))], prompt_ids=PROMPTS)
-FP8_BLOCK_CONFIG = {
-    "quant_method": "fp8",
-    "activation_scheme": "dynamic",
-    "fmt": "e4m3",
-    "weight_block_size": [128, 128],
-}
-
-
-def compressed_block_config(block=(128, 128), inputs=None) -> dict:
-    """llm-compressor's FP8_BLOCK preset as its config.json spells it."""
-    fp8_of = {"num_bits": 8, "type": "float", "symmetric": True, "actorder": None, "observer_kwargs": {}}
-    weights = {**fp8_of, "strategy": "block", "block_structure": list(block), "group_size": None, "dynamic": False,
-               "observer": "minmax"}  # fmt: skip
-    activations = {**fp8_of, "strategy": "group", "group_size": block[1], "block_structure": None, "dynamic": True,
-                   "observer": None, **(inputs or {})}  # fmt: skip
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": weights,
-                "input_activations": activations,
-                "output_activations": None,
-            }
-        },  # fmt: skip
-        "ignore": ["lm_head"],
-        "kv_cache_scheme": None,
-    }
-
-
-FORMATS = {"fp8 block": ("weight_scale_inv", FP8_BLOCK_CONFIG), "compressed block": ("weight_scale", None)}
 
 
 @pytest.fixture(scope="module")
@@ -82,46 +53,6 @@ def wide_models(tmp_path_factory):
         return built[arch]
 
     return get
-
-
-def is_block_linear(key: str) -> bool:
-    return key.endswith(".weight") and key.split(".")[-2] in LINEARS
-
-
-def quantize_tiles(weight: torch.Tensor, tile: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(float8 weight, scales [ceil(N/tile), ceil(K/tile)], the dequantized fp32 weight), tile by tile
-    with plain torch casts (written apart from the engine's vectorized fp8_block.quantize_blockwise)."""
-    n, k = weight.shape
-    rows, cols = -(-n // tile), -(-k // tile)
-    q, scales, back = torch.empty(n, k, dtype=FP8), torch.empty(rows, cols), torch.empty(n, k)
-    for i in range(rows):
-        for j in range(cols):
-            at = (slice(i * tile, (i + 1) * tile), slice(j * tile, (j + 1) * tile))
-            scales[i, j] = weight[at].abs().amax() / 448
-            q[at] = (weight[at] / scales[i, j]).to(FP8)
-            back[at] = q[at].float() * scales[i, j]
-    return q, scales, back
-
-
-def write_block_checkpoints(src, dst, form: str) -> tuple[str, str, dict]:
-    """(block-wise FP8 checkpoint of `src` as `form` stores it, its dequantized fp32 twin, the scales by layer)."""
-    scale_name, quantization_config = FORMATS[form]
-    quantized, dequantized = dst / "fp8", dst / "dequantized"
-    shutil.copytree(src, quantized)
-    shutil.copytree(src, dequantized)
-    weights = load_file(f"{src}/model.safetensors")
-    fp8_weights, float_weights, scales = dict(weights), dict(weights), {}
-    for key in [k for k in weights if is_block_linear(k)]:
-        q, scale, back = quantize_tiles(weights[key])
-        layer = key.removesuffix(".weight")
-        fp8_weights[key], fp8_weights[f"{layer}.{scale_name}"], float_weights[key] = q, scale, back
-        scales[layer] = scale
-    save_file(fp8_weights, f"{quantized}/model.safetensors", metadata={"format": "pt"})
-    save_file(float_weights, f"{dequantized}/model.safetensors", metadata={"format": "pt"})
-    config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = quantization_config or compressed_block_config()
-    (quantized / "config.json").write_text(json.dumps(config))
-    return str(quantized), str(dequantized), scales
 
 
 def fake_quant_groups(module: nn.Module, args: tuple) -> tuple:

@@ -12,6 +12,7 @@ Run as `python -m pdserve.bench.micro.NAME`:
     allreduce               NCCL against symmetric-memory all-reduce inside a CUDA graph, on N GPUs
     decode_step             the steady decode step against its memory floor
     first_requests          a fresh server's first structured requests against the next ones (official client)
+    fp8_checkpoints         block-wise FP8 checkpoints in both spellings, written from a tiny model; served
     fp8_gemm                an FP8 linear layer's CUDA paths against bf16, at a Llama shape
     grammar_fill            structured output's host work: token acceptance and mask filling per step
     grammar_step            the decode step with every request under a JSON-schema grammar, and without

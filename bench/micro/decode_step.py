@@ -49,8 +49,16 @@ def copy_rate_bytes_per_s(device, size_bytes: int = 2 << 30, repeats: int = 20) 
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Every parameter once (tied embeddings count once: the LM head reads them in full)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Every parameter once (tied embeddings count once: the LM head reads them in full). With
+    --fp8-lm-head the head reads its float8 copy and a scale per row instead of its float weight."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    fp8_head = getattr(getattr(model, "lm_head", None), "fp8_logits", None)
+    if fp8_head is not None:
+        head = model.lm_head.weight
+        total += -head.numel() * head.element_size() + sum(
+            t.numel() * t.element_size() for t in (fp8_head.weight, fp8_head.scale)
+        )
+    return total
 
 
 class StepTimer:
@@ -139,6 +147,11 @@ def main() -> None:
         choices=["auto", "fp8_e4m3"],
         help="fp8_e4m3: the KV pool in FP8 (the engine's flag): the floor counts its bytes.",
     )
+    ap.add_argument(
+        "--fp8-lm-head",
+        action="store_true",
+        help="The LM head from a float8 copy (the engine's flag): the floor counts it.",
+    )
     ap.add_argument("--json", help="Also write the result here.")
     ap.add_argument(
         "--profile", action="store_true", help="Also print the CUDA kernels of one more run, by total time."
@@ -162,6 +175,7 @@ def main() -> None:
         tp_size=args.tp_size,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        fp8_lm_head=args.fp8_lm_head,
     )
     results = []
     timer = StepTimer(engine)
@@ -234,6 +248,7 @@ def measure(timer: StepTimer, args, path, bs: int) -> dict:
         "tp_size": args.tp_size,
         "quantization": engine.config.quantization or "none",
         "kv_cache_dtype": args.kv_cache_dtype,
+        "fp8_lm_head": args.fp8_lm_head,
     }
     return result
 

@@ -27,6 +27,7 @@ from pdserve.common.lifetime import die_with_parent
 from pdserve.common.server_config import ServerConfig
 from pdserve.common.serving import ipc
 from pdserve.common.startup import READY, StartupClock
+from pdserve.common.torch_free import transformers_without_torch
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ def run_scheduler(make_engine, server: ServerConfig, to_scheduler: str, to_front
     parent = multiprocessing.parent_process()
     if parent is not None:  # (None: called in-process, by a test)
         die_with_parent(parent.pid)  # even when stuck in native code
+        transformers_without_torch()  # the tokenizer without transformers' model stack (common/torch_free.py)
     if server.torch_threads:
         import torch
 

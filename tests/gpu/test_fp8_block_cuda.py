@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
+from pdserve.bench.micro.fp8_checkpoints import WIDE, write_block_checkpoints
 from pdserve.common.engine.engine import Engine
 from pdserve.common.engine.models import fp8, fp8_block
 from pdserve.common.tiny_model import make_tiny_model
 from pdserve.common.types import SamplingParams
-from tests.test_fp8_block_checkpoints import WIDE, write_block_checkpoints
 
 if torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("FP8 GEMMs need compute capability 8.9+", allow_module_level=True)
