@@ -361,3 +361,19 @@ def test_the_weights_map_the_same_bytes_gguf_s_reader_reads(tiny_models, tmp_pat
         assert [name for name, *_ in gguf_weights.file_tensors(path)] == list(ours) and read == [path]
     finally:
         read_info.cache_clear()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 64, 150])
+def test_many_rows_dequantize_to_what_gguf_gives(qtype, rows):
+    """gguf_weights.dequantize_many views 64 rows as one (whole blocks either way): the values of gguf's
+    own dequantize, remainder rows included."""
+    from gguf.quants import dequantize
+
+    from pdserve.common.engine.models.gguf_weights import dequantize_many
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    block, type_size = gguf.GGML_QUANT_SIZES[kind]
+    data = np.random.default_rng(0).integers(0, 256, (rows, 4 * type_size), dtype=np.uint8)
+    np.testing.assert_array_equal(dequantize_many(data, kind), dequantize(data, kind))
+    assert dequantize_many(data, kind).shape == (rows, 4 * block)
