@@ -63,7 +63,11 @@ class Passthrough:
     api_key: str = ""
 
 
-HEALTH_CHECK_INTERVAL_S = 1.0  # the router's default --health-check-interval, which pdserve up keeps
+# After the servers serve, before asking the router's /readiness: each router process checks a starting
+# server every 0.1 s (router/workers.py STARTING_CHECK_S), and /readiness is the view of whichever
+# process answers it, so the others get two such checks and slack for a loaded host.
+READY_MARGIN_S = 0.5
+POLL_S = 0.1  # how often this process asks a server or the router whether it is ready
 
 
 class ProcessExited(RuntimeError):
@@ -85,7 +89,7 @@ def _wait_ready(url: str, procs: list[subprocess.Popen]) -> None:
                     return
         except OSError:
             pass
-        time.sleep(0.3)
+        time.sleep(POLL_S)
     raise TimeoutError(f"not ready after {READY_TIMEOUT_S}s: {url}")
 
 
@@ -109,7 +113,7 @@ def wait_serving(addr: str, procs: list[subprocess.Popen]) -> None:
                     return
             except grpc.RpcError:
                 pass
-            time.sleep(0.3)
+            time.sleep(POLL_S)
     raise TimeoutError(f"not serving after {READY_TIMEOUT_S}s: {addr}")
 
 
@@ -285,9 +289,8 @@ def up(
             )
         )
         start_servers(plan, command, lambda server: sharing.server_env(server, visible), procs, run_dir, ports)
-        # NOTE: /readiness is answered by one router worker; each checks every server every
-        # --health-check-interval (1 s), so two intervals after the servers serve, all have seen them.
-        time.sleep(2 * HEALTH_CHECK_INTERVAL_S)
+        # NOTE: /readiness is answered by one router worker (READY_MARGIN_S: the others' checks).
+        time.sleep(READY_MARGIN_S)
         base = f"http://{host}:{port}"
         _wait_ready(base + "/readiness", procs)
         name = passthrough.served_model_name or short_model_name(model_path)

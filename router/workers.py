@@ -36,6 +36,9 @@ from pdserve.router.policies import WorkerView
 
 log = logging.getLogger(__name__)
 
+STARTING_CHECK_S = 0.1  # how often a starting worker is checked (Worker.starting)
+STARTING_WINDOW_S = 600.0  # ... for at most this long after it was added (then: --health-check-interval)
+
 
 @dataclass
 class Worker:
@@ -49,6 +52,14 @@ class Worker:
     open_until: float = 0.0
     seen: bool = False  # a check has answered: until then it is starting, and failed checks are not failures
     errors: int = 0  # total, for /metrics
+    ever_served: bool = False  # a check has said SERVING once
+    added_at: float = 0.0  # time.monotonic() when the registry took it
+
+    def starting(self, now: float) -> bool:
+        """Not yet SERVING once, and added less than STARTING_WINDOW_S ago: checked every
+        STARTING_CHECK_S, so that a server is routable within a tenth of a second of its model being
+        loaded rather than up to a health-check interval later."""
+        return not self.ever_served and now - self.added_at < STARTING_WINDOW_S
 
     def routable(self, now: float) -> bool:
         return self.serving and now >= self.open_until
@@ -127,7 +138,7 @@ class WorkerRegistry:
                 await w.channel.close()  # in-flight calls on it fail and are retried elsewhere
 
     def _add(self, role: str, url: str, server_name: str = "") -> None:
-        self.workers[url] = Worker(url, role, open_channel(url, self.trust, server_name))
+        self.workers[url] = Worker(url, role, open_channel(url, self.trust, server_name), added_at=time.monotonic())
 
     async def _discover_forever(self) -> None:
         while True:
@@ -168,9 +179,21 @@ class WorkerRegistry:
         return error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and late
 
     async def _check_forever(self) -> None:
+        """Every worker each --health-check-interval; a starting one (Worker.starting) also every
+        STARTING_CHECK_S in between. Only a starting worker is checked early: the others' failed checks
+        open circuits, whose pace --health-check-interval and --circuit-failures set."""
+        next_all = time.monotonic() + self.config.health_check_interval
         while True:
-            await asyncio.sleep(self.config.health_check_interval)
-            await self.check_all()
+            now = time.monotonic()
+            starting = [w for w in self.workers.values() if w.starting(now)]
+            await asyncio.sleep(
+                min(STARTING_CHECK_S, max(0.0, next_all - now)) if starting else max(0.0, next_all - now)
+            )
+            if time.monotonic() >= next_all:
+                next_all = time.monotonic() + self.config.health_check_interval
+                await self.check_all()
+            else:
+                await asyncio.gather(*(self._check(w) for w in starting if w.url in self.workers))
 
     async def _check(self, w: Worker) -> None:
         timeout = self.config.health_check_timeout
@@ -193,4 +216,5 @@ class WorkerRegistry:
             return
         w.seen = True
         w.serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+        w.ever_served = w.ever_served or w.serving
         w.load = load.running_requests + load.waiting_requests

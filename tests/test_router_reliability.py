@@ -390,3 +390,53 @@ def test_a_worker_still_starting_fails_checks_without_opening_its_circuit():
     starting, failures, open_until = asyncio.run(checks())
     assert starting == (False, False, 0, 0.0)
     assert failures == limit and open_until > time.monotonic()
+
+
+def test_a_starting_server_is_routable_within_a_tenth_of_a_second_of_serving():
+    """A server not yet SERVING once is checked every STARTING_CHECK_S (router/workers.py), not only
+    every --health-check-interval (5 s here): routable within a fraction of a second of its model being
+    loaded. Once it has served, it is checked at the interval again (its failed checks pace circuits)."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from pdserve.proto import pdserve_pb2 as pb
+    from pdserve.proto import pdserve_pb2_grpc as pb_grpc
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.workers import STARTING_CHECK_S, WorkerRegistry
+
+    loads = []
+
+    class Decode(pb_grpc.DecodeServiceServicer):
+        async def GetLoad(self, request, context):
+            loads.append(time.monotonic())
+            return pb.Load()
+
+    async def scenario() -> tuple[float, int]:
+        server, port = grpc.aio.server(), free_port()
+        health_servicer = health.aio.HealthServicer()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        pb_grpc.add_DecodeServiceServicer_to_server(Decode(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        registry = WorkerRegistry(RouterConfig(decode=(f"127.0.0.1:{port}",), health_check_interval=5.0))
+        await registry.start()  # one round now: NOT_SERVING (the model still loading)
+        (worker,) = registry.workers.values()
+        assert not worker.serving
+        await asyncio.sleep(0.5)
+        assert len(loads) >= 3  # checked while starting, well inside the 5 s interval
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        served_at = time.monotonic()
+        while not worker.serving:
+            await asyncio.sleep(0.01)
+        routable_after = time.monotonic() - served_at
+        checks_before = len(loads)
+        await asyncio.sleep(1.0)
+        later_checks = len(loads) - checks_before  # served once: back to every 5 s
+        await registry.stop()
+        await server.stop(None)
+        return routable_after, later_checks
+
+    routable_after, later_checks = asyncio.run(scenario())
+    assert routable_after < 3 * STARTING_CHECK_S + 0.2
+    assert later_checks == 0
