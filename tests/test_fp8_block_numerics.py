@@ -116,6 +116,35 @@ def test_the_triton_block_gemm_agrees_with_the_reference(case, dtype):
     assert torch.equal(fp8_block_kernels.block_fp8_gemm(*args), fp8_block_kernels.block_fp8_gemm(*args))
 
 
+@pytest.mark.parametrize("case", GEMM_CASES)
+@pytest.mark.parametrize("split", [2, 3])
+def test_the_block_gemm_split_over_k_gives_the_reference_numbers(case, split):
+    """K split (gemm_config's, where the decode grid has too few programs): each split's scaled sums
+    in fp32 partials, added in order with the bias once; a split past the last group adds zeros."""
+    from pdserve.common.engine.models import fp8_block_kernels
+
+    m, n, k, block, bias = GEMM_CASES[case]
+    torch.manual_seed(m)
+    layer = fp8_block.Fp8BlockLinear.quantize(nn.Linear(k, n, bias=bias), block)
+    xq, sx = fp8_block.quantize_per_token_group(torch.randn(m, k), block[1])
+    args = (xq, sx, layer.weight, layer.weight_scale, block, layer.bias, torch.float32)
+    got = fp8_block_kernels.block_fp8_gemm(*args, {"BLOCK_N": 32, "BLOCK_M": 16, "SPLIT_K": split})
+    torch.testing.assert_close(got, fp8_block.emulated_block_fp8_mm(*args), rtol=1e-5, atol=1e-4)
+
+
+def test_the_decode_split_depends_on_the_weight_alone():
+    """gemm_config splits K for Llama-8B's narrow projections at decode sizes, the same for every
+    token count up to 128 (a CUDA graph's padded batch and the eager one sum alike)."""
+    from pdserve.common.engine.models.fp8_block_kernels import gemm_config
+
+    layers = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    splits = {
+        name: {gemm_config(m, n, k, 128)["SPLIT_K"] for m in (1, 7, 64, 100, 128)} for name, (n, k) in layers.items()
+    }
+    assert splits == {"qkv": {2}, "o_proj": {4}, "gate_up": {1}, "down": {4}}
+    assert gemm_config(129, 4096, 14336, 128)["SPLIT_K"] == 1  # prefill tiles: programs enough
+
+
 def test_block_scales_follow_tiles_that_per_channel_scales_flatten():
     """Where a row's tiles differ in magnitude, one scale per row pushes the small tiles into
     float8's subnormals; block scales keep them: the block layer is closer to the float one."""

@@ -66,19 +66,25 @@ def quantize_per_token_group(x: torch.Tensor, group: int, min_amax: float) -> tu
 def _block_fp8_gemm(
     w_ptr, x_ptr, sw_ptr, sx_ptr, bias_ptr, out_ptr, M, N, w_row_stride, x_row_stride, out_row_stride,
     sw_row_stride, sx_row_stride, K: tl.constexpr, SCALE_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[m, n] = sum over K groups of (w[n, group] . x[m, group]) * sw[n // SCALE_ROWS, group] *
-    sx[m, group], + bias[n], rounded once. BLOCK_K is the scale group (block_k)."""
+    sx[m, group], + bias[n], rounded once. BLOCK_K is the scale group (block_k). With SPLIT_K > 1,
+    program k of the third grid axis sums its share of the groups, scaled, into out_ptr's fp32
+    partials [SPLIT_K, M, N] (no bias): _add_splits adds them."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    groups: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    per_split: tl.constexpr = (groups + SPLIT_K - 1) // SPLIT_K
+    first = pid_k * per_split
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     m_ok = offs_m < M
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * w_row_stride + offs_k[None, :]
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * x_row_stride + offs_k[:, None]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * w_row_stride + first * BLOCK_K + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * x_row_stride + first * BLOCK_K + offs_k[:, None]
     sw_ptrs = sw_ptr + (offs_n // SCALE_ROWS) * sw_row_stride
     sx_ptrs = sx_ptr + offs_m * sx_row_stride
     if PDL:
@@ -86,30 +92,65 @@ def _block_fp8_gemm(
         gdc_wait()  # launched before the kernel that wrote x had finished (common/engine/pdl.py)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # K is a constexpr (a model has a few): a known trip count pipelines.
-    for group in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+    for step in range(0, per_split):
+        group = first + step
         k_ok = group * BLOCK_K + offs_k < K
         w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptrs, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        sw = tl.load(sw_ptrs + group, mask=n_ok, other=0.0)
-        sx = tl.load(sx_ptrs + group, mask=m_ok, other=0.0)
+        # (a last split may hold fewer groups: its scales past the last group read as 0)
+        sw = tl.load(sw_ptrs + group, mask=n_ok & (group < groups), other=0.0)
+        sx = tl.load(sx_ptrs + group, mask=m_ok & (group < groups), other=0.0)
         # NOTE: a fresh dot per group (not tl.dot(w, x, acc)): the group's sums must take their own
         # scales before they join the others.
         acc += tl.dot(w, x) * sw[:, None] * sx[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if SPLIT_K > 1:
+        partial = out_ptr + (pid_k * M + offs_m.to(tl.int64))[None, :] * N + offs_n[:, None]
+        tl.store(partial, acc, mask=n_ok[:, None] & m_ok[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * out_row_stride + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _add_splits(
+    partial_ptr, bias_ptr, out_ptr, M, N, out_row_stride, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(SPLIT_K):  # in order: the same sums whatever order the splits finished in
+        acc += tl.load(partial_ptr + (s * M + row).to(tl.int64) * N + offs, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * out_row_stride + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * out_row_stride + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def gemm_config(m: int, n: int) -> dict:
-    """Tiles of block_fp8_gemm for m tokens and n weight rows: 64 weight rows a program up to 128
-    tokens (decode: the weight is read once per 128 tokens), 128 x 128 tiles above (prefill). Not
-    swept on a GPU yet: fp8_kernels.gemm_config's pointer tiles at decode sizes."""
-    if m <= 128:
-        return {"BLOCK_N": 64, "BLOCK_M": max(16, triton.next_power_of_2(m)), "num_stages": 4, "num_warps": 4}
-    return {"BLOCK_N": 128, "BLOCK_M": 128, "num_stages": 3, "num_warps": 8}
+SPLIT_PROGRAMS = 256  # K is split until the decode-size grid has about this many programs (~2 per SM)
+
+
+def gemm_config(m: int, n: int, k: int, block_k: int) -> dict:
+    """Tiles of block_fp8_gemm for m tokens and an [n, k] weight in scale groups of block_k: 64
+    weight rows a program up to 128 tokens (decode: the weight is read once per 128 tokens), K split
+    where that leaves the GPU short of programs (Llama-8B: o_proj and down_proj in 4, qkv in 2; gate_up
+    has 448 tiles of rows), 128 x 128 tiles above 128 tokens (prefill). Not swept on a GPU yet.
+
+    NOTE the split depends on the weight's shape only, never on m: a CUDA graph's padded batch and
+    the eager batch then sum in the same order (the graph-vs-eager token tests rely on it)."""
+    if m > 128:
+        return {"BLOCK_N": 128, "BLOCK_M": 128, "SPLIT_K": 1, "num_stages": 3, "num_warps": 8}
+    row_tiles, groups = triton.cdiv(n, 64), triton.cdiv(k, block_k)
+    split = max(1, min(4, SPLIT_PROGRAMS // row_tiles, groups // 4))
+    block_m = max(16, triton.next_power_of_2(m))
+    return {"BLOCK_N": 64, "BLOCK_M": block_m, "SPLIT_K": split, "num_stages": 4, "num_warps": 4}
 
 
 def block_fp8_gemm(
@@ -124,19 +165,30 @@ def block_fp8_gemm(
 ) -> torch.Tensor:
     """xq [M, K] (float8, its scales x_scale [M, ceil(K / block_k)]) times weight [N, K] (float8, its
     block scales weight_scale [ceil(N / block_n), ceil(K / block_k)]) transposed, + bias [N], in
-    `dtype`: fp8_block.emulated_block_fp8_mm's numbers up to the order of the fp32 sums. One launch."""
+    `dtype`: fp8_block.emulated_block_fp8_mm's numbers up to the order of the fp32 sums. One launch, two
+    with a K split (gemm_config)."""
     m, k = xq.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=dtype, device=xq.device)
     if m == 0:
         return out
     assert xq.stride(1) == 1 and weight.stride(1) == 1 and x_scale.stride(1) == 1 and weight_scale.stride(1) == 1
-    cfg = dict(config or gemm_config(m, n))
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
+    cfg = dict(config or gemm_config(m, n, k, block[1]))
+    cfg.setdefault("SPLIT_K", 1)
+    split = cfg["SPLIT_K"]
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
     pdl = fp8_kernels.pdl(xq.device)
+    # With a split, the GEMM writes fp32 partials [split, m, n] (scaled, no bias), then one add.
+    target = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     _block_fp8_gemm[grid](
-        weight, xq, weight_scale, x_scale, bias if bias is not None else weight_scale, out, m, n, weight.stride(0),
+        weight, xq, weight_scale, x_scale, bias if bias is not None else weight_scale, target, m, n, weight.stride(0),
         xq.stride(0), out.stride(0), weight_scale.stride(0), x_scale.stride(0), K=k, SCALE_ROWS=block[0],
         HAS_BIAS=bias is not None, BLOCK_K=block[1], PDL=pdl, launch_pdl=pdl, **cfg,
     )  # fmt: skip
+    if split > 1:
+        add = 256
+        _add_splits[(m, triton.cdiv(n, add))](
+            target, bias if bias is not None else target, out, m, n, out.stride(0), SPLIT_K=split,
+            HAS_BIAS=bias is not None, BLOCK=add, PDL=pdl, launch_pdl=pdl,
+        )  # fmt: skip
     return out
