@@ -71,16 +71,21 @@ class ModelRunner:
             # NOTE Triton launches on the current device: an engine on cuda:1 whose process
             # starts on cuda:0 failed its first kernel ("cannot be accessed from Triton").
             torch.cuda.set_device(self.device)
+        if self.device.type == "cuda":
+            torch.ones(1, device=self.device).item()  # the CUDA context (and its first kernel): a phase of its own
+            startup.mark("cuda_context")
         self.memory_report: dict | None = None  # what --mem-fraction-static measured, on CUDA
         self.dtype = DTYPES[config.dtype]
         self.model = load_model(
             config.model_path, self.dtype, self.device, self.tp, config.quantization, config.fp8_lm_head
         )
         self.vocab_size = self.model.arch.vocab_size
+        startup.mark("weights")
         if config.attention_backend == "triton" and self.device.type == "cuda":
             self.model.fuse()  # the fast path: merged projections, fused small ops
         check_gemms_under_mps(self.model, self.dtype, self.device)  # (a server on part of the GPU)
-        startup.mark("weights")
+        if self.device.type == "cuda":
+            startup.mark("fuse")  # merged projections, and the GEMM check under MPS
         num_layers, kv_heads, head_dim = self.model.kv_geometry()  # this rank's KV heads
         model_kv_heads = model_kv_heads_of(read_hf_config(config.model_path))
         heads = kv_heads_of_rank(model_kv_heads, self.tp.size, self.tp.rank)
