@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from pdserve.bench.micro import fp8_checkpoints
 from pdserve.bench.teacher_forced import TeacherForcedPlan, score
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine.engine import Engine
@@ -93,21 +94,10 @@ def write_dequantized(src, dst, per_tensor: bool = False) -> str:
 
 def compressed_tensors_config(strategy: str) -> dict:
     fp8_of = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "block_structure": None}
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {**fp8_of, "strategy": strategy, "dynamic": False, "observer": "minmax"},
-                "input_activations": {**fp8_of, "strategy": "token", "dynamic": True, "observer": None},
-                "output_activations": None,
-            }
-        },
-        "ignore": ["lm_head"],
-        "kv_cache_scheme": None,
-    }
+    return fp8_checkpoints.compressed_tensors_config(
+        {**fp8_of, "strategy": strategy, "dynamic": False, "observer": "minmax"},
+        {**fp8_of, "strategy": "token", "dynamic": True, "observer": None},
+    )
 
 
 FORMATS = {

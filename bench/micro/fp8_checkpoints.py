@@ -37,13 +37,9 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 WIDE = {"hidden_size": 256, "intermediate_size": 320, "num_attention_heads": 8, "head_dim": 32}
 
 
-def compressed_block_config(block=(128, 128), inputs=None) -> dict:
-    """llm-compressor's FP8_BLOCK preset as its config.json spells it."""
-    fp8_of = {"num_bits": 8, "type": "float", "symmetric": True, "actorder": None, "observer_kwargs": {}}
-    weights = {**fp8_of, "strategy": "block", "block_structure": list(block), "group_size": None, "dynamic": False,
-               "observer": "minmax"}  # fmt: skip
-    activations = {**fp8_of, "strategy": "group", "group_size": block[1], "block_structure": None, "dynamic": True,
-                   "observer": None, **(inputs or {})}  # fmt: skip
+def compressed_tensors_config(weights: dict, input_activations: dict) -> dict:
+    """compressed-tensors' FP8 quantization_config as config.json spells it: one group over every
+    Linear (the LM head ignored), with these weight and input-activation schemes."""
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
@@ -52,13 +48,23 @@ def compressed_block_config(block=(128, 128), inputs=None) -> dict:
             "group_0": {
                 "targets": ["Linear"],
                 "weights": weights,
-                "input_activations": activations,
+                "input_activations": input_activations,
                 "output_activations": None,
             }
         },  # fmt: skip
         "ignore": ["lm_head"],
         "kv_cache_scheme": None,
     }
+
+
+def compressed_block_config(block=(128, 128), inputs=None) -> dict:
+    """llm-compressor's FP8_BLOCK preset as its config.json spells it."""
+    fp8_of = {"num_bits": 8, "type": "float", "symmetric": True, "actorder": None, "observer_kwargs": {}}
+    weights = {**fp8_of, "strategy": "block", "block_structure": list(block), "group_size": None, "dynamic": False,
+               "observer": "minmax"}  # fmt: skip
+    activations = {**fp8_of, "strategy": "group", "group_size": block[1], "block_structure": None, "dynamic": True,
+                   "observer": None, **(inputs or {})}  # fmt: skip
+    return compressed_tensors_config(weights, activations)
 
 
 # form -> (the scale tensors' suffix, config.json's quantization_config; None: compressed_block_config())

@@ -71,7 +71,7 @@ def _block_fp8_gemm(
     """out[m, n] = sum over K groups of (w[n, group] . x[m, group]) * sw[n // SCALE_ROWS, group] *
     sx[m, group], + bias[n], rounded once. BLOCK_K is the scale group (block_k). With SPLIT_K > 1,
     program k of the third grid axis sums its share of the groups, scaled, into out_ptr's fp32
-    partials [SPLIT_K, M, N] (no bias): _add_splits adds them."""
+    partials [SPLIT_K, M, N] (no bias): fp8_kernels._sum_partials adds them."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -113,25 +113,6 @@ def _block_fp8_gemm(
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * out_row_stride + offs_n[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
-
-
-@triton.jit
-def _add_splits(
-    partial_ptr, bias_ptr, out_ptr, M, N, out_row_stride, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    row = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(SPLIT_K):  # in order: the same sums whatever order the splits finished in
-        acc += tl.load(partial_ptr + (s * M + row).to(tl.int64) * N + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * out_row_stride + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 SPLIT_PROGRAMS = 256  # K is split until the decode-size grid has about this many programs (~2 per SM)
@@ -185,10 +166,10 @@ def block_fp8_gemm(
         xq.stride(0), out.stride(0), weight_scale.stride(0), x_scale.stride(0), K=k, SCALE_ROWS=block[0],
         HAS_BIAS=bias is not None, BLOCK_K=block[1], PDL=pdl, launch_pdl=pdl, **cfg,
     )  # fmt: skip
-    if split > 1:
-        add = 256
-        _add_splits[(m, triton.cdiv(n, add))](
-            target, bias if bias is not None else target, out, m, n, out.stride(0), SPLIT_K=split,
-            HAS_BIAS=bias is not None, BLOCK=add, PDL=pdl, launch_pdl=pdl,
+    if split > 1:  # (out is fresh: its rows are contiguous, as _sum_partials writes them)
+        add = min(1024, triton.next_power_of_2(n))
+        fp8_kernels._sum_partials[(m, triton.cdiv(n, add))](
+            target, target, target, bias if bias is not None else target, out, m, n, SPLIT_K=split,
+            HAS_BIAS=bias is not None, BLOCK=add, PDL=pdl, launch_pdl=pdl, SCALED=False,
         )  # fmt: skip
     return out

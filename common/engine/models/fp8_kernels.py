@@ -180,8 +180,11 @@ def _fp8_gemm_tma(
 @triton.jit
 def _sum_partials(
     partial_ptr, sx_ptr, sw_ptr, bias_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr = True,
 ):  # fmt: skip
+    """out [M, N] (rows contiguous) = the SPLIT_K partials [SPLIT_K, M, N] added in order, times the
+    token's and the row's scale (SCALED: per-channel partials are unscaled; block-wise ones
+    (fp8_block_kernels) took their groups' scales already), + bias, rounded once."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -191,7 +194,9 @@ def _sum_partials(
     acc = tl.zeros([BLOCK], tl.float32)
     for s in range(SPLIT_K):  # in order: the same sums whatever order the parts finished in
         acc += tl.load(partial_ptr + (s * M + row) * N + offs, mask=mask, other=0.0)
-    y = acc * tl.load(sx_ptr + row) * tl.load(sw_ptr + offs, mask=mask, other=0.0)
+    y = acc
+    if SCALED:
+        y = acc * tl.load(sx_ptr + row) * tl.load(sw_ptr + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
