@@ -44,7 +44,7 @@ def torch_kept_out() -> bool:
     return "torch" in sys.modules and sys.modules["torch"] is None
 
 
-def transformers_without_torch() -> None:
+def transformers_without_torch(tokenizers: bool = True) -> None:
     """In a process that has torch (a server's scheduler): import transformers as if torch were not
     installed, then give torch back. The process tokenizes with transformers and computes with torch.
 
@@ -57,16 +57,20 @@ def transformers_without_torch() -> None:
     everything else, and transformers keeps to its torch-free paths (the router's tokenizer: the same
     ids and chat template, tests/test_router_torch_free.py). Not for a process that also runs
     transformers' models (a test comparing with them): call it only where transformers is not yet
-    imported and never will load a model; otherwise it does nothing."""
+    imported and never will load a model; otherwise it does nothing. `tokenizers`: also import the
+    tokenizer classes now (a server's scheduler, which loads its tokenizer next; the grammar worker,
+    which only needs what xgrammar imports, passes False)."""
     if "transformers" in sys.modules or torch_kept_out():
         return
     logging.getLogger("transformers").addFilter(lambda record: NO_TORCH_NOTICE not in record.getMessage())
     torch = sys.modules.get("torch")
     sys.modules["torch"] = None  # type: ignore[assignment]
     try:
-        import transformers  # noqa: F401
-        from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401 (their modules, now)
-        from transformers.configuration_utils import PreTrainedConfig  # noqa: F401
+        import transformers  # noqa: F401 (its modules imported later read the cached answer: no torch)
+
+        if tokenizers:  # (inside the window, as measured on the H200 host: the tokenizer classes' modules)
+            from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+            from transformers.configuration_utils import PreTrainedConfig  # noqa: F401
     finally:
         if torch is None:
             del sys.modules["torch"]

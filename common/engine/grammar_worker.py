@@ -234,6 +234,9 @@ def main(args: dict) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s grammar worker: %(message)s")
     torch.set_num_threads(1)
     conn = Connection(args["fd"])
+    from pdserve.common.torch_free import transformers_without_torch
+
+    transformers_without_torch(tokenizers=False)  # xgrammar imports transformers: not its model stack
     import xgrammar as xgr
     from xgrammar.matcher import _core
 
