@@ -24,6 +24,7 @@ Run as `python -m pdserve.bench.micro.NAME`:
     profile_offline         an offline run's GPU time: kernels by device time, and idle time
     router_memory           a router's processes: memory (RSS, PSS), start time, and whether torch is in them
     rpc_auth                what the cluster secret costs per RPC
+    startup_profile         where one server's start-up goes, function by function (cProfile of its engine)
     teacher_forced_engine   the engine's teacher-forced top-1 agreement with transformers, per FP8 setting
     ttft_breakdown          where one request's time to first token goes, hop by hop, through a local stack
     tune_kernels            tuning sweeps of the decode-step kernels

@@ -12,8 +12,8 @@ from pdserve.bench.micro.transfer_cli import add_transfer_parser
 
 MODULES = (
     "allreduce decode_step first_requests fp8_checkpoints fp8_gemm grammar_fill grammar_step host_step host_tier "
-    "otlp_sink overlap prefill_latency profile_offline router_memory rpc_auth teacher_forced_engine ttft_breakdown "
-    "tune_kernels verify_step worker_kill"
+    "otlp_sink overlap prefill_latency profile_offline router_memory rpc_auth startup_profile teacher_forced_engine "
+    "ttft_breakdown tune_kernels verify_step worker_kill"
 )
 
 
