@@ -39,42 +39,47 @@ HIDDEN = """
 import json, sys
 import torch
 from pdserve.common.torch_free import transformers_without_torch
-if sys.argv[2] == "late":
+when, text, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
+if when == "late":
     import transformers  # already imported: the call must leave it as it is
 transformers_without_torch()
 from pdserve.common.tokenizer import load_tokenizer
 from transformers.utils import is_torch_available
 from safetensors.torch import save_file  # torch's own users still get the real torch
-tok = load_tokenizer(sys.argv[1])
-ids = tok.encode(sys.argv[3])
-chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
-print(json.dumps({"type": type(tok).__name__, "ids": ids, "text": tok.decode(ids), "chat": chat,
-                  "special": tok.all_special_ids, "torch_for_transformers": is_torch_available(),
+facts = {}
+for path in paths:
+    tok = load_tokenizer(path)
+    ids = tok.encode(text)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    facts[path] = {"type": type(tok).__name__, "ids": ids, "text": tok.decode(ids), "chat": chat,
+                   "special": tok.all_special_ids}
+print(json.dumps({"facts": facts, "torch_for_transformers": is_torch_available(),
                   "torch_works": float(torch.ones(3).sum()), "torch_is_real": sys.modules["torch"] is torch}))
 """
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-def test_a_server_process_tokenizes_with_transformers_kept_from_torch(tiny_models, arch):
+def test_a_server_process_tokenizes_with_transformers_kept_from_torch(tiny_models):
     """A server's scheduler (torch imported) loads its tokenizer through a transformers that believes
     torch absent (common/torch_free.py transformers_without_torch): the tokenizer AutoTokenizer picks
-    with torch, the same ids, text, chat template and special ids; torch stays usable."""
+    with torch, the same ids, text, chat template and special ids; torch stays usable. Where
+    transformers was imported first, the call leaves it as it is."""
     import json
 
     from transformers import AutoTokenizer
 
-    path = tiny_models(arch)
-    theirs = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    # (late, once: transformers imported with torch before the call is left as it is)
-    for when, torch_seen in (("first", False),) + ((("late", True),) if arch == "gpt2" else ()):
-        run = subprocess.run([sys.executable, "-c", HIDDEN, path, when, TEXT], capture_output=True, text=True)
+    archs = {"first": ["llama", "qwen2", "gpt2"], "late": ["gpt2"]}
+    for when, torch_seen in (("first", False), ("late", True)):
+        paths = [tiny_models(arch) for arch in archs[when]]
+        run = subprocess.run([sys.executable, "-c", HIDDEN, when, TEXT, *paths], capture_output=True, text=True)
         assert run.returncode == 0, run.stderr[-2000:]
         got = json.loads(run.stdout.strip().splitlines()[-1])
         assert got["torch_for_transformers"] is torch_seen
         assert got["torch_works"] == 3.0 and got["torch_is_real"]
-        assert got["type"] == type(theirs).__name__ and got["ids"] == theirs.encode(TEXT)
-        assert got["text"] == theirs.decode(theirs.encode(TEXT)) and got["special"] == theirs.all_special_ids
-        want_chat = theirs.apply_chat_template(
-            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-        )
-        assert got["chat"] == want_chat
+        for path in paths:
+            theirs, ours = AutoTokenizer.from_pretrained(path, local_files_only=True), got["facts"][path]
+            assert ours["type"] == type(theirs).__name__ and ours["ids"] == theirs.encode(TEXT), path
+            assert ours["text"] == theirs.decode(theirs.encode(TEXT)) and ours["special"] == theirs.all_special_ids
+            want_chat = theirs.apply_chat_template(
+                [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+            )
+            assert ours["chat"] == want_chat, path
