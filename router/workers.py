@@ -180,8 +180,8 @@ class WorkerRegistry:
 
     async def _check_forever(self) -> None:
         """Every worker each --health-check-interval; a starting one (Worker.starting) also every
-        STARTING_CHECK_S in between. Only a starting worker is checked early: the others' failed checks
-        open circuits, whose pace --health-check-interval and --circuit-failures set."""
+        STARTING_CHECK_S in between. Only a starting worker is checked early, and an early check's failure
+        is not counted: circuits keep the pace --health-check-interval and --circuit-failures set."""
         next_all = time.monotonic() + self.config.health_check_interval
         while True:
             now = time.monotonic()
@@ -193,9 +193,11 @@ class WorkerRegistry:
                 next_all = time.monotonic() + self.config.health_check_interval
                 await self.check_all()
             else:
-                await asyncio.gather(*(self._check(w) for w in starting if w.url in self.workers))
+                await asyncio.gather(*(self._check(w, early=True) for w in starting if w.url in self.workers))
 
-    async def _check(self, w: Worker) -> None:
+    async def _check(self, w: Worker, early: bool = False) -> None:
+        """`early`: a starting worker's check between two intervals: its failure is not counted (the
+        interval's checks alone pace circuits and the unresponsive callback)."""
         timeout = self.config.health_check_timeout
         sent = time.monotonic()
         try:
@@ -209,7 +211,7 @@ class WorkerRegistry:
             if w.serving:
                 log.warning("%s %s failed its health check", w.role, w.url)
             w.serving = False
-            if w.seen:  # (a server still starting, e.g. under `pdserve up`, which starts the router first)
+            if w.seen and not early:  # (never seen: a server still starting, e.g. under `pdserve up`)
                 self.record(w.url, ok=False)
                 if w.failures >= self.config.circuit_failures:
                     self.on_unresponsive(w.role, w.url)

@@ -155,7 +155,7 @@ def dequantize_many(data: np.ndarray, ggml_type) -> np.ndarray:
     NOTE why: gguf dequantizes in groups of 16 rows, a numpy round trip each (SmolLM2's Q4_1: 12,816
     groups, 1.4 s of its 2.1 s); a row holds whole blocks, so ROWS_A_CALL consecutive rows' bytes are a
     row of whole blocks too, dequantized by the same code in a 64th of the calls. Memory stays bounded
-    (a group is 1,024 rows). Values unchanged (tests/test_gguf_weights.py)."""
+    (a group is 1,024 rows). Values unchanged (tests/test_gguf.py)."""
     from gguf.quants import dequantize
 
     if data.ndim != 2 or data.dtype != np.uint8 or data.shape[0] < ROWS_A_CALL:
