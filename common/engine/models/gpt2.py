@@ -120,7 +120,10 @@ class GPT2Model(nn.Module):
     def __init__(self, a: GPT2Arch, tp: TPGroup):
         super().__init__()
         self.wte = VocabParallelEmbedding(a.vocab_size, a.hidden, tp)
-        self.wpe = nn.Embedding(a.max_positions, a.hidden)  # replicated
+        # NOTE: given its weight, nn.Embedding skips its random init: on meta (the loader builds models
+        # there) init.normal_ runs through torch's Python references, whose first use imports
+        # torch._dynamo, sympy and FSDP: 5 s of a GPU server's start-up where nothing is cached.
+        self.wpe = nn.Embedding(a.max_positions, a.hidden, _weight=torch.empty(a.max_positions, a.hidden))  # replicated
         self.h = nn.ModuleList(GPT2Block(a, i, tp) for i in range(a.num_layers))
         self.ln_f = nn.LayerNorm(a.hidden, eps=a.eps)
 

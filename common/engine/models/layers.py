@@ -66,12 +66,15 @@ def merge_linears(*linears: nn.Module) -> nn.Module:
         return Fp8Linear.merge(list(linears))
     if isinstance(first, Fp8BlockLinear):
         return Fp8BlockLinear.merge(list(linears))
-    merged = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None)
-    merged = merged.to(device=first.weight.device, dtype=first.weight.dtype)
+    # NOTE: made on meta, then given the joined weights: a Linear made in memory draws random weights
+    # first (kaiming_uniform_ on the host CPU, in fp32): 5.8 s of Llama-1B's start-up on an H200 host.
+    out_features = sum(m.out_features for m in linears)
+    merged = nn.Linear(first.in_features, out_features, bias=first.bias is not None, device="meta")
+    keep = first.weight.requires_grad
     with torch.no_grad():
-        merged.weight.copy_(torch.cat([m.weight for m in linears]))
+        merged.weight = nn.Parameter(torch.cat([m.weight for m in linears]), requires_grad=keep)
         if first.bias is not None:
-            merged.bias.copy_(torch.cat([m.bias for m in linears]))
+            merged.bias = nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=keep)
     return merged
 
 

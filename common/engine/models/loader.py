@@ -27,6 +27,7 @@ from pdserve.common.engine.models import MODEL_REGISTRY, fp8, fp8_block
 from pdserve.common.engine.models.gguf_weights import GGUFWeights
 from pdserve.common.engine.models.gpt2 import TRANSPOSED
 from pdserve.common.engine.models.parallel import Shard
+from pdserve.common.engine.models.staging import PinnedStaging
 from pdserve.common.engine.tp import TPGroup
 from pdserve.common.gguf_checkpoint import gguf_file
 from pdserve.common.model_checks import KV_SCALE_SUFFIXES, checkpoint_quantization, checkpoint_weight_block
@@ -136,6 +137,16 @@ def _fp8_layers(model_path: str, cfg: dict) -> list[str]:
 
 def _load_weights(model: torch.nn.Module, model_path: str, cfg: dict) -> None:
     params = dict(model.named_parameters())  # tied weights appear once, under the first name
+    device = next(iter(params.values())).device
+    staging = PinnedStaging(device) if device.type == "cuda" else None
+    try:
+        _copy_weights(params, model, model_path, cfg, staging)
+    finally:
+        if staging is not None:
+            staging.finish()
+
+
+def _copy_weights(params: dict, model: torch.nn.Module, model_path: str, cfg: dict, staging) -> None:
     is_gpt2 = "GPT2LMHeadModel" in cfg.get("architectures", [])
     loaded: set[str] = set()
     for path, f in checkpoint_sources(model_path, cfg):
@@ -167,7 +178,10 @@ def _load_weights(model: torch.nn.Module, model_path: str, cfg: dict) -> None:
             if tensor.shape != params[name].shape:
                 raise ValueError(f"weight {key!r}: shape {tuple(tensor.shape)} != {tuple(params[name].shape)}")
             with torch.no_grad():
-                params[name].copy_(tensor)
+                if staging is not None:
+                    staging.copy(params[name], tensor)
+                else:
+                    params[name].copy_(tensor)
             loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
