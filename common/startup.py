@@ -90,3 +90,24 @@ def read_phases(report_path: str) -> list[dict]:
     except FileNotFoundError:
         return []
     return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+
+
+def uncached_bytecode_hint(package: str = "torch") -> str:
+    """A line for `pdserve up` when every server process compiles `package`'s Python source at start: the
+    package holds no bytecode and Python may not write any (PYTHONDONTWRITEBYTECODE, a read-only install);
+    "" otherwise. On an H200 host set up that way each server's imports took 3.2-4.3 s, 1.5-1.8 s once
+    compiled (docs/benchmarks/startup-and-small-models.md). Found without importing the package."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return ""
+    cached = importlib.util.cache_from_source(spec.origin)
+    where = os.path.dirname(spec.origin)
+    if os.path.exists(cached) or (not sys.dont_write_bytecode and os.access(where, os.W_OK)):
+        return ""
+    return (
+        f"note: {package} has no compiled bytecode here and Python writes none, so each server compiles it at every "
+        f"start (~2 s): `python -m compileall -q {where}` once (or install with `uv pip install --compile-bytecode`)"
+    )

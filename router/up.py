@@ -25,6 +25,7 @@ from typing import Callable
 from pdserve.common.config import short_model_name
 from pdserve.common.lifetime import parent_death_signal_setter
 from pdserve.common.ports import free_port
+from pdserve.common.startup import uncached_bytecode_hint
 from pdserve.common.trust import RECONNECT_OPTIONS
 from pdserve.router.gpu_sharing import (
     DEFAULT_SM_SHARES,
@@ -298,6 +299,9 @@ def up(
             f"pdserve is up after {time.monotonic() - started_at:.1f} s: {base}  (model {name}: {model_path}; "
             f"prefill {' '.join(prefill) or 'none'}; decode {' '.join(decode)})"
         )
+        hint = uncached_bytecode_hint()
+        if hint:
+            print(hint)
         print("metrics: " + ", ".join(f"{who} {url}" for who, url in [("router", base + "/metrics"), *metrics.items()]))
         key = f" -H 'Authorization: Bearer {passthrough.api_key}'" if passthrough.api_key else ""
         body = {"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}

@@ -1,7 +1,9 @@
 """A server's start-up phases (common/startup.py): timed as they end, appended to the report file at
 once, read back by `pdserve up` to start the next server on a shared GPU (router/up.py)."""
 
+import compileall
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -92,7 +94,28 @@ def test_building_and_fusing_a_model_draws_no_weights_and_imports_no_compiler_st
         f"    path = make_tiny_model({str(tmp_path)!r} + '/' + arch, arch, seed=0)\n"
         "    drawn.clear()\n"
         "    load_model(str(path), torch.float32, 'cpu').fuse()\n"
-        "    print(arch, *drawn, *(m for m in ('torch._dynamo', 'sympy', 'torch.distributed.fsdp') if m in sys.modules))\n"
+        "    stack = ('torch._dynamo', 'sympy', 'torch.distributed.fsdp')\n"
+        "    print(arch, *drawn, *(m for m in stack if m in sys.modules))\n"
     )
     built = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
     assert built.stdout.split("\n")[:-1] == ["llama", "qwen2", "qwen3", "mistral", "gpt2"], built.stdout
+
+
+def test_pdserve_up_names_a_package_compiled_at_every_start(tmp_path):
+    package = tmp_path / "slowpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("VALUE = 1\n")
+    ask = "from pdserve.common.startup import uncached_bytecode_hint as h; print(h('slowpkg') or '-')"
+
+    def hint(**env) -> str:
+        environ = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | env
+        environ["PYTHONPATH"] = os.pathsep.join([str(tmp_path), environ.get("PYTHONPATH", "")])
+        return subprocess.run(
+            [sys.executable, "-c", ask], capture_output=True, text=True, check=True, env=environ
+        ).stdout.strip()
+
+    said = hint(PYTHONDONTWRITEBYTECODE="1")
+    assert said.startswith("note: slowpkg has no compiled bytecode") and f"compileall -q {package}" in said
+    assert hint() == "-"  # Python will write it on the first import
+    compileall.compile_dir(str(package), quiet=1)
+    assert hint(PYTHONDONTWRITEBYTECODE="1") == "-"

@@ -43,6 +43,7 @@ from pdserve.common.engine.overlap import ForwardResult, QueuedForward
 from pdserve.common.engine.sampling import SamplingBatchInfo, to_token_logprobs
 from pdserve.common.engine.speculative import step as speculative
 from pdserve.common.gc_tuning import tune_gc
+from pdserve.common.kv_transfer import early_agent
 from pdserve.common.kv_transfer.base import KVSide
 from pdserve.common.scheduling.batch import ForwardMode, ScheduleBatch
 from pdserve.common.scheduling.output_processor import add_prompt_logprobs
@@ -52,9 +53,8 @@ from pdserve.common.types import Req, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# A failed collective: how long to look for the TP rank that died (tp_worker.check_alive). NOTE a killed
-# rank's sockets close a moment before its exit status can be read: looked at once, the engine raised
-# gloo's "Connection closed by peer" instead of "TP rank 1 exited".
+# A failed collective: how long to look for the dead TP rank (tp_worker.check_alive). NOTE its sockets close before
+# its exit status can be read (looked at once: gloo's "Connection closed by peer", not "TP rank 1 exited").
 DEAD_PEER_GRACE_S = 2.0
 
 
@@ -90,8 +90,8 @@ class EngineCore:
         runs a KV transfer agent named after `kv_agent_name` (common/kv_transfer/rank_duty.py), a sender's
         reaching peers by `kv_transfer_path` (common/kv_transfer/direct.py TransferPath). `warm_grammars`:
         make structured output's machinery during start-up (a server's; common/engine/grammar_startup.py)."""
-        self.config = config.resolve()
-        startup.mark("config")  # (apart from the tokenizer: the two took 8-12 s on the GPU hosts, not yet split)
+        self.config, self.kv_agent_name = config.resolve(), kv_agent_name
+        startup.mark("config")
         self.tokenizer = load_tokenizer(self.config.model_path)
         self.eos_token_ids = eos_token_ids(self.config.model_path, self.tokenizer)
         startup.mark("tokenizer")
@@ -108,6 +108,8 @@ class EngineCore:
             # Stops them with the engine (garbage-collected, or at exit) unless close() came first.
             weakref.finalize(self, self.tp_workers.close)
             startup.mark("tp_ranks")
+        if kv_side is not None:  # its NIXL agent: made on a thread while the model loads (on CUDA: early_agent.py)
+            early_agent.start(kv_agent_name, self.tp_workers.group.device if self.tp_workers else self.config.device)
         try:
             self.runner = ModelRunner(
                 self.config,
@@ -136,8 +138,7 @@ class EngineCore:
 
     @contextlib.contextmanager
     def closed_on_error(self):
-        """A role's construction step: on any failure, close what the engine has opened (kill the
-        TP ranks), then raise."""
+        """A role's construction step: on any failure, close what the engine opened (kill the TP ranks), then raise."""
         try:
             yield
         except BaseException:
@@ -159,6 +160,7 @@ class EngineCore:
 
     def close(self, kill: bool = False) -> None:
         """Stop the other TP ranks (nothing to do with tp = 1). The engine is unusable after."""
+        early_agent.discard(self.kv_agent_name)  # (a start that failed before its KV agents opened)
         if self.tp_workers is not None:
             if not kill and not self.tp_workers.closed and getattr(self, "runner", None) is not None:
                 self.runner.release_graphs()  # before the communicators they captured end
@@ -200,8 +202,7 @@ class EngineCore:
         return self._grammars.get()
 
     def _after_queued_copies(self):
-        """An event on the forward stream after everything queued on it so far (the grammar
-        masks' copies among it)."""
+        """An event on the forward stream after everything queued on it so far (grammar masks' copies)."""
         streams = self.runner.streams
         event = streams.event()
         event.record(streams.forward_stream)
@@ -252,8 +253,7 @@ class EngineCore:
     # ---- the steps every loop calls ------------------------------------------------------------
 
     def recv_requests(self) -> list:
-        """The channel's messages; blocks (briefly) only when there is nothing to run. A server
-        whose TP rank died stops here (RuntimeError), busy or idle."""
+        """The channel's messages; blocks (briefly) only when nothing runs. A server whose TP rank died stops here."""
         if self.tp_workers is not None:
             self.tp_workers.check_alive_now_and_then(time.monotonic())
         return self.channel.recv(block=not self.busy()) if self.channel is not None else []

@@ -18,10 +18,10 @@ import logging
 import os
 
 import nixl._bindings as nixl_bindings
-from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
+from nixl._api import nixl_agent, nixl_xfer_handle
 
 from pdserve.common.engine.kv_pool import PagedKVPool
-from pdserve.common.kv_transfer import faults
+from pdserve.common.kv_transfer import early_agent, faults
 from pdserve.common.kv_transfer.base import KVLayout, KVTransferAgent, KVTransferError, TransferHandle, TransferState
 from pdserve.common.kv_transfer.direct import (
     DirectHandle,
@@ -35,6 +35,7 @@ from pdserve.common.kv_transfer.direct import (
     share_buffers,
     unregister_local_pool,
 )
+from pdserve.common.kv_transfer.early_agent import SGL_ENV
 from pdserve.common.kv_transfer.integrity import kv_checksum
 from pdserve.common.kv_transfer.notif import with_checksum
 from pdserve.common.kv_transfer.pages import check_pages, coalesce_runs, one_run, page_rows, run_descriptors
@@ -51,7 +52,6 @@ _NIXL_ERRORS = tuple(
     if name.startswith("nixl") and name.endswith("Error") and isinstance(cls, type) and issubclass(cls, Exception)
 )
 
-SGL_ENV = "NIXL_UCX_SGL_ENABLE"
 
 _XFER_STATES = {"DONE": TransferState.DONE, "PROC": TransferState.IN_PROGRESS}
 
@@ -95,19 +95,11 @@ class NixlKVAgent(KVTransferAgent):
         self._k_addrs = tuple(b.data_ptr() for b in kv_pool.k_storage)
         self._v_addrs = tuple(b.data_ptr() for b in kv_pool.v_storage)
 
-        # NOTE: NIXL's progress thread busy-polls UCX: a whole core per agent, idle or not. GPU
-        # agents keep it (transfers progress while the loop launches kernels; its cost on a GPU
-        # node was not measured without it). DRAM agents (CPU servers: tests, laptops) run
-        # without it: UCX then progresses only when this agent is polled, so whoever waits for a
-        # transfer must poll both ends (the servers' loops do, every iteration, while any
-        # transfer or reservation is open).
-        config = nixl_agent_config(enable_prog_thread=device.type == "cuda", backends=[backend])
-        # UCX scatter-gather: a WRITE's descriptors go to UCX as one operation, not one each
-        # (docs/benchmarks/transfers.md, "UCX scatter-gather": posting a GPT-2 request's 24
-        # descriptors fell from 177 to 29 us on two H200s). NIXL reads the variable when it makes
-        # its UCX engine, below; an operator's own value (0 turns it off) wins.
-        os.environ.setdefault(SGL_ENV, "1")
-        self._agent: nixl_agent | None = nixl_agent(name, config)
+        # (its configuration, the progress thread's and UCX scatter-gather's: early_agent.agent_config; a GPU
+        # server's agent was begun on a thread while its model loaded)
+        self._agent: nixl_agent | None = early_agent.take(name) or nixl_agent(
+            name, early_agent.agent_config(device, backend)
+        )
         if backend not in self._agent.backends:
             # nixl_agent only logs a warning for a missing plugin; registration would then fail obscurely.
             raise KVTransferError(
