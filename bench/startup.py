@@ -2,7 +2,8 @@
 
     python3 -m pdserve.bench.startup [--model-path PATH] [--starts 3] [-- any other `pdserve up` flags]
 
-Each start is a fresh `pdserve up --device cpu` (or `--device cuda`) (the default model without --model-path) on a free
+Each start is a fresh `pdserve up --device auto` (what a plain `pdserve up` runs: the GPUs when there
+are, else the CPU; `--device cpu` / `cuda` to choose; the default model without --model-path) on a free
 port, stopped with Ctrl-C once it prints that it is up. Printed per start: "is up after" (the command's
 own clock), then the median over the starts of each engine's phases (the servers' "Engine started"
 lines: imports, tokenizer, weights, ...). The first start fills the host caches (converted tokenizer,
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m pdserve.bench.startup", description=__doc__.split("\n")[0])
     parser.add_argument("--model-path", default=None, help="default: pdserve up's default model")
     parser.add_argument("--starts", type=int, default=3)
-    parser.add_argument("--device", default="cpu", help="pdserve up's --device (cpu, cuda).")
+    parser.add_argument("--device", default="auto", help="pdserve up's --device (auto, cpu, cuda).")
     args, rest = parser.parse_known_args(argv)
     flags = (["--model-path", args.model_path] if args.model_path else []) + [f for f in rest if f != "--"]
     ups, runs = [], []

@@ -364,6 +364,11 @@ def test_gpus_are_counted_by_the_driver_without_torch(monkeypatch):
 
     monkeypatch.setattr(ctypes, "CDLL", no_driver)
     assert config.driver_device_count() is None
+    monkeypatch.setattr(config, "ROCM_DEVICE", "/nonexistent/kfd")
+    assert config.cuda_device_count() == 0  # no driver at all: no torch asked (it would fail here)
+    monkeypatch.setattr(config, "ROCM_DEVICE", "/")  # (a path that exists): a ROCm machine asks torch
+    with pytest.raises(ImportError):
+        config.cuda_device_count()
 
 
 def test_the_kv_path_of_each_pair_follows_the_placement_and_the_flag():
