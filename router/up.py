@@ -27,6 +27,7 @@ from pdserve.common.lifetime import parent_death_signal_setter
 from pdserve.common.ports import free_port
 from pdserve.common.startup import uncached_bytecode_hint
 from pdserve.common.trust import RECONNECT_OPTIONS
+from pdserve.router.config import default_workers
 from pdserve.router.gpu_sharing import (
     DEFAULT_SM_SHARES,
     GpuSharing,
@@ -290,8 +291,10 @@ def up(
             )
         )
         start_servers(plan, command, lambda server: sharing.server_env(server, visible), procs, run_dir, ports)
-        # NOTE: /readiness is answered by one router worker (READY_MARGIN_S: the others' checks).
-        time.sleep(READY_MARGIN_S)
+        # NOTE: /readiness is answered by one router worker (READY_MARGIN_S: the others' checks); a
+        # router of one process answers from the only view there is.
+        if (router_workers or default_workers()) > 1:
+            time.sleep(READY_MARGIN_S)
         base = f"http://{host}:{port}"
         _wait_ready(base + "/readiness", procs)
         name = passthrough.served_model_name or short_model_name(model_path)
