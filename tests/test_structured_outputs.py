@@ -90,8 +90,7 @@ def servers(request, tiny_models, tmp_path_factory):
 
 def grammar_workers(pid: int) -> list[psutil.Process]:
     """The grammar worker processes under process `pid` (a server: its scheduler process's children)."""
-    children = psutil.Process(pid).children(recursive=True)
-    return [p for p in children if "pdserve.common.engine.grammar_worker" in " ".join(p.cmdline())]
+    return [p for p in psutil.Process(pid).children(recursive=True) if p.name() == "pdserve-grammar"]
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +113,8 @@ def test_structured_output_is_ready_before_the_servers_are(servers):
         names = [p["phase"] for p in phases]
         assert "grammars" in names and names.index("grammars") < names.index(READY), (role, names)
         assert len(workers) == 1 and workers[0].is_running(), (role, workers)
+        # forked from the scheduler process with torch imported, not spawned (common/engine/grammar_prefork.py)
+        assert workers[0].cmdline() == workers[0].parent().cmdline(), (role, workers[0].cmdline())
 
 
 def test_greedy_structured_output_equals_the_offline_engines(stack, make_engine):

@@ -25,6 +25,7 @@ import threading
 from concurrent.futures import Future
 
 from pdserve.common.config import EngineConfig, read_hf_config
+from pdserve.common.engine import grammar_prefork
 from pdserve.common.engine.grammar import Grammars
 from pdserve.common.engine.grammar_worker import GrammarWorker, fill_threads
 
@@ -42,7 +43,8 @@ class GrammarsAtStart:
             self._made = Future()
             # NOTE the worker is spawned here, on the engine's thread: it dies with the thread that
             # spawned it (GrammarWorker), and the start-up's thread ends.
-            worker = GrammarWorker(fill_threads())
+            # (a server's scheduler process forked it at its start: common/engine/grammar_prefork.py)
+            worker = GrammarWorker(fill_threads(), forked=grammar_prefork.take())
             # (a daemon thread: an engine whose start fails is not kept from exiting by it)
             threading.Thread(target=self._warm, args=(worker,), name="grammar-startup", daemon=True).start()
 

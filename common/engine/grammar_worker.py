@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 
@@ -59,18 +59,24 @@ REPLY_TIMEOUT_S = 120.0  # a step is milliseconds; the first one waits for the w
 class GrammarWorker:
     """The parent's side: starts the worker process and speaks to it (the event loop's thread)."""
 
-    def __init__(self, threads: int):
-        """Spawn the worker (it imports torch and xgrammar meanwhile: seconds); `describe` follows.
+    def __init__(self, threads: int, forked: tuple | None = None):
+        """Spawn the worker (it imports torch and xgrammar meanwhile: seconds), or adopt the one
+        forked at the process's start (`forked`: common/engine/grammar_prefork.py's take()); `describe`
+        follows.
 
         NOTE the worker is killed when the *thread* that spawned it exits (it dies with its parent:
         Linux's PR_SET_PDEATHSIG follows the spawning thread, not the process): spawn it on one that
         lives as long as the engine, never on a helper thread (common/engine/grammar_startup.py)."""
         self.threads = threads
-        ours, theirs = socket.socketpair()
-        args = {"parent": os.getpid(), "fd": theirs.fileno(), "threads": threads}
-        self.process = subprocess.Popen([sys.executable, "-m", __name__, json.dumps(args)], pass_fds=[theirs.fileno()])
-        theirs.close()
-        self.conn = Connection(ours.detach())
+        if forked is not None:
+            self.process, self.conn = forked
+        else:
+            ours, theirs = socket.socketpair()
+            args = {"parent": os.getpid(), "fd": theirs.fileno(), "threads": threads}
+            cmd = [sys.executable, "-m", __name__, json.dumps(args)]
+            self.process = subprocess.Popen(cmd, pass_fds=[theirs.fileno()])
+            theirs.close()
+            self.conn = Connection(ours.detach())
         self.tokenizer_file = ""
         self.words = 0
         self.pinned = False
@@ -227,11 +233,26 @@ def _register(masks: torch.Tensor) -> None:
 # ---- the worker process ----------------------------------------------------------------------
 
 
+def attach(name: str) -> mmap.mmap:
+    """The parent's shared block `name`, mapped. NOTE not through SharedMemory: attaching registers the
+    block with this process's resource tracker (bpo-38119), which would unlink it when this process
+    exits, and a forked worker shares its parent's tracker, where unregistering it again would drop
+    the parent's own registration. The parent owns the block (Linux: POSIX shared memory is /dev/shm)."""
+    fd = os.open(os.path.join("/dev/shm", name.lstrip("/")), os.O_RDWR)
+    try:
+        return mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+
+
 def main(args: dict) -> None:
-    from pdserve.common.lifetime import die_with_parent
+    from pdserve.common.lifetime import die_with_parent, name_process
 
     die_with_parent(args["parent"])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s grammar worker: %(message)s")
+    name_process(b"pdserve-grammar")  # what `ps` and `top` show (a forked worker shows its parent's command)
+    forked = args.get("forked", False)  # (its parent's logging configured already: replaced)
+    form = "%(asctime)s %(levelname)s grammar worker: %(message)s"
+    logging.basicConfig(level=logging.INFO, format=form, force=forked)
     torch.set_num_threads(1)
     conn = Connection(args["fd"])
     from pdserve.common.torch_free import transformers_without_torch
@@ -259,7 +280,7 @@ def main(args: dict) -> None:
     accept_batch = _core.BatchGrammarMatcher.batch_accept_token
     compiled: dict[int, object] = {}  # key -> Future of the CompiledGrammar
     matchers: dict[int, object] = {}  # id -> GrammarMatcher, or the reason it could not be made
-    shm, masks = None, None
+    block, masks = None, None
 
     def compile_one(kind: str, spec: str):
         return compiler.compile_grammar(grammar_source(xgr, kind, spec))
@@ -289,17 +310,14 @@ def main(args: dict) -> None:
             compiled.pop(message["key"], None)  # (its matchers keep what they use)
             continue
         if op == "buffers":
-            if shm is not None:
+            if block is not None:
                 masks = None
                 try:
-                    shm.close()
+                    block.close()
                 except BufferError:
                     pass
-            shm = SharedMemory(name=message["name"])
-            # NOTE attaching registers the block with this process's resource tracker too, which
-            # would unlink it when this process exits (bpo-38119): the parent owns it.
-            resource_tracker.unregister(shm._name, "shared_memory")
-            masks = torch.frombuffer(shm.buf, dtype=torch.int32).view(BUFFERS, message["rows"], -1)
+            block = attach(message["name"])
+            masks = torch.frombuffer(block, dtype=torch.int32).view(BUFFERS, message["rows"], -1)
             continue
         try:
             refused: list = []

@@ -98,6 +98,13 @@ def run_scheduler(make_engine, server: ServerConfig, to_scheduler: str, to_front
     if parent is not None:  # (None: called in-process, by a test)
         die_with_parent(parent.pid)  # even when stuck in native code
         transformers_without_torch()  # the tokenizer without transformers' model stack (common/torch_free.py)
+        if not server.disable_grammar_warmup:
+            # NOTE here, before this process has a second thread (zmq's below, the engine's): the
+            # worker forks with torch imported (common/engine/grammar_prefork.py).
+            from pdserve.common.engine import grammar_prefork
+            from pdserve.common.engine.grammar_worker import fill_threads, main
+
+            grammar_prefork.prefork(main, fill_threads())
     if server.torch_threads:
         import torch
 
