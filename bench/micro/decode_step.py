@@ -152,12 +152,22 @@ def main() -> None:
         action="store_true",
         help="The LM head from a float8 copy (the engine's flag): the floor counts it.",
     )
+    ap.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="Launch every kernel without programmatic dependent launch (common/engine/pdl.py): slower, but "
+        "--profile's kernel times are then each kernel's own (under PDL they include its wait for the one before).",
+    )
     ap.add_argument("--json", help="Also write the result here.")
     ap.add_argument(
         "--profile", action="store_true", help="Also print the CUDA kernels of one more run, by total time."
     )
     args = ap.parse_args()
 
+    if args.no_pdl:
+        from pdserve.common.engine import pdl
+
+        pdl.ENABLED = False  # (before the engine captures its graphs)
     path = model_path_from_args(args)
     bs, ctx = max(args.batch_size), args.input_len + args.output_len
     engine = Engine(
@@ -249,6 +259,7 @@ def measure(timer: StepTimer, args, path, bs: int) -> dict:
         "quantization": engine.config.quantization or "none",
         "kv_cache_dtype": args.kv_cache_dtype,
         "fp8_lm_head": args.fp8_lm_head,
+        "pdl": not args.no_pdl,
     }
     return result
 
