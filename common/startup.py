@@ -29,8 +29,8 @@ class StartupClock:
         the first phase counts the interpreter's start and the imports before the clock existed."""
         self.report_path, self.gpu_after, self.timeout_s = report_path, gpu_after, timeout_s
         self.phases: dict[str, float] = {}
-        self._last = time.perf_counter()
-        self._began = self._last - process_age()
+        self._began = time.perf_counter() - process_age()
+        self._last = self._began  # (the first phase from the process's start: it was missing from the breakdown)
 
     def before_gpu(self) -> None:
         """Called by the engine before its first use of the GPU: with `gpu_after`, wait (phase
