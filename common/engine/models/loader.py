@@ -2,7 +2,9 @@
 
 With tensor parallelism each rank builds its shard of the model and reads only its slices of the
 checkpoint (safetensors slices: `tp_shards` on the parallel layers, models/parallel.py). A GGUF file
-is read through GGUFWeights (models/gguf_weights.py), which offers the same keys, shapes and slices.
+is read through GGUFWeights (models/gguf_weights.py), which offers the same keys, shapes and slices;
+what a whole load dequantized is saved for the next start, which reads it as safetensors
+(models/gguf_cache.py).
 
 FP8 weights (models/fp8.py, models/fp8_block.py): an FP8 checkpoint's layers become Fp8Linears (or
 Fp8BlockLinears, block-wise checkpoints) before its tensors are read (float8 weights and their
@@ -23,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.common.config import read_hf_config
-from pdserve.common.engine.models import MODEL_REGISTRY, fp8, fp8_block
+from pdserve.common.engine.models import MODEL_REGISTRY, fp8, fp8_block, gguf_cache
 from pdserve.common.engine.models.gguf_weights import GGUFWeights
 from pdserve.common.engine.models.gpt2 import TRANSPOSED
 from pdserve.common.engine.models.parallel import Shard
@@ -77,7 +79,7 @@ def load_model(
     # whose first use imports sympy (0.4 s of every server's start-up). Same storage, by shape and dtype.
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
-    _load_weights(model, model_path, cfg)
+    _load_weights(model, model_path, cfg, dtype, save_gguf=tp.size == 1)
     if quantization and not fp8_checkpoint:
         block = quantization == "fp8-block"
         fp8.quantize_linears(model, fp8_block.Fp8BlockLinear.quantize if block else fp8.Fp8Linear.quantize)
@@ -102,10 +104,16 @@ def _checkpoint_files(model_path: str) -> list[str]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_path}")
 
 
-def checkpoint_sources(model_path: str, cfg: dict) -> Iterator[tuple[str, object]]:
-    """(file, its tensors) for each weight file: a safetensors handle, or a GGUF file's GGUFWeights."""
+def checkpoint_sources(model_path: str, cfg: dict, dtype: torch.dtype | None = None) -> Iterator[tuple[str, object]]:
+    """(file, its tensors) for each weight file: a safetensors handle, or a GGUF file's GGUFWeights —
+    or, given the model's `dtype`, that file's weights saved dequantized in it (models/gguf_cache.py)."""
     gguf = gguf_file(model_path)
     if gguf is not None:
+        saved = gguf_cache.saved_weights(gguf, dtype) if dtype is not None else None
+        if saved is not None:
+            with safe_open(saved, framework="pt") as f:
+                yield saved, f
+            return
         yield gguf, GGUFWeights(gguf, cfg)
         return
     for path in _checkpoint_files(model_path):
@@ -135,21 +143,27 @@ def _fp8_layers(model_path: str, cfg: dict) -> list[str]:
     return names
 
 
-def _load_weights(model: torch.nn.Module, model_path: str, cfg: dict) -> None:
+def _load_weights(model: torch.nn.Module, model_path: str, cfg: dict, dtype: torch.dtype, save_gguf: bool) -> None:
+    """`save_gguf`: a GGUF file read whole (not a TP rank's shard) is saved dequantized for the next start."""
     params = dict(model.named_parameters())  # tied weights appear once, under the first name
     device = next(iter(params.values())).device
     staging = PinnedStaging(device) if device.type == "cuda" else None
     try:
-        _copy_weights(params, model, model_path, cfg, staging)
+        _copy_weights(params, model, model_path, cfg, staging, dtype, save_gguf)
     finally:
         if staging is not None:
             staging.finish()
 
 
-def _copy_weights(params: dict, model: torch.nn.Module, model_path: str, cfg: dict, staging) -> None:
+def _copy_weights(
+    params: dict, model: torch.nn.Module, model_path: str, cfg: dict, staging, dtype: torch.dtype, save_gguf: bool
+) -> None:
     is_gpt2 = "GPT2LMHeadModel" in cfg.get("architectures", [])
     loaded: set[str] = set()
-    for path, f in checkpoint_sources(model_path, cfg):
+    writer = None
+    for path, f in checkpoint_sources(model_path, cfg, dtype):
+        if isinstance(f, GGUFWeights) and save_gguf:
+            writer = gguf_cache.WeightsWriter(path, dtype)
         for key in f.keys():
             if key.endswith(_IGNORED_SUFFIXES):
                 continue
@@ -165,6 +179,8 @@ def _copy_weights(params: dict, model: torch.nn.Module, model_path: str, cfg: di
             if name.endswith(".weight_scale") and math.prod(f.get_slice(key).get_shape()) == 1:
                 shard = None  # a per-tensor scale: every rank's rows share it
             tensor = _read(f, key, shard, transposed, params[name])
+            if writer is not None:  # (the checkpoint's own layout: GPT-2's Conv1D back to [in, out])
+                writer.add(key, tensor.t() if transposed else tensor, params[name].dtype)
             if name.endswith(".weight_scale") and params[name].dim() == 2:  # block scales, as stored
                 tensor = tensor.float()
             elif name.endswith(".weight_scale"):
@@ -186,6 +202,8 @@ def _copy_weights(params: dict, model: torch.nn.Module, model_path: str, cfg: di
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_path} lacks weights: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    if writer is not None:
+        writer.finish()
 
 
 def _shard_of(model: torch.nn.Module, name: str) -> Shard | None:
