@@ -51,7 +51,9 @@ def no_dequantizing(monkeypatch):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])  # (gpt2: Conv1D tensors, stored transposed in the file)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_second_load_reads_the_saved_weights_and_gives_the_same_model(arch, dtype, tiny_gguf, own_cache, monkeypatch):
+def test_the_second_load_reads_the_saved_weights_and_gives_the_same_model(
+    arch, dtype, tiny_gguf, own_cache, monkeypatch
+):
     path = tiny_gguf(arch)
     first = state(load_model(path, dtype, "cpu"))
     assert len(entries(own_cache)) == 1
