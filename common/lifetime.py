@@ -35,21 +35,23 @@ def set_parent_death_signal(sig: int) -> None:
 def parent_death_signal_setter(sig: int):
     """A function that does set_parent_death_signal(sig), with libc loaded now: safe to call in a
     child between fork and exec (Popen's preexec_fn), where loading a library could deadlock."""
-    prctl = None
-    if sys.platform.startswith("linux"):
-        try:
-            prctl = ctypes.CDLL(None, use_errno=True).prctl
-        except (OSError, AttributeError):
-            pass
+    prctl = _prctl()
     return (lambda: prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)) if prctl is not None else (lambda: None)
 
 
 def name_process(name: bytes) -> None:
     """Set this process's name as `ps` and `top` show it (Linux's PR_SET_NAME: 15 bytes at most; a
     no-op elsewhere). For a forked child, whose command line is its parent's."""
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+
+
+def _prctl():
+    """libc's prctl (Linux), or None."""
     if not sys.platform.startswith("linux"):
-        return
+        return None
     try:
-        ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        return None

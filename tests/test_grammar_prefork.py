@@ -94,9 +94,9 @@ def test_a_forked_worker_dies_with_its_parent(tiny_models):
         proc.wait()
 
 
-def test_no_fork_beside_another_python_thread_and_an_untaken_worker_exits():
+def test_no_fork_beside_another_python_thread_and_a_closed_worker_exits():
     """With a Python thread running, prefork does nothing (the worker is spawned later, as before); a
-    forked worker that nobody takes exits when discarded."""
+    forked worker whose connection closes before it was told anything exits."""
     script = """
         import json, threading, time
         import torch
@@ -111,8 +111,8 @@ def test_no_fork_beside_another_python_thread_and_an_untaken_worker_exits():
         thread.join()
         assert grammar_prefork.prefork(main, 1)
         process, conn = grammar_prefork.take()
-        grammar_prefork._forked = (process, conn)
-        grammar_prefork.discard()
+        conn.close()
+        process.wait(timeout=30)
         print(json.dumps({"refused": refused, "code": process.returncode}))
     """
     proc = run_script(script)

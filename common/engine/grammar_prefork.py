@@ -2,7 +2,6 @@
 
     prefork(main, threads)  # run_scheduler, while the process has one thread: the worker forks now
     take()                  # (process, connection) for GrammarWorker to adopt, or None
-    discard()               # a start that never took it: the worker reads EOF and exits
 
 Why: spawned (`python -m ...grammar_worker`), each grammar worker starts an interpreter and imports
 torch, because xgrammar does (its matcher module, at import): on the 2-core CPU box ~2.5 s of CPU
@@ -108,15 +107,3 @@ def take() -> tuple[ForkedProcess, Connection] | None:
     global _forked
     forked, _forked = _forked, None
     return forked
-
-
-def discard() -> None:
-    """Close a forked worker nobody took: it reads EOF and exits."""
-    forked = take()
-    if forked is not None:
-        process, conn = forked
-        conn.close()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()

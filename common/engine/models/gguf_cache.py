@@ -1,8 +1,9 @@
 """A GGUF file's weights as the model loads them, dequantized once per host and kept in the cache.
 
     saved = saved_weights(gguf_path, dtype)      # a safetensors file of them, or None
-    writer = WeightsWriter(gguf_path, dtype)     # the loader hands it each whole tensor it read
-    writer.add(key, tensor); writer.finish(complete)
+    writer = WeightsWriter(gguf_path, dtype)     # the loader hands it each whole tensor it read:
+    writer.add(key, tensor, param_dtype)         # ... and once every weight is loaded:
+    writer.finish()
 
 Why: gguf's dequantize (numpy) is most of a GGUF server's start-up on a CPU: SmolLM2-135M's Q4_1,
 1.5-1.6 s (1.9-2.0 s of CPU) in each server's weights phase, the two servers of a `pdserve up` side by
@@ -103,10 +104,6 @@ class WeightsWriter:
             self.wanted, self.tensors = False, {}
             return
         self.tensors[key] = tensor.to(dtype=dtype, copy=True).contiguous()
-
-    def drop(self) -> None:
-        """A tensor was read in part (a TP rank's shard): nothing is saved."""
-        self.wanted, self.tensors = False, {}
 
     def finish(self) -> None:
         """Save what was collected (best effort: a load never fails for it)."""
