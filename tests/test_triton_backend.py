@@ -37,21 +37,19 @@ def test_triton_backend_greedy_matches_transformers(make_engine, tiny_models, ar
 def test_fused_model_path_greedy_matches_transformers(make_engine, tiny_models, arch, monkeypatch):
     """The CUDA fast path's model (merged projections, Triton RMSNorm / rotary / silu_mul /
     gelu kernels) with the Triton backend, through the interpreter: same greedy tokens.
-    Llama-family layers never call store_kv: a prefill rotates and stores K/V in one launch
-    (rope_store_kv), a decode step's attention launch rotates and stores them itself."""
+    Llama-family layers rotate and store K/V in one launch (rope_store_kv), never store_kv."""
     from pdserve.common.engine.attention import triton_backend
 
     calls = Counter()
 
     def counted(name, kernel):
-        def call(*args, **kwargs):
+        def call(*args):
             calls[name] += 1
-            calls[name + " with rope"] += kwargs.get("rope") is not None
-            return kernel(*args, **kwargs)
+            return kernel(*args)
 
         return call
 
-    for name in ("rope_store_kv", "store_kv", "decode_attention"):
+    for name in ("rope_store_kv", "store_kv"):
         monkeypatch.setattr(triton_backend, name, counted(name, getattr(triton_backend, name)))
     prompts = make_prompts(3, seed=8)
     expected = hf_greedy(tiny_models(arch), prompts, 6)
@@ -60,10 +58,9 @@ def test_fused_model_path_greedy_matches_transformers(make_engine, tiny_models, 
     params = SamplingParams(max_new_tokens=6, temperature=0)
     assert [c.output_ids for c in engine.generate(prompts, params)] == expected
     if arch == "gpt2":  # no rotary: the plain store
-        assert calls["rope_store_kv"] == 0 and calls["store_kv"] > 0 and calls["decode_attention with rope"] == 0
+        assert calls["rope_store_kv"] == 0 and calls["store_kv"] > 0
     else:
         assert calls["rope_store_kv"] > 0 and calls["store_kv"] == 0
-        assert calls["decode_attention with rope"] == calls["decode_attention"] > 0
 
 
 def test_cuda_graph_capture_sizes_cover_every_batch_up_to_the_max():

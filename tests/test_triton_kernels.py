@@ -231,57 +231,6 @@ def test_decode_stores_the_new_kv_in_the_same_launch(name, dtype):
     assert_close(out, reference_attention(case, scale, window), dtype)  # case now holds the stored pool
 
 
-@pytest.mark.parametrize(
-    "name,dtype,float8_pool",
-    [
-        ("mha", torch.float32, False),
-        ("gqa2-d24", torch.float16, False),  # head dims padded to the block: partners stay inside
-        ("gqa4-d40-many-splits", torch.float32, True),
-        ("gqa8-one-split", torch.float16, True),
-        ("gqa72-two-head-blocks", torch.float32, False),
-    ],
-)
-def test_decode_rotates_q_and_the_new_k_in_the_same_launch(name, dtype, float8_pool):
-    """rope=(positions, inv_freq): the attention launch applies rotary to q and k_new before it
-    stores and attends. Bitwise what rope_store_kv then an attention without its own store give:
-    the same output and the same pool; q and k_new are left as they were."""
-    from pdserve.common.engine.attention.triton_store import rope_store_kv
-    from pdserve.common.engine.models.layers import rope_inv_freq
-
-    heads, kv_heads, head_dim, page_size, window, splits, seq_lens = DECODE_CASES[name]
-    case = build_case(seq_lens, [1] * len(seq_lens), heads, kv_heads, head_dim, page_size, dtype, seed=6)
-    gen = torch.Generator().manual_seed(9)
-    qkv = (4 * torch.randn(len(seq_lens), heads + 2 * kv_heads, head_dim, generator=gen)).to(DEVICE, dtype)
-    q, k_new, v_new = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
-    positions = torch.randint(0, 5000, (len(seq_lens),), generator=gen).to(DEVICE)
-    inv_freq = rope_inv_freq(head_dim, {"rope_theta": 500000.0}).to(DEVICE)
-    out_loc = torch.stack([case.req_to_token[r, n - 1].long() for r, n in zip(case.rows, case.seq_lens_host)])
-    scales = {}
-    if float8_pool:  # the pool as FP8 KV has it: float8 values and the layer's two scales
-        case.k_buf, case.v_buf = (case.k_buf * 8).to(torch.float8_e4m3fn), (case.v_buf * 8).to(torch.float8_e4m3fn)
-        scales = {"k_scale": torch.tensor([0.05], device=DEVICE), "v_scale": torch.tensor([0.125], device=DEVICE)}
-    batch, num_heads, dim = q.shape
-    scale = head_dim**-0.5
-
-    def attend(q, k_buf, v_buf, *new, rope=None):
-        workspace = DecodeWorkspace(batch, num_heads, dim, splits, q.device)
-        out = torch.full_like(q, float("nan"))
-        args = (case.req_to_token, case.req_pool_indices, case.seq_lens, scale, window, splits, workspace)
-        decode_attention(q, k_buf, v_buf, out, *args, *new, **scales, rope=rope)
-        return out
-
-    ref_q, ref_k, ref_k_buf, ref_v_buf = q.clone(), k_new.clone(), case.k_buf.clone(), case.v_buf.clone()
-    rope_store_kv(ref_q, ref_k, v_new, positions, inv_freq, ref_k_buf, ref_v_buf, out_loc, **scales)
-    expected = attend(ref_q, ref_k_buf, ref_v_buf)
-    q_before, k_before = q.clone(), k_new.clone()
-    out = attend(q, case.k_buf, case.v_buf, k_new, v_new, out_loc, rope=(positions, inv_freq))
-    assert torch.equal(out, expected)
-    assert torch.equal(case.k_buf.view(torch.uint8), ref_k_buf.view(torch.uint8))
-    assert torch.equal(case.v_buf.view(torch.uint8), ref_v_buf.view(torch.uint8))
-    assert torch.equal(q, q_before) and torch.equal(k_new, k_before)
-    assert not torch.equal(ref_q, q_before)  # (rotary did change q)
-
-
 @pytest.mark.parametrize("name", ["mha", "gqa4-window", "gqa2-window-one-split", "mha-window-many-splits"])
 def test_decode_with_32_key_blocks(monkeypatch, name):
     """The 32-key blocks that MHA at a large batch runs with (forced here for small cases)."""

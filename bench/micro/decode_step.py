@@ -158,12 +158,6 @@ def main() -> None:
         help="Launch every kernel without programmatic dependent launch (common/engine/pdl.py): slower, but "
         "--profile's kernel times are then each kernel's own (under PDL they include its wait for the one before).",
     )
-    ap.add_argument(
-        "--rope-launch",
-        action="store_true",
-        help="Rotary and the KV store in a launch of their own before each layer's decode attention (as before "
-        "the attention kernel took them: attention/triton_backend.py rope_in_decode), to compare the two.",
-    )
     ap.add_argument("--json", help="Also write the result here.")
     ap.add_argument(
         "--profile", action="store_true", help="Also print the CUDA kernels of one more run, by total time."
@@ -174,10 +168,6 @@ def main() -> None:
         from pdserve.common.engine import pdl
 
         pdl.ENABLED = False  # (before the engine captures its graphs)
-    if args.rope_launch:
-        from pdserve.common.engine.attention.triton_backend import TritonBackend
-
-        TritonBackend.rope_in_decode = False
     path = model_path_from_args(args)
     bs, ctx = max(args.batch_size), args.input_len + args.output_len
     engine = Engine(
@@ -270,7 +260,6 @@ def measure(timer: StepTimer, args, path, bs: int) -> dict:
         "kv_cache_dtype": args.kv_cache_dtype,
         "fp8_lm_head": args.fp8_lm_head,
         "pdl": not args.no_pdl,
-        "rope_in_decode": not args.rope_launch,
     }
     return result
 

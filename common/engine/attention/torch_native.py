@@ -29,8 +29,7 @@ class TorchNativeBackend(AttentionBackend):
             k_pos = torch.arange(max_len, device=slots.device)[None, :]
             self._decode = (slots, k_pos, seq_lens[:, None] - 1)  # query position = seq_len - 1
 
-    def forward(self, q, k, v, layer_id, batch: ForwardBatch, scale, sliding_window=None, kv_stored=False, rope=None):
-        assert rope is None, "the torch-native backend does not fuse rotary (fuses_rope_and_store)"
+    def forward(self, q, k, v, layer_id, batch: ForwardBatch, scale, sliding_window=None, kv_stored=False):
         if not kv_stored:
             self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         if self._decode is not None:

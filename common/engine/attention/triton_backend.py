@@ -2,11 +2,9 @@
 
 Per forward, `init_forward` uploads the little metadata the kernels need (one pinned H2D copy);
 every layer then runs one store launch and one attention call (decode: one launch, the attention
-kernel stores the step's K and V itself). The fused Llama path hands rotary to `forward` (`rope`):
-a decode step's attention kernel rotates q and the new K itself (one launch a layer for rotary,
-store and attention), an extend stores in its rotary launch (rope_store_kv). Decode and extend can
-instead be bound to a CUDA graph's static buffers with `bind_decode` / `bind_extend`, which is what
-the graph runners do before capture.
+kernel stores the step's K and V itself); the fused Llama path stores in its rotary launch instead
+(`rope_and_store`). Decode and extend can instead be bound to a CUDA graph's
+static buffers with `bind_decode` / `bind_extend`, which is what the graph runners do before capture.
 
 The kernel modules are imported here, never by attention/__init__: Triton reads TRITON_INTERPRET
 when a kernel is defined, and the CPU tests set it first.
@@ -55,9 +53,6 @@ class ExtendMeta:
 class TritonBackend(AttentionBackend):
     host_lens = False
     fuses_rope_and_store = True
-    # Decode: rotary inside the attention launch. Off: rope_store_kv's launch first, then attention
-    # (bench/micro/decode_step.py --rope-launch measures one against the other).
-    rope_in_decode = True
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_pool: PagedKVPool, num_heads: int, max_batch: int):
         super().__init__(req_to_token_pool, kv_pool)
@@ -99,25 +94,22 @@ class TritonBackend(AttentionBackend):
         the attention grid covers `max_extend_len` query tokens per request."""
         self.meta = ExtendMeta(req_pool_indices, seq_lens, extend_lens, extend_starts, max_extend_len)
 
+    def rope_and_store(self, q, k, v, positions, inv_freq, layer_id, batch: ForwardBatch) -> None:
+        k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
+        rope_store_kv(q, k, v, positions, inv_freq, k_buf, v_buf, batch.out_cache_loc, *self._scales(layer_id))
+
     def _scales(self, layer_id: int) -> tuple:
         """The layer's K and V scales for a float8 pool (device views: graphs read their values at
         replay), else nothing."""
         return self.kv_pool.layer_scales(layer_id) if self.kv_pool.quantized else (None, None)
 
-    def forward(
-        self, q, k, v, layer_id, batch: ForwardBatch, scale, sliding_window=None, kv_stored=False, rope=None
-    ):  # fmt: skip
+    def forward(self, q, k, v, layer_id, batch: ForwardBatch, scale, sliding_window=None, kv_stored=False):
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         k_scale, v_scale = self._scales(layer_id)
         out = torch.empty_like(q)
         m = self.meta
         r2t = self.req_to_token_pool.req_to_token
-        decode = isinstance(m, DecodeMeta)
-        if rope is not None and not (decode and self.rope_in_decode):
-            # (one launch rotates q and k in place and stores k, v; the attention only reads)
-            rope_store_kv(q, k, v, *rope, k_buf, v_buf, batch.out_cache_loc, k_scale, v_scale)
-            kv_stored, rope = True, None
-        if decode:
+        if isinstance(m, DecodeMeta):
             new = () if kv_stored else (k, v, batch.out_cache_loc)  # decode stores K/V in its own launch
             decode_attention(
                 q,
@@ -134,7 +126,6 @@ class TritonBackend(AttentionBackend):
                 *new,
                 k_scale=k_scale,
                 v_scale=v_scale,
-                rope=rope,
             )
         else:
             if not kv_stored:

@@ -3,8 +3,7 @@
 Stage 1, grid (batch, head blocks, kv splits): a program takes one request, the query heads of
 one KV head group and one contiguous split of the request's visible KV, and writes a partial
 output (already normalised) and its log2-sum-exp into the workspace. It can also store the
-step's new K and V first, and apply rotary to q and the new K before that (one launch where the
-fused Llama path took two: rope_store_kv, then attention). Stage 2, grid (batch,
+step's new K and V first (one launch instead of two). Stage 2, grid (batch,
 heads): merges the splits. Splitting the KV keeps the GPU full when the batch is small; with
 one split, stage 1 writes the output itself and stage 2 is not launched.
 
@@ -35,7 +34,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from pdserve.common.engine import pdl
 from pdserve.common.engine.attention.triton_store import kv_scales, to_pool
-from pdserve.common.engine.models.triton_ops import rope_cos_sin_row, rotate_with_partner
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # "no sliding window", as a window wider than any context
@@ -113,8 +111,6 @@ def _decode_split_kernel(
     out_loc,
     k_scale,
     v_scale,
-    positions,
-    inv_freq,
     stride_q_b,
     stride_q_h,
     stride_kn_b,
@@ -136,7 +132,6 @@ def _decode_split_kernel(
     num_kv_splits,
     group_size,
     head_blocks_per_group,
-    half,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -144,14 +139,13 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     STORE_NEW: tl.constexpr,
-    ROPE: tl.constexpr,
     WINDOWED: tl.constexpr,
     INTERPRETED: tl.constexpr,
     KV_SCALED: tl.constexpr,
     WIDEN_TO_F16: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # (common/engine/pdl.py: launched while the qkv GEMM may still run)
+    if PDL:  # (common/engine/pdl.py: launched while rope_store_kv may still run)
         gdc_launch_dependents()
         gdc_wait()
     req = tl.program_id(0)
@@ -185,16 +179,6 @@ def _decode_split_kernel(
     offs_h = kv_head * group_size + in_group
     q_ptrs = q + req_64 * stride_q_b + offs_h[:, None] * stride_q_h + offs_d[None, :]
     q_tile = tl.load(q_ptrs, mask=mask_hd, other=0.0)  # [BLOCK_H, BLOCK_D]
-    if ROPE:
-        # Neox rotary here, not in a launch of its own (rope_store_kv's numbers, bit for bit): each
-        # dim d takes its partner d +- half from a second load of the same head.
-        first_half = offs_d < half
-        partner_d = tl.where(first_half, offs_d + half, offs_d - half)
-        cos, sin = rope_cos_sin_row(
-            positions, inv_freq, req_64, tl.where(first_half, offs_d, partner_d), mask_d, q.dtype.element_ty
-        )
-        q_partner = tl.load(q_ptrs - offs_d[None, :] + partner_d[None, :], mask=mask_hd, other=0.0)
-        q_tile = rotate_with_partner(q_tile, q_partner, cos[None, :], sin[None, :], first_half[None, :])
     if WIDEN_TO_F16:
         # A float8 pool under a bf16 model: the products in fp16 (float8 -> fp16 is one convert
         # a pair, -> bf16 several; fp16 holds every e4m3 value and more of q's bits). q is clamped
@@ -214,9 +198,6 @@ def _decode_split_kernel(
             slot = tl.load(out_loc + req).to(tl.int64)
             dst = slot * stride_buf_s + kv_head_offset + offs_d
             k_row = tl.load(k_new + req_64 * stride_kn_b + kv_head * stride_kn_h + offs_d, mask=mask_d)
-            if ROPE:
-                k_partner = tl.load(k_new + req_64 * stride_kn_b + kv_head * stride_kn_h + partner_d, mask=mask_d)
-                k_row = rotate_with_partner(k_row, k_partner, cos, sin, first_half)
             tl.store(k_buf + dst, to_pool(k_row, k_scale, k_buf, KV_SCALED), mask=mask_d)
             v_row = tl.load(v_new + req_64 * stride_vn_b + kv_head * stride_vn_h + offs_d, mask=mask_d)
             tl.store(v_buf + dst, to_pool(v_row, v_scale, v_buf, KV_SCALED), mask=mask_d)
@@ -405,7 +386,6 @@ def decode_attention(
     out_loc: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Flash-decoding (split-K) paged attention, one new query token per request.
 
@@ -419,10 +399,6 @@ def decode_attention(
     and V are first stored at out_loc in the same launch (store_kv's contract: padded rows may all
     write slot 0); otherwise they must already be in the pool. A float8 pool needs its layer's
     k_scale and v_scale ([1] fp32 device tensors): read K = k8 * k_scale, V = v8 * v_scale.
-
-    With rope = (positions [B], inv_freq [D/2] float32) and k_new given, q and k_new are not yet
-    rotated: the kernel applies neox rotary to both first (triton_store.rope_store_kv's numbers, bit
-    for bit; q and k_new are left as they are), so rotary, the store and the attention are one launch.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -449,12 +425,6 @@ def decode_attention(
         assert k_new.stride(2) == v_new.stride(2) == 1
     else:
         k_new = v_new = out_loc = q  # not read
-    if rope is not None:
-        positions, inv_freq = rope
-        assert store and 2 * inv_freq.numel() == head_dim, "rotary here needs k_new and no partial rotary"
-        assert positions.shape == (batch,) and inv_freq.dtype == torch.float32
-    else:
-        positions = inv_freq = q  # not read
     grid = (batch, num_kv_heads * head_blocks_per_group, num_kv_splits)
     k_scale, v_scale, kv_scaled = kv_scales(k_buf, k_scale, v_scale)
     _decode_split_kernel[grid](
@@ -472,8 +442,6 @@ def decode_attention(
         out_loc,
         k_scale,
         v_scale,
-        positions,
-        inv_freq,
         q.stride(0),
         q.stride(1),
         k_new.stride(0),
@@ -495,14 +463,12 @@ def decode_attention(
         num_kv_splits,
         group_size,
         head_blocks_per_group,
-        head_dim // 2,
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 must not drop to tf32
         SINGLE_SPLIT=num_kv_splits == 1,
         STORE_NEW=store,
-        ROPE=rope is not None,
         WINDOWED=window != NO_WINDOW,
         INTERPRETED=INTERPRETED,
         KV_SCALED=kv_scaled,

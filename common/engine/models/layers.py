@@ -158,8 +158,8 @@ class PagedAttention(nn.Module):
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
 
-    def forward(self, q, k, v, batch: ForwardBatch, attn: AttentionBackend, rope=None) -> torch.Tensor:
-        """rope: (positions, inv_freq) for a backend that rotates q and k itself (`fuses_rope_and_store`)."""
+    def forward(self, q, k, v, batch: ForwardBatch, attn: AttentionBackend, kv_stored: bool = False) -> torch.Tensor:
+        """kv_stored: k and v are already in the pool (`attn.rope_and_store` ran)."""
         t = q.shape[0]
         out = attn.forward(
             q.view(t, self.num_heads, self.head_dim),
@@ -169,6 +169,6 @@ class PagedAttention(nn.Module):
             batch,
             self.scale,
             self.sliding_window,
-            rope=rope,
+            kv_stored=kv_stored,
         )
         return out.reshape(t, self.num_heads * self.head_dim)

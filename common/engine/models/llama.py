@@ -100,7 +100,7 @@ class SelfAttention(nn.Module):
         self.qk_norm = a.qk_norm
         self.rotary = RotaryEmbedding(a.head_dim, a.rope)
         self.attn = PagedAttention(layer_id, self.num_heads, self.kv_heads, d, a.sliding_window)
-        self.rope_and_store = False  # rotary handed to the backend, fused with its store (see fuse)
+        self.rope_and_store = False  # rotary and the KV store as one backend call (see fuse)
 
     def fuse(self) -> None:
         """q/k/v as one GEMM; rotary as one kernel, which also stores K and V where the backend can."""
@@ -124,8 +124,9 @@ class SelfAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_and_store and attn.fuses_rope_and_store:
-            # The backend rotates q and k in its KV store's launch (a decode step: its attention's).
-            return self.o_proj(self.attn(q, k, v, batch, attn, rope=(positions, self.rotary.inv_freq)))
+            # One launch rotates q and k in place and writes k, v to the pool; attention only reads.
+            attn.rope_and_store(q, k, v, positions, self.rotary.inv_freq, self.attn.layer_id, batch)
+            return self.o_proj(self.attn(q, k, v, batch, attn, kv_stored=True))
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, batch, attn))
 

@@ -201,27 +201,11 @@ def _rope_token_q(
 @triton.jit
 def _rope_cos_sin(positions, inv_freq, token, offs, mask_d, dtype: tl.constexpr):
     """cos and sin of one token's angles, [1, BLOCK_HALF] float32 holding values of `dtype`."""
-    cos, sin = rope_cos_sin_row(positions, inv_freq, token, offs, mask_d, dtype)
-    return cos[None, :], sin[None, :]
-
-
-@triton.jit
-def rope_cos_sin_row(positions, inv_freq, token, offs, mask_d, dtype: tl.constexpr):
-    """cos and sin of one token's angles at frequencies `offs` (a row: any shape of indices into
-    inv_freq), float32 holding values of `dtype`."""
     # float32 angles, rounded to the activations' dtype before use, as transformers does.
     angle = tl.load(positions + token).to(tl.float32) * tl.load(inv_freq + offs, mask=mask_d, other=0.0)
-    return tl.cos(angle).to(dtype).to(tl.float32), tl.sin(angle).to(dtype).to(tl.float32)
-
-
-@triton.jit
-def rotate_with_partner(x, partner, cos, sin, first_half):
-    """_rotate_store's numbers on a whole head at once: x's values at dims d, `partner` the same
-    head's at d + half (first_half) or d - half, cos and sin at d % half."""
-    dtype = x.dtype
-    a, b = x.to(tl.float32), partner.to(tl.float32)
-    rotated = tl.where(first_half, -b, b)  # rotate_half(x) = (-x2, x1)
-    return ((a * cos).to(dtype).to(tl.float32) + (rotated * sin).to(dtype).to(tl.float32)).to(dtype)
+    cos = tl.cos(angle).to(dtype).to(tl.float32)[None, :]
+    sin = tl.sin(angle).to(dtype).to(tl.float32)[None, :]
+    return cos, sin
 
 
 @triton.jit
