@@ -3,10 +3,16 @@ may start before the kernel before it has finished.
 
 The contract, for every kernel launched so: it calls `gdc_launch_dependents()` (the next may
 launch once all of this one's programs run) and then `gdc_wait()` (wait for the one before to
-finish and its writes to be visible) before it reads or writes anything (`if PDL:` at the top of
-the kernel, PDL its constexpr). A kernel's ramp (its launch and its first loads' latency, ~1-2 us)
-then overlaps the tail of the one before. A kernel launched so after one that never signals (cuBLAS)
-starts when that one's programs have all exited, as without PDL.
+finish and its writes to be visible) before it writes anything or reads anything a kernel writes
+(`if PDL:` near the top of the kernel, PDL its constexpr). What no kernel ever writes (a layer's
+weights, their scales, a norm's weight, a bias: set at load) may be read before the wait, so its
+loads' latency overlaps the kernel before (fp8_kernels.py `_epilogue_operands`). NOTE: a kernel
+launched so may start while kernels further back than the one before still run (each lets the
+next launch as it starts), so before the wait nothing written by any kernel is safe to read.
+
+A kernel's ramp (its launch and its first loads' latency, ~1-2 us) then overlaps the tail of the
+one before. A kernel launched so after one that never signals (cuBLAS) starts when that one's
+programs have all exited, as without PDL.
 
 Launched so: the FP8 decode path's kernels (fp8_kernels.py: the GEMMs, the K split's sum,
 rmsnorm_fp8, quantize_per_token, the fused gate_up and its quantization), rope_store_kv and the

@@ -97,12 +97,33 @@ def scale_output(
 
 
 @triton.jit
+def _epilogue_operands(pid_n, pid_m, sw_ptr, sx_ptr, bias_ptr, M, N, HAS_BIAS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """(sw, sx, bias) of a [BLOCK_N, BLOCK_M] output tile, read before the GEMM's loop so their loads'
+    latency is not the epilogue's: under PDL the weight's scales and the bias (written at load, never
+    by a kernel) even before the wait for the kernel before, the tokens' scales (its output) after.
+    Calls gdc_wait (PDL)."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=0.0)
+    bias = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()  # launched before the kernel that wrote x and sx had finished (common/engine/pdl.py)
+    sx = tl.load(sx_ptr + offs_m, mask=offs_m < M, other=0.0)
+    return sw, sx, bias
+
+
+@triton.jit
 def _gemm_epilogue(
-    acc, pid_n, pid_m, pid_k, sw_ptr, sx_ptr, bias_ptr, out_ptr, partial_ptr, M, N, out_row_stride,
+    acc, pid_n, pid_m, pid_k, sw, sx, bias, out_ptr, partial_ptr, M, N, out_row_stride,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """A [BLOCK_N, BLOCK_M] tile of the output's transpose: scaled, biased and rounded into out
-    [M, N], or (K split) its unscaled fp32 sums into partial [SPLIT_K, M, N]."""
+    """A [BLOCK_N, BLOCK_M] tile of the output's transpose: scaled (sw [BLOCK_N], sx [BLOCK_M]: the
+    tile's, _epilogue_operands), biased and rounded into out [M, N], or (K split) its unscaled fp32
+    sums into partial [SPLIT_K, M, N]."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
@@ -111,11 +132,9 @@ def _gemm_epilogue(
     if SPLIT_K > 1:  # unscaled partial sums [SPLIT_K, M, N]; _sum_partials adds them and scales
         tl.store(partial_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=ok)
     else:
-        sx = tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)
-        sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=0.0)
         y = acc * sx[None, :] * sw[:, None]  # (acc * sx) * sw: scale_output's order
         if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            y += bias[:, None]
         tl.store(out_ptr + offs_m[None, :] * out_row_stride + offs_n[:, None], y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -147,7 +166,8 @@ def _fp8_gemm_swapped(
         acc = tl.dot(w, x, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    _gemm_epilogue(acc, pid_n, pid_m, pid_k, sw_ptr, sx_ptr, bias_ptr, out_ptr, partial_ptr, M, N, out_row_stride,
+    sw, sx, bias = _epilogue_operands(pid_n, pid_m, sw_ptr, sx_ptr, bias_ptr, M, N, HAS_BIAS, BLOCK_N, BLOCK_M, False)
+    _gemm_epilogue(acc, pid_n, pid_m, pid_k, sw, sx, bias, out_ptr, partial_ptr, M, N, out_row_stride,
                    SPLIT_K, HAS_BIAS, BLOCK_N, BLOCK_M)  # fmt: skip
 
 
@@ -167,13 +187,13 @@ def _fp8_gemm_tma(
     k_first = pid_k * (K // SPLIT_K)
     if PDL:
         gdc_launch_dependents()
-        gdc_wait()  # launched before the kernel that wrote x had finished (common/engine/pdl.py)
+    sw, sx, bias = _epilogue_operands(pid_n, pid_m, sw_ptr, sx_ptr, bias_ptr, M, N, HAS_BIAS, BLOCK_N, BLOCK_M, PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K // SPLIT_K, BLOCK_K):
         w = w_desc.load([pid_n * BLOCK_N, k_first + k0])
         x = x_desc.load([pid_m * BLOCK_M, k_first + k0])  # [BLOCK_M, BLOCK_K]: K-major, as FP8 MMAs need
         acc = tl.dot(w, x.T, acc)
-    _gemm_epilogue(acc, pid_n, pid_m, pid_k, sw_ptr, sx_ptr, bias_ptr, out_ptr, partial_ptr, M, N, out_row_stride,
+    _gemm_epilogue(acc, pid_n, pid_m, pid_k, sw, sx, bias, out_ptr, partial_ptr, M, N, out_row_stride,
                    SPLIT_K, HAS_BIAS, BLOCK_N, BLOCK_M)  # fmt: skip
 
 
@@ -185,20 +205,23 @@ def _sum_partials(
     """out [M, N] (rows contiguous) = the SPLIT_K partials [SPLIT_K, M, N] added in order, times the
     token's and the row's scale (SCALED: per-channel partials are unscaled; block-wise ones
     (fp8_block_kernels) took their groups' scales already), + bias, rounded once."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
+    # The weight's scales and the bias before the wait (no kernel writes them: _epilogue_operands).
+    sw = tl.load(sw_ptr + offs, mask=mask, other=0.0) if SCALED else tl.zeros([BLOCK], tl.float32)
+    bias = tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32) if HAS_BIAS else tl.zeros([BLOCK], tl.float32)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     acc = tl.zeros([BLOCK], tl.float32)
     for s in range(SPLIT_K):  # in order: the same sums whatever order the parts finished in
         acc += tl.load(partial_ptr + (s * M + row) * N + offs, mask=mask, other=0.0)
     y = acc
     if SCALED:
-        y = acc * tl.load(sx_ptr + row) * tl.load(sw_ptr + offs, mask=mask, other=0.0)
+        y = acc * tl.load(sx_ptr + row) * sw
     if HAS_BIAS:
-        y += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y += bias
     tl.store(out_ptr + row * N + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -326,12 +349,13 @@ def _rmsnorm_fp8(
     x, residual, q, scale, weight, stride_x, stride_r, n, eps, min_amax,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
+    w = tl.load(weight + cols, mask=mask, other=0.0)  # (the norm's weight: no kernel writes it, read before the wait)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
@@ -339,7 +363,6 @@ def _rmsnorm_fp8(
         tl.store(residual + row * stride_r + cols, h, mask=mask)
     hf = h.to(tl.float32)
     normed = (hf * (1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / n + eps))).to(h.dtype)
-    w = tl.load(weight + cols, mask=mask, other=0.0)
     y = (w.to(tl.float32) * normed.to(tl.float32)).to(h.dtype)
     _quantize_row_into(y, q + row * n, scale, row, cols, mask, min_amax, 448.0)
 
@@ -415,7 +438,9 @@ def _gate_up_silu_tma(
     m_ok = offs_m < M
     if PDL:  # as _fp8_gemm_tma
         gdc_launch_dependents()
-        gdc_wait()
+    # (the up's and the gate's weight scales, then the tokens' once x's writer is done: _epilogue_operands)
+    sw_u = tl.load(sw_ptr + INTER + offs_n, mask=n_ok, other=0.0)
+    sw_g, sx, _ = _epilogue_operands(pid_n, pid_m, sw_ptr, sx_ptr, sw_ptr, M, INTER, False, BLOCK_N, BLOCK_M, PDL)
     acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -423,11 +448,10 @@ def _gate_up_silu_tma(
         # NOTE rows past INTER of the gate tile are up's first rows: read, never stored (n_ok).
         acc_g = tl.dot(w_desc.load([pid_n * BLOCK_N, k0]), x, acc_g)
         acc_u = tl.dot(w_desc.load([INTER + pid_n * BLOCK_N, k0]), x, acc_u)
-    sx = tl.load(sx_ptr + offs_m, mask=m_ok, other=0.0)[None, :]
     dtype = y_ptr.dtype.element_ty
     # fp8_gemm's epilogue, (acc * sx) * sw rounded to the model dtype, then silu_mul's arithmetic.
-    gate = (acc_g * sx * tl.load(sw_ptr + offs_n, mask=n_ok, other=0.0)[:, None]).to(dtype).to(tl.float32)
-    up = (acc_u * sx * tl.load(sw_ptr + INTER + offs_n, mask=n_ok, other=0.0)[:, None]).to(dtype).to(tl.float32)
+    gate = (acc_g * sx[None, :] * sw_g[:, None]).to(dtype).to(tl.float32)
+    up = (acc_u * sx[None, :] * sw_u[:, None]).to(dtype).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype)
     y = (act.to(tl.float32) * up).to(dtype)
     ok = n_ok[:, None] & m_ok[None, :]
