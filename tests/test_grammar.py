@@ -37,6 +37,24 @@ def _batch(n: int, **kw) -> list[SamplingParams]:
     return [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0, seed=i, grammar=JSON, **kw) for i in range(n)]
 
 
+@pytest.fixture(scope="module")
+def one_engine(tiny_models):
+    """One llama engine for the tests that only generate through it or read its grammars: each
+    engine's first grammar request spawns its grammar worker (~2.5 s of CPU). The tests that count
+    compilations, patch the engine, read its trace or grow its masks make their own (make_engine)."""
+    from pdserve.common.engine.engine import Engine
+
+    return Engine(model_path=tiny_models("llama"), device="cpu", max_total_tokens=16384)
+
+
+@pytest.fixture
+def engine(one_engine):
+    """The shared engine, idle (all KV rows and pages free) after every test, as make_engine's are."""
+    assert one_engine.is_idle(), f"KV leaked before the test: {one_engine.stats()}"
+    yield one_engine
+    assert one_engine.is_idle(), f"KV leaked: {one_engine.stats()}"
+
+
 def test_outputs_validate_and_overlap_equals_serial(make_engine):
     import jsonschema  # (a test dependency; tests/gpu imports this module on machines without it)
 
@@ -63,8 +81,7 @@ def test_overlap_keeps_launching_before_processing(make_engine):
     assert overlapped >= len(launches) - 3, trace
 
 
-def test_the_mask_allows_exactly_what_the_matcher_allows(make_engine):
-    engine = make_engine("llama")
+def test_the_mask_allows_exactly_what_the_matcher_allows(engine):
     vocab = engine.vocab_size
     rows = [_Row(None), _Row(engine.grammars.matcher(("ebnf", choice_ebnf(["ab", "cd"]))))]
     bitmask = engine.grammars.bitmask(rows, [True, True], launched=False).result().clone()
@@ -80,10 +97,9 @@ def test_the_mask_allows_exactly_what_the_matcher_allows(make_engine):
     assert torch.isfinite(masked[1]).nonzero().flatten().tolist() == allowed
 
 
-def test_strings_hold_no_raw_control_characters(make_engine):
+def test_strings_hold_no_raw_control_characters(engine):
     """xgrammar lets a string with maxLength hold raw control characters, which JSON forbids; the
     grammar is rewritten so that it cannot (json.loads refused such outputs)."""
-    engine = make_engine("llama")
     control = [t for t in range(engine.vocab_size) if engine.tokenizer.decode([t]) in ("\x12", "\x01", "\t")]
     assert control
     import xgrammar as xgr
@@ -95,8 +111,7 @@ def test_strings_hold_no_raw_control_characters(make_engine):
     assert not set(control) & set(allowed_tokens(bitmask.numpy(), 0, engine.vocab_size))
 
 
-def test_grammar_wins_over_min_tokens_and_ends_with_ignore_eos(make_engine):
-    engine = make_engine("llama")
+def test_grammar_wins_over_min_tokens_and_ends_with_ignore_eos(engine):
     choice = ("ebnf", choice_ebnf(["yes", "no"]))
     outs = engine.generate(
         [[5, 6], [7, 8], [9, 10]],
@@ -116,8 +131,7 @@ def test_grammar_wins_over_min_tokens_and_ends_with_ignore_eos(make_engine):
     assert np.allclose([lp for _, lp in got], [lp for _, lp in want], atol=1e-5)
 
 
-def test_a_bad_grammar_is_refused_before_anything_is_queued(make_engine):
-    engine = make_engine("llama")
+def test_a_bad_grammar_is_refused_before_anything_is_queued(engine):
     with pytest.raises(ValueError, match="cannot be compiled"):
         engine.add_request([1, 2, 3], SamplingParams(grammar=("json_schema", '{"type": "nonsense"}')))
     with pytest.raises(ValueError, match="cannot be compiled"):
@@ -125,16 +139,14 @@ def test_a_bad_grammar_is_refused_before_anything_is_queued(make_engine):
     assert engine.is_idle()
 
 
-def test_requests_without_grammar_are_unchanged_beside_grammar_ones(make_engine):
-    engine = make_engine("llama")
+def test_requests_without_grammar_are_unchanged_beside_grammar_ones(engine):
     plain = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     alone = engine.generate([[3, 4, 5]], [plain])[0].output_ids
     mixed = engine.generate([[3, 4, 5], [6, 7], [8, 9, 10]], [plain, *_batch(2)])
     assert mixed[0].output_ids == alone
 
 
-def test_aborted_grammar_requests_free_their_kv(make_engine):
-    engine = make_engine("llama")
+def test_aborted_grammar_requests_free_their_kv(engine):
     rids = [engine.add_request([5, 6, 7], p) for p in _batch(3)]
     loop = engine.event_loop()
     for _ in range(4):
@@ -313,11 +325,10 @@ def test_a_request_dropped_with_a_token_queued_is_forgotten_by_the_worker(make_e
         ("json_schema", json.dumps({"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]})),
     ],
 )
-def test_numbers_end_even_when_the_model_wants_digits_forever(make_engine, grammar):
+def test_numbers_end_even_when_the_model_wants_digits_forever(engine, grammar):
     """A model that would write digits forever (here: every digit token biased by +100) still ends
     its number and its object: integer parts of at most 20 digits, fractions of 20, exponents of 3
     (common/engine/grammar_source.py). Without the bound it writes digits until max_tokens."""
-    engine = make_engine("llama")
     digits = [t for t in range(engine.vocab_size) if engine.tokenizer.decode([t]) in list("0123456789.")]
     [out] = engine.generate(
         [[5, 6]],
@@ -340,12 +351,11 @@ def test_numbers_end_even_when_the_model_wants_digits_forever(make_engine, gramm
         assert 20 in (len(whole), len(fraction)), out.text
 
 
-def test_json_object_numbers_are_bounded_too(make_engine):
+def test_json_object_numbers_are_bounded_too(engine):
     """json_object's grammar (xgrammar's builtin JSON) gets the same bounds: a 21st digit of an
     integer part, a 21st of a fraction and a 4th of an exponent are refused."""
     import xgrammar as xgr
 
-    engine = make_engine("llama")
     compiled = engine.grammars.compile(("json_object", "")).result()
     for text, longest in (("[" + "9" * 20, "9"), ("[1." + "5" * 20, "5"), ("[1e+" + "2" * 3, "2")):
         matcher = xgr.GrammarMatcher(compiled)
@@ -354,10 +364,9 @@ def test_json_object_numbers_are_bounded_too(make_engine):
         assert matcher.accept_string("]"), text
 
 
-def test_a_top_p_below_float32s_range_keeps_the_top_token(make_engine):
+def test_a_top_p_below_float32s_range_keeps_the_top_token(engine):
     """top_p = 1e-72 (a valid request) is 0 in float32: it must still keep the top token (it dropped
     every token, and token 0 was sampled against the grammar). It samples as greedy does."""
-    engine = make_engine("llama")
     grammar = ("json_object", "")
     tiny, greedy = engine.generate(
         [[5, 6], [5, 6]],
