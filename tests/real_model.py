@@ -11,7 +11,9 @@ Registered as a plugin by tests/conftest.py, so any test module can ask for the 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -66,7 +68,8 @@ def transformers_model(path: str):
         fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes, or the process dies)
         if not saved.is_dir():
             file = pathlib.Path(path)
-            model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+            with one_tensor_name_map():
+                model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
             tmp = tempfile.mkdtemp(dir=saved.parent, prefix=".converting-")
             try:
                 # (save_pretrained refuses a model transformers marks as GGUF-quantized: its weights and
@@ -80,3 +83,17 @@ def transformers_model(path: str):
                 shutil.rmtree(tmp, ignore_errors=True)
             return model.eval()
     return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def one_tensor_name_map():
+    """gguf's tensor-name map built once per (architecture, layers) while transformers loads a GGUF file.
+
+    NOTE why: transformers asks gguf for the map once per module of the model (397 times for SmolLM2),
+    and gguf builds it from scratch each time: 5 of the conversion's 20 s of CPU. The map is a pure
+    function of its arguments; transformers imports it from gguf at each call, so it finds this one."""
+    import gguf
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        yield
