@@ -17,47 +17,6 @@ from pdserve.common.tiny_model import ARCHS, make_tiny_model  # noqa: E402
 # The real-model fixture (SmolLM2 GGUF and its transformers reference), for any test module.
 pytest_plugins = ("tests.real_model",)
 
-# The longest test files first (seconds on the 2-core box, a file at a time on each of two workers),
-# then the rest in collection order. NOTE why: `make test` hands the files out to its two workers in
-# this order (--dist loadfile, and pyproject.toml's --no-loadscope-reorder: xdist would otherwise order
-# them by their number of tests), so the short files even out the end of the run; a long one handed
-# out last kept one worker busy while the other had nothing left. Measured, so only roughly right.
-LONGEST_FIRST = (
-    "test_servers.py",  # 99
-    "test_transfer_faults.py",  # 77
-    "test_triton_backend.py",  # 74
-    "test_grammar.py",  # 60
-    "test_parity.py",  # 60
-    "test_faults.py",  # 58
-    "test_router_torch_free.py",  # 55
-    "test_router_workers.py",  # 52
-    "test_bench.py",  # 51
-    "test_router_hostile.py",  # 50
-    "test_tp_disagg.py",  # 43
-    "test_speculative_engine.py",  # 42
-    "test_fp8_kv_cache.py",  # 39
-    "test_tp.py",  # 38
-    "test_gguf.py",  # 38
-    "test_real_model_stack.py",  # 36
-    "test_structured_outputs.py",  # 35
-    "test_router_reliability.py",  # 34
-    "test_generate_many.py",  # 31
-    "test_router_overload.py",  # 31
-    "test_docs_walkthrough.py",  # 30
-    "test_triton_kernels.py",  # 30
-    "test_api_fuzz.py",  # 30
-    "test_engine.py",  # 28
-    "test_disagg_policy.py",  # 25
-    "test_deploy.py",  # 21
-    "test_speculative_draft.py",  # 20
-    "test_bench_sweep.py",  # 20
-)
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: a file's tests keep their order)
-
 
 @pytest.fixture(autouse=True, scope="session")
 def private_cache(tmp_path_factory):
