@@ -144,25 +144,6 @@ def test_the_triton_gemm_split_over_k_sums_its_parts_in_order(split, tma):
                                                  torch.bfloat16, tiles, tma=tma))  # fmt: skip
 
 
-@pytest.mark.parametrize("split", [2, 3])
-@pytest.mark.parametrize("tma", [True, False])
-def test_the_last_part_of_a_k_split_sums_as_the_sum_launch_does(split, tma, monkeypatch):
-    """The K split's parts summed by each output tile's last part to finish (one launch) give the
-    bits of the separate sum launch, over several token tiles (the counters are per tile), and leave
-    every counter at zero for the next GEMM."""
-    from pdserve.common.engine.models import fp8_kernels
-
-    layer = fp8.Fp8Linear.quantize(make_layer(80, 192, True, 6).to(torch.bfloat16))
-    xq, x_scale = fp8.quantize_per_token(torch.randn(37, 192).to(torch.bfloat16))
-    tiles = {"BLOCK_N": 32, "BLOCK_M": 16, "BLOCK_K": 32, "SPLIT_K": split}
-    args = (xq, x_scale, layer.weight, layer.weight_scale, layer.bias, torch.bfloat16, tiles)
-    two_launches = fp8_kernels.fp8_gemm(*args, tma=tma, last_sums=False)
-    monkeypatch.setattr(fp8_kernels, "_sum_partials", None)  # (launching it would raise)
-    got = fp8_kernels.fp8_gemm(*args, tma=tma)
-    assert torch.equal(got, two_launches)
-    assert not fp8_kernels._arrivals(xq.device, 1).any()
-
-
 @pytest.mark.parametrize("m,inter", [(1, 64), (7, 80), (20, 200)])
 def test_the_fused_gate_up_is_the_gemm_then_silu_and_multiply(m, inter):
     """fp8_kernels.gate_up_silu_fp8 (interpreted): silu(gate) * up quantized per token, as fp8_gemm of

@@ -113,34 +113,6 @@ def test_the_tma_gemm_is_bitwise_the_pointer_gemm(layer, batch):
 
 
 @pytest.mark.parametrize("batch", [1, 64, 128])
-@pytest.mark.parametrize("layer", ["o", "down"])
-def test_the_k_splits_last_part_sums_as_the_sum_launch_does_launch_after_launch(layer, batch):
-    """gemm_config splits o and down in two at decode sizes; each tile's last part to finish adds
-    the parts (real races between the two parts here): the bits of the separate sum launch, 50
-    launches in a row eagerly and replayed from a CUDA graph, the counters back at zero after."""
-    from pdserve.common.engine.models import fp8_kernels
-
-    n, k = LLAMA_8B[layer]
-    assert fp8_kernels.gemm_config(batch, n, k)["SPLIT_K"] > 1
-    g = torch.Generator(device="cuda").manual_seed(5)
-    q, scale = fp8.quantize_per_channel(torch.randn(n, k, device="cuda", generator=g).bfloat16() * 0.02)
-    bias = torch.randn(n, device="cuda", generator=g).bfloat16()
-    xq, x_scale = fp8.quantize_per_token(torch.randn(batch, k, device="cuda", generator=g).bfloat16())
-    args = (xq, x_scale, q, scale, bias, torch.bfloat16)
-    want = fp8_kernels.fp8_gemm(*args, last_sums=False)
-    outs = [fp8_kernels.fp8_gemm(*args) for _ in range(50)]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = fp8_kernels.fp8_gemm(*args)
-    for _ in range(50):
-        graph.replay()
-        outs.append(replayed.clone())
-    torch.cuda.synchronize()
-    assert all(torch.equal(out, want) for out in outs)
-    assert not fp8_kernels._arrivals(xq.device, 1).any()
-
-
-@pytest.mark.parametrize("batch", [1, 64, 128])
 def test_the_fused_gate_up_is_bitwise_the_gemm_then_silu_and_multiply(batch):
     """gate_up_silu_fp8 at Llama-8B's gate_up: fp8_gemm then silu_mul_fp8's float8 rows and scales."""
     from pdserve.common.engine.models import fp8_kernels

@@ -118,52 +118,30 @@ def _epilogue_operands(pid_n, pid_m, sw_ptr, sx_ptr, bias_ptr, M, N, HAS_BIAS: t
 
 @triton.jit
 def _gemm_epilogue(
-    acc, pid_n, pid_m, pid_k, sw, sx, bias, out_ptr, partial_ptr, arrivals_ptr, M, N, out_row_stride,
-    SPLIT_K: tl.constexpr, LAST_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    acc, pid_n, pid_m, pid_k, sw, sx, bias, out_ptr, partial_ptr, M, N, out_row_stride,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """A [BLOCK_N, BLOCK_M] tile of the output's transpose: scaled (sw [BLOCK_N], sx [BLOCK_M]: the
     tile's, _epilogue_operands), biased and rounded into out [M, N], or (K split) its unscaled fp32
-    sums into partial [SPLIT_K, M, N]; with LAST_SUMS the tile's last part to finish adds them all
-    (_sum_partials' numbers) and writes out, else _sum_partials does, a launch of its own."""
+    sums into partial [SPLIT_K, M, N]."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = offs_n < N
     m_ok = offs_m < M
     ok = n_ok[:, None] & m_ok[None, :]
-    out_ptrs = out_ptr + offs_m[None, :] * out_row_stride + offs_n[:, None]
-    if SPLIT_K > 1:  # unscaled partial sums [SPLIT_K, M, N]
-        part_ptrs = partial_ptr + offs_m[None, :] * N + offs_n[:, None]
-        tl.store(part_ptrs + pid_k * M * N, acc, mask=ok)
-        if LAST_SUMS:
-            # NOTE the semaphore pattern (CUTLASS's): every thread's part is stored before the count
-            # (the CTA barrier, then the release of the atomic), and the parts are read after its
-            # acquire, past L1 (.cg). The last part to arrive sums; nobody waits, so programs
-            # launched early under PDL and holding SMs cannot deadlock it.
-            tl.debug_barrier()
-            tile = arrivals_ptr + pid_m * tl.num_programs(0) + pid_n
-            if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for s in range(SPLIT_K):  # in order, from zero: _sum_partials' sums
-                    acc += tl.load(part_ptrs + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")  # counted from 0 by the next launch
-                _store_scaled(acc, sw, sx, bias, out_ptrs, ok, HAS_BIAS)
+    if SPLIT_K > 1:  # unscaled partial sums [SPLIT_K, M, N]; _sum_partials adds them and scales
+        tl.store(partial_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=ok)
     else:
-        _store_scaled(acc, sw, sx, bias, out_ptrs, ok, HAS_BIAS)
-
-
-@triton.jit
-def _store_scaled(acc, sw, sx, bias, out_ptrs, ok, HAS_BIAS: tl.constexpr):
-    y = acc * sx[None, :] * sw[:, None]  # (acc * sx) * sw: scale_output's order
-    if HAS_BIAS:
-        y += bias[:, None]
-    tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=ok)
+        y = acc * sx[None, :] * sw[:, None]  # (acc * sx) * sw: scale_output's order
+        if HAS_BIAS:
+            y += bias[:, None]
+        tl.store(out_ptr + offs_m[None, :] * out_row_stride + offs_n[:, None], y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _fp8_gemm_swapped(
-    w_ptr, x_ptr, sw_ptr, sx_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, w_row_stride, x_row_stride,
-    out_row_stride, K: tl.constexpr, SPLIT_K: tl.constexpr, LAST_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    w_ptr, x_ptr, sw_ptr, sx_ptr, bias_ptr, out_ptr, partial_ptr, M, N, w_row_stride, x_row_stride, out_row_stride,
+    K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """fp8_gemm's kernel where the tensor-memory accelerator is not used (before Hopper, or an
@@ -189,14 +167,14 @@ def _fp8_gemm_swapped(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     sw, sx, bias = _epilogue_operands(pid_n, pid_m, sw_ptr, sx_ptr, bias_ptr, M, N, HAS_BIAS, BLOCK_N, BLOCK_M, False)
-    _gemm_epilogue(acc, pid_n, pid_m, pid_k, sw, sx, bias, out_ptr, partial_ptr, arrivals_ptr, M, N, out_row_stride,
-                   SPLIT_K, LAST_SUMS, HAS_BIAS, BLOCK_N, BLOCK_M)  # fmt: skip
+    _gemm_epilogue(acc, pid_n, pid_m, pid_k, sw, sx, bias, out_ptr, partial_ptr, M, N, out_row_stride,
+                   SPLIT_K, HAS_BIAS, BLOCK_N, BLOCK_M)  # fmt: skip
 
 
 @triton.jit
 def _fp8_gemm_tma(
-    w_desc, x_desc, sw_ptr, sx_ptr, bias_ptr, out_ptr, partial_ptr, arrivals_ptr, M, N, out_row_stride,
-    K: tl.constexpr, SPLIT_K: tl.constexpr, LAST_SUMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    w_desc, x_desc, sw_ptr, sx_ptr, bias_ptr, out_ptr, partial_ptr, M, N, out_row_stride,
+    K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """_fp8_gemm_swapped's tiles, read by the tensor-memory accelerator (Hopper's TMA: one
@@ -215,8 +193,8 @@ def _fp8_gemm_tma(
         w = w_desc.load([pid_n * BLOCK_N, k_first + k0])
         x = x_desc.load([pid_m * BLOCK_M, k_first + k0])  # [BLOCK_M, BLOCK_K]: K-major, as FP8 MMAs need
         acc = tl.dot(w, x.T, acc)
-    _gemm_epilogue(acc, pid_n, pid_m, pid_k, sw, sx, bias, out_ptr, partial_ptr, arrivals_ptr, M, N, out_row_stride,
-                   SPLIT_K, LAST_SUMS, HAS_BIAS, BLOCK_N, BLOCK_M)  # fmt: skip
+    _gemm_epilogue(acc, pid_n, pid_m, pid_k, sw, sx, bias, out_ptr, partial_ptr, M, N, out_row_stride,
+                   SPLIT_K, HAS_BIAS, BLOCK_N, BLOCK_M)  # fmt: skip
 
 
 @triton.jit
@@ -247,9 +225,6 @@ def _sum_partials(
     tl.store(out_ptr + row * N + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-SPLIT_BELOW_PROGRAMS = 65
-
-
 def gemm_config(m: int, n: int, k: int, tma: bool = True) -> dict:
     """Tile sizes, pipeline depth and K split of fp8_gemm for an [m, k] x [n, k]^T product.
 
@@ -264,8 +239,7 @@ def gemm_config(m: int, n: int, k: int, tma: bool = True) -> dict:
     the eager batch then sum in the same order (the graph-vs-eager token tests rely on it)."""
     many_rows = n > 8192
     block_m = max(16, min(128, triton.next_power_of_2(m)))
-    few_programs = triton.cdiv(n, 64) < SPLIT_BELOW_PROGRAMS
-    split = 2 if (k >= 8192 or few_programs) and not many_rows else 1
+    split = 2 if k >= 8192 and not many_rows else 1
     if not tma:
         stages, warps = (3, 8) if many_rows and m <= 64 else (4, 4)
         return {"BLOCK_N": 64, "BLOCK_M": block_m, "BLOCK_K": 128 if many_rows else 256, "SPLIT_K": split,
@@ -296,28 +270,6 @@ def tma_describable(*tensors: torch.Tensor) -> bool:
     )
 
 
-# Counters of the K split's parts that have finished, one per output tile: zero between launches
-# (the last part resets its tile's). 64k tiles: any decode-sized GEMM (fp8.TRITON_MAX_TOKENS).
-ARRIVALS = 1 << 16
-_arrivals_by_device: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrivals(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's split-K counters (None: not enough of them, or first asked for inside a CUDA
-    graph's capture, where the zeros would be the graph's own memory: the caller then sums in a
-    launch of its own).
-
-    NOTE one set per device, shared by every fp8_gemm on it: right for kernels that run one after
-    another on one stream (a layer's GEMMs, each engine's forward), as pdserve's do; two such
-    GEMMs running at once on two streams would count into each other's tiles."""
-    counters = _arrivals_by_device.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _arrivals_by_device[device] = torch.zeros(ARRIVALS, dtype=torch.int32, device=device)
-    return counters if tiles <= counters.numel() else None
-
-
 def fp8_gemm(
     xq: torch.Tensor,
     x_scale: torch.Tensor,
@@ -327,14 +279,11 @@ def fp8_gemm(
     dtype,
     config: dict | None = None,
     tma: bool | None = None,
-    last_sums: bool = True,
 ) -> torch.Tensor:
     """(xq [M, K] * x_scale [M, 1]) @ (weight [N, K] * weight_scale [N])^T + bias, rounded once to
     `dtype`: an FP8 GEMM for few tokens with both scales and the bias in its epilogue, one launch
-    with a K split too: each part's unscaled sums go to a workspace and the output tile's last part
-    to finish adds them in order and applies the epilogue; `last_sums` False, or where
-    _arrivals has no counters, a second launch does). Tiles are read by TMA where the GPU has it
-    and the operands allow (`tma` None), else by pointer.
+    (two with a K split: unscaled partial sums, then their sum in order and the epilogue). Tiles
+    are read by TMA where the GPU has it and the operands allow (`tma` None), else by pointer.
 
     Why swapped (each program computes a [BLOCK_N, BLOCK_M] tile of the output's transpose): with
     few tokens the token dimension is too short for the tensor cores' M side (64 on Hopper's wgmma),
@@ -356,23 +305,19 @@ def fp8_gemm(
     partial = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     bias_or_any = bias if bias is not None else weight_scale
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
-    arrivals = _arrivals(xq.device, grid[0] * grid[1]) if split > 1 and last_sums else None
-    common = dict(SPLIT_K=split, LAST_SUMS=arrivals is not None, HAS_BIAS=bias is not None, **cfg)
-    if arrivals is None:
-        arrivals = out  # (unused)
     if tma:
         w_desc = TensorDescriptor.from_tensor(weight, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
         x_desc = TensorDescriptor.from_tensor(xq, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         _fp8_gemm_tma[grid](
-            w_desc, x_desc, weight_scale, x_scale, bias_or_any, out, partial, arrivals, m, n, out.stride(0), K=k,
-            PDL=pdl(xq.device), launch_pdl=pdl(xq.device), **common,
+            w_desc, x_desc, weight_scale, x_scale, bias_or_any, out, partial, m, n, out.stride(0), K=k,
+            SPLIT_K=split, HAS_BIAS=bias is not None, PDL=pdl(xq.device), launch_pdl=pdl(xq.device), **cfg,
         )  # fmt: skip
     else:
         _fp8_gemm_swapped[grid](
-            weight, xq, weight_scale, x_scale, bias_or_any, out, partial, arrivals, m, n, weight.stride(0),
-            xq.stride(0), out.stride(0), K=k, **common,
+            weight, xq, weight_scale, x_scale, bias_or_any, out, partial, m, n, weight.stride(0), xq.stride(0),
+            out.stride(0), K=k, SPLIT_K=split, HAS_BIAS=bias is not None, **cfg,
         )  # fmt: skip
-    if split > 1 and not common["LAST_SUMS"]:
+    if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _sum_partials[(m, triton.cdiv(n, block))](
             partial, x_scale, weight_scale, bias_or_any, out, m, n, SPLIT_K=split, HAS_BIAS=bias is not None,
