@@ -187,15 +187,11 @@ def _fp8_gemm_tma(
     k_first = pid_k * (K // SPLIT_K)
     if PDL:
         gdc_launch_dependents()
-    # The weight's first tile before the wait (no kernel writes it: _epilogue_operands), so its DRAM
-    # latency overlaps the kernel before; the loop below takes the rest.
-    w = w_desc.load([pid_n * BLOCK_N, k_first])
     sw, sx, bias = _epilogue_operands(pid_n, pid_m, sw_ptr, sx_ptr, bias_ptr, M, N, HAS_BIAS, BLOCK_N, BLOCK_M, PDL)
-    x = x_desc.load([pid_m * BLOCK_M, k_first])  # [BLOCK_M, BLOCK_K]: K-major, as FP8 MMAs need
-    acc = tl.dot(w, x.T, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))
-    for k0 in range(BLOCK_K, K // SPLIT_K, BLOCK_K):
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K // SPLIT_K, BLOCK_K):
         w = w_desc.load([pid_n * BLOCK_N, k_first + k0])
-        x = x_desc.load([pid_m * BLOCK_M, k_first + k0])
+        x = x_desc.load([pid_m * BLOCK_M, k_first + k0])  # [BLOCK_M, BLOCK_K]: K-major, as FP8 MMAs need
         acc = tl.dot(w, x.T, acc)
     _gemm_epilogue(acc, pid_n, pid_m, pid_k, sw, sx, bias, out_ptr, partial_ptr, M, N, out_row_stride,
                    SPLIT_K, HAS_BIAS, BLOCK_N, BLOCK_M)  # fmt: skip
@@ -251,9 +247,7 @@ def gemm_config(m: int, n: int, k: int, tma: bool = True) -> dict:
     if many_rows:
         block_k, stages = (256, 3) if block_m <= 64 else (128, 4)
     else:
-        # (one stage fewer than the sweep's 6 / 4: the tile _fp8_gemm_tma reads before its PDL wait
-        # takes a stage's shared memory, and 4 + 1 tiles of 128 tokens would not fit)
-        block_k, stages = 256, 5 if block_m <= 64 and n <= k and split == 1 else 3
+        block_k, stages = 256, 6 if block_m <= 64 and n <= k and split == 1 else 4
     return {"BLOCK_N": 64, "BLOCK_M": block_m, "BLOCK_K": block_k, "SPLIT_K": split, "num_stages": stages,
             "num_warps": 4}  # fmt: skip
 
@@ -446,13 +440,10 @@ def _gate_up_silu_tma(
         gdc_launch_dependents()
     # (the up's and the gate's weight scales, then the tokens' once x's writer is done: _epilogue_operands)
     sw_u = tl.load(sw_ptr + INTER + offs_n, mask=n_ok, other=0.0)
-    w_g = w_desc.load([pid_n * BLOCK_N, 0])  # (the weight's first tiles too: _fp8_gemm_tma)
-    w_u = w_desc.load([INTER + pid_n * BLOCK_N, 0])
     sw_g, sx, _ = _epilogue_operands(pid_n, pid_m, sw_ptr, sx_ptr, sw_ptr, M, INTER, False, BLOCK_N, BLOCK_M, PDL)
-    x = x_desc.load([pid_m * BLOCK_M, 0]).T
-    acc_g = tl.dot(w_g, x, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))
-    acc_u = tl.dot(w_u, x, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         x = x_desc.load([pid_m * BLOCK_M, k0]).T
         # NOTE rows past INTER of the gate tile are up's first rows: read, never stored (n_ok).
         acc_g = tl.dot(w_desc.load([pid_n * BLOCK_N, k0]), x, acc_g)
