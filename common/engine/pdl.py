@@ -3,12 +3,17 @@ may start before the kernel before it has finished.
 
 The contract, for every kernel launched so: it calls `gdc_launch_dependents()` (the next may
 launch once all of this one's programs run) and then `gdc_wait()` (wait for the one before to
-finish and its writes to be visible) before it writes anything or reads anything a kernel writes
-(`if PDL:` near the top of the kernel, PDL its constexpr). What no kernel ever writes (a layer's
-weights, their scales, a norm's weight, a bias: set at load) may be read before the wait, so its
-loads' latency overlaps the kernel before (fp8_kernels.py `_epilogue_operands`). NOTE: a kernel
+finish and its writes to be visible) before it writes anything or reads anything a kernel launched
+so may have written (`if PDL:` near the top of the kernel, PDL its constexpr). NOTE: a kernel
 launched so may start while kernels further back than the one before still run (each lets the
-next launch as it starts), so before the wait nothing written by any kernel is safe to read.
+next launch as it starts), so nothing such a kernel writes is safe to read before the wait. What
+none of them writes may be read before it, so those loads' latency overlaps the kernel before: a
+layer's weights and their scales, a norm's weight, a bias (set at load), and a forward's metadata
+(lengths, positions, slots, pool rows: copied in, or computed by torch ops, which never launch
+early, so they are complete before the first kernel launched so after them starts; read past L1,
+`cache_modifier=".cg"`, so no line a kernel before left on the SM answers for them). Where:
+fp8_kernels.py `_epilogue_operands`, `_rmsnorm_fp8`; triton_store.py's rope-store (cos, sin, slot);
+triton_decode.py's decode attention (lengths, rows).
 
 A kernel's ramp (its launch and its first loads' latency, ~1-2 us) then overlaps the tail of the
 one before. A kernel launched so after one that never signals (cuBLAS) starts when that one's

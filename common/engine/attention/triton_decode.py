@@ -145,14 +145,17 @@ def _decode_split_kernel(
     WIDEN_TO_F16: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # (common/engine/pdl.py: launched while rope_store_kv may still run)
-        gdc_launch_dependents()
-        gdc_wait()
     req = tl.program_id(0)
     req_64 = req.to(tl.int64)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens + req)
-    row = tl.load(req_pool_indices + req).to(tl.int64)
+    # The batch's lengths and pool rows are the forward's inputs, which no kernel of the forward
+    # writes: read before the wait (common/engine/pdl.py), while rope_store_kv may still run. q and
+    # the pool (this step's K and V) only after it.
+    seq_len = tl.load(seq_lens + req, cache_modifier=".cg")
+    row = tl.load(req_pool_indices + req, cache_modifier=".cg").to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     # Visible keys [lo, seq_len): the query sits at seq_len - 1. The splits cut this range (from
     # lo's block), not [0, seq_len), so a sliding window does not leave most programs idle.
     # NOTE: one split without a window loops from the constant 0. From a computed start the

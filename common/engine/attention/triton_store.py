@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from pdserve.common.engine import pdl
-from pdserve.common.engine.models.triton_ops import _rope_token_q, _rotate_store
+from pdserve.common.engine.models.triton_ops import _rope_cos_sin, _rotate_q_heads, _rotate_store
 
 # A program copies BLOCK_H heads x BLOCK_D dims of one token's K and V; about 4k elements is a
 # few 16-byte vectors per thread and keeps wide models (64 KV heads x 128) from spilling.
@@ -174,14 +174,21 @@ def _rope_store_kv_kernel(
 ):
     # One program per token and head group (grid axis 1: a group's query heads and the KV heads
     # they read): rope_'s math (the same helpers), then store_kv's writes.
-    if PDL:  # (common/engine/pdl.py: launched while the qkv GEMM may still run)
-        gdc_launch_dependents()
-        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
-    offs, mask_d, cos, sin = _rope_token_q(
-        q, positions, inv_freq, token, stride_qt, stride_qh, group * q_heads_per_group, q_heads_per_group, half,
-        BLOCK_HALF, BLOCK_QH,
+    offs = tl.arange(0, BLOCK_HALF)
+    mask_d = offs < half
+    # The token's cos and sin and its slot come from the forward's inputs, which no kernel of the
+    # forward writes: made before the wait (common/engine/pdl.py), while the qkv GEMM may still run.
+    cos, sin = _rope_cos_sin(positions, inv_freq, token, offs, mask_d, q.dtype.element_ty)
+    # int64: slot * stride overflows int32 on pools past 2^31 elements.
+    slot = tl.load(loc + token, cache_modifier=".cg").to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    _rotate_q_heads(
+        q, token, stride_qt, stride_qh, group * q_heads_per_group, q_heads_per_group, half, offs, mask_d, cos, sin,
+        BLOCK_QH,
     )  # fmt: skip
 
     kv_heads = group * kv_heads_per_group + tl.arange(0, BLOCK_KH)
@@ -190,8 +197,6 @@ def _rope_store_kv_kernel(
     k1, k2 = _rotate_store(
         k + token * stride_kt + kv_heads[:, None] * stride_kh + offs[None, :], cos, sin, half, kv_mask
     )
-    # int64: slot * stride overflows int32 on pools past 2^31 elements.
-    slot = tl.load(loc + token).to(tl.int64)
     dst = slot * stride_buf_s + kv_heads[:, None].to(tl.int64) * stride_buf_h + offs[None, :]
     tl.store(k_buf + dst, to_pool(k1, k_scale, k_buf, QUANTIZE), mask=kv_mask)
     tl.store(k_buf + dst + half, to_pool(k2, k_scale, k_buf, QUANTIZE), mask=kv_mask)

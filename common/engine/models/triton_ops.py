@@ -192,17 +192,27 @@ def _rope_token_q(
     offs = tl.arange(0, BLOCK_HALF)
     mask_d = offs < half
     cos, sin = _rope_cos_sin(positions, inv_freq, token, offs, mask_d, q.dtype.element_ty)
+    _rotate_q_heads(q, token, stride_qt, stride_qh, first_q_head, num_q_heads, half, offs, mask_d, cos, sin, BLOCK_QH)
+    return offs, mask_d, cos, sin
+
+
+@triton.jit
+def _rotate_q_heads(
+    q, token, stride_qt, stride_qh, first_q_head, num_q_heads, half, offs, mask_d, cos, sin, BLOCK_QH: tl.constexpr
+):  # fmt: skip
+    """_rope_token_q's rotation, with the token's cos and sin already made."""
     q_heads = first_q_head + tl.arange(0, BLOCK_QH)
     q_mask = (q_heads < first_q_head + num_q_heads)[:, None] & mask_d[None, :]
     _rotate_store(q + token * stride_qt + q_heads[:, None] * stride_qh + offs[None, :], cos, sin, half, q_mask)
-    return offs, mask_d, cos, sin
 
 
 @triton.jit
 def _rope_cos_sin(positions, inv_freq, token, offs, mask_d, dtype: tl.constexpr):
     """cos and sin of one token's angles, [1, BLOCK_HALF] float32 holding values of `dtype`."""
     # float32 angles, rounded to the activations' dtype before use, as transformers does.
-    angle = tl.load(positions + token).to(tl.float32) * tl.load(inv_freq + offs, mask=mask_d, other=0.0)
+    angle = tl.load(positions + token, cache_modifier=".cg").to(tl.float32) * tl.load(
+        inv_freq + offs, mask=mask_d, other=0.0
+    )
     cos = tl.cos(angle).to(dtype).to(tl.float32)[None, :]
     sin = tl.sin(angle).to(dtype).to(tl.float32)[None, :]
     return cos, sin
