@@ -21,3 +21,8 @@ class ErrorCode(str, enum.Enum):
     @property
     def is_transfer_failure(self) -> bool:
         return self in (ErrorCode.KV_TRANSFER_TIMEOUT, ErrorCode.KV_TRANSFER_FAILED)
+
+
+class StartupFailed(RuntimeError):
+    """A server's scheduler process exited, or was not ready within --startup-timeout, before it
+    served anything (common/serving/frontend.py): the server exits with this message, status 1."""

@@ -122,3 +122,63 @@ def test_pdserve_up_names_a_package_compiled_at_every_start(tmp_path):
     assert hint() == "-"  # Python will write it on the first import
     compileall.compile_dir(str(package), quiet=1)
     assert hint(PYTHONDONTWRITEBYTECODE="1") == "-"
+
+
+def test_a_hung_start_ends_with_the_stuck_threads_stacks_and_a_clear_error(tiny_models, tmp_path):
+    """A scheduler stuck in native code at start (here open() of a weights file that is a FIFO
+    nobody writes: as a NIXL agent's or a CUDA call's start can hang) is asked for its threads'
+    stacks when --startup-timeout runs out; the server then exits 1 with one line saying so, the
+    stuck frame (the weights' loader) in its log."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_models("llama"), model)
+    weights = model / "model.safetensors"
+    weights.unlink()
+    os.mkfifo(weights)
+    argv = [sys.executable, "-m", "pdserve.decode.cli", "--model-path", str(model), "--device", "cpu", "--port",
+            "1", "--startup-timeout", "4", "--disable-grammar-warmup"]  # fmt: skip
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("Current thread"):  # the dump has begun: let a stuck open() return
+                try:
+                    os.close(os.open(weights, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError:  # ENXIO: nobody has it open (the scheduler was not there yet)
+                    pass
+        assert proc.wait(timeout=60) == 1
+    finally:
+        proc.kill()
+    log = "".join(lines)
+    # The scheduler's main thread, wherever the timeout found it (the loader, or still importing torch
+    # on a busy host): it had asked for the dump as its process started.
+    assert "in run_scheduler" in log.split("Current thread", 1)[1], log
+    assert lines[-1].startswith("error: the scheduler process (pid ") and lines[-1].rstrip().endswith(
+        "was not ready within --startup-timeout 4 s; the stacks of its threads are above"
+    ), log
+    assert "Traceback" not in log.split("Current thread", 1)[0], log  # no traceback before the dump
+
+
+def test_the_stack_dump_signal_leaves_the_process_running():
+    code = (
+        "import sys, time\n"
+        "from pdserve.common.stacks import dump_on_signal\n"
+        "dump_on_signal()\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "print('still here', flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        from pdserve.common.stacks import ask_for_stacks
+
+        assert ask_for_stacks(proc.pid)
+        out, err = proc.communicate("\n", timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and out == "still here\n"
+    assert "Current thread" in err and "<string>" in err, err

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from pdserve.common import stacks
 from pdserve.common.config import EngineConfig
 from pdserve.common.engine import tp_messages
 from pdserve.common.engine.batch import BatchPlan
@@ -345,6 +346,7 @@ def main(argv: list[str]) -> int:
     args = json.loads(argv[0])
     rank = args["rank"]
     logging.basicConfig(level=args["log_level"], format=f"%(asctime)s %(levelname)s tp rank {rank}: %(message)s")
+    stacks.dump_on_signal()  # `kill -USR1`: every thread's stack to the log (common/stacks.py)
     import torch
 
     from pdserve.common.engine.batch_builder import BatchBuilder

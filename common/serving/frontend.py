@@ -22,7 +22,8 @@ import zmq.asyncio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
-from pdserve.common.errors import ErrorCode
+from pdserve.common import stacks
+from pdserve.common.errors import ErrorCode, StartupFailed
 from pdserve.common.gc_tuning import tune_gc
 from pdserve.common.server_config import ServerConfig
 from pdserve.common.serving import ipc
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 
 # Traced requests kept after their caller let go, until their last message: the newest this many.
 MAX_ENDING = 4096
+# How long a scheduler that missed its start-up deadline gets to write its threads' stacks before it
+# is stopped (faulthandler writes them from the signal handler at once: this is for the pipe).
+STACK_DUMP_WAIT_S = 1.0
 
 
 class SchedulerBridge:
@@ -66,11 +70,23 @@ class SchedulerBridge:
         self.load = ipc.LoadReport(0, 0, 0, 0, 0)
 
     async def start(self, timeout_s: float) -> ipc.Ready:
+        """The scheduler's Ready, or StartupFailed: it exited first, or was not ready in `timeout_s`
+        (its threads' stacks are then in the log first: common/stacks.py)."""
         self.ready = asyncio.get_running_loop().create_future()
         self.process.start()
         self._reader = asyncio.create_task(self._read())
         self._watch = asyncio.create_task(self._watch_process())
-        return await asyncio.wait_for(self.ready, timeout_s)
+        try:
+            return await asyncio.wait_for(self.ready, timeout_s)
+        except asyncio.TimeoutError:
+            pid = self.process.pid
+            dumped = stacks.ask_for_stacks(pid)
+            if dumped:
+                await asyncio.sleep(STACK_DUMP_WAIT_S)
+            where = "; the stacks of its threads are above" if dumped else ""
+            raise StartupFailed(
+                f"the scheduler process (pid {pid}) was not ready within --startup-timeout {timeout_s:g} s{where}"
+            ) from None
 
     def subscribe(self, rid: str, queue: asyncio.Queue | None = None, trace_context=None) -> asyncio.Queue:
         """The queue `rid`'s messages will arrive on: a new one, or `queue` (several requests may
@@ -148,7 +164,7 @@ class SchedulerBridge:
         if not self.bye.is_set():
             log.error("the scheduler process exited (code %s)", self.process.exitcode)
         if self.ready is not None and not self.ready.done():
-            self.ready.set_exception(RuntimeError(f"scheduler exited with code {self.process.exitcode} before ready"))
+            self.ready.set_exception(StartupFailed(f"scheduler exited with code {self.process.exitcode} before ready"))
         for rid, queue in self.queues.items():
             queue.put_nowait(ipc.Rejected(rid, "the scheduler process exited", code=ErrorCode.INTERNAL))
         self.bye.set()

@@ -22,6 +22,7 @@ import traceback
 
 import zmq
 
+from pdserve.common import stacks
 from pdserve.common.errors import ErrorCode
 from pdserve.common.lifetime import die_with_parent
 from pdserve.common.server_config import ServerConfig
@@ -94,6 +95,7 @@ def run_scheduler(make_engine, server: ServerConfig, to_scheduler: str, to_front
     # interpreter's teardown, so atexit hooks run (the grammar worker's shared memory is unlinked).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    stacks.dump_on_signal()  # `kill -USR1`: every thread's stack to the log (the frontend's, at a start timeout)
     parent = multiprocessing.parent_process()
     if parent is not None:  # (None: called in-process, by a test)
         die_with_parent(parent.pid)  # even when stuck in native code

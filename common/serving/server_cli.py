@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pdserve.common.config import DefaultsHelpFormatter, EngineConfig, add_cli_args, from_cli_args
+from pdserve.common.errors import StartupFailed
 from pdserve.common.server_config import ServerConfig
+from pdserve.common.stacks import dump_on_signal
 from pdserve.common.trust import check_exposure, load_trust
 
 
@@ -46,6 +48,7 @@ def main(launcher: RoleLauncher, argv: list[str] | None = None) -> int:
     args = build_parser(role).parse_args(argv)
     server = from_cli_args(args, ServerConfig)
     logging.basicConfig(level=server.log_level.upper(), format=f"%(asctime)s %(levelname)s {role}: %(message)s")
+    dump_on_signal()  # `kill -USR1 <pid>`: every thread's stack to the log (common/stacks.py)
     try:
         server.check()
         check_exposure(load_trust(server), [server.host], "listening on")  # refused here, warned of when serving
@@ -60,7 +63,11 @@ def main(launcher: RoleLauncher, argv: list[str] | None = None) -> int:
         # 6.6 -> 5.0 s, output +8% with PASSIVE; docs/benchmarks/README.md). Read once, when the scheduler
         # process loads torch, so it is set here, before that process is spawned.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    asyncio.run(_serve(launcher, engine, server, agent_name))
+    try:
+        asyncio.run(_serve(launcher, engine, server, agent_name))
+    except StartupFailed as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
