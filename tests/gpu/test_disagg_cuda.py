@@ -19,10 +19,14 @@ from pdserve.common.types import SamplingParams
 from tests.test_disagg_engines import fragment, hf_greedy
 
 TIMEOUT_S = 300
+READY_TIMEOUT_S = 120  # an engine is ready in ~15-20 s on the H200 host
 
 
 def worker(role: str, model: str, dtype: str, path: str, conn, kv_cache_dtype: str = "auto", shuffle=True) -> None:
     from pdserve.common.config import EngineConfig
+    from pdserve.common.stacks import dump_on_signal
+
+    dump_on_signal()  # (a start that hangs is dumped: run_disaggregated)
 
     config = EngineConfig(
         model_path=model,
@@ -89,8 +93,16 @@ def run_disaggregated(model, dtype, prompts, params, path="direct", kv_cache_dty
                 os.environ["CUDA_VISIBLE_DEVICES"] = visible
         links[role] = (mine, proc)
     dconn, pconn = links["decode"][0], links["prefill"][0]
-    for conn in (dconn, pconn):
-        assert conn.poll(TIMEOUT_S) and conn.recv()[0] == "ready"
+    for role, (conn, proc) in links.items():
+        if not conn.poll(READY_TIMEOUT_S):  # (seen once: a NIXL agent's start in two processes that never ended)
+            from pdserve.common.stacks import ask_for_stacks
+
+            dumped = ask_for_stacks(proc.pid)
+            time.sleep(2)
+            pytest.fail(
+                f"the {role} engine was not ready in {READY_TIMEOUT_S} s" + (" (its stacks: stderr)" if dumped else "")
+            )
+        assert conn.recv()[0] == "ready"
     by_rid = {f"r{i}": (p, params) for i, p in enumerate(prompts)}
     rng = random.Random(0)
     for rid, (p, sp) in by_rid.items():
