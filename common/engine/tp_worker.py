@@ -12,11 +12,10 @@ KV heads and runs, for every batch rank 0 launches, the same device writes and t
                                         the forward stream, WAR barrier: rank 0's loop minus the host;
                                         rank 0's host-tier copies; a server's KV duty (rank_duty.py)
 
-The messages travel over one ipc:// pyzmq PUSH -> PULL socket per rank (and one back to rank 0 for
-a server's ranks), msgspec-encoded (numpy arrays as raw bytes, no pickle); the forwards'
-collectives meet through torch.distributed (tp.py). Rank 0's token ids reach the other ranks'
-FutureMaps by a broadcast inside the forward (ModelRunner), so a later plan's placeholders resolve
-the same on every rank.
+The messages travel over one ipc:// pyzmq PUSH -> PULL socket per rank (and one back to rank 0 for a
+server's ranks), msgspec-encoded (numpy arrays as raw bytes, no pickle); the forwards' collectives meet
+through torch.distributed (tp.py). Rank 0's token ids reach the other ranks' FutureMaps by a broadcast
+inside the forward (ModelRunner), so a later plan's placeholders resolve the same on every rank.
 
 Failure: rank 0 checks that every rank is alive before each send (and, in a server, every
 ALIVE_PERIOD_S when idle) and raises (after killing the rest) when one is not; a rank whose rank 0
@@ -365,11 +364,10 @@ def main(argv: list[str]) -> int:
         group = TPGroup.join(
             rank, config.tp_size, rank_device(config.device, rank), args["store_port"], config.dist_timeout
         )
-        # The same start-up as rank 0's engine (EngineCore.__init__), step for step: the runner
-        # (KV sizing and graph capture are collectives), the KV agent, then the warm-up.
-        # NOTE the agent before the warm-up: rank 0 waits for every rank's pool (its scheduler)
-        # before it warms up, so a rank warming up first waits in the warm-up's collectives for a
-        # rank 0 that waits for it (a deadlock on CUDA; CPU servers do not warm up).
+        # The same start-up as rank 0's engine (EngineCore.__init__), step for step: the runner (KV sizing
+        # and graph capture are collectives), the KV agent, then the warm-up. NOTE the agent before the
+        # warm-up: rank 0 waits for every rank's pool (its scheduler) before it warms up, so a rank warming
+        # up first waits in the warm-up's collectives for a rank 0 that waits for it (a deadlock on CUDA).
         side = KVSide(args["kv"]["duty"]) if args["kv"] else None  # (a decode server's: its request rows)
         runner, duty = ModelRunner(config, prefill_graphs=args["prefill_graphs"], tp=group, kv_side=side), None
         if args["kv"] is not None:
