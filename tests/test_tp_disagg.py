@@ -278,10 +278,16 @@ def test_a_dead_rank_takes_its_server_out_of_service_and_out_of_the_routers_pool
     NOT_SERVING as it stops; a check in between finds the port closed) and it exits; a router in front of it
     and another decode server marks it unhealthy and serves every request from the other."""
     model, servers, _ = clusters
-    server, router = Server("decode", model, "--tp-size", "2", *ONE_THREAD), None
+    kill_a_rank_and_check(model, Server("decode", model, "--tp-size", "2", *ONE_THREAD), servers[("decode", 1)])
+
+
+def kill_a_rank_and_check(model: str, server: Server, other: Server, hf_device: str = "cpu") -> None:
+    """SIGKILL rank 1 of `server` (a TP 2 decode server) behind a router that also has `other`; also run
+    on two GPUs by tests/gpu/test_tp_disagg_cuda.py."""
+    router = None
     try:
         server.wait_ready()
-        other = servers[("decode", 1)]
+        other.wait_ready()
         router = RouterProcess(model, [], [server, other], "--disagg-policy", "never", "--health-check-interval", "0.2")
         router.wait_ready()
         [scheduler] = [c for c in children(server.proc.pid) if children(c)]  # the one with a rank under it
@@ -308,7 +314,7 @@ def test_a_dead_rank_takes_its_server_out_of_service_and_out_of_the_routers_pool
         assert not any(other.address in url for url in router.unhealthy())
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", timeout=60, max_retries=0)
         prompts = make_prompts(2, seed=9)
-        for ids, want in zip(prompts, hf_greedy(model, prompts, 6)):
+        for ids, want in zip(prompts, hf_greedy(model, prompts, 6, device=hf_device)):
             out = client.completions.create(
                 model=model, prompt=ids, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
             )

@@ -31,18 +31,26 @@ from pdserve.common.scheduling.batch import ForwardMode
 
 logger = logging.getLogger(__name__)
 
+CAPTURE_MODE = "thread_local"  # see capture_graph
+
 
 def capture_graph(stream, pool, run) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Capture `run()` (which returns the output tensor) on `stream` into `pool`.
 
     Run twice first, outside capture: compiles the kernels and settles the allocator.
+
+    NOTE: "thread_local": other threads go on calling CUDA while we capture: the NIXL agent begun early
+    (common/kv_transfer/early_agent.py: UCX's CUDA transports) and then its progress thread. In torch's
+    default "global" mode any of their calls CUDA deems unsafe during a capture (an allocation, a
+    synchronizing copy) invalidates ours: a prefill server on two H200s failed its start so (cuBLAS
+    "operation failed due to a previous error during capture"), now and then, as the race fell.
     """
     with torch.cuda.stream(stream):
         for _ in range(2):
             run()
     stream.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_MODE):
         out = run()
     return graph, out
 

@@ -134,3 +134,19 @@ def test_disaggregated_across_tp_sizes_on_two_gpus_matches_transformers(tmp_path
     assert got == expected
     two = heads["decode"] if decode[0] == 2 else heads["prefill"]
     assert two == ([range(0, 1), range(1, 2)] if kv_heads == 2 else [range(0, 1), range(0, 1)])
+
+
+def test_a_dead_rank_on_cuda_takes_its_server_out_of_service_and_out_of_the_routers_pool(tiny_models):
+    """tests/test_tp_disagg.py's rank kill with real CUDA ranks: a TP 2 decode server on GPUs 0 and 1 loses
+    rank 1 to SIGKILL; it stops serving and exits, and the router serves transformers' tokens from a TP 1
+    decode server on GPU 0."""
+    from tests.test_servers import Server
+    from tests.test_tp_disagg import kill_a_rank_and_check
+
+    model = tiny_models("llama")
+    cuda = ("--device", "cuda", "--dtype", "float32", "--max-running-requests", "8")
+    other = Server("decode", model, *cuda)
+    try:
+        kill_a_rank_and_check(model, Server("decode", model, "--tp-size", "2", *cuda), other, hf_device="cuda")
+    finally:
+        other.stop()
