@@ -39,11 +39,10 @@ def capture_graph(stream, pool, run) -> tuple[torch.cuda.CUDAGraph, torch.Tensor
 
     Run twice first, outside capture: compiles the kernels and settles the allocator.
 
-    NOTE: "thread_local": other threads go on calling CUDA while we capture: the NIXL agent begun early
-    (common/kv_transfer/early_agent.py: UCX's CUDA transports) and then its progress thread. In torch's
-    default "global" mode any of their calls CUDA deems unsafe during a capture (an allocation, a
-    synchronizing copy) invalidates ours: a prefill server on two H200s failed its start so (cuBLAS
-    "operation failed due to a previous error during capture"), now and then, as the race fell.
+    NOTE: "thread_local": other threads of the process call CUDA while we capture (NIXL's progress
+    thread, the grammar and host-copy threads). In torch's default "global" mode any call of theirs that
+    CUDA deems unsafe during a capture (a cudaFree, a synchronizing copy) invalidates ours
+    (tests/gpu/test_capture_beside_threads.py).
     """
     with torch.cuda.stream(stream):
         for _ in range(2):
