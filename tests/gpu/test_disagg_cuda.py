@@ -102,7 +102,11 @@ def run_disaggregated(model, dtype, prompts, params, path="direct", kv_cache_dty
             pytest.fail(
                 f"the {role} engine was not ready in {READY_TIMEOUT_S} s" + (" (its stacks: stderr)" if dumped else "")
             )
-        assert conn.recv()[0] == "ready"
+        try:
+            assert conn.recv()[0] == "ready"
+        except EOFError:  # (its end of the pipe closed: the engine died starting)
+            proc.join(10)
+            pytest.fail(f"the {role} engine exited (code {proc.exitcode}) before it was ready: its traceback is above")
     by_rid = {f"r{i}": (p, params) for i, p in enumerate(prompts)}
     rng = random.Random(0)
     for rid, (p, sp) in by_rid.items():
