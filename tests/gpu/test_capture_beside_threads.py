@@ -1,7 +1,7 @@
 """A CUDA graph captured while another thread of the process makes CUDA calls that are unsafe during a
-capture (cudaMalloc / cudaFree, as UCX's CUDA transports make while a NIXL agent starts beside the
-model's graphs): common/engine/cuda_graph.capture_graph still captures, and the graph replays right.
-The control: torch's default "global" capture mode fails under the same thread."""
+capture (cudaMalloc / cudaFree; a server's other threads call CUDA while its graphs are captured):
+common/engine/cuda_graph.capture_graph still captures, and the graph replays right. The control:
+torch's default "global" capture mode fails under the same thread."""
 
 import ctypes
 import subprocess
