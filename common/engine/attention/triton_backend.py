@@ -98,11 +98,6 @@ class TritonBackend(AttentionBackend):
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         rope_store_kv(q, k, v, positions, inv_freq, k_buf, v_buf, batch.out_cache_loc, *self._scales(layer_id))
 
-    def layer_pool(self, layer_id: int) -> tuple:
-        """(k_buf, v_buf, k_scale, v_scale) of a layer, for a kernel that stores K and V itself
-        (models/fp8_qkv.py); the scales None unless the pool is float8."""
-        return self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id], *self._scales(layer_id)
-
     def _scales(self, layer_id: int) -> tuple:
         """The layer's K and V scales for a float8 pool (device views: graphs read their values at
         replay), else nothing."""

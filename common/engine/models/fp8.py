@@ -211,18 +211,6 @@ def gate_up_fuses(x, gate_up: nn.Module) -> bool:
     return fp8_kernels.tma_describable(x.q, gate_up.weight)
 
 
-def qkv_rope_fuses(x, qkv: nn.Module) -> bool:
-    """Whether fp8_qkv.qkv_rope_store runs this q/k/v input: a layer fp8_qkv.permute_for_rope made,
-    its input quantized by the norm before it, decode-sized (TRITON_MAX_TOKENS), one GEMM launch."""
-    if not (isinstance(x, Fp8Input) and isinstance(qkv, Fp8Linear) and qkv.rope_head_dim):
-        return False
-    if x.q.shape[0] > TRITON_MAX_TOKENS or scaled_mm_refusal(x, qkv.weight):
-        return False
-    from pdserve.common.engine.models import fp8_qkv
-
-    return fp8_qkv.runs(x.q, qkv)
-
-
 def gate_up_silu(x: Fp8Input, gate_up: "Fp8Linear") -> Fp8Input:
     """silu(gate) * up of a merged FP8 gate_up layer, quantized per token for down_proj: what
     gate_up(x), then fp8_kernels.silu_mul_fp8, would give, in fp8_kernels.gate_up_silu_fp8's two
@@ -266,10 +254,6 @@ class Fp8Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        # A merged q/k/v layer whose rows fp8_qkv.permute_for_rope reordered for its fused kernel: the
-        # head_dim, and the output columns' order back (index_select) for every other path.
-        self.rope_head_dim: int | None = None
-        self.column_order: torch.Tensor | None = None
 
     @classmethod
     def quantize(cls, linear: nn.Linear) -> "Fp8Linear":
@@ -303,8 +287,6 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = fp8_linear(x, self.weight, self.weight_scale, self.bias)
-        if self.column_order is not None:  # rows permuted for fp8_qkv, not run by it here
-            out = out.index_select(-1, self.column_order)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def extra_repr(self) -> str:

@@ -108,15 +108,9 @@ class SelfAttention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
         self.rotary.fused = True
         self.rope_and_store = 2 * self.rotary.inv_freq.numel() == self.head_dim  # no partial rotary
-        if self.rope_and_store and not self.qk_norm and fp8_qkv_fits(self.qkv_proj, self.head_dim):
-            from pdserve.common.engine.models import fp8_qkv
-
-            fp8_qkv.permute_for_rope(self.qkv_proj, self.head_dim)  # rotary and the store in its GEMM
 
     def forward(self, x, positions, batch: ForwardBatch, attn: AttentionBackend):
         t = x.shape[0]
-        if self.rope_and_store and attn.fuses_rope_and_store and fp8.qkv_rope_fuses(x, self.qkv_proj):
-            return self.o_proj(self._attend_fp8_fused(x, positions, batch, attn))
         if hasattr(self, "qkv_proj"):
             q_size, kv_size = self.num_heads * self.head_dim, self.kv_heads * self.head_dim
             q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)  # strided views
@@ -135,30 +129,6 @@ class SelfAttention(nn.Module):
             return self.o_proj(self.attn(q, k, v, batch, attn, kv_stored=True))
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, batch, attn))
-
-    def _attend_fp8_fused(self, x, positions, batch: ForwardBatch, attn: AttentionBackend):
-        """The attention's output where the FP8 q/k/v GEMM rotates q and k and stores K and V itself
-        (fp8_qkv.qkv_rope_store: one launch for the GEMM and rope_and_store's)."""
-        from pdserve.common.engine.models import fp8_qkv
-
-        t, d = x.shape[0], self.head_dim
-        k_buf, v_buf, k_scale, v_scale = attn.layer_pool(self.attn.layer_id)
-        qkv = fp8_qkv.qkv_rope_store(
-            x.q, x.scale, self.qkv_proj, x.dtype, positions, self.rotary.inv_freq, self.num_heads, self.kv_heads,
-            k_buf, v_buf, batch.out_cache_loc, k_scale, v_scale,
-        )  # fmt: skip
-        q, k, v = qkv.split([self.num_heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        return self.attn(q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d), batch, attn, kv_stored=True)
-
-
-def fp8_qkv_fits(qkv: nn.Module, head_dim: int) -> bool:
-    """Whether a merged q/k/v layer is one fp8_qkv's kernel can run (rows permuted at fuse): FP8
-    per-channel, heads a multiple of 64 wide, on a device the kernel runs on."""
-    if not isinstance(qkv, fp8.Fp8Linear) or head_dim % 64:
-        return False
-    from pdserve.common.engine.models import fp8_qkv
-
-    return fp8_qkv.usable(qkv.weight.device)
 
 
 class GatedMLP(nn.Module):
