@@ -55,3 +55,26 @@ def test_the_deployment_benchmarks_need_no_micro_module():
     for path in BENCH.glob("*.py"):
         if path.name != "cli.py":  # it registers the micro sub-commands (bench/micro/cli.py)
             assert not re.search(r"^\s*(from|import) pdserve\.bench\.micro", path.read_text(), re.M), path.name
+
+
+def test_dropped_kernels_launch_nothing_and_leave_the_rest(monkeypatch):
+    """decode_step --drop-kernels (bench/micro/drop_kernels.py): the named kernels are replaced, the
+    GEMMs are not; an FP8 input made so is the right shape, unwritten."""
+    import torch
+
+    from pdserve.bench.micro import drop_kernels
+    from pdserve.common.engine.attention import triton_backend
+    from pdserve.common.engine.models import fp8_kernels
+
+    for module, name in [(fp8_kernels, n) for n in ("rmsnorm_fp8", "quantize_per_token", "_quantize_rows_by_amax",
+                                                    "_sum_partials", "fp8_gemm")] + [
+        (triton_backend, "rope_store_kv"), (triton_backend, "decode_attention")]:  # fmt: skip
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    gemm, attention = fp8_kernels.fp8_gemm, triton_backend.decode_attention
+    drop_kernels.drop(["small"])
+    q, scale = fp8_kernels.rmsnorm_fp8(torch.zeros(3, 64), torch.ones(64), 1e-5, None, 1e-4)
+    assert q.shape == (3, 64) and q.dtype == torch.float8_e4m3fn and scale.shape == (3, 1)
+    assert fp8_kernels._sum_partials[(3, 1)](1, 2, 3) is None and triton_backend.rope_store_kv(1, 2) is None
+    assert fp8_kernels.fp8_gemm is gemm and triton_backend.decode_attention is attention
+    drop_kernels.drop(["attention"])
+    assert triton_backend.decode_attention is not attention

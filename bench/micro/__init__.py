@@ -32,5 +32,5 @@ Run as `python -m pdserve.bench.micro.NAME`:
     worker_kill             many streams through a router's workers, one worker SIGKILLed mid-run
 
 Helpers: call_timer.py (transfer --time-calls), copy_workload.py (spec-replay, spec-itl), proc_sockets.py
-(worker_kill).
+(worker_kill), drop_kernels.py (decode_step --drop-kernels).
 """

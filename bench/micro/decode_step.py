@@ -158,6 +158,14 @@ def main() -> None:
         help="Launch every kernel without programmatic dependent launch (common/engine/pdl.py): slower, but "
         "--profile's kernel times are then each kernel's own (under PDL they include its wait for the one before).",
     )
+    ap.add_argument(
+        "--drop-kernels",
+        nargs="+",
+        default=[],
+        choices=["small", "attention"],
+        help="Timing only (the tokens are garbage): these kernels launch nothing, so the step shows what it would take "
+        "if their work cost nothing (bench/micro/drop_kernels.py).",
+    )
     ap.add_argument("--json", help="Also write the result here.")
     ap.add_argument(
         "--profile", action="store_true", help="Also print the CUDA kernels of one more run, by total time."
@@ -168,6 +176,10 @@ def main() -> None:
         from pdserve.common.engine import pdl
 
         pdl.ENABLED = False  # (before the engine captures its graphs)
+    if args.drop_kernels:
+        from pdserve.bench.micro import drop_kernels
+
+        drop_kernels.drop(args.drop_kernels)
     path = model_path_from_args(args)
     bs, ctx = max(args.batch_size), args.input_len + args.output_len
     engine = Engine(
@@ -260,6 +272,7 @@ def measure(timer: StepTimer, args, path, bs: int) -> dict:
         "kv_cache_dtype": args.kv_cache_dtype,
         "fp8_lm_head": args.fp8_lm_head,
         "pdl": not args.no_pdl,
+        "dropped_kernels": args.drop_kernels,
     }
     return result
 
