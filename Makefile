@@ -34,7 +34,7 @@ setup: $(VENV)/.installed
 TEST_WORKERS ?= 2
 test: lint
 	$(VENV)/bin/python -m compileall -q common prefill decode router proto bench tests > /dev/null
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=15
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest tests -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # ruff (pyproject.toml's [tool.ruff]): lint, and check that the tree is formatted (`make format` formats it).
 lint: setup
