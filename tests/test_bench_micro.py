@@ -71,6 +71,9 @@ def test_dropped_kernels_launch_nothing_and_leave_the_rest(monkeypatch):
         (triton_backend, "rope_store_kv"), (triton_backend, "decode_attention")]:  # fmt: skip
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     gemm, attention = fp8_kernels.fp8_gemm, triton_backend.decode_attention
+    rope, norm = triton_backend.rope_store_kv, fp8_kernels.rmsnorm_fp8
+    drop_kernels.drop(["norms"])
+    assert fp8_kernels.rmsnorm_fp8 is not norm and triton_backend.rope_store_kv is rope  # only the one named
     drop_kernels.drop(["small"])
     q, scale = fp8_kernels.rmsnorm_fp8(torch.zeros(3, 64), torch.ones(64), 1e-5, None, 1e-4)
     assert q.shape == (3, 64) and q.dtype == torch.float8_e4m3fn and scale.shape == (3, 1)

@@ -113,6 +113,7 @@ def profile_decode(timer: StepTimer, prompts, params) -> None:
 
 
 def main() -> None:
+    from pdserve.bench.micro import drop_kernels
     from pdserve.bench.random_weights import add_model_args, model_path_from_args
     from pdserve.common.config import read_hf_config
     from pdserve.common.engine.engine import Engine
@@ -162,7 +163,7 @@ def main() -> None:
         "--drop-kernels",
         nargs="+",
         default=[],
-        choices=["small", "attention"],
+        choices=drop_kernels.CHOICES,
         help="Timing only (the tokens are garbage): these kernels launch nothing, so the step shows what it would take "
         "if their work cost nothing (bench/micro/drop_kernels.py).",
     )
@@ -177,8 +178,6 @@ def main() -> None:
 
         pdl.ENABLED = False  # (before the engine captures its graphs)
     if args.drop_kernels:
-        from pdserve.bench.micro import drop_kernels
-
         drop_kernels.drop(args.drop_kernels)
     path = model_path_from_args(args)
     bs, ctx = max(args.batch_size), args.input_len + args.output_len
