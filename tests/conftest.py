@@ -80,7 +80,7 @@ ALL_ARCHS = ARCHS
 
 # The longest files first: `make test` hands files to its two workers in collection order
 # (--no-loadscope-reorder; xdist's own order, most tests first, left the slowest files of few tests to
-# the end, one worker running the last of them alone while the other waited). Seconds per file from
+# the end, where one worker can be left running the last of them alone). Seconds per file from
 # `pytest --durations=0` on the 2-core box (2026-11-29); a file missing here only runs later, in its
 # usual order.
 SLOWEST_FILES = """
