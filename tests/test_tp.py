@@ -233,6 +233,33 @@ def test_heads_are_split_or_replicated_per_rank():
     assert [vocab_part(509, TPGroup(r, 2, torch.device("cpu"))) for r in range(2)] == [(0, 255), (255, 510)]
 
 
+def test_an_nccl_abort_that_never_returns_holds_rank_0_no_longer_than_its_bound():
+    """ProcessGroupNCCL.abort with a dead peer can block past its own timeout (seen on two H200s):
+    TPGroup.abort gives up waiting after `wait_s` and leaves it on a daemon thread."""
+    from pdserve.common.engine.tp import TPGroup
+
+    class HungBackend:
+        def __init__(self):
+            self.entered, self.release, self.timeout = threading.Event(), threading.Event(), None
+
+        def _set_default_timeout(self, timeout):
+            self.timeout = timeout
+
+        def abort(self):
+            self.entered.set()
+            self.release.wait()
+
+    backend = HungBackend()
+    started = time.monotonic()
+    TPGroup(0, 2, torch.device("cuda"), backend).abort(0.3)
+    assert backend.entered.is_set() and backend.timeout.total_seconds() == 0.3
+    assert 0.25 < time.monotonic() - started < 5
+    backend.release.set()
+    gloo = HungBackend()
+    TPGroup(0, 2, torch.device("cpu"), gloo).abort(0.3)  # gloo: nothing to abort
+    assert not gloo.entered.is_set()
+
+
 @pytest.mark.parametrize("name", ["llama_kv1_vocab509", "gpt2"])
 def test_each_rank_loads_only_its_slices(checkpoints, name):
     from pdserve.common.engine.models.loader import load_model

@@ -284,7 +284,7 @@ def test_a_dead_rank_takes_its_server_out_of_service_and_out_of_the_routers_pool
 def kill_a_rank_and_check(model: str, server: Server, other: Server, hf_device: str = "cpu") -> None:
     """SIGKILL rank 1 of `server` (a TP 2 decode server) behind a router that also has `other`; also run
     on two GPUs by tests/gpu/test_tp_disagg_cuda.py."""
-    router = None
+    router = log = None
     try:
         server.wait_ready()
         other.wait_ready()
@@ -297,7 +297,10 @@ def kill_a_rank_and_check(model: str, server: Server, other: Server, hf_device: 
         with grpc.insecure_channel(server.address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while status == health_pb2.HealthCheckResponse.SERVING and server.proc.poll() is None:
-                assert time.monotonic() - killed < 5, "still serving 5 s after a TP rank died"
+                if time.monotonic() - killed > 5:
+                    os.kill(scheduler, signal.SIGUSR1)  # its threads' stacks to the log (common/stacks.py)
+                    time.sleep(1)
+                    raise AssertionError("still serving 5 s after a TP rank died")
                 try:
                     status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
                 except grpc.RpcError:
@@ -319,10 +322,14 @@ def kill_a_rank_and_check(model: str, server: Server, other: Server, hf_device: 
                 model=model, prompt=ids, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
             )
             assert out.choices[0].model_extra["token_ids"] == want
+    except AssertionError as failed:
+        log = server.stop(signal.SIGKILL)
+        raise AssertionError(f"{failed}\n---- the TP server's log ----\n{log}") from None
     finally:
         if router is not None:
             router.stop()
-        log = server.stop(signal.SIGKILL)
+        if log is None:
+            log = server.stop(signal.SIGKILL)
     assert "TP rank 1 exited" in log
 
 

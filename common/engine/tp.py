@@ -15,6 +15,7 @@ noticed sooner (gloo: the peer's socket closes; NCCL: the watchdog aborts the co
 from __future__ import annotations
 
 import datetime
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,30 @@ class TPGroup:
         do. The group is unusable after."""
         if self.backend is not None and self.device.type == "cuda":
             self.backend.shutdown()
+
+    def abort(self, wait_s: float) -> None:
+        """Rank 0 whose peer died: abort its NCCL communicator (which ends kernels still waiting on
+        the peer), waiting at most `wait_s`. Gloo: nothing to do.
+
+        NOTE ProcessGroupNCCL.abort can outlast any timeout given to it (two H200s, a SIGKILLed peer:
+        it logged "Future for ProcessGroup abort timed out after 2000 ms" and had not returned 4 s
+        later, the server still SERVING: its ncclCommAbort runs under a std::async future, which
+        waits for it in its destructor). So it runs on a daemon thread (its binding releases the
+        GIL) and nobody waits past `wait_s`; the process that calls this is going down anyway."""
+        if self.backend is None or self.device.type != "cuda":
+            return
+        backend = self.backend
+
+        def abort() -> None:
+            try:
+                backend._set_default_timeout(datetime.timedelta(seconds=wait_s))
+                backend.abort()
+            except (AttributeError, RuntimeError):
+                pass
+
+        thread = threading.Thread(target=abort, name="nccl-abort", daemon=True)
+        thread.start()
+        thread.join(wait_s)
 
     # ---- collectives (identity when size == 1) ---------------------------------------------------
 

@@ -26,7 +26,6 @@ once on gloo, and after --dist-timeout at worst.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import logging
 import os
@@ -227,14 +226,9 @@ class TPWorkers:
             return
         self.closed = True
         if kill and self.group is not None:
-            try:
-                # NOTE ProcessGroupNCCL.abort waits for the peers up to the group's timeout (two
-                # H200s: a TP server whose rank 1 was SIGKILLed sat 120 s in it, --dist-timeout):
-                # bound it first. Kernels waiting on the dead peer end with the abort.
-                self.group.backend._set_default_timeout(datetime.timedelta(seconds=ABORT_WAIT_S))
-                self.group.backend.abort()
-            except (AttributeError, RuntimeError):
-                pass
+            # NOTE ProcessGroupNCCL.abort waits for the peers up to the group's timeout (two H200s: a
+            # TP server whose rank 1 was SIGKILLed sat 120 s in it, --dist-timeout), and past it: bounded.
+            self.group.abort(ABORT_WAIT_S)
         stopped = []
         for rank, sock in enumerate(self.sockets, start=1):
             if not kill:
