@@ -1,13 +1,14 @@
-"""How many prefill servers a local deployment runs, and whether the router disaggregates: the
-user's flags where given, else a default by where the servers run.
+"""How many prefill and decode servers a local deployment runs, and whether the router disaggregates:
+the user's flags where given, else a default by where the servers run.
 
-    choose_layout(num_gpus, --num-prefill or None, --disagg-policy or None) -> Layout
+    choose_layout(num_gpus, --num-prefill, --disagg-policy, --num-decode, tp) -> Layout (None: not given)
 
-On the CPU and on two or more GPUs the default is one prefill and one decode server, every request
-disaggregated (on two GPUs the layout that won the two-GPU study: TWO_GPU_WHY). On one GPU both roles
-share it: the default is the layout that won the one-GPU study's mixed workload (ONE_GPU_DEFAULT: the
-pair, side by side under MPS), and a layout that shares a GPU falls back to one colocated server where
-MPS cannot be had (router/gpu_sharing.py): two servers time-slicing one GPU serve several times less.
+On the CPU the default is one prefill and one decode server, every request disaggregated. On one GPU
+both roles share it: the default is the layout that won the one-GPU study's mixed workload
+(ONE_GPU_DEFAULT: the pair, side by side under MPS). On two or more GPUs (TP 1) it is that pair on
+every GPU, the layout that won the two-GPU study (PAIRS_WHY). A layout that shares a GPU falls back,
+where MPS cannot be had (router/gpu_sharing.py), to one that does not: two servers time-slicing one
+GPU serve several times less.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class Layout(NamedTuple):
     disagg_policy: str  # the router's --disagg-policy
     why: str  # printed at start: where the layout came from
     asked: bool = False  # --num-prefill was given: kept as it is
+    num_decode: int = 1
 
     @property
     def colocated(self) -> bool:
@@ -43,41 +45,68 @@ ONE_GPU_WHY = (
     "them at 64, docs/benchmarks/README.md); --num-prefill 0 runs one colocated server"
 )
 
-# The two-GPU study picks it (docs/benchmarks/two-gpus.md, "The disaggregation study on two GPUs"): on two H200s,
-# Llama-1B shape, a prefill server on one GPU and a decode server on the other sustained 2x the request
-# rate of two colocated replicas within the SLOs on the prefill-heavy (128 against 64 req/s), decode-heavy
-# (128 against 64) and mixed (128 against < 64) workloads, and kept 53% of a multi-turn load's turns within
-# them against 20%. `auto` (short prompts prefilled on the decode server) lost three of the four: its
-# decode GPU prefilled nearly every prompt while the prefill GPU idled.
-TWO_GPU_WHY = (
+# The two-GPU study picked a prefill server on one GPU and a decode server on the other over two
+# colocated replicas (docs/benchmarks/two-gpus.md, "The disaggregation study on two GPUs": 2x their
+# goodput on every slice). Its sequel picks the one-GPU pair on each GPU over that (docs/benchmarks/two-gpus.md,
+# "A pair on each GPU"): on two H200s, Llama-1B shape, TTFT 1 s / TPOT 2.4-3 ms SLOs, two prefill and two
+# decode servers (each GPU a prefill and a decode server under MPS, prefill on at most half its SMs)
+# sustained 256 req/s on the mixed workload where the split pair sustained 128, >= 256 against 192 on the
+# decode-heavy one, and tied at 128 on the prefill-heavy one: a decode server's step is memory-bound,
+# and the split layout leaves the decode GPU's compute and the prefill GPU's bandwidth idle.
+PAIRS_WHY = (
+    "{n} GPUs: a prefill + a decode server side by side under MPS on each GPU, prefill on at most half the "
+    "SMs (on the two-GPU study's mixed workload they met TTFT 1 s / TPOT 2.8 ms at 2x the rate a prefill "
+    "server on one GPU and a decode server on the other did, docs/benchmarks/README.md); --num-prefill 1 "
+    "--num-decode 1 runs that split pair"
+)
+SPLIT_WHY = (
     "two or more GPUs: a prefill server and decode servers on GPUs of their own (on the two-GPU study's "
     "workloads the pair met the SLOs at 2x the rate two colocated replicas did, docs/benchmarks/README.md); "
     "--num-prefill 0 --num-decode N runs N colocated replicas"
 )
 
 
-def choose_layout(num_gpus: int, num_prefill: int | None, disagg_policy: str | None) -> Layout:
+def choose_layout(
+    num_gpus: int, num_prefill: int | None, disagg_policy: str | None, num_decode: int | None = None, tp: int = 1
+) -> Layout:
     """The layout from the flags (None: not given). `num_gpus`: the GPUs the servers are placed on
-    (0: the CPU)."""
+    (0: the CPU); `tp`: the larger of --prefill-tp and --decode-tp."""
+    decode = 1 if num_decode is None else num_decode
     if num_prefill is not None:
         if num_prefill < 0:
             raise ValueError(f"--num-prefill must be >= 0, got {num_prefill}")
         policy = disagg_policy or ("never" if num_prefill == 0 else "always")
         if num_prefill == 0 and policy != "never":
             raise ValueError("--num-prefill 0 needs --disagg-policy never (decode servers then prefill every request)")
-        return Layout(num_prefill, policy, "as asked", asked=True)
+        return Layout(num_prefill, policy, "as asked", asked=True, num_decode=decode)
     if disagg_policy == "never":
-        return Layout(0, "never", "--disagg-policy never: decode servers prefill every request")
+        return Layout(0, "never", "--disagg-policy never: decode servers prefill every request", num_decode=decode)
     if num_gpus == 1 and disagg_policy is None:
         policy, prefill = ONE_GPU_DEFAULT
-        return Layout(prefill, policy, ONE_GPU_WHY)
+        return Layout(prefill, policy, ONE_GPU_WHY, num_decode=decode)
     if num_gpus >= 2 and disagg_policy is None:
-        return Layout(1, "always", TWO_GPU_WHY)
-    return Layout(1, disagg_policy or "always", "the default: one prefill server")
+        if num_decode is None and tp == 1:
+            return Layout(num_gpus, "always", PAIRS_WHY.format(n=num_gpus), num_decode=num_gpus)
+        return Layout(1, "always", SPLIT_WHY, num_decode=decode)
+    return Layout(1, disagg_policy or "always", "the default: one prefill server", num_decode=decode)
 
 
-def without_mps(layout: Layout, reason: str) -> Layout:
-    """The default layout once MPS turned out not to be had: colocated (an asked-for one is kept)."""
+def without_mps(layout: Layout, reason: str, num_gpus: int = 1) -> Layout:
+    """The default layout once MPS turned out not to be had (an asked-for one is kept): on one GPU
+    one colocated server; the pairs on several GPUs become the split pair (a prefill server on one
+    GPU, a decode server on each other one), which shares none."""
     if layout.asked or layout.colocated:
         return layout
-    return Layout(0, "never", f"MPS cannot be had ({reason}): one colocated server instead of two time-slicing the GPU")
+    if num_gpus >= 2 and layout.num_prefill == num_gpus == layout.num_decode:
+        return Layout(
+            1,
+            "always",
+            f"MPS cannot be had ({reason}): a prefill server on one GPU, a decode server on each other one",
+            num_decode=num_gpus - 1,
+        )
+    return Layout(
+        0,
+        "never",
+        f"MPS cannot be had ({reason}): one colocated server instead of two time-slicing the GPU",
+        num_decode=layout.num_decode,
+    )

@@ -169,7 +169,7 @@ def start_servers(
 def up(
     model_path: str | None,
     num_prefill: int | None,
-    num_decode: int,
+    num_decode: int | None,
     device: str,
     port: int,
     host: str,
@@ -184,15 +184,15 @@ def up(
     sm_shares: str = "auto",
     passthrough: Passthrough = Passthrough(),
 ) -> int:
-    """`gpus`: --gpus as given (None: every visible GPU); `num_prefill`, `disagg_policy`: None when
-    not given (router/layout.py picks them); `mps`, `sm_shares`: router/gpu_sharing.py; `model_path`
+    """`gpus`: --gpus as given (None: every visible GPU); `num_prefill`, `num_decode`, `disagg_policy`:
+    None when not given (router/layout.py picks them); `mps`, `sm_shares`: router/gpu_sharing.py; `model_path`
     None: a tiny random llama made on the fly."""
     started_at = time.monotonic()
     shares = DEFAULT_SM_SHARES if sm_shares == "auto" else parse_sm_shares(sm_shares)
     visible = visible_gpu_names() if device != "cpu" else []
     device, placed_on = resolve_gpus(device, gpus, visible)
-    layout = choose_layout(len(placed_on), num_prefill, disagg_policy)
-    plan = plan_placement(placed_on, layout.num_prefill, prefill_tp, num_decode, decode_tp)
+    layout = choose_layout(len(placed_on), num_prefill, disagg_policy, num_decode, max(prefill_tp, decode_tp))
+    plan = plan_placement(placed_on, layout.num_prefill, prefill_tp, layout.num_decode, decode_tp)
     if model_path is None:
         from pdserve.common.tiny_model import make_tiny_model
 
@@ -212,12 +212,12 @@ def up(
     signal.signal(signal.SIGINT, _interrupt)
     try:
         sharing = GpuSharing.start(plan, run_dir, mps, shares)
-        if sharing.unavailable and without_mps(layout, sharing.unavailable) != layout:
-            layout = without_mps(layout, sharing.unavailable)
-            plan = plan_placement(placed_on, layout.num_prefill, prefill_tp, num_decode, decode_tp)
+        if sharing.unavailable and without_mps(layout, sharing.unavailable, len(placed_on)) != layout:
+            layout = without_mps(layout, sharing.unavailable, len(placed_on))
+            plan = plan_placement(placed_on, layout.num_prefill, prefill_tp, layout.num_decode, decode_tp)
             sharing = GpuSharing.start(plan, run_dir, mps, shares)
         tp_of = {"prefill": prefill_tp, "decode": decode_tp}
-        threads = rank_threads(layout.num_prefill * prefill_tp + num_decode * decode_tp, usable_cores())
+        threads = rank_threads(layout.num_prefill * prefill_tp + layout.num_decode * decode_tp, usable_cores())
         common = ["--model-path", model_path, "--device", device, "--log-level", passthrough.log_level, *secret]
         common += passthrough.servers
         metrics: dict[str, str] = {}  # "prefill 0" -> its /metrics URL
@@ -249,7 +249,7 @@ def up(
         print("\n".join(describe(plan, tp_of, visible)))
         print("\n".join(describe_kv_paths(plan, kv_transfer_path(passthrough.servers))))
         print(
-            f"layout: {layout.num_prefill} prefill, {num_decode} decode, --disagg-policy {layout.disagg_policy} "
+            f"layout: {layout.num_prefill} prefill, {layout.num_decode} decode, --disagg-policy {layout.disagg_policy} "
             f"({layout.why})"
         )
         print(sharing.describe(), flush=True)

@@ -49,10 +49,16 @@ def add_parser(sub) -> None:
         "--num-prefill",
         type=int,
         default=None,
-        help="Prefill servers to start (0: decode servers prefill every request); default: 1, but on one "
-        "GPU the layout that served the most there, printed at start (docs/disaggregation.md).",
+        help="Prefill servers to start (0: decode servers prefill every request); default: 1, but on GPUs the "
+        "layout that served the most there, printed at start (docs/disaggregation.md).",
     )
-    local.add_argument("--num-decode", type=int, default=1, help="Decode servers to start.")
+    local.add_argument(
+        "--num-decode",
+        type=int,
+        default=None,
+        help="Decode servers to start; default: 1, but on two or more GPUs a prefill and a decode server on each "
+        "GPU (with --num-prefill not given), printed at start (docs/disaggregation.md).",
+    )
     local.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when a GPU is visible).")
     local.add_argument(
         "--gpus",

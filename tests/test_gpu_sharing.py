@@ -27,7 +27,7 @@ from pdserve.router.gpu_sharing import (
     parse_sm_shares,
     shared_gpus,
 )
-from pdserve.router.layout import ONE_GPU_DEFAULT, TWO_GPU_WHY, Layout, choose_layout, without_mps
+from pdserve.router.layout import ONE_GPU_DEFAULT, PAIRS_WHY, SPLIT_WHY, Layout, choose_layout, without_mps
 from pdserve.router.placement import plan_placement
 
 # A stand-in for nvidia-cuda-mps-control. `-f`: the daemon (BEHAVIOUR: ok, fail, mute, deaf);
@@ -100,7 +100,13 @@ def test_shared_gpus_are_those_holding_two_servers():
 def test_the_layout_from_the_flags_and_the_one_gpu_default():
     assert choose_layout(0, None, None) == Layout(1, "always", "the default: one prefill server")
     assert choose_layout(2, None, "auto")[:2] == (1, "auto")
-    assert choose_layout(2, None, None) == Layout(1, "always", TWO_GPU_WHY)  # the two-GPU study's winner
+    # the two-GPU study's winner: the one-GPU pair on each GPU
+    assert choose_layout(2, None, None) == Layout(2, "always", PAIRS_WHY.format(n=2), num_decode=2)
+    assert choose_layout(4, None, None)[:2] == (4, "always") and choose_layout(4, None, None).num_decode == 4
+    assert choose_layout(2, None, None, num_decode=3) == Layout(1, "always", SPLIT_WHY, num_decode=3)
+    assert choose_layout(2, None, None, tp=2) == Layout(1, "always", SPLIT_WHY)  # a TP server takes both GPUs
+    assert choose_layout(2, 1, None) == Layout(1, "always", "as asked", asked=True)
+    assert choose_layout(2, 0, None, num_decode=2) == Layout(0, "never", "as asked", asked=True, num_decode=2)
     one_gpu = choose_layout(1, None, None)
     assert (one_gpu.disagg_policy, one_gpu.num_prefill) == ONE_GPU_DEFAULT == ("always", 1) and not one_gpu.asked
     assert choose_layout(1, 1, None) == Layout(1, "always", "as asked", asked=True)
@@ -112,7 +118,7 @@ def test_the_layout_from_the_flags_and_the_one_gpu_default():
         choose_layout(1, -1, None)
 
 
-def test_without_mps_a_default_pair_turns_colocated_and_an_asked_one_stays():
+def test_without_mps_a_default_pair_turns_colocated_the_pairs_split_and_an_asked_one_stays():
     default_pair = Layout(1, "auto", "the default: one prefill server")
     fallback = without_mps(default_pair, "no control program")
     assert fallback[:2] == (0, "never") and "no control program" in fallback.why
@@ -120,6 +126,11 @@ def test_without_mps_a_default_pair_turns_colocated_and_an_asked_one_stays():
     assert without_mps(asked, "no control program") is asked
     colocated = Layout(0, "never", "x")
     assert without_mps(colocated, "why") is colocated
+    # the pairs on several GPUs: a prefill server on one GPU, a decode server on each other one
+    for gpus in (2, 3):
+        split = without_mps(choose_layout(gpus, None, None), "no control program", gpus)
+        assert (split.num_prefill, split.disagg_policy, split.num_decode) == (1, "always", gpus - 1)
+        assert "no control program" in split.why
 
 
 # ---- the daemon ---------------------------------------------------------------------------------
@@ -209,7 +220,6 @@ def one_gpu_up(tmp_path, monkeypatch):
     a sleeping process; `start_servers` is the test's. Returns (call up, what start_servers saw)."""
     control = fake_control(tmp_path)
     monkeypatch.setattr(gpu_sharing.shutil, "which", lambda name: control if name == gpu_sharing.CONTROL else None)
-    monkeypatch.setattr(up_module, "visible_gpu_names", lambda: ["0"])
     monkeypatch.setattr(up_module.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "run"))
     (tmp_path / "run").mkdir()
     router = tmp_path / "fake-python"
@@ -219,16 +229,18 @@ def one_gpu_up(tmp_path, monkeypatch):
     before = signal.getsignal(signal.SIGTERM)  # (up() takes SIGTERM over, and ignores it once stopping)
     seen: dict = {}
 
-    def call(start_servers, **kw):
+    def call(start_servers, num_prefill=1, num_decode=1, gpus=("0",), **kw):
         def spy(plan, command, env_of, procs, run_dir, ports=None):
-            seen["daemon"] = record(Path(run_dir))["pid"]
+            seen["daemon"] = record(Path(run_dir))["pid"] if (Path(run_dir) / "mps-pipe").exists() else None
             seen["env"] = {s.role: env_of(s) for s in plan}
             seen["command"] = {s.role: command(s, 1234) for s in plan}
+            seen["placed"] = [(s.role, s.index, env_of(s)["CUDA_VISIBLE_DEVICES"]) for s in plan]
             seen["router"] = procs[0]
             return start_servers(procs)
 
+        monkeypatch.setattr(up_module, "visible_gpu_names", lambda: list(gpus))
         monkeypatch.setattr(up_module, "start_servers", spy)
-        return up_module.up(str(tmp_path), 1, 1, "cuda", 0, "127.0.0.1", **kw)
+        return up_module.up(str(tmp_path), num_prefill, num_decode, "cuda", 0, "127.0.0.1", **kw)
 
     yield call, seen, tmp_path / "run"
     signal.signal(signal.SIGTERM, before)
@@ -249,6 +261,22 @@ def test_up_runs_both_servers_under_the_daemon_and_stops_it_on_ctrl_c(one_gpu_up
     assert seen["command"]["decode"][seen["command"]["decode"].index("--mem-fraction-static") + 1] == "0.425"
     assert seen["router"].poll() is not None  # the router was stopped too
     assert gone(seen["daemon"]) and not run_dir.exists()
+
+
+def test_up_on_two_gpus_runs_a_pair_on_each_and_splits_them_without_mps(one_gpu_up, monkeypatch):
+    call, seen, run_dir = one_gpu_up
+
+    def ctrl_c(procs):
+        raise KeyboardInterrupt
+
+    assert call(ctrl_c, num_prefill=None, num_decode=None, gpus=("0", "1")) == 0
+    assert sorted(seen["placed"]) == [("decode", 0, "0"), ("decode", 1, "1"), ("prefill", 0, "0"), ("prefill", 1, "1")]
+    assert seen["env"]["prefill"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    run_dir.mkdir()
+    monkeypatch.setattr(gpu_sharing.shutil, "which", lambda name: None)  # no MPS control program
+    assert call(ctrl_c, num_prefill=None, num_decode=None, gpus=("0", "1"), mps="auto") == 0
+    assert sorted(seen["placed"]) == [("decode", 0, "0"), ("prefill", 0, "1")]
+    assert seen["daemon"] is None
 
 
 def test_up_stops_the_daemon_when_a_server_crashes_at_start(one_gpu_up):
