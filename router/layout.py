@@ -13,6 +13,7 @@ GPU serve several times less.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 
@@ -53,6 +54,11 @@ ONE_GPU_WHY = (
 # sustained 256 req/s on the mixed workload where the split pair sustained 128, >= 256 against 192 on the
 # decode-heavy one, and tied at 128 on the prefill-heavy one: a decode server's step is memory-bound,
 # and the split layout leaves the decode GPU's compute and the prefill GPU's bandwidth idle.
+# NOTE measured with weights of 2% of a GPU (Llama-1B shape, two H200s); the one-GPU pair still won
+# at 11% (Llama-8B shape, one H200: docs/benchmarks/one-gpu.md). Each server of a pair holds the
+# weights in half a GPU, so a larger model would leave it little KV room: past PAIRS_MAX_WEIGHTS_SHARE
+# of the smallest GPU (or where either is unknown) the default is the split pair, as before.
+PAIRS_MAX_WEIGHTS_SHARE = 0.125
 PAIRS_WHY = (
     "{n} GPUs: a prefill + a decode server side by side under MPS on each GPU, prefill on at most half the "
     "SMs (on the two-GPU study's mixed workload they met TTFT 1 s / TPOT 2.8 ms at 2x the rate a prefill "
@@ -67,10 +73,16 @@ SPLIT_WHY = (
 
 
 def choose_layout(
-    num_gpus: int, num_prefill: int | None, disagg_policy: str | None, num_decode: int | None = None, tp: int = 1
+    num_gpus: int,
+    num_prefill: int | None,
+    disagg_policy: str | None,
+    num_decode: int | None = None,
+    tp: int = 1,
+    weights_share: float | None = None,
 ) -> Layout:
     """The layout from the flags (None: not given). `num_gpus`: the GPUs the servers are placed on
-    (0: the CPU); `tp`: the larger of --prefill-tp and --decode-tp."""
+    (0: the CPU); `tp`: the larger of --prefill-tp and --decode-tp; `weights_share`: the checkpoint's
+    bytes over the smallest of those GPUs' memory (None: unknown)."""
     decode = 1 if num_decode is None else num_decode
     if num_prefill is not None:
         if num_prefill < 0:
@@ -85,9 +97,18 @@ def choose_layout(
         policy, prefill = ONE_GPU_DEFAULT
         return Layout(prefill, policy, ONE_GPU_WHY, num_decode=decode)
     if num_gpus >= 2 and disagg_policy is None:
-        if num_decode is None and tp == 1:
+        fits = weights_share is not None and weights_share <= PAIRS_MAX_WEIGHTS_SHARE
+        if num_decode is None and tp == 1 and fits:
             return Layout(num_gpus, "always", PAIRS_WHY.format(n=num_gpus), num_decode=num_gpus)
-        return Layout(1, "always", SPLIT_WHY, num_decode=decode)
+        why = SPLIT_WHY
+        if num_decode is None and tp == 1 and weights_share is None:
+            why += "; not a pair on each GPU: the GPUs' memory is unknown"
+        elif num_decode is None and tp == 1:
+            why += (
+                f"; not a pair on each GPU: the weights take {weights_share:.0%} of the smallest GPU "
+                f"(a pair's at most {PAIRS_MAX_WEIGHTS_SHARE:.1%})"
+            )
+        return Layout(1, "always", why, num_decode=decode)
     return Layout(1, disagg_policy or "always", "the default: one prefill server", num_decode=decode)
 
 
@@ -110,3 +131,16 @@ def without_mps(layout: Layout, reason: str, num_gpus: int = 1) -> Layout:
         f"MPS cannot be had ({reason}): one colocated server instead of two time-slicing the GPU",
         num_decode=layout.num_decode,
     )
+
+
+def checkpoint_bytes(model_path: str) -> int:
+    """The bytes of a checkpoint's weight files: a GGUF file's size, or a directory's safetensors
+    (else .bin / .pt) files' at its top level."""
+    if os.path.isfile(model_path):
+        return os.path.getsize(model_path)
+    names = os.listdir(model_path) if os.path.isdir(model_path) else []
+    for suffixes in ((".safetensors",), (".bin", ".pt", ".gguf")):
+        sizes = [os.path.getsize(os.path.join(model_path, n)) for n in names if n.endswith(suffixes)]
+        if sizes:
+            return sum(sizes)
+    return 0

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pdserve.common.config import short_model_name
+from pdserve.common.gpus import driver_device_memory
 from pdserve.common.lifetime import parent_death_signal_setter
 from pdserve.common.ports import free_port
 from pdserve.common.startup import uncached_bytecode_hint
@@ -34,7 +35,7 @@ from pdserve.router.gpu_sharing import (
     parse_sm_shares,
     shared_gpus,
 )
-from pdserve.router.layout import choose_layout, without_mps
+from pdserve.router.layout import checkpoint_bytes, choose_layout, without_mps
 from pdserve.router.placement import (
     ROLES_IN_START_ORDER,
     ServerPlacement,
@@ -166,6 +167,14 @@ def start_servers(
     return addresses
 
 
+def weights_share(model_path: str, placed_on: list[int]) -> float | None:
+    """The checkpoint's bytes over the smallest placed GPU's memory (None: the driver cannot say)."""
+    memory = driver_device_memory()
+    if not memory or max(placed_on) >= len(memory):
+        return None
+    return checkpoint_bytes(model_path) / min(memory[g] for g in placed_on)
+
+
 def up(
     model_path: str | None,
     num_prefill: int | None,
@@ -191,12 +200,13 @@ def up(
     shares = DEFAULT_SM_SHARES if sm_shares == "auto" else parse_sm_shares(sm_shares)
     visible = visible_gpu_names() if device != "cpu" else []
     device, placed_on = resolve_gpus(device, gpus, visible)
-    layout = choose_layout(len(placed_on), num_prefill, disagg_policy, num_decode, max(prefill_tp, decode_tp))
-    plan = plan_placement(placed_on, layout.num_prefill, prefill_tp, layout.num_decode, decode_tp)
     if model_path is None:
         from pdserve.common.tiny_model import make_tiny_model
 
         model_path = str(make_tiny_model(os.path.join(tempfile.gettempdir(), "pdserve-tiny-llama"), "llama"))
+    share = weights_share(model_path, placed_on) if len(placed_on) > 1 else None
+    layout = choose_layout(len(placed_on), num_prefill, disagg_policy, num_decode, max(prefill_tp, decode_tp), share)
+    plan = plan_placement(placed_on, layout.num_prefill, prefill_tp, layout.num_decode, decode_tp)
     from pdserve.common.trust import write_secret_file
 
     py = sys.executable

@@ -27,7 +27,16 @@ from pdserve.router.gpu_sharing import (
     parse_sm_shares,
     shared_gpus,
 )
-from pdserve.router.layout import ONE_GPU_DEFAULT, PAIRS_WHY, SPLIT_WHY, Layout, choose_layout, without_mps
+from pdserve.router.layout import (
+    ONE_GPU_DEFAULT,
+    PAIRS_MAX_WEIGHTS_SHARE,
+    PAIRS_WHY,
+    SPLIT_WHY,
+    Layout,
+    checkpoint_bytes,
+    choose_layout,
+    without_mps,
+)
 from pdserve.router.placement import plan_placement
 
 # A stand-in for nvidia-cuda-mps-control. `-f`: the daemon (BEHAVIOUR: ok, fail, mute, deaf);
@@ -101,10 +110,12 @@ def test_the_layout_from_the_flags_and_the_one_gpu_default():
     assert choose_layout(0, None, None) == Layout(1, "always", "the default: one prefill server")
     assert choose_layout(2, None, "auto")[:2] == (1, "auto")
     # the two-GPU study's winner: the one-GPU pair on each GPU
-    assert choose_layout(2, None, None) == Layout(2, "always", PAIRS_WHY.format(n=2), num_decode=2)
-    assert choose_layout(4, None, None)[:2] == (4, "always") and choose_layout(4, None, None).num_decode == 4
-    assert choose_layout(2, None, None, num_decode=3) == Layout(1, "always", SPLIT_WHY, num_decode=3)
-    assert choose_layout(2, None, None, tp=2) == Layout(1, "always", SPLIT_WHY)  # a TP server takes both GPUs
+    small = 0.02  # the weights' share of a GPU
+    assert choose_layout(2, None, None, weights_share=small) == Layout(2, "always", PAIRS_WHY.format(n=2), num_decode=2)
+    four = choose_layout(4, None, None, weights_share=small)
+    assert (four.num_prefill, four.disagg_policy, four.num_decode) == (4, "always", 4)
+    assert choose_layout(2, None, None, 3, weights_share=small) == Layout(1, "always", SPLIT_WHY, num_decode=3)
+    assert choose_layout(2, None, None, tp=2, weights_share=small) == Layout(1, "always", SPLIT_WHY)  # TP: both GPUs
     assert choose_layout(2, 1, None) == Layout(1, "always", "as asked", asked=True)
     assert choose_layout(2, 0, None, num_decode=2) == Layout(0, "never", "as asked", asked=True, num_decode=2)
     one_gpu = choose_layout(1, None, None)
@@ -128,7 +139,7 @@ def test_without_mps_a_default_pair_turns_colocated_the_pairs_split_and_an_asked
     assert without_mps(colocated, "why") is colocated
     # the pairs on several GPUs: a prefill server on one GPU, a decode server on each other one
     for gpus in (2, 3):
-        split = without_mps(choose_layout(gpus, None, None), "no control program", gpus)
+        split = without_mps(choose_layout(gpus, None, None, weights_share=0.02), "no control program", gpus)
         assert (split.num_prefill, split.disagg_policy, split.num_decode) == (1, "always", gpus - 1)
         assert "no control program" in split.why
 
@@ -269,6 +280,7 @@ def test_up_on_two_gpus_runs_a_pair_on_each_and_splits_them_without_mps(one_gpu_
     def ctrl_c(procs):
         raise KeyboardInterrupt
 
+    monkeypatch.setattr(up_module, "driver_device_memory", lambda: [80 << 30, 80 << 30])
     assert call(ctrl_c, num_prefill=None, num_decode=None, gpus=("0", "1")) == 0
     assert sorted(seen["placed"]) == [("decode", 0, "0"), ("decode", 1, "1"), ("prefill", 0, "0"), ("prefill", 1, "1")]
     assert seen["env"]["prefill"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
@@ -277,6 +289,30 @@ def test_up_on_two_gpus_runs_a_pair_on_each_and_splits_them_without_mps(one_gpu_
     assert call(ctrl_c, num_prefill=None, num_decode=None, gpus=("0", "1"), mps="auto") == 0
     assert sorted(seen["placed"]) == [("decode", 0, "0"), ("prefill", 0, "1")]
     assert seen["daemon"] is None
+
+
+def test_the_pairs_need_weights_that_leave_half_a_gpu_room(tmp_path):
+    """A pair's servers each hold the weights in half a GPU: past PAIRS_MAX_WEIGHTS_SHARE of the
+    smallest GPU, or with its memory unknown, two GPUs keep the split pair."""
+    split = choose_layout(2, None, None, weights_share=PAIRS_MAX_WEIGHTS_SHARE + 0.01)
+    assert (split.num_prefill, split.num_decode) == (1, 1) and "the weights take 14%" in split.why
+    assert (choose_layout(2, None, None, weights_share=None).num_prefill, "unknown") == (1, "unknown")
+    assert "memory is unknown" in choose_layout(2, None, None, weights_share=None).why
+    assert choose_layout(2, None, None, weights_share=PAIRS_MAX_WEIGHTS_SHARE).num_prefill == 2
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "model-2.safetensors").write_bytes(b"x" * 24)
+    (tmp_path / "config.json").write_text("{}")
+    assert checkpoint_bytes(str(tmp_path)) == 1024
+    assert checkpoint_bytes(str(tmp_path / "model.safetensors")) == 1000  # (a GGUF file)
+
+
+def test_the_weights_share_is_over_the_smallest_placed_gpu(tmp_path, monkeypatch):
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 1000)
+    monkeypatch.setattr(up_module, "driver_device_memory", lambda: [8000, 4000, 2000])
+    assert up_module.weights_share(str(tmp_path), [0, 1]) == 1000 / 4000
+    assert up_module.weights_share(str(tmp_path), [0, 3]) is None  # (a GPU the driver does not list)
+    monkeypatch.setattr(up_module, "driver_device_memory", lambda: None)
+    assert up_module.weights_share(str(tmp_path), [0, 1]) is None
 
 
 def test_up_stops_the_daemon_when_a_server_crashes_at_start(one_gpu_up):
