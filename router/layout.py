@@ -1,7 +1,8 @@
 """How many prefill and decode servers a local deployment runs, and whether the router disaggregates:
 the user's flags where given, else a default by where the servers run.
 
-    choose_layout(num_gpus, --num-prefill, --disagg-policy, --num-decode, tp) -> Layout (None: not given)
+    choose_layout(num_gpus, --num-prefill, --disagg-policy, --num-decode, tp, weights_share) -> Layout
+                                    (a flag None: not given; weights_share: checkpoint_bytes over a GPU's)
 
 On the CPU the default is one prefill and one decode server, every request disaggregated. On one GPU
 both roles share it: the default is the layout that won the one-GPU study's mixed workload
@@ -133,14 +134,21 @@ def without_mps(layout: Layout, reason: str, num_gpus: int = 1) -> Layout:
     )
 
 
+# NOTE a GGUF's weights are dequantized at load (common/config.py): a Q4 file's grow ~3.5x on the GPU.
+# Reading its tensors' sizes takes gguf's reader seconds (it parses the whole vocabulary), so the file's
+# size is scaled by what 16-bit weights take over 4.5 bits (Q4_0's): over, not under, for the usual types.
+GGUF_GROWTH = 16 / 4.5
+
+
 def checkpoint_bytes(model_path: str) -> int:
-    """The bytes of a checkpoint's weight files: a GGUF file's size, or a directory's safetensors
-    (else .bin / .pt) files' at its top level."""
+    """About the bytes a checkpoint's weights take on the GPU: a directory's safetensors (else .bin /
+    .pt) files at its top level, or a GGUF file's size × GGUF_GROWTH."""
     if os.path.isfile(model_path):
-        return os.path.getsize(model_path)
+        return int(os.path.getsize(model_path) * GGUF_GROWTH)
     names = os.listdir(model_path) if os.path.isdir(model_path) else []
-    for suffixes in ((".safetensors",), (".bin", ".pt", ".gguf")):
+    for suffixes in ((".safetensors",), (".bin", ".pt")):
         sizes = [os.path.getsize(os.path.join(model_path, n)) for n in names if n.endswith(suffixes)]
         if sizes:
             return sum(sizes)
-    return 0
+    ggufs = [os.path.join(model_path, n) for n in names if n.endswith(".gguf")]
+    return int(sum(map(os.path.getsize, ggufs)) * GGUF_GROWTH)

@@ -303,7 +303,10 @@ def test_the_pairs_need_weights_that_leave_half_a_gpu_room(tmp_path):
     (tmp_path / "model-2.safetensors").write_bytes(b"x" * 24)
     (tmp_path / "config.json").write_text("{}")
     assert checkpoint_bytes(str(tmp_path)) == 1024
-    assert checkpoint_bytes(str(tmp_path / "model.safetensors")) == 1000  # (a GGUF file)
+    gguf = tmp_path / "q4" / "model.Q4_0.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"x" * 900)
+    assert checkpoint_bytes(str(gguf)) == checkpoint_bytes(str(gguf.parent)) == 3200  # dequantized at load
 
 
 def test_the_weights_share_is_over_the_smallest_placed_gpu(tmp_path, monkeypatch):
