@@ -124,6 +124,13 @@ class EngineConfig:
         "Tensor parallelism: seconds a rank waits for the others (start-up, any collective) before it "
         "gives up; a rank that dies is noticed at once.",
     )
+    tp_all_reduce: str = option(
+        "nccl",
+        "Tensor parallelism on CUDA: nccl, or symm (experimental): the decode step's all-reduces (up to the "
+        "largest CUDA-graph batch) by torch's symmetric-memory two-shot kernel over NVLink, the rest by NCCL; "
+        "falls back to NCCL, with a warning, where symmetric memory cannot be set up.",
+        choices=("nccl", "symm"),
+    )
     quantization: str = option(
         "",
         "fp8: quantize the linear layers of the transformer blocks to float8 e4m3 at load (a scale per output "

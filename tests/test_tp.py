@@ -345,3 +345,33 @@ def test_tp2_grammar_outputs_equal_tp1_in_the_overlap_loop(checkpoints, tp_engin
     tp1 = make_engine("llama", max_total_tokens=8192).generate(prompts, params)
     assert [o.output_ids for o in tp2] == [o.output_ids for o in tp1]
     assert all(o.finish_reason.value == "stop" for o in tp2)
+
+
+def test_symmetric_memory_that_cannot_be_set_up_leaves_nccl_in_charge(caplog, monkeypatch):
+    """--tp-all-reduce symm where torch's symmetric memory cannot be had (here: a CPU group): setup
+    warns and returns None on every rank (they agree through the store), and it is tried once per
+    process: a second engine's rank 0 tells its ranks NCCL (an empty name) without trying."""
+    from pdserve.common.engine import tp_symmetric
+    from pdserve.common.engine.tp import TPGroup
+    from pdserve.common.engine.tp_symmetric import NAME_KEY, SymmetricAllReduce
+
+    class Store(dict):
+        def set(self, key, value):
+            self[key] = value.encode() if isinstance(value, str) else value
+
+        def get(self, key):
+            return self[key]
+
+    monkeypatch.setattr(tp_symmetric, "_SET_UP", False)
+    store = Store()
+    group = TPGroup(0, 2, torch.device("cpu"), object(), store)
+    with caplog.at_level("WARNING"):
+        assert SymmetricAllReduce.setup(group, 1024, torch.float32) is None
+    name = store[NAME_KEY].decode()
+    assert name and store[f"{name}-set-up-0"] == b"0" and "not used" in caplog.text
+    assert group.symmetric is None
+    caplog.clear()
+    second = Store()
+    with caplog.at_level("WARNING"):
+        assert SymmetricAllReduce.setup(TPGroup(0, 2, torch.device("cpu"), object(), second), 64, torch.float32) is None
+    assert second[NAME_KEY] == b"" and "once per process" in caplog.text

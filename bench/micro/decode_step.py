@@ -135,6 +135,7 @@ def main() -> None:
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--tp-size", type=int, default=1, help="Ranks on GPUs 0..N-1; the floor is one rank's shard.")
+    ap.add_argument("--tp-all-reduce", default="nccl", choices=("nccl", "symm"), help="The engine's --tp-all-reduce.")
     ap.add_argument(
         "--quantization",
         default="",
@@ -194,6 +195,7 @@ def main() -> None:
         disable_overlap_schedule=args.disable_overlap_schedule,
         disable_cuda_graph=args.disable_cuda_graph,
         tp_size=args.tp_size,
+        tp_all_reduce=args.tp_all_reduce,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         fp8_lm_head=args.fp8_lm_head,

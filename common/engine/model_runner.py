@@ -128,6 +128,12 @@ class ModelRunner:
         # Test hook: called on the forward stream before the model runs (e.g. a GPU sleep that
         # widens race windows). None in production.
         self.before_forward = None
+        if config.tp_all_reduce == "symm" and self.tp.size > 1 and self.device.type == "cuda":
+            from pdserve.common.engine.tp_symmetric import SymmetricAllReduce
+
+            per_request = 1 + (config.num_speculative_tokens if config.speculative else 0)  # (a verify step's)
+            tokens = min(config.cuda_graph_max_bs or 256, config.max_running_requests) * per_request
+            self.tp.symmetric = SymmetricAllReduce.setup(self.tp, tokens * self.model.arch.hidden, self.dtype)
         startup.mark("buffers")
         self.cuda_graphs = self._capture_cuda_graphs()
         if self.cuda_graphs is not None:

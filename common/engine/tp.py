@@ -37,6 +37,7 @@ class TPGroup:
     device: torch.device
     backend: object | None = None  # ProcessGroupGloo / ProcessGroupNCCL; None when size == 1
     store: object | None = None  # kept alive with the group
+    symmetric: object | None = None  # a SymmetricAllReduce (tp_symmetric.py), --tp-all-reduce symm
 
     @classmethod
     def single(cls, device: torch.device) -> "TPGroup":
@@ -112,6 +113,8 @@ class TPGroup:
         """Sum over ranks, in place (x must be contiguous); returns x. On CUDA it is queued on the
         current stream (and captured into a CUDA graph being recorded there)."""
         if self.backend is not None:
+            if self.symmetric is not None and self.symmetric.takes(x):
+                return self.symmetric.all_reduce(x)
             self.backend.allreduce([x]).wait()
         return x
 

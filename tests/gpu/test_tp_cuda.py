@@ -56,6 +56,27 @@ def test_tp2_greedy_on_two_gpus_agrees_with_transformers(tmp_path, tiny_models, 
 
 
 @two_gpus
+def test_tp2_symmetric_memory_all_reduce_keeps_parity(tiny_models):
+    """--tp-all-reduce symm: the decode graphs' all-reduces by torch's symmetric-memory kernel; fp32
+    greedy equals transformers. It is set up once per process: a second engine here runs on NCCL
+    (its fresh ranks told so by rank 0), with the same tokens."""
+    path = tiny_models("llama")
+    cases = prompts(24, 512, seed=5)
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    expected = hf_greedy(path, cases, 16, device="cuda")
+    for symmetric in (True, False):
+        engine = Engine(
+            model_path=path, device="cuda", dtype="float32", tp_size=2, max_total_tokens=16384, tp_all_reduce="symm"
+        )
+        try:
+            assert (engine.runner.tp.symmetric is not None) == symmetric
+            assert [c.output_ids for c in engine.generate(cases, params)] == expected
+            assert engine.runner.cuda_graphs.replays > 0
+        finally:
+            engine.close()
+
+
+@two_gpus
 def test_tp2_bf16_runs_and_mostly_agrees_with_tp1(tiny_models):
     path = tiny_models("llama")
     cases = prompts(32, 512, seed=3)
