@@ -27,7 +27,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 NAME_KEY = "pdserve-symmetric-memory-group"
-ALIGN = 16  # elements per rank an all-reduce's tensor must divide into (the kernels' vector width)
+ALIGN = 16  # elements per rank an all-reduce's tensor must divide into (a conservative bound: every size run was)
 _SET_UP = False  # this process has set symmetric memory up once (SymmetricAllReduce.setup)
 
 
@@ -40,8 +40,8 @@ class SymmetricAllReduce:
         """Every rank of `group` (a TPGroup on CUDA) calls this, in the same order; None (a warning
         logged) where it cannot be had. The ranks agree: all use it, or none does.
 
-        NOTE once per process: on two H200s (torch 2.11) a second engine's rendezvous in a process
-        whose first engine had one waited forever, its fresh peers never meeting it. A process's
+        NOTE once per process: on two H200s (torch 2.11) a second engine's rendezvous, in a process
+        whose first engine (closed) had one, was still waiting 45 s later (not placed). A process's
         second TP engine (tests, a bench) stays on NCCL, and rank 0 tells its ranks so."""
         global _SET_UP
         name = f"pdserve-tp-{uuid.uuid4().hex[:12]}" if not _SET_UP else ""
