@@ -41,7 +41,7 @@ class SymmetricAllReduce:
         logged) where it cannot be had. The ranks agree: all use it, or none does.
 
         NOTE once per process: on two H200s (torch 2.11) a second engine's rendezvous, in a process
-        whose first engine (closed) had one, was still waiting 45 s later (not placed). A process's
+        whose first engine (closed) had one, was still waiting some 20 s later (not placed). A process's
         second TP engine (tests, a bench) stays on NCCL, and rank 0 tells its ranks so."""
         global _SET_UP
         name = f"pdserve-tp-{uuid.uuid4().hex[:12]}" if not _SET_UP else ""
